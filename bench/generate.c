@@ -1,0 +1,197 @@
+/* generate.c -- fusion-bench-generate: prefill and decode tokens/s of the engine, next to the
+ * machine's measured memory bandwidth (decode as a fraction of its bandwidth bound). */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench-util.h"
+#include "engine.h"
+#include "model.h"
+#include "ops.h"
+#include "status.h"
+
+typedef struct preset {
+    const char *name;
+    mdl_config cfg;
+} preset;
+
+/* Dimensions of well-known models, for random-weight runs. */
+static const preset presets[] = {
+    {"llama-3.2-1b", {MDL_ARCH_LLAMA, 16, 2048, 8192, 32, 8, 64, 128256, 4096, 1e-5f, 500000.0f,
+                      MDL_ROPE_SCALING_NONE, 0, 0, 0, 0, OP_ROPE_NEOX, true, false, false}},
+    {"smollm2-135m", {MDL_ARCH_LLAMA, 30, 576, 1536, 9, 3, 64, 49152, 2048, 1e-5f, 100000.0f,
+                      MDL_ROPE_SCALING_NONE, 0, 0, 0, 0, OP_ROPE_NEOX, true, false, false}},
+    {"qwen3-0.6b", {MDL_ARCH_QWEN3, 28, 1024, 3072, 16, 8, 128, 151936, 4096, 1e-6f, 1000000.0f,
+                    MDL_ROPE_SCALING_NONE, 0, 0, 0, 0, OP_ROPE_NEOX, true, false, true}},
+};
+
+static int parse_type(const char *s, op_type *t) {
+    for (int i = 0; i < OP_TYPE_COUNT; i++)
+        if (op_type_is_weight((op_type)i) && strcmp(s, op_type_name((op_type)i)) == 0) {
+            *t = (op_type)i;
+            return 0;
+        }
+    return -1;
+}
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: fusion-bench-generate (--model PATH | --random PRESET) [options]\n"
+               "  --dtype f32|f16|bf16|q8_0|q4_0|q4_1|i8   random weights' type (default f16)\n"
+               "  --threads N   (default: all CPUs)     --isa auto|portable|avx2|avx512\n"
+               "  --prompt N    prefill tokens (default 128)\n"
+               "  --decode N    decode steps (default 32)\n"
+               "  --no-head     leave out the LM head (span-only figures)\n"
+               "presets:");
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) fprintf(f, " %s", presets[i].name);
+    fprintf(f, "\n");
+}
+
+int main(int argc, char **argv) {
+    const char *model_path = NULL, *random_name = NULL;
+    op_type dtype = OP_TYPE_F16;
+    int threads = 0, n_prompt = 128, n_decode = 32, no_head = 0;
+    op_cpu_isa isa = OP_CPU_ISA_AUTO;
+    static const struct option opts[] = {
+        {"model", required_argument, 0, 'm'}, {"random", required_argument, 0, 'r'},
+        {"dtype", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
+        {"prompt", required_argument, 0, 'p'}, {"decode", required_argument, 0, 'n'},
+        {"isa", required_argument, 0, 'i'},   {"no-head", no_argument, 0, 'H'},
+        {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
+    int c;
+    while ((c = getopt_long(argc, argv, "m:r:d:t:p:n:i:Hh", opts, NULL)) != -1) {
+        char *end = NULL;
+        switch (c) {
+        case 'm': model_path = optarg; break;
+        case 'r': random_name = optarg; break;
+        case 'd':
+            if (parse_type(optarg, &dtype)) goto bad;
+            break;
+        case 't': threads = (int)strtol(optarg, &end, 10); if (*end || threads < 0) goto bad; break;
+        case 'p': n_prompt = (int)strtol(optarg, &end, 10); if (*end || n_prompt < 1) goto bad; break;
+        case 'n': n_decode = (int)strtol(optarg, &end, 10); if (*end || n_decode < 2) goto bad; break;
+        case 'i':
+            if (!strcmp(optarg, "auto")) isa = OP_CPU_ISA_AUTO;
+            else if (!strcmp(optarg, "portable")) isa = OP_CPU_ISA_PORTABLE;
+            else if (!strcmp(optarg, "avx2")) isa = OP_CPU_ISA_AVX2;
+            else if (!strcmp(optarg, "avx512")) isa = OP_CPU_ISA_AVX512;
+            else goto bad;
+            break;
+        case 'H': no_head = 1; break;
+        case 'h': usage(stdout); return 0;
+        default:
+        bad:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (!model_path == !random_name) {
+        usage(stderr);
+        return 2;
+    }
+    mdl_open_options mo = mdl_open_options_all();
+    mo.head = !no_head;
+    mdl_model *m = NULL;
+    int rc;
+    double t_load = bench_now();
+    if (model_path) {
+        rc = mdl_open(model_path, &mo, &m);
+    } else {
+        const preset *p = NULL;
+        for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
+            if (!strcmp(presets[i].name, random_name)) p = &presets[i];
+        if (!p) {
+            usage(stderr);
+            return 2;
+        }
+        rc = mdl_random(&p->cfg, dtype, 1, &mo, &m);
+    }
+    if (rc) {
+        fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
+        return 1;
+    }
+    t_load = bench_now() - t_load;
+    op_cpu_options co = {threads, isa};
+    op_backend *be = op_backend_cpu_new(&co);
+    if (!be) {
+        fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
+        mdl_free(m);
+        return 1;
+    }
+    const mdl_config *cfg = &m->cfg;
+    int max_len = n_prompt + n_decode;
+    if (max_len > cfg->max_seq_len) max_len = cfg->max_seq_len;
+    if (n_prompt + n_decode > max_len) n_prompt = max_len - n_decode;
+    eng_options eo = {n_prompt < 512 ? n_prompt : 512, OP_TYPE_F32};
+    eng_engine *e = NULL;
+    eng_seq *s = NULL;
+    int32_t *ids = malloc((size_t)max_len * sizeof *ids);
+    eng_seq **seqs = malloc((size_t)max_len * sizeof *seqs);
+    float *out = malloc((size_t)(no_head ? cfg->dim : cfg->vocab_size) * (size_t)max_len * sizeof(float));
+    if (!ids || !seqs || !out || (rc = eng_new(m, be, &eo, &e)) || (rc = eng_seq_new(e, max_len, &s))) {
+        fprintf(stderr, "fusion-bench-generate: %s\n", rc ? fu_last_error() : "out of memory");
+        return 1;
+    }
+    for (int i = 0; i < max_len; i++) {
+        ids[i] = (int32_t)((i * 7919 + 13) % cfg->vocab_size);
+        seqs[i] = s;
+    }
+    /* warm-up: touch the weights once */
+    eng_batch wb = {1, ids, NULL, seqs, NULL};
+    if ((rc = eng_forward(e, &wb, out)) || (rc = eng_seq_truncate(s, 0))) goto fail;
+
+    uint8_t *want = calloc((size_t)n_prompt, 1);
+    if (!want) goto fail;
+    want[n_prompt - 1] = 1;
+    double t0 = bench_now();
+    eng_batch pb = {n_prompt, ids, NULL, seqs, want};
+    rc = eng_forward(e, &pb, out);
+    double t_prefill = bench_now() - t0;
+    free(want);
+    if (rc) goto fail;
+    t0 = bench_now();
+    for (int i = 0; i < n_decode; i++) {
+        eng_batch db = {1, ids + n_prompt + i, NULL, seqs, NULL};
+        if ((rc = eng_forward(e, &db, out))) goto fail;
+    }
+    double t_decode = bench_now() - t0;
+
+    double bw = bench_read_bandwidth(op_backend_n_threads(be), (size_t)1 << 30, 5);
+    uint64_t wbytes = mdl_weight_bytes_per_token(m);
+    double prefill_tps = n_prompt / t_prefill, decode_tps = n_decode / t_decode;
+    double bound_tps = bw * 1e9 / (double)wbytes;
+    /* matmul flops per token: 2 x weights' elements (the head only for the last token) */
+    double params = 0;
+    for (int l = 0; l < m->last - m->first; l++) {
+        const mdl_layer *L = &m->layers[l];
+        const op_tensor *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) params += (double)op_tensor_nelems(ws[i]);
+    }
+    printf("model        %s (%s, %d blocks, hidden %d, ffn %d, heads %d/%d, vocab %d), weights %s\n",
+           model_path ? model_path : random_name, mdl_arch_name(cfg->arch), cfg->n_layers, cfg->dim,
+           cfg->ffn_dim, cfg->n_heads, cfg->n_kv_heads, cfg->vocab_size,
+           model_path ? op_type_name(m->layers[0].wq.type) : op_type_name(dtype));
+    printf("backend      cpu/%s, %d threads; load %.2f s\n", op_backend_isa(be), op_backend_n_threads(be),
+           t_load);
+    printf("bandwidth    %.2f GB/s measured (read, %d threads)\n", bw, op_backend_n_threads(be));
+    printf("prefill      %d tokens in %.3f s: %.1f tokens/s, %.1f GFLOP/s in block matmuls\n", n_prompt,
+           t_prefill, prefill_tps, 2.0 * params * n_prompt / t_prefill / 1e9);
+    printf("decode       %d tokens in %.3f s: %.2f tokens/s (%.2f ms/token)\n", n_decode, t_decode,
+           decode_tps, 1e3 / decode_tps);
+    printf("bound        %.1f MB of weights per token -> %.2f tokens/s at the measured bandwidth\n",
+           (double)wbytes / 1e6, bound_tps);
+    printf("ratio        decode / bandwidth bound = %.3f\n", decode_tps / bound_tps);
+    printf("memory       peak RSS %.0f MiB (weights %.0f MiB, KV cache %.1f MiB)\n", bench_peak_rss_mib(),
+           (double)wbytes / 1048576.0, (double)eng_kv_bytes_per_pos(e) * max_len / 1048576.0);
+fail:
+    if (rc) fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
+    eng_seq_free(e, s);
+    eng_free(e);
+    op_backend_free(be);
+    mdl_free(m);
+    free(ids);
+    free(seqs);
+    free(out);
+    return rc ? 1 : 0;
+}

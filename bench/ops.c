@@ -1,0 +1,310 @@
+/* ops.c -- fusion-bench-ops: matmul throughput of the CPU backend against the machine's limits.
+ *
+ * Measures the read bandwidth (a streaming sum over 1 GiB with the backend's
+ * thread count) and the clock (a chain of dependent adds), then prints for each
+ * ISA path and weight type:
+ *   decode:  T=1 matvec at Llama-3.2-1B shapes, GB/s of weights streamed and the
+ *            fraction of the bandwidth bound (weights rotate through >= 1 GiB of
+ *            copies so that they never sit in the last-level cache);
+ *   prefill: GFLOP/s at T=128 and T=512 and the fraction of the AVX2 FMA peak
+ *            (threads x 2 FMA ports x 8 lanes x 2 flops x clock).
+ *
+ * Usage: fusion-bench-ops [--threads N] [--isa portable|avx2|avx512|all]
+ *                         [--types f16,q4_0,...] [--quick] [--no-prefill] [--no-decode]
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ops.h"
+#include "status.h"
+
+static double bench_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static uint64_t bench_rng = 0x9e3779b97f4a7c15ull;
+
+static float bench_randf(void) { /* uniform in [-1, 1) */
+    bench_rng ^= bench_rng << 13;
+    bench_rng ^= bench_rng >> 7;
+    bench_rng ^= bench_rng << 17;
+    return (float)((bench_rng >> 40) * (1.0 / 8388608.0) - 1.0);
+}
+
+/* ---- machine limits -------------------------------------------------------- */
+
+typedef struct bench_bw_arg {
+    const uint8_t *buf;
+    size_t n;
+    double sum;
+} bench_bw_arg;
+
+__attribute__((target("avx2"))) static double bench_sum_avx2(const uint8_t *p, size_t n) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i + 128 <= n; i += 128) {
+        a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i *)(p + i + 96)));
+    }
+    a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    int64_t v[4];
+    _mm256_storeu_si256((__m256i *)v, a0);
+    return (double)(v[0] + v[1] + v[2] + v[3]);
+}
+
+static double bench_sum_plain(const uint8_t *p, size_t n) {
+    const uint64_t *q = (const uint64_t *)p;
+    uint64_t s[8] = {0};
+    for (size_t i = 0; i + 8 <= n / 8; i += 8)
+        for (int j = 0; j < 8; j++) s[j] += q[i + j];
+    return (double)(s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7]);
+}
+
+static void *bench_bw_thread(void *p) {
+    bench_bw_arg *a = p;
+    a->sum = __builtin_cpu_supports("avx2") ? bench_sum_avx2(a->buf, a->n) : bench_sum_plain(a->buf, a->n);
+    return NULL;
+}
+
+/* Best-of-5 streaming read bandwidth in GB/s over `bytes` with n threads. */
+static double bench_bandwidth(int nth, size_t bytes) {
+    uint8_t *buf = aligned_alloc(64, bytes);
+    if (!buf) return 0;
+    memset(buf, 1, bytes);
+    double best = 0;
+    pthread_t th[64];
+    bench_bw_arg args[64];
+    if (nth > 64) nth = 64;
+    for (int rep = 0; rep < 5; rep++) {
+        size_t part = bytes / (size_t)nth / 128 * 128;
+        double t0 = bench_now();
+        for (int i = 0; i < nth; i++) {
+            args[i] = (bench_bw_arg){buf + part * (size_t)i, part, 0};
+            pthread_create(&th[i], NULL, bench_bw_thread, &args[i]);
+        }
+        for (int i = 0; i < nth; i++) pthread_join(th[i], NULL);
+        double dt = bench_now() - t0;
+        double gbs = (double)(part * (size_t)nth) / dt * 1e-9;
+        if (gbs > best) best = gbs;
+    }
+    free(buf);
+    return best;
+}
+
+/* Clock in GHz: a chain of dependent 1-cycle adds. */
+static double bench_clock_ghz(void) {
+    double best = 0;
+    for (int rep = 0; rep < 5; rep++) {
+        uint64_t x = 1, iters = 20000000;
+        double t0 = bench_now();
+        for (uint64_t i = 0; i < iters; i++)
+            __asm__ volatile("add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\t"
+                             "add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\t"
+                             "add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\t"
+                             "add %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\tadd %0, %0\n\t"
+                             : "+r"(x));
+        double dt = bench_now() - t0;
+        double ghz = (double)iters * 16 / dt * 1e-9;
+        if (ghz > best) best = ghz;
+    }
+    return best;
+}
+
+/* ---- matmul runs ------------------------------------------------------------- */
+
+static const op_type bench_types[] = {OP_TYPE_F32,  OP_TYPE_F16,  OP_TYPE_BF16, OP_TYPE_Q8_0,
+                                      OP_TYPE_Q4_0, OP_TYPE_Q4_1, OP_TYPE_I8};
+
+/* A weight of `type` (n, k) with random content, plus `copies - 1` copies. */
+typedef struct bench_weight {
+    op_tensor t[64];
+    int copies;
+    float *scales;
+} bench_weight;
+
+static int bench_weight_make(op_backend *be, bench_weight *w, op_type type, int64_t n, int64_t k,
+                             size_t min_total) {
+    size_t bytes = op_row_bytes(type, k) * (size_t)n;
+    w->copies = (int)((min_total + bytes - 1) / bytes);
+    if (w->copies < 1) w->copies = 1;
+    if (w->copies > 64) w->copies = 64;
+    w->scales = malloc((size_t)n * sizeof(float));
+    float *row = malloc((size_t)k * sizeof(float));
+    uint8_t *data = op_buffer_alloc(be, bytes);
+    if (!w->scales || !row || !data) {
+        free(row);
+        return -1;
+    }
+    for (int64_t r = 0; r < n; r++) {
+        for (int64_t i = 0; i < k; i++) row[i] = bench_randf();
+        op_quantize_row(type, row, k, data + (size_t)r * op_row_bytes(type, k), &w->scales[r]);
+    }
+    free(row);
+    for (int c = 0; c < w->copies; c++) {
+        uint8_t *d = c == 0 ? data : op_buffer_alloc(be, bytes);
+        if (!d) {
+            w->copies = c;
+            break;
+        }
+        if (c) memcpy(d, data, bytes);
+        w->t[c] = op_tensor_2d(type, d, k, n);
+        w->t[c].row_scale = w->scales;
+    }
+    return 0;
+}
+
+static void bench_weight_free(op_backend *be, bench_weight *w) {
+    for (int c = 0; c < w->copies; c++) op_buffer_free(be, w->t[c].data);
+    free(w->scales);
+}
+
+/* Seconds per matmul of (t, k) x (n, k)^T, best of several runs that together
+ * take at least min_s. */
+static double bench_matmul(op_backend *be, bench_weight *w, int64_t t, double min_s) {
+    int64_t n = w->t[0].ne[1], k = w->t[0].ne[0];
+    float *x = malloc((size_t)(t * k) * sizeof(float)), *y = malloc((size_t)(t * n) * sizeof(float));
+    if (!x || !y) {
+        free(x);
+        free(y);
+        return -1;
+    }
+    for (int64_t i = 0; i < t * k; i++) x[i] = bench_randf();
+    op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, k, t), yt = op_tensor_2d(OP_TYPE_F32, y, n, t);
+    op_reserve(be, t, k);
+    double best = 1e30, total = 0;
+    int it = 0;
+    /* warm up every copy once, then time */
+    for (int c = 0; c < w->copies; c++) op_matmul(be, &w->t[c], &xt, &yt);
+    while (total < min_s || it < 3) {
+        double t0 = bench_now();
+        int rc = op_matmul(be, &w->t[it % w->copies], &xt, &yt);
+        double dt = bench_now() - t0;
+        if (rc) {
+            fprintf(stderr, "matmul failed: %s\n", fu_last_error());
+            best = -1;
+            break;
+        }
+        total += dt;
+        if (dt < best) best = dt;
+        it++;
+        if (it > 2000) break;
+    }
+    free(x);
+    free(y);
+    return best;
+}
+
+static bool bench_type_selected(const char *list, op_type type) {
+    if (!list) return true;
+    const char *name = op_type_name(type);
+    size_t len = strlen(name);
+    for (const char *p = list; *p;) {
+        const char *e = strchr(p, ',');
+        size_t l = e ? (size_t)(e - p) : strlen(p);
+        if (l == len && strncmp(p, name, len) == 0) return true;
+        if (!e) break;
+        p = e + 1;
+    }
+    return false;
+}
+
+int main(int argc, char **argv) {
+    int nth = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    const char *isa_arg = "all", *types = NULL;
+    bool quick = false, decode = true, prefill = true;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+            nth = (int)strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--isa") && i + 1 < argc)
+            isa_arg = argv[++i];
+        else if (!strcmp(argv[i], "--types") && i + 1 < argc)
+            types = argv[++i];
+        else if (!strcmp(argv[i], "--quick"))
+            quick = true;
+        else if (!strcmp(argv[i], "--no-prefill"))
+            prefill = false;
+        else if (!strcmp(argv[i], "--no-decode"))
+            decode = false;
+        else {
+            fprintf(stderr, "usage: %s [--threads N] [--isa portable|avx2|avx512|all] [--types f16,...] "
+                            "[--quick] [--no-prefill] [--no-decode]\n", argv[0]);
+            return 2;
+        }
+    }
+    if (nth < 1) nth = 1;
+    double bw = bench_bandwidth(nth, (size_t)1 << 30);
+    double ghz = bench_clock_ghz();
+    double peak = nth * 2.0 * 8 * 2 * ghz; /* AVX2 FMA peak, GFLOP/s */
+    printf("threads %d  read bandwidth %.1f GB/s  clock %.2f GHz  AVX2 FMA peak %.0f GFLOP/s\n", nth,
+           bw, ghz, peak);
+
+    static const struct {
+        op_cpu_isa isa;
+        const char *name;
+    } isas[] = {{OP_CPU_ISA_PORTABLE, "portable"}, {OP_CPU_ISA_AVX2, "avx2"}, {OP_CPU_ISA_AVX512, "avx512"}};
+    static const int64_t dshapes[][2] = {{8192, 2048}, {2048, 8192}, {128256, 2048}}; /* (N, K) */
+    for (size_t ii = 0; ii < sizeof isas / sizeof isas[0]; ii++) {
+        if (strcmp(isa_arg, "all") && strcmp(isa_arg, isas[ii].name)) continue;
+        op_backend *be = op_backend_cpu_new(&(op_cpu_options){nth, isas[ii].isa});
+        if (!be) {
+            fprintf(stderr, "backend: %s\n", fu_last_error());
+            return 1;
+        }
+        if (strcmp(op_backend_isa(be), isas[ii].name)) {
+            printf("[%s] not available on this CPU\n", isas[ii].name);
+            op_backend_free(be);
+            continue;
+        }
+        bool portable = isas[ii].isa == OP_CPU_ISA_PORTABLE;
+        for (size_t ti = 0; ti < sizeof bench_types / sizeof bench_types[0]; ti++) {
+            op_type type = bench_types[ti];
+            if (!bench_type_selected(types, type)) continue;
+            if (decode) {
+                for (int s = 0; s < 3; s++) {
+                    int64_t n = dshapes[s][0], k = dshapes[s][1];
+                    if ((quick || portable) && n > 8192) continue;
+                    bench_weight w;
+                    memset(&w, 0, sizeof w);
+                    if (bench_weight_make(be, &w, type, n, k, portable ? 0 : (size_t)1 << 30)) {
+                        fprintf(stderr, "out of memory\n");
+                        return 1;
+                    }
+                    double sec = bench_matmul(be, &w, 1, quick ? 0.1 : 0.4);
+                    double gbs = (double)(op_row_bytes(type, k) * (size_t)n) / sec * 1e-9;
+                    printf("[%-8s] decode  %-5s N=%-6lld K=%-5lld T=1   %8.3f ms  %6.1f GB/s  %5.2f of bandwidth\n",
+                           isas[ii].name, op_type_name(type), (long long)n, (long long)k, sec * 1e3, gbs,
+                           gbs / bw);
+                    fflush(stdout);
+                    bench_weight_free(be, &w);
+                }
+            }
+            if (prefill) {
+                static const int64_t ts[] = {128, 512};
+                int64_t n = 2048, k = 2048;
+                bench_weight w;
+                memset(&w, 0, sizeof w);
+                if (bench_weight_make(be, &w, type, n, k, 0)) return 1;
+                for (int s = 0; s < 2; s++) {
+                    if ((quick || portable) && ts[s] > 128) continue;
+                    double sec = bench_matmul(be, &w, ts[s], quick || portable ? 0.1 : 0.5);
+                    double gf = 2.0 * (double)ts[s] * (double)n * (double)k / sec * 1e-9;
+                    printf("[%-8s] prefill %-5s N=%-6lld K=%-5lld T=%-4lld %8.3f ms  %6.1f GFLOP/s  %5.2f of AVX2 peak\n",
+                           isas[ii].name, op_type_name(type), (long long)n, (long long)k, (long long)ts[s],
+                           sec * 1e3, gf, gf / peak);
+                    fflush(stdout);
+                }
+                bench_weight_free(be, &w);
+            }
+        }
+        op_backend_free(be);
+    }
+    return 0;
+}

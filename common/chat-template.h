@@ -1,0 +1,71 @@
+/* chat-template.h -- a Jinja subset that renders Hugging Face chat templates like transformers does. */
+#ifndef FU_CHAT_TEMPLATE_H
+#define FU_CHAT_TEMPLATE_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+/*
+ * Templates are interpreted with the semantics of jinja2 as configured by
+ * transformers' apply_chat_template: ImmutableSandboxedEnvironment with
+ * trim_blocks, lstrip_blocks and loop controls, a `tojson` filter that keeps
+ * non-ASCII text, and the globals raise_exception() and strftime_now().
+ *
+ * A compiled template is immutable: any number of threads may render it at
+ * once. Each render is bounded by tpl_limits so that a hostile template can
+ * neither hang nor exhaust memory.
+ *
+ * Errors: syntax errors from tpl_compile and runtime errors from rendering
+ * (raise_exception, undefined values used wrongly, type errors) return
+ * FU_ERR_TEMPLATE with "line N: message" in fu_last_error(); a render that
+ * exceeds its limits returns FU_ERR_EXHAUSTED; bad arguments FU_ERR_INVALID;
+ * allocation failure FU_ERR_NOMEM.
+ */
+
+typedef struct tpl_template tpl_template;
+
+/* Per-render resource limits; zero fields take the defaults below. */
+typedef struct tpl_limits {
+    size_t max_output;  /* bytes of output, including captured blocks (default 16 MiB) */
+    size_t max_memory;  /* bytes held by live template values (default 256 MiB) */
+    uint64_t max_work;  /* work units: ~1 per evaluated node + 1 per 32 bytes copied (default 50M) */
+    int max_depth;      /* nested macro calls (default 64) */
+} tpl_limits;
+
+#define TPL_DEFAULT_MAX_OUTPUT ((size_t)16 << 20)
+#define TPL_DEFAULT_MAX_MEMORY ((size_t)256 << 20)
+#define TPL_DEFAULT_MAX_WORK ((uint64_t)50000000)
+#define TPL_DEFAULT_MAX_DEPTH 64
+
+/* Compiles `src` (NUL-terminated UTF-8). On success *out owns a template to
+ * release with tpl_free(); on failure *out is NULL and the error names the
+ * line. */
+int tpl_compile(const char *src, tpl_template **out);
+
+/* Releases a template; NULL is a no-op. No render may be in progress. */
+void tpl_free(tpl_template *tpl);
+
+/* Renders with `context` (a JSON object whose members become the template's
+ * variables) under the default limits. On success *out is a NUL-terminated
+ * malloc'd string the caller frees; on failure *out is NULL. */
+int tpl_render(const tpl_template *tpl, const json_t *context, char **out);
+
+/* As tpl_render with explicit limits (NULL: defaults); *out_len (may be NULL)
+ * receives the output length, which matters if the output holds NUL bytes. */
+int tpl_render_ex(const tpl_template *tpl, const json_t *context, const tpl_limits *limits,
+                  char **out, size_t *out_len);
+
+/* Renders a chat the way transformers' apply_chat_template does: the
+ * variables are `messages` (a JSON array), `tools` (the array, or None when
+ * tools is NULL), `documents` (None), `add_generation_prompt`, `bos_token`
+ * and `eos_token` (left undefined when NULL), then every member of
+ * `extra_kwargs` (a JSON object or NULL, e.g. {"enable_thinking": false}),
+ * which overrides the rest. *out as in tpl_render. */
+int tpl_apply_chat(const tpl_template *tpl, const json_t *messages, const json_t *tools,
+                   int add_generation_prompt, const char *bos_token, const char *eos_token,
+                   const json_t *extra_kwargs, char **out);
+
+#endif

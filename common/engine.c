@@ -1,0 +1,329 @@
+/* engine.c -- the transformer forward pass over a span of blocks, batched across sequences. */
+#include "engine.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "status.h"
+
+struct eng_seq {
+    int len;          /* positions held */
+    int max_len;
+    void *kv;         /* backend memory: n_span x {K, V} x (max_len, KVH * hd) */
+    op_tensor *k3, *v3; /* (n_span) (max_len, KVH, hd) views for attention */
+    op_tensor *k2, *v2; /* (n_span) (max_len, KVH * hd) views for kv_store */
+};
+
+struct eng_engine {
+    const mdl_model *m;
+    op_backend *be;
+    eng_options opts;
+    int n_span;            /* blocks in the span */
+    int64_t qd, kd;        /* H * hd, KVH * hd */
+    size_t kv_elem;        /* bytes per cached element */
+
+    /* scratch, backend memory, sized for max_batch_tokens rows */
+    float *x;      /* (T, D) residual stream */
+    float *xn;     /* (T, D) normed */
+    float *q;      /* (T, H * hd) */
+    float *k;      /* (T, KVH * hd) */
+    float *v;      /* (T, KVH * hd) */
+    float *att;    /* (T, H * hd) */
+    float *tmp;    /* (T, D) */
+    float *gate;   /* (T, F) */
+    float *up;     /* (T, F) */
+    float *logits; /* (T, V) when the model has its head */
+
+    /* host scratch for one chunk */
+    int32_t *pos;        /* (T) */
+    int32_t *seq_idx;    /* (T) */
+    int32_t *rows;       /* (T) wanted rows */
+    eng_seq **useq;      /* (T) distinct sequences of the chunk */
+    int *base_len;       /* (T) each distinct sequence's length before the chunk */
+    op_tensor *kview, *vview;   /* (T) per distinct sequence, one layer */
+    op_tensor **kptr, **vptr;   /* (T) */
+};
+
+const mdl_model *eng_model(const eng_engine *e) { return e->m; }
+
+uint64_t eng_kv_bytes_per_pos(const eng_engine *e) {
+    return (uint64_t)e->n_span * 2u * (uint64_t)e->kd * e->kv_elem;
+}
+
+void eng_free(eng_engine *e) {
+    if (!e) return;
+    float *bufs[] = {e->x, e->xn, e->q, e->k, e->v, e->att, e->tmp, e->gate, e->up, e->logits};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) op_buffer_free(e->be, bufs[i]);
+    free(e->pos);
+    free(e->seq_idx);
+    free(e->rows);
+    free(e->useq);
+    free(e->base_len);
+    free(e->kview);
+    free(e->vview);
+    free(e->kptr);
+    free(e->vptr);
+    free(e);
+}
+
+int eng_new(const mdl_model *m, op_backend *be, const eng_options *opts, eng_engine **out) {
+    *out = NULL;
+    eng_engine *e = calloc(1, sizeof *e);
+    if (!e) return fu_errorf(FU_ERR_NOMEM, "engine");
+    e->m = m;
+    e->be = be;
+    e->opts.max_batch_tokens = 256;
+    e->opts.kv_type = OP_TYPE_F32;
+    if (opts) {
+        if (opts->max_batch_tokens > 0) e->opts.max_batch_tokens = opts->max_batch_tokens;
+        e->opts.kv_type = opts->kv_type;
+    }
+    if (e->opts.kv_type != OP_TYPE_F32 && e->opts.kv_type != OP_TYPE_F16) {
+        free(e);
+        return fu_errorf(FU_ERR_INVALID, "engine: KV cache type must be f32 or f16");
+    }
+    const mdl_config *c = &m->cfg;
+    const size_t T = (size_t)e->opts.max_batch_tokens;
+    e->n_span = m->last - m->first;
+    e->qd = (int64_t)c->n_heads * c->head_dim;
+    e->kd = (int64_t)c->n_kv_heads * c->head_dim;
+    e->kv_elem = op_type_block_bytes(e->opts.kv_type);
+    const size_t f = sizeof(float);
+    e->x = op_buffer_alloc(be, T * (size_t)c->dim * f);
+    e->xn = op_buffer_alloc(be, T * (size_t)c->dim * f);
+    e->q = op_buffer_alloc(be, T * (size_t)e->qd * f);
+    e->k = op_buffer_alloc(be, T * (size_t)e->kd * f);
+    e->v = op_buffer_alloc(be, T * (size_t)e->kd * f);
+    e->att = op_buffer_alloc(be, T * (size_t)e->qd * f);
+    e->tmp = op_buffer_alloc(be, T * (size_t)c->dim * f);
+    e->gate = op_buffer_alloc(be, T * (size_t)c->ffn_dim * f);
+    e->up = op_buffer_alloc(be, T * (size_t)c->ffn_dim * f);
+    if (m->has_head) e->logits = op_buffer_alloc(be, T * (size_t)c->vocab_size * f);
+    e->pos = calloc(T, sizeof *e->pos);
+    e->seq_idx = calloc(T, sizeof *e->seq_idx);
+    e->rows = calloc(T, sizeof *e->rows);
+    e->useq = calloc(T, sizeof *e->useq);
+    e->base_len = calloc(T, sizeof *e->base_len);
+    e->kview = calloc(T, sizeof *e->kview);
+    e->vview = calloc(T, sizeof *e->vview);
+    e->kptr = calloc(T, sizeof *e->kptr);
+    e->vptr = calloc(T, sizeof *e->vptr);
+    if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
+        (m->has_head && !e->logits) || !e->pos || !e->seq_idx || !e->rows || !e->useq ||
+        !e->base_len || !e->kview || !e->vview || !e->kptr || !e->vptr) {
+        eng_free(e);
+        return fu_errorf(FU_ERR_NOMEM, "engine scratch for %zu tokens", T);
+    }
+    int64_t max_k = c->dim > c->ffn_dim ? c->dim : c->ffn_dim;
+    if (e->qd > max_k) max_k = e->qd;
+    int rc = op_reserve(be, (int64_t)T, max_k);
+    if (rc) {
+        eng_free(e);
+        return rc;
+    }
+    *out = e;
+    return FU_OK;
+}
+
+/* ---- sequences ------------------------------------------------------------------ */
+
+int eng_seq_new(eng_engine *e, int max_len, eng_seq **out) {
+    *out = NULL;
+    const mdl_config *c = &e->m->cfg;
+    if (max_len <= 0 || max_len > c->max_seq_len)
+        return fu_errorf(FU_ERR_RANGE, "sequence length %d outside [1, %d]", max_len, c->max_seq_len);
+    eng_seq *s = calloc(1, sizeof *s);
+    if (!s) return fu_errorf(FU_ERR_NOMEM, "sequence");
+    s->max_len = max_len;
+    size_t layer_bytes = (size_t)max_len * (size_t)e->kd * e->kv_elem;
+    int n = e->n_span > 0 ? e->n_span : 1;
+    s->kv = op_buffer_alloc(e->be, layer_bytes * 2 * (size_t)n);
+    s->k3 = calloc((size_t)n, sizeof *s->k3);
+    s->v3 = calloc((size_t)n, sizeof *s->v3);
+    s->k2 = calloc((size_t)n, sizeof *s->k2);
+    s->v2 = calloc((size_t)n, sizeof *s->v2);
+    if (!s->kv || !s->k3 || !s->v3 || !s->k2 || !s->v2) {
+        eng_seq_free(e, s);
+        return fu_errorf(FU_ERR_NOMEM, "KV cache of %d positions (%zu bytes)", max_len,
+                         layer_bytes * 2 * (size_t)n);
+    }
+    for (int l = 0; l < e->n_span; l++) {
+        uint8_t *kp = (uint8_t *)s->kv + layer_bytes * (size_t)(2 * l);
+        uint8_t *vp = kp + layer_bytes;
+        s->k3[l] = op_tensor_3d(e->opts.kv_type, kp, c->head_dim, c->n_kv_heads, max_len);
+        s->v3[l] = op_tensor_3d(e->opts.kv_type, vp, c->head_dim, c->n_kv_heads, max_len);
+        s->k2[l] = op_tensor_2d(e->opts.kv_type, kp, e->kd, max_len);
+        s->v2[l] = op_tensor_2d(e->opts.kv_type, vp, e->kd, max_len);
+    }
+    *out = s;
+    return FU_OK;
+}
+
+void eng_seq_free(eng_engine *e, eng_seq *s) {
+    if (!s) return;
+    op_buffer_free(e->be, s->kv);
+    free(s->k3);
+    free(s->v3);
+    free(s->k2);
+    free(s->v2);
+    free(s);
+}
+
+int eng_seq_len(const eng_seq *s) { return s->len; }
+
+int eng_seq_max_len(const eng_seq *s) { return s->max_len; }
+
+int eng_seq_truncate(eng_seq *s, int len) {
+    if (len < 0 || len > s->len)
+        return fu_errorf(FU_ERR_RANGE, "cannot roll back to %d positions (sequence holds %d)", len,
+                         s->len);
+    s->len = len;
+    return FU_OK;
+}
+
+/* ---- forward ----------------------------------------------------------------------- */
+
+/* One chunk of at most max_batch_tokens tokens. Sequence lengths were checked
+ * and base positions assigned by the caller. */
+static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const float *embd,
+                             eng_seq *const *seqs, const uint8_t *want, float *out, int *n_out) {
+    const mdl_model *m = e->m;
+    const mdl_config *c = &m->cfg;
+    op_backend *be = e->be;
+    const int64_t D = c->dim, F = c->ffn_dim, H = c->n_heads, KVH = c->n_kv_heads, hd = c->head_dim;
+    int rc;
+
+    /* distinct sequences, their slots and positions */
+    int n_useq = 0;
+    for (int t = 0; t < T; t++) {
+        int j = 0;
+        while (j < n_useq && e->useq[j] != seqs[t]) j++;
+        if (j == n_useq) {
+            e->useq[n_useq] = seqs[t];
+            e->base_len[n_useq] = seqs[t]->len;
+            n_useq++;
+        }
+        e->seq_idx[t] = j;
+        e->pos[t] = e->base_len[j]++;
+    }
+
+    op_tensor x = op_tensor_2d(OP_TYPE_F32, e->x, D, T);
+    op_tensor xn = op_tensor_2d(OP_TYPE_F32, e->xn, D, T);
+    op_tensor tmp = op_tensor_2d(OP_TYPE_F32, e->tmp, D, T);
+    op_tensor q = op_tensor_2d(OP_TYPE_F32, e->q, e->qd, T);
+    op_tensor k = op_tensor_2d(OP_TYPE_F32, e->k, e->kd, T);
+    op_tensor v = op_tensor_2d(OP_TYPE_F32, e->v, e->kd, T);
+    op_tensor q3 = op_tensor_3d(OP_TYPE_F32, e->q, hd, H, T);
+    op_tensor k3 = op_tensor_3d(OP_TYPE_F32, e->k, hd, KVH, T);
+    op_tensor qh = op_tensor_2d(OP_TYPE_F32, e->q, hd, H * T);   /* per-head rows */
+    op_tensor kh = op_tensor_2d(OP_TYPE_F32, e->k, hd, KVH * T);
+    op_tensor att3 = op_tensor_3d(OP_TYPE_F32, e->att, hd, H, T);
+    op_tensor att = op_tensor_2d(OP_TYPE_F32, e->att, e->qd, T);
+    op_tensor gate = op_tensor_2d(OP_TYPE_F32, e->gate, F, T);
+    op_tensor up = op_tensor_2d(OP_TYPE_F32, e->up, F, T);
+    op_rope_params rp = {c->rope_mode, m->rot_dim, m->inv_freq, 1.0f};
+
+    if (m->has_embed) {
+        if ((rc = op_get_rows(be, &m->tok_embd, tokens, &x))) return rc;
+    } else {
+        if ((rc = op_buffer_set(be, e->x, embd, (size_t)T * (size_t)D * sizeof(float)))) return rc;
+    }
+
+    for (int l = 0; l < e->n_span; l++) {
+        const mdl_layer *L = &m->layers[l];
+        op_attn a = {(int)H, (int)KVH, (int)hd, 1.0f / sqrtf((float)hd), n_useq,
+                     e->seq_idx, e->pos, e->kview, e->vview};
+        for (int j = 0; j < n_useq; j++) {
+            e->kview[j] = e->useq[j]->k3[l];
+            e->vview[j] = e->useq[j]->v3[l];
+        }
+        for (int j = 0; j < n_useq; j++) {
+            e->kptr[j] = &e->useq[j]->k2[l];
+            e->vptr[j] = &e->useq[j]->v2[l];
+        }
+        /* attention */
+        if ((rc = op_rmsnorm(be, &x, &L->attn_norm, c->norm_eps, &xn)) ||
+            (rc = op_matmul(be, &L->wq, &xn, &q)) || (rc = op_matmul(be, &L->wk, &xn, &k)) ||
+            (rc = op_matmul(be, &L->wv, &xn, &v)))
+            return rc;
+        if (c->qkv_bias && ((rc = op_add_row(be, &q, &L->bq)) || (rc = op_add_row(be, &k, &L->bk)) ||
+                            (rc = op_add_row(be, &v, &L->bv))))
+            return rc;
+        if (c->qk_norm && ((rc = op_rmsnorm(be, &qh, &L->q_norm, c->norm_eps, &qh)) ||
+                           (rc = op_rmsnorm(be, &kh, &L->k_norm, c->norm_eps, &kh))))
+            return rc;
+        if ((rc = op_rope(be, &q3, e->pos, &rp)) || (rc = op_rope(be, &k3, e->pos, &rp)))
+            return rc;
+        if ((rc = op_kv_store(be, &k, e->kptr, e->seq_idx, e->pos)) ||
+            (rc = op_kv_store(be, &v, e->vptr, e->seq_idx, e->pos)))
+            return rc;
+        if ((rc = op_attention(be, &q3, &a, &att3)) || (rc = op_matmul(be, &L->wo, &att, &tmp)) ||
+            (rc = op_add(be, &x, &tmp)))
+            return rc;
+        /* MLP */
+        if ((rc = op_rmsnorm(be, &x, &L->ffn_norm, c->norm_eps, &xn)) ||
+            (rc = op_matmul(be, &L->w_gate, &xn, &gate)) || (rc = op_matmul(be, &L->w_up, &xn, &up)) ||
+            (rc = op_swiglu(be, &gate, &up, &gate)) || (rc = op_matmul(be, &L->w_down, &gate, &tmp)) ||
+            (rc = op_add(be, &x, &tmp)))
+            return rc;
+    }
+
+    /* gather the wanted rows */
+    int n = 0;
+    for (int t = 0; t < T; t++)
+        if (!want || want[t]) e->rows[n++] = t;
+    *n_out = n;
+    if (n == 0) return FU_OK;
+    const size_t row = (size_t)D * sizeof(float);
+    if (n < T) /* compact into xn (rows in order, so in-place forward copy is safe) */
+        for (int i = 0; i < n; i++) memmove(e->xn + (size_t)i * D, e->x + (size_t)e->rows[i] * D, row);
+    else
+        memcpy(e->xn, e->x, (size_t)T * row);
+    op_tensor h = op_tensor_2d(OP_TYPE_F32, e->xn, D, n);
+    if (!m->has_head) return op_buffer_get(be, out, e->xn, (size_t)n * row);
+    op_tensor logits = op_tensor_2d(OP_TYPE_F32, e->logits, c->vocab_size, n);
+    if ((rc = op_rmsnorm(be, &h, &m->out_norm, c->norm_eps, &h)) ||
+        (rc = op_matmul(be, &m->lm_head, &h, &logits)))
+        return rc;
+    return op_buffer_get(be, out, e->logits, (size_t)n * (size_t)c->vocab_size * sizeof(float));
+}
+
+int eng_forward(eng_engine *e, const eng_batch *b, float *out) {
+    const mdl_model *m = e->m;
+    const int T = b->n_tokens;
+    if (T <= 0) return fu_errorf(FU_ERR_INVALID, "forward: empty batch");
+    if (m->has_embed ? !b->tokens : !b->embd)
+        return fu_errorf(FU_ERR_INVALID, "forward: the span %s token ids",
+                         m->has_embed ? "starts at the embeddings and needs" : "takes hidden states, not");
+    /* every sequence must fit the batch's positions; count each one's tokens */
+    for (int t = 0; t < T; t++) {
+        eng_seq *s = b->seqs[t];
+        if (!s) return fu_errorf(FU_ERR_INVALID, "forward: token %d has no sequence", t);
+        int count = 0;
+        for (int u = 0; u < T; u++) count += b->seqs[u] == s;
+        if (s->len + count > s->max_len)
+            return fu_errorf(FU_ERR_RANGE, "forward: sequence would grow to %d positions (max %d)",
+                             s->len + count, s->max_len);
+        if (m->has_embed && (b->tokens[t] < 0 || b->tokens[t] >= m->cfg.vocab_size))
+            return fu_errorf(FU_ERR_RANGE, "forward: token id %d outside [0, %d)", b->tokens[t],
+                             m->cfg.vocab_size);
+    }
+    const int chunk = e->opts.max_batch_tokens;
+    const size_t out_row = (size_t)(m->has_head ? m->cfg.vocab_size : m->cfg.dim);
+    for (int t0 = 0; t0 < T; t0 += chunk) {
+        int n = T - t0 < chunk ? T - t0 : chunk;
+        int n_out = 0;
+        int rc = eng_forward_chunk(e, n, b->tokens ? b->tokens + t0 : NULL,
+                                   b->embd ? b->embd + (size_t)t0 * m->cfg.dim : NULL, b->seqs + t0,
+                                   b->want ? b->want + t0 : NULL, out, &n_out);
+        if (rc) {
+            for (int t = 0; t < t0; t++) b->seqs[t]->len--; /* undo the chunks done */
+            return rc;
+        }
+        out += (size_t)n_out * out_row;
+        /* the chunk's positions are now in the caches */
+        for (int t = t0; t < t0 + n; t++) b->seqs[t]->len++;
+    }
+    return FU_OK;
+}

@@ -1,0 +1,99 @@
+/* mapped-file.c -- read-only, private memory mappings of whole files. */
+#include "mapped-file.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "status.h"
+
+int mf_open(mf_file *mf, const char *path) {
+    memset(mf, 0, sizeof *mf);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return fu_errorf(FU_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    int rc;
+    if (fstat(fd, &st) != 0) {
+        rc = fu_errorf(FU_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+        goto err;
+    }
+    if (S_ISDIR(st.st_mode)) {
+        rc = fu_errorf(FU_ERR_IO, "%s: is a directory, not a file", path);
+        goto err;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = fu_errorf(FU_ERR_IO, "%s: not a regular file", path);
+        goto err;
+    }
+    if (st.st_size < 0 || (uint64_t)st.st_size > (uint64_t)SIZE_MAX) {
+        rc = fu_errorf(FU_ERR_IO, "%s: file too large to map (%lld bytes)", path,
+                       (long long)st.st_size);
+        goto err;
+    }
+    mf->path = strdup(path);
+    if (!mf->path) {
+        rc = fu_errorf(FU_ERR_NOMEM, "%s: out of memory", path);
+        goto err;
+    }
+    mf->size = (size_t)st.st_size;
+    if (mf->size > 0) {
+        void *p = mmap(NULL, mf->size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (p == MAP_FAILED) {
+            rc = fu_errorf(FU_ERR_IO, "%s: cannot map %zu bytes: %s", path, mf->size,
+                           strerror(errno));
+            goto err;
+        }
+        mf->data = p;
+    }
+    close(fd); /* the mapping keeps the file alive */
+    return FU_OK;
+err:
+    close(fd);
+    free(mf->path);
+    memset(mf, 0, sizeof *mf);
+    return rc;
+}
+
+void mf_close(mf_file *mf) {
+    if (!mf) return;
+    if (mf->data) munmap((void *)mf->data, mf->size);
+    free(mf->path);
+    memset(mf, 0, sizeof *mf);
+}
+
+void mf_prefetch(const mf_file *mf, uint64_t off, uint64_t len) {
+    if (!mf || !mf->data || off >= mf->size) return;
+    if (len > mf->size - off) len = mf->size - off;
+    long page = sysconf(_SC_PAGESIZE);
+    uint64_t start = off - off % (uint64_t)(page > 0 ? page : 4096);
+    (void)madvise((void *)(mf->data + start), (size_t)(off + len - start), MADV_WILLNEED);
+}
+
+static int mf_range_cmp(const void *pa, const void *pb) {
+    const mf_range *a = pa, *b = pb;
+    if (a->begin != b->begin) return a->begin < b->begin ? -1 : 1;
+    if (a->end != b->end) return a->end < b->end ? -1 : 1;
+    return 0;
+}
+
+int mf_ranges_overlap(mf_range *ranges, size_t n, int64_t *a, int64_t *b) {
+    if (n < 2) return 0;
+    qsort(ranges, n, sizeof *ranges, mf_range_cmp);
+    /* `far` is the non-empty range seen so far that ends last. */
+    const mf_range *far = NULL;
+    for (size_t i = 0; i < n; i++) {
+        const mf_range *r = &ranges[i];
+        if (r->begin == r->end) continue;
+        if (far && r->begin < far->end) {
+            *a = far->id;
+            *b = r->id;
+            return 1;
+        }
+        if (!far || r->end > far->end) far = r;
+    }
+    return 0;
+}

@@ -1,0 +1,56 @@
+/* safetensors.h -- read-only, memory-mapped safetensors checkpoints, single-file or sharded. */
+#ifndef FU_SAFETENSORS_H
+#define FU_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ops.h"
+
+typedef struct st_model st_model;
+
+/* Opens a checkpoint: `path` is a directory holding model.safetensors, or
+ * model.safetensors.index.json plus its shards, or a single .safetensors file.
+ * Headers are parsed and validated (JSON, dtypes, shapes, data_offsets inside the
+ * file and consistent with shape * dtype size); tensor data is only mapped.
+ * On failure fu_last_error() names the file and tensor. *out is freed with
+ * st_model_close(). */
+int st_model_open(const char *path, st_model **out);
+void st_model_close(st_model *m); /* NULL is a no-op */
+
+/* The path given to st_model_open() and the number of files mapped. */
+const char *st_model_path(const st_model *m);
+int st_model_n_shards(const st_model *m);
+
+/* Tensors of all shards, sorted by name (names are unique across shards).
+ * st_model_tensor_name gives NULL out of range. */
+int64_t st_model_n_tensors(const st_model *m);
+const char *st_model_tensor_name(const st_model *m, int64_t i);
+int64_t st_model_find_index(const st_model *m, const char *name); /* -1 if absent */
+
+/* What the header says about a tensor, for any dtype (including ones fusion
+ * cannot compute with). Pointers are owned by the model. */
+typedef struct st_tensor_info {
+    const char *name;
+    const char *dtype;    /* as written: "F32", "BF16", "I8", ... */
+    int rank;             /* number of dims (0 for a scalar) */
+    const int64_t *shape; /* (rank) safetensors order, outermost first */
+    const char *file;     /* path of the shard holding it */
+    uint64_t file_offset; /* of its first byte in that file */
+    uint64_t nbytes;
+    const void *data;     /* inside the read-only mapping */
+} st_tensor_info;
+
+/* Fills *out for tensor i; FU_ERR_RANGE out of range. */
+int st_model_tensor_info(const st_model *m, int64_t i, st_tensor_info *out);
+
+/* Describes the named tensor as an op_tensor over the mapping. Shapes are
+ * reversed into op order (safetensors (rows, cols) -> ne[0] = cols).
+ * FU_ERR_NOT_FOUND if absent; FU_ERR_UNSUPPORTED for dtypes other than F32,
+ * F16, BF16 (the message names the tensor and dtype) and for tensors of more
+ * than 4 dims. The data is a read-only mapping: callers must not write it.
+ * Unknown dtypes are accepted at open (their size cannot be checked, only
+ * that data_offsets lie inside the file) and reported here. */
+int st_model_find(const st_model *m, const char *name, op_tensor *out);
+
+#endif

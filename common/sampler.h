@@ -1,0 +1,51 @@
+/* sampler.h -- turns a row of logits into the next token: penalties, bias, temperature, top-k/p, min-p. */
+#ifndef FU_SAMPLER_H
+#define FU_SAMPLER_H
+
+#include <stdint.h>
+
+typedef struct smp_bias {
+    int32_t token;
+    float bias;   /* added to the token's logit; -100 or less bans it */
+} smp_bias;
+
+typedef struct smp_params {
+    float temperature;       /* 0: greedy (argmax) */
+    int top_k;               /* 0: off */
+    float top_p;             /* 1: off */
+    float min_p;             /* 0: off */
+    float presence_penalty;  /* OpenAI: subtract once if the token appeared */
+    float frequency_penalty; /* OpenAI: subtract per occurrence */
+    float repetition_penalty;/* 1: off; >1 divides positive logits (CTRL/HF style) */
+    uint64_t seed;           /* same seed, same choices */
+    const smp_bias *bias;    /* logit_bias entries, copied at smp_new */
+    int n_bias;
+} smp_params;
+
+typedef struct smp_sampler smp_sampler;
+
+/* Default parameters: temperature 1, no truncation, no penalties, seed 0. */
+smp_params smp_params_default(void);
+
+/* Creates a sampler for a vocabulary of n_vocab; validates the parameters
+ * (ranges, bias token ids). All scratch is allocated here. Free with smp_free. */
+int smp_new(const smp_params *p, int n_vocab, smp_sampler **out);
+void smp_free(smp_sampler *s); /* NULL is a no-op */
+
+/* Records that `token` was emitted (feeds the penalties). */
+void smp_accept(smp_sampler *s, int32_t token);
+
+/* Picks the next token from logits (n_vocab), which it modifies in place
+ * (penalties and bias applied). */
+int32_t smp_sample(smp_sampler *s, float *logits);
+
+/* Index of the largest value (lowest index on ties). */
+int32_t smp_argmax(const float *x, int n);
+
+/* Writes the k most likely tokens of log-softmax(logits) into ids/logprobs in
+ * descending order (k <= n); returns the log-probability of `token` too when
+ * token >= 0 (else 0). Does not modify logits. */
+float smp_top_logprobs(const float *logits, int n, int32_t token, int k, int32_t *ids,
+                       float *logprobs);
+
+#endif

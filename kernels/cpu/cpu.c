@@ -1,0 +1,616 @@
+/* cpu.c -- the CPU backend: ISA selection, scratch, and every op split over the thread pool. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cpu-impl.h"
+#include "status.h"
+
+typedef struct cpu_backend {
+    op_backend base;
+    const cpu_kernels *kern; /* kernels of the ISA in use */
+    cpu_pool *pool;
+    float *xt;       /* transposed activations for prefill matmuls */
+    size_t xt_cap;   /* floats in xt */
+    float *wf;       /* (n_threads, CPU_NR_MAX, CPU_KC) dequantized weight panels */
+    float *cbuf;     /* (n_threads, CPU_NR_MAX, CPU_TC) output tiles */
+} cpu_backend;
+
+static cpu_backend *cpu_be(op_backend *be) { return (cpu_backend *)be; }
+
+/* Elements below which an element-wise op runs on the calling thread only
+ * (a fork-join costs a few microseconds). */
+#define CPU_SERIAL_ELEMS 32768
+
+/* ---- ISA selection ------------------------------------------------------- */
+
+static bool cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+}
+
+static bool cpu_has_avx512(void) {
+    /* cpu-avx512.c is compiled for F/BW/VL/DQ plus BF16 and VNNI; it uses the
+     * latter two, so the level needs all of them. */
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512vnni");
+}
+
+/* The kernels for `isa`, or for the best level below it that the CPU has. */
+static const cpu_kernels *cpu_pick_kernels(op_cpu_isa isa) {
+    if ((isa == OP_CPU_ISA_AUTO || isa == OP_CPU_ISA_AVX512) && cpu_has_avx512())
+        return &cpu_kernels_avx512;
+    if (isa != OP_CPU_ISA_PORTABLE && cpu_has_avx2()) return &cpu_kernels_avx2;
+    return &cpu_kernels_portable;
+}
+
+/* ---- backend basics -------------------------------------------------------- */
+
+static void cpu_free(op_backend *be) {
+    cpu_backend *c = cpu_be(be);
+    cpu_pool_free(c->pool);
+    free(c->xt);
+    free(c->wf);
+    free(c->cbuf);
+    free(c);
+}
+
+static const char *cpu_isa(const op_backend *be) { return ((const cpu_backend *)be)->kern->name; }
+
+static bool cpu_supports(const op_backend *be, op_type type) {
+    (void)be;
+    return op_type_is_weight(type);
+}
+
+static void *cpu_alloc_aligned(size_t nbytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, nbytes ? nbytes : 64) != 0) return NULL;
+    return p;
+}
+
+static void *cpu_buffer_alloc(op_backend *be, size_t nbytes) {
+    (void)be;
+    void *p = cpu_alloc_aligned(nbytes);
+    if (p) memset(p, 0, nbytes);
+    return p;
+}
+
+static void cpu_buffer_free(op_backend *be, void *ptr) {
+    (void)be;
+    free(ptr);
+}
+
+static int cpu_buffer_copy(op_backend *be, void *dst, const void *src, size_t nbytes) {
+    (void)be;
+    if (nbytes) memmove(dst, src, nbytes);
+    return FU_OK;
+}
+
+/* Makes room for the transposed activations of a (t, k) prefill matmul. */
+static int cpu_reserve_xt(cpu_backend *c, int64_t t, int64_t k) {
+    size_t need = (size_t)((t + CPU_TB - 1) / CPU_TB * CPU_TB) * (size_t)k;
+    if (need <= c->xt_cap) return FU_OK;
+    float *p = cpu_alloc_aligned(need * sizeof(float));
+    if (!p) return fu_errorf(FU_ERR_NOMEM, "cpu: no memory for %zu floats of matmul scratch", need);
+    free(c->xt);
+    c->xt = p;
+    c->xt_cap = need;
+    return FU_OK;
+}
+
+/* Scratch is sized for prefill matmuls of max_tokens x max_k; every other op
+ * uses fixed per-thread buffers allocated with the backend, or the stack. */
+static int cpu_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
+    if (max_tokens < 0 || max_k < 0) return fu_errorf(FU_ERR_INVALID, "cpu reserve: negative size");
+    if (max_tokens <= CPU_DECODE_MAX_T) return FU_OK;
+    return cpu_reserve_xt(cpu_be(be), max_tokens, max_k);
+}
+
+static int cpu_synchronize(op_backend *be) {
+    (void)be;
+    return FU_OK;
+}
+
+/* Start and end of part ith of n items split into nth nearly equal parts, in
+ * units of `align`. */
+static void cpu_split(int64_t n, int64_t align, int ith, int nth, int64_t *lo, int64_t *hi) {
+    int64_t units = (n + align - 1) / align;
+    int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
+    *lo = u0 * align < n ? u0 * align : n;
+    *hi = u1 * align < n ? u1 * align : n;
+}
+
+/* ---- matmul -------------------------------------------------------------- */
+
+typedef struct cpu_mm_job {
+    cpu_backend *c;
+    cpu_mm m;
+} cpu_mm_job;
+
+static void cpu_matvec_job(void *arg, int ith, int nth) {
+    cpu_mm_job *j = arg;
+    int64_t r0, r1;
+    cpu_split(j->m.n, 16, ith, nth, &r0, &r1);
+    if (r0 < r1) j->c->kern->matvec[j->m.type](&j->m, r0, r1);
+}
+
+/* xt[tb][k][i] = x[tb * CPU_TB + i][k], zero for tokens >= T. Split over
+ * (token block, k range). */
+static void cpu_transpose_job(void *arg, int ith, int nth) {
+    cpu_mm_job *j = arg;
+    const cpu_mm *m = &j->m;
+    int64_t ntb = (m->t + CPU_TB - 1) / CPU_TB;
+    int64_t lo, hi;
+    cpu_split(ntb * m->k, 64, ith, nth, &lo, &hi);
+    float *xt = j->c->xt;
+    for (int64_t u = lo; u < hi;) {
+        int64_t tb = u / m->k, k0 = u % m->k;
+        int64_t k1 = m->k < k0 + (hi - u) ? m->k : k0 + (hi - u);
+        int64_t nt = m->t - tb * CPU_TB < CPU_TB ? m->t - tb * CPU_TB : CPU_TB;
+        float *dst = xt + (size_t)tb * (size_t)m->k * CPU_TB;
+        for (int64_t k = k0; k < k1; k++) {
+            float *d = dst + k * CPU_TB;
+            for (int64_t i = 0; i < nt; i++) d[i] = m->x[(size_t)(tb * CPU_TB + i) * m->ldx + k];
+            for (int64_t i = nt; i < CPU_TB; i++) d[i] = 0.0f;
+        }
+        u += k1 - k0;
+    }
+}
+
+static void cpu_gemm_job(void *arg, int ith, int nth) {
+    cpu_mm_job *j = arg;
+    const cpu_mm *m = &j->m;
+    const cpu_kernels *kern = j->c->kern;
+    const int nr = kern->nr;
+    float *wf = j->c->wf + (size_t)ith * CPU_NR_MAX * CPU_KC;
+    float *cbuf = j->c->cbuf + (size_t)ith * CPU_NR_MAX * CPU_TC;
+    int64_t npanels = (m->n + nr - 1) / nr, p0, p1;
+    cpu_split(npanels, 1, ith, nth, &p0, &p1);
+    for (int64_t t0 = 0; t0 < m->t; t0 += CPU_TC) {
+        int64_t t1 = m->t < t0 + CPU_TC ? m->t : t0 + CPU_TC;
+        int64_t ntb = (t1 - t0 + CPU_TB - 1) / CPU_TB;
+        for (int64_t p = p0; p < p1; p++) {
+            int64_t n0 = p * nr, nv = m->n - n0 < nr ? m->n - n0 : nr;
+            for (int64_t k0 = 0; k0 < m->k; k0 += CPU_KC) {
+                int64_t kc = m->k - k0 < CPU_KC ? m->k - k0 : CPU_KC;
+                for (int64_t r = 0; r < nr; r++) {
+                    if (r < nv) {
+                        int64_t row = n0 + r;
+                        float s = m->row_scale ? m->row_scale[row] : 1.0f;
+                        kern->dequant[m->type](m->w + (size_t)row * m->w_stride, k0, kc, s,
+                                               wf + r * CPU_KC);
+                    } else {
+                        memset(wf + r * CPU_KC, 0, (size_t)kc * sizeof(float));
+                    }
+                }
+                for (int64_t b = 0; b < ntb; b++) {
+                    const float *xt = j->c->xt + ((size_t)(t0 / CPU_TB + b) * (size_t)m->k + (size_t)k0) * CPU_TB;
+                    kern->gemm(wf, CPU_KC, xt, kc, cbuf + b * nr * CPU_TB, k0 > 0);
+                }
+            }
+            for (int64_t b = 0; b < ntb; b++) {
+                const float *cb = cbuf + b * nr * CPU_TB;
+                int64_t tb0 = t0 + b * CPU_TB;
+                int64_t nt = t1 - tb0 < CPU_TB ? t1 - tb0 : CPU_TB;
+                for (int64_t i = 0; i < nt; i++) {
+                    float *y = m->y + (size_t)(tb0 + i) * m->ldy + n0;
+                    for (int64_t r = 0; r < nv; r++) y[r] = cb[r * CPU_TB + i];
+                }
+            }
+        }
+    }
+}
+
+/* Rows of a 2-D view: checks that t has contiguous rows of ne[0] elements. */
+static bool cpu_rows_ok(const op_tensor *t) {
+    return t->nb[0] == op_type_block_bytes(t->type) && t->data != NULL;
+}
+
+static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
+    cpu_backend *c = cpu_be(be);
+    if (!cpu_rows_ok(w) || !cpu_rows_ok(x) || !cpu_rows_ok(y))
+        return fu_errorf(FU_ERR_INVALID, "matmul %s: rows must be contiguous", w->name ? w->name : "");
+    if (op_type_block_elems(w->type) > 1 && w->ne[0] % OP_QK)
+        return fu_errorf(FU_ERR_INVALID, "matmul %s: K=%lld is not a multiple of %d",
+                         w->name ? w->name : "", (long long)w->ne[0], OP_QK);
+    if (w->type == OP_TYPE_I8 && !w->row_scale)
+        return fu_errorf(FU_ERR_INVALID, "matmul %s: i8 weights need row scales", w->name ? w->name : "");
+    cpu_mm_job j = {.c = c,
+                    .m = {.type = w->type,
+                          .w = w->data,
+                          .w_stride = w->nb[1],
+                          .row_scale = w->type == OP_TYPE_I8 ? w->row_scale : NULL,
+                          .n = w->ne[1],
+                          .k = w->ne[0],
+                          .t = x->ne[1] * x->ne[2] * x->ne[3],
+                          .x = x->data,
+                          .ldx = x->nb[1] / sizeof(float),
+                          .y = y->data,
+                          .ldy = y->nb[1] / sizeof(float)}};
+    if (j.m.t == 0 || j.m.n == 0) return FU_OK;
+    if (j.m.k == 0) {
+        for (int64_t t = 0; t < j.m.t; t++) memset(j.m.y + t * j.m.ldy, 0, (size_t)j.m.n * sizeof(float));
+        return FU_OK;
+    }
+    if (j.m.t <= CPU_DECODE_MAX_T) {
+        cpu_pool_run(c->pool, cpu_matvec_job, &j);
+        return FU_OK;
+    }
+    int rc = cpu_reserve_xt(c, j.m.t, j.m.k);
+    if (rc) return rc;
+    j.m.xt = c->xt;
+    cpu_pool_run(c->pool, cpu_transpose_job, &j);
+    cpu_pool_run(c->pool, cpu_gemm_job, &j);
+    return FU_OK;
+}
+
+/* ---- row-wise ops ---------------------------------------------------------- */
+
+typedef enum cpu_row_kind {
+    CPU_ROW_RMSNORM,
+    CPU_ROW_SOFTMAX,
+    CPU_ROW_LOG_SOFTMAX,
+    CPU_ROW_SWIGLU,
+    CPU_ROW_ADD,
+    CPU_ROW_ADD_ROW,
+} cpu_row_kind;
+
+typedef struct cpu_row_job {
+    cpu_row_kind kind;
+    int64_t rows, d;   /* rows of d elements */
+    float *out;        /* (rows, d) */
+    const float *a;    /* (rows, d) first operand */
+    const float *b;    /* (rows, d), or (d) for add_row / rmsnorm weight (may be NULL) */
+    float eps;
+} cpu_row_job;
+
+static void cpu_row_one(const cpu_row_job *j, int64_t r) {
+    const int64_t d = j->d;
+    float *o = j->out + r * d;
+    const float *a = j->a + r * d;
+    switch (j->kind) {
+    case CPU_ROW_RMSNORM: {
+        double ss = 0;
+        for (int64_t i = 0; i < d; i++) ss += (double)a[i] * a[i];
+        float inv = (float)(1.0 / sqrt(ss / (double)d + (double)j->eps));
+        if (j->b)
+            for (int64_t i = 0; i < d; i++) o[i] = a[i] * inv * j->b[i];
+        else
+            for (int64_t i = 0; i < d; i++) o[i] = a[i] * inv;
+        break;
+    }
+    case CPU_ROW_SOFTMAX:
+    case CPU_ROW_LOG_SOFTMAX: {
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < d; i++) mx = a[i] > mx ? a[i] : mx;
+        if (mx == -INFINITY) mx = 0; /* all -inf: softmax gives nan like the reference */
+        double sum = 0;
+        if (j->kind == CPU_ROW_SOFTMAX) {
+            for (int64_t i = 0; i < d; i++) {
+                o[i] = expf(a[i] - mx);
+                sum += o[i];
+            }
+            float inv = (float)(1.0 / sum);
+            for (int64_t i = 0; i < d; i++) o[i] *= inv;
+        } else {
+            for (int64_t i = 0; i < d; i++) sum += expf(a[i] - mx);
+            float lse = mx + (float)log(sum);
+            for (int64_t i = 0; i < d; i++) o[i] = a[i] - lse;
+        }
+        break;
+    }
+    case CPU_ROW_SWIGLU: {
+        const float *u = j->b + r * d;
+        for (int64_t i = 0; i < d; i++) o[i] = a[i] / (1.0f + expf(-a[i])) * u[i];
+        break;
+    }
+    case CPU_ROW_ADD: {
+        const float *b = j->b + r * d;
+        for (int64_t i = 0; i < d; i++) o[i] = a[i] + b[i];
+        break;
+    }
+    case CPU_ROW_ADD_ROW:
+        for (int64_t i = 0; i < d; i++) o[i] = a[i] + j->b[i];
+        break;
+    }
+}
+
+static void cpu_row_job_run(void *arg, int ith, int nth) {
+    cpu_row_job *j = arg;
+    int64_t r0, r1;
+    cpu_split(j->rows, 1, ith, nth, &r0, &r1);
+    for (int64_t r = r0; r < r1; r++) cpu_row_one(j, r);
+}
+
+static int cpu_rows_run(cpu_backend *c, cpu_row_job *j) {
+    if (j->rows * j->d < CPU_SERIAL_ELEMS || j->rows == 1)
+        cpu_row_job_run(j, 0, 1);
+    else
+        cpu_pool_run(c->pool, cpu_row_job_run, j);
+    return FU_OK;
+}
+
+static bool cpu_f32_contig(const op_tensor *t) {
+    return t->type == OP_TYPE_F32 && t->data && op_tensor_is_contiguous(t);
+}
+
+static int cpu_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y) {
+    if (!cpu_f32_contig(x) || !cpu_f32_contig(y) || (w && !cpu_f32_contig(w)))
+        return fu_errorf(FU_ERR_INVALID, "rmsnorm: tensors must be contiguous f32");
+    cpu_row_job j = {CPU_ROW_RMSNORM, op_tensor_nelems(x) / (x->ne[0] ? x->ne[0] : 1), x->ne[0],
+                     y->data, x->data, w ? w->data : NULL, eps};
+    if (x->ne[0] == 0) return FU_OK;
+    return cpu_rows_run(cpu_be(be), &j);
+}
+
+static int cpu_softmax_any(op_backend *be, op_tensor *x, cpu_row_kind kind) {
+    if (!cpu_f32_contig(x)) return fu_errorf(FU_ERR_INVALID, "softmax: x must be contiguous f32");
+    if (x->ne[0] == 0) return FU_OK;
+    cpu_row_job j = {kind, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data, NULL, 0};
+    return cpu_rows_run(cpu_be(be), &j);
+}
+
+static int cpu_softmax(op_backend *be, op_tensor *x) { return cpu_softmax_any(be, x, CPU_ROW_SOFTMAX); }
+
+static int cpu_log_softmax(op_backend *be, op_tensor *x) {
+    return cpu_softmax_any(be, x, CPU_ROW_LOG_SOFTMAX);
+}
+
+static int cpu_swiglu(op_backend *be, const op_tensor *gate, const op_tensor *up, op_tensor *out) {
+    if (!cpu_f32_contig(gate) || !cpu_f32_contig(up) || !cpu_f32_contig(out))
+        return fu_errorf(FU_ERR_INVALID, "swiglu: tensors must be contiguous f32");
+    int64_t n = op_tensor_nelems(gate), d = gate->ne[0] ? gate->ne[0] : 1;
+    cpu_row_job j = {CPU_ROW_SWIGLU, n / d, d, out->data, gate->data, up->data, 0};
+    return cpu_rows_run(cpu_be(be), &j);
+}
+
+static int cpu_add(op_backend *be, op_tensor *x, const op_tensor *y) {
+    if (!cpu_f32_contig(x) || !cpu_f32_contig(y))
+        return fu_errorf(FU_ERR_INVALID, "add: tensors must be contiguous f32");
+    int64_t n = op_tensor_nelems(x), d = x->ne[0] ? x->ne[0] : 1;
+    cpu_row_job j = {CPU_ROW_ADD, n / d, d, x->data, x->data, y->data, 0};
+    return cpu_rows_run(cpu_be(be), &j);
+}
+
+static int cpu_add_row(op_backend *be, op_tensor *x, const op_tensor *b) {
+    if (!cpu_f32_contig(x) || !cpu_f32_contig(b))
+        return fu_errorf(FU_ERR_INVALID, "add_row: tensors must be contiguous f32");
+    if (x->ne[0] == 0) return FU_OK;
+    cpu_row_job j = {CPU_ROW_ADD_ROW, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data,
+                     b->data, 0};
+    return cpu_rows_run(cpu_be(be), &j);
+}
+
+/* ---- rope ------------------------------------------------------------------ */
+
+static int cpu_rope(op_backend *be, op_tensor *x, const int32_t *pos, const op_rope_params *p) {
+    (void)be;
+    if (!cpu_f32_contig(x)) return fu_errorf(FU_ERR_INVALID, "rope: x must be contiguous f32");
+    if (p->rot_dim > CPU_ATTN_MAX_HD || !p->inv_freq)
+        return fu_errorf(FU_ERR_INVALID, "rope: rot_dim %d unsupported or no inv_freq", p->rot_dim);
+    const int64_t hd = x->ne[0], nh = x->ne[1], nt = x->ne[2] * x->ne[3];
+    const int half = p->rot_dim / 2;
+    float cs[CPU_ATTN_MAX_HD / 2], sn[CPU_ATTN_MAX_HD / 2];
+    for (int64_t t = 0; t < nt; t++) {
+        for (int i = 0; i < half; i++) {
+            float theta = (float)pos[t] * p->inv_freq[i];
+            cs[i] = cosf(theta) * p->attn_factor;
+            sn[i] = sinf(theta) * p->attn_factor;
+        }
+        for (int64_t h = 0; h < nh; h++) {
+            float *v = (float *)x->data + (t * nh + h) * hd;
+            for (int i = 0; i < half; i++) {
+                int i0 = p->mode == OP_ROPE_NEOX ? i : 2 * i;
+                int i1 = p->mode == OP_ROPE_NEOX ? i + half : 2 * i + 1;
+                float x0 = v[i0], x1 = v[i1];
+                v[i0] = x0 * cs[i] - x1 * sn[i];
+                v[i1] = x0 * sn[i] + x1 * cs[i];
+            }
+        }
+    }
+    return FU_OK;
+}
+
+/* ---- attention ------------------------------------------------------------- */
+
+typedef struct cpu_attn_job {
+    cpu_backend *c;
+    const op_tensor *q;
+    const op_attn *a;
+    op_tensor *out;
+    int64_t ntasks;        /* T * H */
+    _Atomic int64_t next;  /* next task to take */
+} cpu_attn_job;
+
+/* One (token, head): online softmax over chunks of CPU_ATTN_CHUNK positions. */
+static void cpu_attn_task(cpu_attn_job *j, int64_t task) {
+    const op_attn *a = j->a;
+    const cpu_kernels *kern = j->c->kern;
+    const int hd = a->head_dim, group = a->n_heads / a->n_kv_heads;
+    const int64_t t = task / a->n_heads;
+    const int h = (int)(task % a->n_heads), g = h / group;
+    const op_tensor *kc = &a->k[a->seq[t]], *vc = &a->v[a->seq[t]];
+    const float *q = (const float *)((const uint8_t *)j->q->data + t * j->q->nb[2] + h * j->q->nb[1]);
+    float *out = (float *)((uint8_t *)j->out->data + t * j->out->nb[2] + h * j->out->nb[1]);
+    const uint8_t *kbase = (const uint8_t *)kc->data + g * kc->nb[1];
+    const uint8_t *vbase = (const uint8_t *)vc->data + g * vc->nb[1];
+    float acc[CPU_ATTN_MAX_HD], s[CPU_ATTN_CHUNK];
+    float mx = -INFINITY, l = 0;
+    memset(acc, 0, (size_t)hd * sizeof(float));
+    const int n = a->pos[t] + 1;
+    for (int j0 = 0; j0 < n; j0 += CPU_ATTN_CHUNK) {
+        int cn = n - j0 < CPU_ATTN_CHUNK ? n - j0 : CPU_ATTN_CHUNK;
+        kern->scores(q, kbase + (size_t)j0 * kc->nb[2], kc->type, kc->nb[2], cn, hd, a->scale, s);
+        float cm = s[0];
+        for (int i = 1; i < cn; i++) cm = s[i] > cm ? s[i] : cm;
+        if (cm > mx) {
+            float f = expf(mx - cm); /* 0 on the first chunk */
+            l *= f;
+            for (int d = 0; d < hd; d++) acc[d] *= f;
+            mx = cm;
+        }
+        for (int i = 0; i < cn; i++) {
+            s[i] = expf(s[i] - mx);
+            l += s[i];
+        }
+        kern->accum(s, vbase + (size_t)j0 * vc->nb[2], vc->type, vc->nb[2], cn, hd, acc);
+    }
+    float inv = 1.0f / l;
+    for (int d = 0; d < hd; d++) out[d] = acc[d] * inv;
+}
+
+static void cpu_attn_job_run(void *arg, int ith, int nth) {
+    (void)ith;
+    (void)nth;
+    cpu_attn_job *j = arg;
+    for (;;) {
+        int64_t task = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (task >= j->ntasks) break;
+        cpu_attn_task(j, task);
+    }
+}
+
+static int cpu_attention(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor *out) {
+    cpu_backend *c = cpu_be(be);
+    if (q->type != OP_TYPE_F32 || out->type != OP_TYPE_F32 || q->nb[0] != 4 || out->nb[0] != 4 ||
+        out->ne[0] != a->head_dim || out->ne[1] != a->n_heads || !q->data || !out->data)
+        return fu_errorf(FU_ERR_INVALID, "attention: q and out must be f32 (T, H, hd)");
+    if (a->head_dim <= 0 || a->head_dim > CPU_ATTN_MAX_HD)
+        return fu_errorf(FU_ERR_UNSUPPORTED, "attention: head_dim %d outside [1, %d]", a->head_dim,
+                         CPU_ATTN_MAX_HD);
+    const int64_t nt = q->ne[2] * q->ne[3];
+    for (int64_t t = 0; t < nt; t++) {
+        int s = a->seq[t];
+        if (s < 0 || s >= a->n_seqs)
+            return fu_errorf(FU_ERR_RANGE, "attention: token %lld has sequence %d of %d",
+                             (long long)t, s, a->n_seqs);
+        const op_tensor *k = &a->k[s], *v = &a->v[s];
+        if ((k->type != OP_TYPE_F32 && k->type != OP_TYPE_F16) || v->type != k->type ||
+            k->ne[0] != a->head_dim || v->ne[0] != a->head_dim || k->ne[1] != a->n_kv_heads ||
+            v->ne[1] != a->n_kv_heads || k->nb[0] != op_type_block_bytes(k->type) ||
+            v->nb[0] != k->nb[0])
+            return fu_errorf(FU_ERR_INVALID, "attention: cache %d must be F32/F16 (len, %d, %d)", s,
+                             a->n_kv_heads, a->head_dim);
+        if (a->pos[t] < 0 || a->pos[t] >= k->ne[2] || a->pos[t] >= v->ne[2])
+            return fu_errorf(FU_ERR_RANGE, "attention: token %lld at position %d outside cache of %lld",
+                             (long long)t, a->pos[t], (long long)k->ne[2]);
+    }
+    cpu_attn_job j = {.c = c, .q = q, .a = a, .out = out, .ntasks = nt * a->n_heads};
+    atomic_init(&j.next, 0);
+    if (j.ntasks == 1)
+        cpu_attn_job_run(&j, 0, 1);
+    else
+        cpu_pool_run(c->pool, cpu_attn_job_run, &j);
+    return FU_OK;
+}
+
+/* ---- kv_store / get_rows ---------------------------------------------------- */
+
+static int cpu_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst,
+                        const int32_t *seq, const int32_t *pos) {
+    cpu_backend *c = cpu_be(be);
+    if (!cpu_f32_contig(src)) return fu_errorf(FU_ERR_INVALID, "kv_store: src must be contiguous f32");
+    const int64_t nt = src->ne[1] * src->ne[2] * src->ne[3], cols = src->ne[0];
+    for (int64_t t = 0; t < nt; t++) {
+        if (seq[t] < 0) return fu_errorf(FU_ERR_RANGE, "kv_store: negative sequence %d", seq[t]);
+        const op_tensor *d = dst[seq[t]];
+        int last = d->ndim > 1 ? d->ndim - 1 : 1;
+        int64_t len = d->ne[last];
+        if ((d->type != OP_TYPE_F32 && d->type != OP_TYPE_F16) || op_tensor_nelems(d) != len * cols ||
+            d->nb[0] != op_type_block_bytes(d->type) || !d->data)
+            return fu_errorf(FU_ERR_INVALID, "kv_store: cache %d must be F32/F16 rows of %lld", seq[t],
+                             (long long)cols);
+        if (pos[t] < 0 || pos[t] >= len)
+            return fu_errorf(FU_ERR_RANGE, "kv_store: position %d outside cache of %lld", pos[t],
+                             (long long)len);
+        const float *s = (const float *)src->data + t * cols;
+        uint8_t *row = (uint8_t *)d->data + (size_t)pos[t] * d->nb[last];
+        if (d->type == OP_TYPE_F32)
+            memcpy(row, s, (size_t)cols * sizeof(float));
+        else
+            c->kern->to_f16(s, (uint16_t *)row, cols);
+    }
+    return FU_OK;
+}
+
+static int cpu_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out) {
+    cpu_backend *c = cpu_be(be);
+    if (!op_type_is_weight(table->type) || !cpu_rows_ok(table) || !cpu_f32_contig(out))
+        return fu_errorf(FU_ERR_INVALID, "get_rows: bad table type or layout");
+    if (op_type_block_elems(table->type) > 1 && table->ne[0] % OP_QK)
+        return fu_errorf(FU_ERR_INVALID, "get_rows: row length not a multiple of %d", OP_QK);
+    if (table->type == OP_TYPE_I8 && !table->row_scale)
+        return fu_errorf(FU_ERR_INVALID, "get_rows: i8 table needs row scales");
+    const int64_t d = table->ne[0], nt = out->ne[1] * out->ne[2] * out->ne[3];
+    for (int64_t t = 0; t < nt; t++) {
+        float s = table->type == OP_TYPE_I8 ? table->row_scale[ids[t]] : 1.0f;
+        c->kern->dequant[table->type]((const uint8_t *)table->data + (size_t)ids[t] * table->nb[1], 0,
+                                      d, s, (float *)out->data + t * d);
+    }
+    return FU_OK;
+}
+
+/* ---- construction ------------------------------------------------------------ */
+
+static const op_backend_vtbl cpu_vtbl = {
+    .name = "cpu",
+    .free = cpu_free,
+    .isa = cpu_isa,
+    .supports = cpu_supports,
+    .buffer_alloc = cpu_buffer_alloc,
+    .buffer_free = cpu_buffer_free,
+    .buffer_set = cpu_buffer_copy,
+    .buffer_get = cpu_buffer_copy,
+    .reserve = cpu_reserve,
+    .synchronize = cpu_synchronize,
+    .matmul = cpu_matmul,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .attention = cpu_attention,
+    .kv_store = cpu_kv_store,
+    .swiglu = cpu_swiglu,
+    .add = cpu_add,
+    .add_row = cpu_add_row,
+    .get_rows = cpu_get_rows,
+    .softmax = cpu_softmax,
+    .log_softmax = cpu_log_softmax,
+};
+
+op_backend *op_backend_cpu_new(const op_cpu_options *opts) {
+    op_cpu_options o = opts ? *opts : (op_cpu_options){0};
+    int n = o.n_threads;
+    if (n <= 0) {
+        long online = sysconf(_SC_NPROCESSORS_ONLN);
+        n = online > 0 ? (int)online : 1;
+    }
+    if (n > 256) n = 256;
+    cpu_backend *c = calloc(1, sizeof *c);
+    if (!c) {
+        fu_errorf(FU_ERR_NOMEM, "cpu backend: out of memory");
+        return NULL;
+    }
+    c->base.v = &cpu_vtbl;
+    c->base.n_threads = n;
+    c->kern = cpu_pick_kernels(o.isa);
+    c->wf = cpu_alloc_aligned((size_t)n * CPU_NR_MAX * CPU_KC * sizeof(float));
+    c->cbuf = cpu_alloc_aligned((size_t)n * CPU_NR_MAX * CPU_TC * sizeof(float));
+    if (!c->wf || !c->cbuf) {
+        fu_errorf(FU_ERR_NOMEM, "cpu backend: out of memory for scratch");
+        goto err;
+    }
+    c->pool = cpu_pool_new(n);
+    if (!c->pool) {
+        fu_errorf(FU_ERR_INTERNAL, "cpu backend: cannot start %d threads", n);
+        goto err;
+    }
+    return &c->base;
+err:
+    free(c->wf);
+    free(c->cbuf);
+    free(c);
+    return NULL;
+}

@@ -1,0 +1,40 @@
+/* ops-impl.h -- what a backend implements: the vtable behind op_backend. */
+#ifndef FU_OPS_IMPL_H
+#define FU_OPS_IMPL_H
+
+#include "ops.h"
+
+typedef struct op_backend_vtbl {
+    const char *name;
+    void (*free)(op_backend *be);
+    const char *(*isa)(const op_backend *be);
+    bool (*supports)(const op_backend *be, op_type weight_type);
+
+    void *(*buffer_alloc)(op_backend *be, size_t nbytes);
+    void (*buffer_free)(op_backend *be, void *ptr);
+    int (*buffer_set)(op_backend *be, void *dst, const void *src, size_t nbytes);
+    int (*buffer_get)(op_backend *be, void *dst, const void *src, size_t nbytes);
+    int (*reserve)(op_backend *be, int64_t max_tokens, int64_t max_k);
+    int (*synchronize)(op_backend *be);
+
+    int (*matmul)(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y);
+    int (*rmsnorm)(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y);
+    int (*rope)(op_backend *be, op_tensor *x, const int32_t *pos, const op_rope_params *p);
+    int (*attention)(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor *out);
+    int (*kv_store)(op_backend *be, const op_tensor *src, op_tensor *const *dst, const int32_t *seq,
+                    const int32_t *pos);
+    int (*swiglu)(op_backend *be, const op_tensor *gate, const op_tensor *up, op_tensor *out);
+    int (*add)(op_backend *be, op_tensor *x, const op_tensor *y);
+    int (*add_row)(op_backend *be, op_tensor *x, const op_tensor *b);
+    int (*get_rows)(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out);
+    int (*softmax)(op_backend *be, op_tensor *x);
+    int (*log_softmax)(op_backend *be, op_tensor *x);
+} op_backend_vtbl;
+
+/* Every backend struct begins with this header. */
+struct op_backend {
+    const op_backend_vtbl *v;
+    int n_threads;
+};
+
+#endif

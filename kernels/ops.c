@@ -1,0 +1,434 @@
+/* ops.c -- type traits, scalar conversions, row (de)quantization and op dispatch. */
+#include "ops-impl.h"
+
+#include <assert.h>
+#include <math.h>
+#include <string.h>
+
+#include "status.h"
+
+/* ---- type traits -------------------------------------------------------- */
+
+static const struct {
+    const char *name;
+    int block_elems;
+    size_t block_bytes;
+    bool weight;
+} op_type_traits[OP_TYPE_COUNT] = {
+    [OP_TYPE_F32] = {"f32", 1, 4, true},
+    [OP_TYPE_F16] = {"f16", 1, 2, true},
+    [OP_TYPE_BF16] = {"bf16", 1, 2, true},
+    [OP_TYPE_Q8_0] = {"q8_0", OP_QK, sizeof(op_block_q8_0), true},
+    [OP_TYPE_Q4_0] = {"q4_0", OP_QK, sizeof(op_block_q4_0), true},
+    [OP_TYPE_Q4_1] = {"q4_1", OP_QK, sizeof(op_block_q4_1), true},
+    [OP_TYPE_I8] = {"i8", 1, 1, true},
+    [OP_TYPE_I32] = {"i32", 1, 4, false},
+};
+
+_Static_assert(sizeof(op_block_q8_0) == 34, "q8_0 block layout");
+_Static_assert(sizeof(op_block_q4_0) == 18, "q4_0 block layout");
+_Static_assert(sizeof(op_block_q4_1) == 20, "q4_1 block layout");
+
+const char *op_type_name(op_type type) {
+    return (unsigned)type < OP_TYPE_COUNT ? op_type_traits[type].name : "invalid";
+}
+
+int op_type_block_elems(op_type type) {
+    assert((unsigned)type < OP_TYPE_COUNT);
+    return op_type_traits[type].block_elems;
+}
+
+size_t op_type_block_bytes(op_type type) {
+    assert((unsigned)type < OP_TYPE_COUNT);
+    return op_type_traits[type].block_bytes;
+}
+
+size_t op_row_bytes(op_type type, int64_t n) {
+    return (size_t)(n / op_type_block_elems(type)) * op_type_block_bytes(type);
+}
+
+bool op_type_is_weight(op_type type) {
+    return (unsigned)type < OP_TYPE_COUNT && op_type_traits[type].weight;
+}
+
+/* ---- descriptors -------------------------------------------------------- */
+
+static op_tensor op_tensor_make(op_type type, void *data, int ndim, const int64_t *ne) {
+    op_tensor t;
+    memset(&t, 0, sizeof t);
+    t.type = type;
+    t.ndim = ndim;
+    t.data = data;
+    for (int i = 0; i < 4; i++) t.ne[i] = i < ndim ? ne[i] : 1;
+    t.nb[0] = op_type_block_bytes(type);
+    t.nb[1] = op_row_bytes(type, t.ne[0]);
+    for (int i = 2; i < 4; i++) t.nb[i] = t.nb[i - 1] * (size_t)t.ne[i - 1];
+    return t;
+}
+
+op_tensor op_tensor_1d(op_type type, void *data, int64_t ne0) {
+    int64_t ne[1] = {ne0};
+    return op_tensor_make(type, data, 1, ne);
+}
+
+op_tensor op_tensor_2d(op_type type, void *data, int64_t ne0, int64_t ne1) {
+    int64_t ne[2] = {ne0, ne1};
+    return op_tensor_make(type, data, 2, ne);
+}
+
+op_tensor op_tensor_3d(op_type type, void *data, int64_t ne0, int64_t ne1, int64_t ne2) {
+    int64_t ne[3] = {ne0, ne1, ne2};
+    return op_tensor_make(type, data, 3, ne);
+}
+
+int64_t op_tensor_nelems(const op_tensor *t) { return t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3]; }
+
+size_t op_tensor_nbytes(const op_tensor *t) {
+    return op_row_bytes(t->type, t->ne[0]) * (size_t)(t->ne[1] * t->ne[2] * t->ne[3]);
+}
+
+bool op_tensor_is_contiguous(const op_tensor *t) {
+    if (t->nb[0] != op_type_block_bytes(t->type)) return false;
+    if (t->nb[1] != op_row_bytes(t->type, t->ne[0])) return false;
+    for (int i = 2; i < 4; i++)
+        if (t->ne[i] > 1 && t->nb[i] != t->nb[i - 1] * (size_t)t->ne[i - 1]) return false;
+    return true;
+}
+
+/* ---- scalar conversions ------------------------------------------------- */
+
+float op_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t mant = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                mant <<= 1;
+            } while (!(mant & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+uint16_t op_f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) /* inf or nan */
+        return (uint16_t)(sign | 0x7c00 | (absx > 0x7f800000u ? 0x200 : 0));
+    if (absx >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
+        return (uint16_t)(sign | 0x7c00);
+    if (absx < 0x38800000u) { /* below the smallest normal half: subnormal or zero */
+        float a;
+        memcpy(&a, &absx, sizeof a);
+        /* a * 2^24 rounded to nearest even gives the subnormal mantissa */
+        float r = nearbyintf(a * 16777216.0f);
+        return (uint16_t)(sign | (uint32_t)r);
+    }
+    uint32_t mant = absx & 0x7fffff;
+    uint32_t exp = (absx >> 23) - 127 + 15;
+    uint32_t h = (exp << 10) | (mant >> 13);
+    uint32_t rem = mant & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++; /* may carry into the exponent: correct */
+    return (uint16_t)(sign | h);
+}
+
+float op_bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+uint16_t op_f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40); /* quiet nan */
+    x += 0x7fff + ((x >> 16) & 1);
+    return (uint16_t)(x >> 16);
+}
+
+/* ---- rows --------------------------------------------------------------- */
+
+void op_dequantize_row(const op_tensor *t, int64_t row, float *out) {
+    const int64_t n = t->ne[0];
+    const uint8_t *p = (const uint8_t *)t->data + (size_t)row * t->nb[1];
+    switch (t->type) {
+    case OP_TYPE_F32:
+        memcpy(out, p, (size_t)n * sizeof(float));
+        break;
+    case OP_TYPE_F16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            out[i] = op_f16_to_f32(h);
+        }
+        break;
+    case OP_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            out[i] = op_bf16_to_f32(h);
+        }
+        break;
+    case OP_TYPE_Q8_0:
+        for (int64_t b = 0; b < n / OP_QK; b++) {
+            op_block_q8_0 blk;
+            memcpy(&blk, p + b * sizeof blk, sizeof blk);
+            float d = op_f16_to_f32(blk.d);
+            for (int j = 0; j < OP_QK; j++) out[b * OP_QK + j] = d * (float)blk.qs[j];
+        }
+        break;
+    case OP_TYPE_Q4_0:
+        for (int64_t b = 0; b < n / OP_QK; b++) {
+            op_block_q4_0 blk;
+            memcpy(&blk, p + b * sizeof blk, sizeof blk);
+            float d = op_f16_to_f32(blk.d);
+            for (int j = 0; j < OP_QK / 2; j++) {
+                out[b * OP_QK + j] = d * (float)((blk.qs[j] & 0x0f) - 8);
+                out[b * OP_QK + j + OP_QK / 2] = d * (float)((blk.qs[j] >> 4) - 8);
+            }
+        }
+        break;
+    case OP_TYPE_Q4_1:
+        for (int64_t b = 0; b < n / OP_QK; b++) {
+            op_block_q4_1 blk;
+            memcpy(&blk, p + b * sizeof blk, sizeof blk);
+            float d = op_f16_to_f32(blk.d), m = op_f16_to_f32(blk.m);
+            for (int j = 0; j < OP_QK / 2; j++) {
+                out[b * OP_QK + j] = d * (float)(blk.qs[j] & 0x0f) + m;
+                out[b * OP_QK + j + OP_QK / 2] = d * (float)(blk.qs[j] >> 4) + m;
+            }
+        }
+        break;
+    case OP_TYPE_I8: {
+        float s = t->row_scale ? t->row_scale[row] : 1.0f;
+        for (int64_t i = 0; i < n; i++) out[i] = s * (float)((const int8_t *)p)[i];
+        break;
+    }
+    case OP_TYPE_I32:
+        for (int64_t i = 0; i < n; i++) {
+            int32_t v;
+            memcpy(&v, p + 4 * i, 4);
+            out[i] = (float)v;
+        }
+        break;
+    default:
+        assert(!"op_dequantize_row: bad type");
+    }
+}
+
+void op_quantize_row(op_type type, const float *x, int64_t n, void *dst, float *row_scale) {
+    uint8_t *p = dst;
+    switch (type) {
+    case OP_TYPE_F32:
+        memcpy(p, x, (size_t)n * sizeof(float));
+        break;
+    case OP_TYPE_F16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h = op_f32_to_f16(x[i]);
+            memcpy(p + 2 * i, &h, 2);
+        }
+        break;
+    case OP_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h = op_f32_to_bf16(x[i]);
+            memcpy(p + 2 * i, &h, 2);
+        }
+        break;
+    case OP_TYPE_Q8_0:
+        for (int64_t b = 0; b < n / OP_QK; b++) {
+            const float *xb = x + b * OP_QK;
+            float amax = 0;
+            for (int j = 0; j < OP_QK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+            op_block_q8_0 blk;
+            blk.d = op_f32_to_f16(d);
+            for (int j = 0; j < OP_QK; j++) blk.qs[j] = (int8_t)roundf(xb[j] * id);
+            memcpy(p + b * sizeof blk, &blk, sizeof blk);
+        }
+        break;
+    case OP_TYPE_Q4_0:
+        for (int64_t b = 0; b < n / OP_QK; b++) {
+            const float *xb = x + b * OP_QK;
+            float amax = 0, max = 0;
+            for (int j = 0; j < OP_QK; j++)
+                if (fabsf(xb[j]) > amax) {
+                    amax = fabsf(xb[j]);
+                    max = xb[j];
+                }
+            float d = max / -8.0f, id = d ? 1.0f / d : 0.0f;
+            op_block_q4_0 blk;
+            blk.d = op_f32_to_f16(d);
+            for (int j = 0; j < OP_QK / 2; j++) {
+                int q0 = (int)(xb[j] * id + 8.5f), q1 = (int)(xb[j + OP_QK / 2] * id + 8.5f);
+                q0 = q0 > 15 ? 15 : q0 < 0 ? 0 : q0;
+                q1 = q1 > 15 ? 15 : q1 < 0 ? 0 : q1;
+                blk.qs[j] = (uint8_t)(q0 | (q1 << 4));
+            }
+            memcpy(p + b * sizeof blk, &blk, sizeof blk);
+        }
+        break;
+    case OP_TYPE_Q4_1:
+        for (int64_t b = 0; b < n / OP_QK; b++) {
+            const float *xb = x + b * OP_QK;
+            float mn = xb[0], mx = xb[0];
+            for (int j = 1; j < OP_QK; j++) {
+                mn = fminf(mn, xb[j]);
+                mx = fmaxf(mx, xb[j]);
+            }
+            float d = (mx - mn) / 15.0f, id = d ? 1.0f / d : 0.0f;
+            op_block_q4_1 blk;
+            blk.d = op_f32_to_f16(d);
+            blk.m = op_f32_to_f16(mn);
+            for (int j = 0; j < OP_QK / 2; j++) {
+                int q0 = (int)((xb[j] - mn) * id + 0.5f), q1 = (int)((xb[j + OP_QK / 2] - mn) * id + 0.5f);
+                q0 = q0 > 15 ? 15 : q0 < 0 ? 0 : q0;
+                q1 = q1 > 15 ? 15 : q1 < 0 ? 0 : q1;
+                blk.qs[j] = (uint8_t)(q0 | (q1 << 4));
+            }
+            memcpy(p + b * sizeof blk, &blk, sizeof blk);
+        }
+        break;
+    case OP_TYPE_I8: {
+        float amax = 0;
+        for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float s = amax / 127.0f, is = s ? 1.0f / s : 0.0f;
+        for (int64_t i = 0; i < n; i++) ((int8_t *)p)[i] = (int8_t)roundf(x[i] * is);
+        if (row_scale) *row_scale = s;
+        break;
+    }
+    default:
+        assert(!"op_quantize_row: bad type");
+    }
+}
+
+/* ---- dispatch ----------------------------------------------------------- */
+
+void op_backend_free(op_backend *be) {
+    if (be) be->v->free(be);
+}
+
+const char *op_backend_name(const op_backend *be) { return be->v->name; }
+
+const char *op_backend_isa(const op_backend *be) { return be->v->isa ? be->v->isa(be) : be->v->name; }
+
+int op_backend_n_threads(const op_backend *be) { return be->n_threads; }
+
+bool op_backend_supports(const op_backend *be, op_type weight_type) {
+    return be->v->supports(be, weight_type);
+}
+
+void *op_buffer_alloc(op_backend *be, size_t nbytes) { return be->v->buffer_alloc(be, nbytes); }
+
+void op_buffer_free(op_backend *be, void *ptr) {
+    if (ptr) be->v->buffer_free(be, ptr);
+}
+
+int op_buffer_set(op_backend *be, void *dst, const void *src, size_t nbytes) {
+    return be->v->buffer_set(be, dst, src, nbytes);
+}
+
+int op_buffer_get(op_backend *be, void *dst, const void *src, size_t nbytes) {
+    return be->v->buffer_get(be, dst, src, nbytes);
+}
+
+int op_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
+    return be->v->reserve(be, max_tokens, max_k);
+}
+
+int op_synchronize(op_backend *be) { return be->v->synchronize ? be->v->synchronize(be) : FU_OK; }
+
+int op_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
+    if (w->ne[0] != x->ne[0] || y->ne[0] != w->ne[1] || y->ne[1] != x->ne[1])
+        return fu_errorf(FU_ERR_INVALID,
+                         "matmul %s: W (%lld, %lld) x (%lld, %lld) -> y (%lld, %lld) mismatch",
+                         w->name ? w->name : "", (long long)w->ne[1], (long long)w->ne[0],
+                         (long long)x->ne[1], (long long)x->ne[0], (long long)y->ne[1],
+                         (long long)y->ne[0]);
+    if (x->type != OP_TYPE_F32 || y->type != OP_TYPE_F32)
+        return fu_errorf(FU_ERR_INVALID, "matmul: activations must be f32");
+    if (!be->v->supports(be, w->type))
+        return fu_errorf(FU_ERR_UNSUPPORTED, "matmul: backend %s has no %s weights", be->v->name,
+                         op_type_name(w->type));
+    return be->v->matmul(be, w, x, y);
+}
+
+int op_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y) {
+    if ((w && w->ne[0] != x->ne[0]) || y->ne[0] != x->ne[0] ||
+        op_tensor_nelems(y) != op_tensor_nelems(x))
+        return fu_errorf(FU_ERR_INVALID, "rmsnorm: shape mismatch");
+    return be->v->rmsnorm(be, x, w, eps, y);
+}
+
+int op_rope(op_backend *be, op_tensor *x, const int32_t *pos, const op_rope_params *p) {
+    if (p->rot_dim <= 0 || p->rot_dim > x->ne[0] || p->rot_dim % 2)
+        return fu_errorf(FU_ERR_INVALID, "rope: rot_dim %d with head_dim %lld", p->rot_dim,
+                         (long long)x->ne[0]);
+    return be->v->rope(be, x, pos, p);
+}
+
+int op_attention(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor *out) {
+    if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads || q->ne[0] != a->head_dim ||
+        q->ne[1] != a->n_heads || op_tensor_nelems(out) != op_tensor_nelems(q))
+        return fu_errorf(FU_ERR_INVALID, "attention: shape mismatch");
+    return be->v->attention(be, q, a, out);
+}
+
+int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, const int32_t *seq,
+                const int32_t *pos) {
+    return be->v->kv_store(be, src, dst, seq, pos);
+}
+
+int op_swiglu(op_backend *be, const op_tensor *gate, const op_tensor *up, op_tensor *out) {
+    if (op_tensor_nelems(gate) != op_tensor_nelems(up) ||
+        op_tensor_nelems(out) != op_tensor_nelems(gate))
+        return fu_errorf(FU_ERR_INVALID, "swiglu: shape mismatch");
+    return be->v->swiglu(be, gate, up, out);
+}
+
+int op_add(op_backend *be, op_tensor *x, const op_tensor *y) {
+    if (op_tensor_nelems(x) != op_tensor_nelems(y))
+        return fu_errorf(FU_ERR_INVALID, "add: shape mismatch");
+    return be->v->add(be, x, y);
+}
+
+int op_add_row(op_backend *be, op_tensor *x, const op_tensor *b) {
+    if (b->ne[0] != x->ne[0]) return fu_errorf(FU_ERR_INVALID, "add_row: shape mismatch");
+    return be->v->add_row(be, x, b);
+}
+
+int op_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out) {
+    if (out->ne[0] != table->ne[0]) return fu_errorf(FU_ERR_INVALID, "get_rows: shape mismatch");
+    for (int64_t t = 0; t < out->ne[1]; t++)
+        if (ids[t] < 0 || ids[t] >= table->ne[1])
+            return fu_errorf(FU_ERR_RANGE, "get_rows: id %d outside [0, %lld)", ids[t],
+                             (long long)table->ne[1]);
+    return be->v->get_rows(be, table, ids, out);
+}
+
+int op_softmax(op_backend *be, op_tensor *x) { return be->v->softmax(be, x); }
+
+int op_log_softmax(op_backend *be, op_tensor *x) { return be->v->log_softmax(be, x); }
+
+#ifndef FUSION_HAVE_CUDA
+op_backend *op_backend_cuda_new(int device) {
+    (void)device;
+    fu_errorf(FU_ERR_UNSUPPORTED, "fusion was built without the CUDA backend");
+    return NULL;
+}
+#endif

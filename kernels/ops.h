@@ -1,0 +1,213 @@
+/* ops.h -- the numeric engine's one op interface: self-describing tensors and a backend vtable.
+ *
+ * Callers (the transformer engine, the shard server, tests) build op_tensor
+ * descriptors over backend memory and call op_* functions; each backend (CPU in
+ * kernels/cpu/, CUDA in kernels/cuda/) implements the vtable in ops-impl.h.
+ *
+ * Conventions
+ *   - Shapes follow ggml: ne[0] is the innermost, contiguous dimension. A matrix
+ *     written "(rows, cols)" in comments has ne[0] = cols, ne[1] = rows.
+ *   - A weight W of a linear layer is (n_out, n_in), as Hugging Face and GGUF
+ *     store it: row r holds the n_in inputs of output r.
+ *   - Activations are f32 and contiguous unless an op says otherwise.
+ *   - Ops return FU_OK or a negative fu_status (shape/type mismatch,
+ *     unsupported type); they never allocate on the per-token path once
+ *     op_reserve() has been called with the largest sizes in use.
+ */
+#ifndef FU_OPS_H
+#define FU_OPS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define OP_QK 32 /* elements per block of the quantized types */
+
+typedef enum op_type {
+    OP_TYPE_F32 = 0,
+    OP_TYPE_F16,  /* IEEE half */
+    OP_TYPE_BF16, /* bfloat16 (upper half of an f32) */
+    OP_TYPE_Q8_0, /* blocks of 32: f16 d, int8 q[32];            x = d * q            */
+    OP_TYPE_Q4_0, /* blocks of 32: f16 d, uint8 qs[16];          x = d * (nibble - 8) */
+    OP_TYPE_Q4_1, /* blocks of 32: f16 d, f16 m, uint8 qs[16];   x = d * nibble + m   */
+                  /* (Q4: element j < 16 is the low nibble of qs[j], element j + 16 the high one) */
+    OP_TYPE_I8,   /* int8 per row, with one f32 scale per row in op_tensor.row_scale: x = s[row] * q */
+    OP_TYPE_I32,  /* int32 (token ids, positions) */
+    OP_TYPE_COUNT
+} op_type;
+
+/* Block layouts, byte-compatible with GGUF/ggml. */
+typedef struct op_block_q8_0 {
+    uint16_t d;        /* f16 scale */
+    int8_t qs[OP_QK];
+} op_block_q8_0;
+
+typedef struct op_block_q4_0 {
+    uint16_t d;        /* f16 scale */
+    uint8_t qs[OP_QK / 2];
+} op_block_q4_0;
+
+typedef struct op_block_q4_1 {
+    uint16_t d;        /* f16 scale */
+    uint16_t m;        /* f16 minimum */
+    uint8_t qs[OP_QK / 2];
+} op_block_q4_1;
+
+typedef struct op_tensor {
+    op_type type;
+    int ndim;               /* 1..4 */
+    int64_t ne[4];          /* elements per dimension, ne[0] innermost; unused dims are 1 */
+    size_t nb[4];           /* bytes between consecutive indices of each dimension
+                               (nb[0] is the element size, or the block size for
+                               quantized types, whose ne[0] is a multiple of 32) */
+    void *data;             /* backend memory (host memory for the CPU backend) */
+    const float *row_scale; /* OP_TYPE_I8 only: (ne[1]) per-row scales, backend memory */
+    const char *name;       /* optional, for error messages; not owned */
+} op_tensor;
+
+/* ---- type traits ------------------------------------------------------ */
+
+const char *op_type_name(op_type type);
+/* Elements per block (1 for plain types, 32 for Q*). */
+int op_type_block_elems(op_type type);
+/* Bytes per block (element size for plain types). */
+size_t op_type_block_bytes(op_type type);
+/* Bytes of one row of n elements (n must be a multiple of the block size). */
+size_t op_row_bytes(op_type type, int64_t n);
+/* True for types that can be a matmul weight. */
+bool op_type_is_weight(op_type type);
+
+/* Contiguous descriptors. Shapes are given innermost first. */
+op_tensor op_tensor_1d(op_type type, void *data, int64_t ne0);
+op_tensor op_tensor_2d(op_type type, void *data, int64_t ne0, int64_t ne1);
+op_tensor op_tensor_3d(op_type type, void *data, int64_t ne0, int64_t ne1, int64_t ne2);
+int64_t op_tensor_nelems(const op_tensor *t);
+/* Bytes spanned by a contiguous tensor. */
+size_t op_tensor_nbytes(const op_tensor *t);
+bool op_tensor_is_contiguous(const op_tensor *t);
+
+/* Scalar conversions (exact, round-to-nearest-even). */
+float op_f16_to_f32(uint16_t h);
+uint16_t op_f32_to_f16(float f);
+float op_bf16_to_f32(uint16_t h);
+uint16_t op_f32_to_bf16(float f);
+
+/* Dequantizes row `row` of a 2-D tensor of any type into out (ne[0] floats).
+ * Host memory only (used by loaders and tests). */
+void op_dequantize_row(const op_tensor *t, int64_t row, float *out);
+
+/* Quantizes n floats (n % 32 == 0 for Q types) into dst of `type`; for
+ * OP_TYPE_I8 writes the row's scale to *row_scale. Host memory only. */
+void op_quantize_row(op_type type, const float *x, int64_t n, void *dst, float *row_scale);
+
+/* ---- backends --------------------------------------------------------- */
+
+typedef struct op_backend op_backend;
+
+typedef enum op_cpu_isa {
+    OP_CPU_ISA_AUTO = 0, /* best the CPU supports */
+    OP_CPU_ISA_PORTABLE, /* plain C */
+    OP_CPU_ISA_AVX2,     /* AVX2 + FMA + F16C */
+    OP_CPU_ISA_AVX512,   /* AVX-512 F/BW/VL (+BF16/VNNI/FP16 where present) */
+} op_cpu_isa;
+
+typedef struct op_cpu_options {
+    int n_threads;  /* 0: number of online CPUs */
+    op_cpu_isa isa; /* forced level; one the CPU lacks falls back to the best it has */
+} op_cpu_options;
+
+/* Creates the CPU backend; returns NULL on failure (fu_last_error() says why).
+ * The caller owns the backend and frees it with op_backend_free(). */
+op_backend *op_backend_cpu_new(const op_cpu_options *opts);
+
+/* Creates the CUDA backend on `device`, or NULL when CUDA is not compiled in or
+ * no usable GPU is present (fu_last_error() says which). */
+op_backend *op_backend_cuda_new(int device);
+
+void op_backend_free(op_backend *be); /* NULL is a no-op */
+const char *op_backend_name(const op_backend *be);
+/* For the CPU backend: the ISA actually in use ("portable", "avx2", "avx512"). */
+const char *op_backend_isa(const op_backend *be);
+int op_backend_n_threads(const op_backend *be);
+bool op_backend_supports(const op_backend *be, op_type weight_type);
+
+/* Backend memory. op_buffer_alloc returns zeroed memory or NULL. */
+void *op_buffer_alloc(op_backend *be, size_t nbytes);
+void op_buffer_free(op_backend *be, void *ptr);
+int op_buffer_set(op_backend *be, void *dst, const void *src_host, size_t nbytes);
+int op_buffer_get(op_backend *be, void *dst_host, const void *src, size_t nbytes);
+
+/* Pre-sizes scratch so that ops over at most max_tokens rows with inner
+ * dimension at most max_k never allocate afterwards. */
+int op_reserve(op_backend *be, int64_t max_tokens, int64_t max_k);
+
+/* Waits for queued work (a no-op on the CPU). */
+int op_synchronize(op_backend *be);
+
+/* ---- ops ---------------------------------------------------------------- */
+
+/* y (T, N) f32 = x (T, K) f32 @ W (N, K)^T, W of any weight type; f32 accumulation. */
+int op_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y);
+
+/* y (R, D) = x (R, D) / sqrt(mean(x^2) + eps) * w (D); w may be NULL (no scale).
+ * y may alias x. */
+int op_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y);
+
+typedef enum op_rope_mode {
+    OP_ROPE_NEOX = 0, /* rotates pairs (i, i + rot_dim/2): Hugging Face's rotate_half */
+    OP_ROPE_NORM = 1, /* rotates pairs (2i, 2i + 1): GGUF llama's permuted Q/K */
+} op_rope_mode;
+
+typedef struct op_rope_params {
+    op_rope_mode mode;
+    int rot_dim;           /* dimensions rotated (<= head_dim, even) */
+    const float *inv_freq; /* (rot_dim/2) host memory: frequency of pair i, scaling applied */
+    float attn_factor;     /* multiplies cos/sin (1 unless a scaling scheme says otherwise) */
+} op_rope_params;
+
+/* In place on x (T, H, hd): token t is rotated by angle pos[t] * inv_freq[i].
+ * pos is host memory (T). */
+int op_rope(op_backend *be, op_tensor *x, const int32_t *pos, const op_rope_params *p);
+
+typedef struct op_attn {
+    int n_heads;          /* H: query heads */
+    int n_kv_heads;       /* KVH: H % KVH == 0; head h reads kv head h / (H / KVH) */
+    int head_dim;         /* hd */
+    float scale;          /* logit scale, usually 1/sqrt(hd) */
+    int n_seqs;           /* number of caches in k / v */
+    const int32_t *seq;   /* (T) host: cache index of token t */
+    const int32_t *pos;   /* (T) host: token t attends to positions [0, pos[t]] of its cache */
+    const op_tensor *k;   /* (n_seqs) each (max_len, KVH, hd), F32 or F16 */
+    const op_tensor *v;   /* (n_seqs) each (max_len, KVH, hd), same type as k */
+} op_attn;
+
+/* Causal attention with grouped-query heads over per-sequence KV caches:
+ * out (T, H, hd) = softmax(q . K^T * scale) V for each token and head.
+ * The caches must already hold positions [0, pos[t]] (see op_kv_store). */
+int op_attention(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor *out);
+
+/* Writes row t of src (T, C) f32 into row pos[t] of dst[seq[t]] ((max_len, C),
+ * F32 or F16), converting. seq/pos host memory. */
+int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, const int32_t *seq,
+                const int32_t *pos);
+
+/* out (T, F) = silu(gate (T, F)) * up (T, F); out may alias gate. */
+int op_swiglu(op_backend *be, const op_tensor *gate, const op_tensor *up, op_tensor *out);
+
+/* x (R, D) += y (R, D). */
+int op_add(op_backend *be, op_tensor *x, const op_tensor *y);
+
+/* x (R, N) += b (N) on every row. */
+int op_add_row(op_backend *be, op_tensor *x, const op_tensor *b);
+
+/* out (T, D) f32 = rows ids[t] of table (V, D) of any weight type; ids host (T).
+ * Ids out of [0, V) are an error. */
+int op_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out);
+
+/* In place on x (R, N): softmax over each row. */
+int op_softmax(op_backend *be, op_tensor *x);
+
+/* In place on x (R, N): log-softmax over each row. */
+int op_log_softmax(op_backend *be, op_tensor *x);
+
+#endif

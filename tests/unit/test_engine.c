@@ -1,0 +1,249 @@
+/* test_engine.c -- the engine on random weights: batching across sequences equals
+ * running each alone, chunked prefill equals one pass, rollback, and bad input. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+#include "model.h"
+#include "status.h"
+
+static mdl_config small_config(mdl_arch arch) {
+    mdl_config c;
+    memset(&c, 0, sizeof c);
+    c.arch = arch;
+    c.n_layers = 2;
+    c.dim = 64;
+    c.ffn_dim = 96;
+    c.n_heads = 4;
+    c.n_kv_heads = 2;
+    c.head_dim = 16;
+    c.vocab_size = 100;
+    c.max_seq_len = 64;
+    c.norm_eps = 1e-5f;
+    c.rope_theta = 10000.0f;
+    c.rope_mode = OP_ROPE_NEOX;
+    c.qkv_bias = arch == MDL_ARCH_QWEN2;
+    c.qk_norm = arch == MDL_ARCH_QWEN3;
+    return c;
+}
+
+typedef struct fixture {
+    mdl_model *m;
+    op_backend *be;
+    eng_engine *e;
+} fixture;
+
+static void fixture_open(fixture *f, mdl_arch arch, op_type wt, int max_batch) {
+    mdl_config c = small_config(arch);
+    mdl_open_options o = mdl_open_options_all();
+    assert_int_equal(mdl_random(&c, wt, 42, &o, &f->m), FU_OK);
+    op_cpu_options co = {2, OP_CPU_ISA_AUTO};
+    f->be = op_backend_cpu_new(&co);
+    assert_non_null(f->be);
+    eng_options eo = {max_batch, OP_TYPE_F32};
+    assert_int_equal(eng_new(f->m, f->be, &eo, &f->e), FU_OK);
+}
+
+static void fixture_close(fixture *f) {
+    eng_free(f->e);
+    op_backend_free(f->be);
+    mdl_free(f->m);
+}
+
+static float max_abs_diff(const float *a, const float *b, size_t n) {
+    float d = 0;
+    for (size_t i = 0; i < n; i++) d = fmaxf(d, fabsf(a[i] - b[i]));
+    return d;
+}
+
+/* Runs `n` tokens of one sequence alone; returns logits of every position. */
+static void run_alone(fixture *f, const int32_t *ids, int n, float *out) {
+    eng_seq *s;
+    assert_int_equal(eng_seq_new(f->e, 64, &s), FU_OK);
+    eng_seq **seqs = malloc((size_t)n * sizeof *seqs);
+    for (int i = 0; i < n; i++) seqs[i] = s;
+    eng_batch b = {n, ids, NULL, seqs, NULL};
+    assert_int_equal(eng_forward(f->e, &b, out), FU_OK);
+    assert_int_equal(eng_seq_len(s), n);
+    free(seqs);
+    eng_seq_free(f->e, s);
+}
+
+static void check_batched_equals_alone(mdl_arch arch, op_type wt) {
+    fixture f;
+    fixture_open(&f, arch, wt, 256);
+    const int V = f.m->cfg.vocab_size;
+    const int32_t a_ids[] = {1, 5, 9, 13, 17, 21, 25, 29, 33, 37};
+    const int32_t b_ids[] = {2, 4, 8, 16, 32, 64};
+    float *la = malloc(10 * (size_t)V * sizeof(float)), *lb = malloc(6 * (size_t)V * sizeof(float));
+    run_alone(&f, a_ids, 10, la);
+    run_alone(&f, b_ids, 6, lb);
+
+    /* now interleaved: prefill A[0..7) with B[0..3), then decode A and B
+     * one token each per batch, mixed with B's remaining prefill */
+    eng_seq *sa, *sb;
+    assert_int_equal(eng_seq_new(f.e, 64, &sa), FU_OK);
+    assert_int_equal(eng_seq_new(f.e, 64, &sb), FU_OK);
+    float *out = malloc(16 * (size_t)V * sizeof(float));
+    int32_t t1[] = {1, 2, 5, 4, 9, 13, 8, 17, 21};
+    eng_seq *s1[] = {sa, sb, sa, sb, sa, sa, sb, sa, sa};
+    eng_batch b1 = {9, t1, NULL, s1, NULL};
+    assert_int_equal(eng_forward(f.e, &b1, out), FU_OK);
+    const int a_pos1[] = {0, 2, 4, 5, 7, 8}, b_pos1[] = {1, 3, 6};
+    for (int i = 0; i < 6; i++)
+        assert_true(max_abs_diff(out + (size_t)a_pos1[i] * V, la + (size_t)i * V, (size_t)V) < 1e-4f);
+    for (int i = 0; i < 3; i++)
+        assert_true(max_abs_diff(out + (size_t)b_pos1[i] * V, lb + (size_t)i * V, (size_t)V) < 1e-4f);
+    int32_t t2[] = {25, 16, 32, 64};
+    eng_seq *s2[] = {sa, sb, sb, sb};
+    uint8_t want[] = {1, 0, 0, 1};
+    eng_batch b2 = {4, t2, NULL, s2, want};
+    assert_int_equal(eng_forward(f.e, &b2, out), FU_OK);
+    assert_true(max_abs_diff(out, la + 6 * (size_t)V, (size_t)V) < 1e-4f);
+    assert_true(max_abs_diff(out + V, lb + 5 * (size_t)V, (size_t)V) < 1e-4f);
+    assert_int_equal(eng_seq_len(sa), 7);
+    assert_int_equal(eng_seq_len(sb), 6);
+
+    /* rollback A to 5 positions and replay: same logits as before */
+    assert_int_equal(eng_seq_truncate(sa, 5), FU_OK);
+    eng_seq *s3[] = {sa, sa};
+    eng_batch b3 = {2, a_ids + 5, NULL, s3, NULL};
+    assert_int_equal(eng_forward(f.e, &b3, out), FU_OK);
+    assert_true(max_abs_diff(out, la + 5 * (size_t)V, 2 * (size_t)V) < 1e-4f);
+    assert_int_equal(eng_seq_truncate(sa, 8), FU_ERR_RANGE);
+
+    eng_seq_free(f.e, sa);
+    eng_seq_free(f.e, sb);
+    free(out);
+    free(la);
+    free(lb);
+    fixture_close(&f);
+}
+
+static void test_batched_llama_f32(void **state) { check_batched_equals_alone(MDL_ARCH_LLAMA, OP_TYPE_F32); }
+static void test_batched_qwen2_bf16(void **state) { check_batched_equals_alone(MDL_ARCH_QWEN2, OP_TYPE_BF16); }
+static void test_batched_qwen3_q8(void **state) { check_batched_equals_alone(MDL_ARCH_QWEN3, OP_TYPE_Q8_0); }
+static void test_batched_llama_q4_1(void **state) { check_batched_equals_alone(MDL_ARCH_LLAMA, OP_TYPE_Q4_1); }
+
+static void test_chunked_prefill_equals_single_pass(void **state) {
+    fixture big, small;
+    fixture_open(&big, MDL_ARCH_LLAMA, OP_TYPE_F16, 64);
+    fixture_open(&small, MDL_ARCH_LLAMA, OP_TYPE_F16, 3);
+    const int V = big.m->cfg.vocab_size, n = 20;
+    int32_t ids[20];
+    for (int i = 0; i < n; i++) ids[i] = (i * 37 + 3) % V;
+    float *a = malloc((size_t)n * V * sizeof(float)), *b = malloc((size_t)n * V * sizeof(float));
+    run_alone(&big, ids, n, a);
+    run_alone(&small, ids, n, b);
+    assert_true(max_abs_diff(a, b, (size_t)n * V) < 1e-4f);
+    free(a);
+    free(b);
+    fixture_close(&big);
+    fixture_close(&small);
+}
+
+static void test_span_without_embeddings_takes_hidden_states(void **state) {
+    /* blocks [0, 1) with embeddings then [1, 2) with the head equal the whole model */
+    mdl_config c = small_config(MDL_ARCH_LLAMA);
+    mdl_open_options all = mdl_open_options_all();
+    mdl_open_options first = {0, 1, true, false}, second = {1, 2, false, true};
+    mdl_model *mw, *m1, *m2;
+    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 7, &all, &mw), FU_OK);
+    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 7, &first, &m1), FU_OK);
+    op_cpu_options co = {1, OP_CPU_ISA_AUTO};
+    op_backend *be = op_backend_cpu_new(&co);
+    eng_engine *ew, *e1;
+    assert_int_equal(eng_new(mw, be, NULL, &ew), FU_OK);
+    assert_int_equal(eng_new(m1, be, NULL, &e1), FU_OK);
+    int32_t ids[] = {3, 4, 5};
+    eng_seq *s1;
+    assert_int_equal(eng_seq_new(e1, 16, &s1), FU_OK);
+    eng_seq *ss[] = {s1, s1, s1};
+    float hidden[3 * 64];
+    eng_batch b = {3, ids, NULL, ss, NULL};
+    assert_int_equal(eng_forward(e1, &b, hidden), FU_OK);
+    for (int i = 0; i < 3 * 64; i++) assert_true(isfinite(hidden[i]));
+    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 7, &second, &m2), FU_OK);
+    eng_engine *e2;
+    assert_int_equal(eng_new(m2, be, NULL, &e2), FU_OK);
+    eng_seq *s2;
+    assert_int_equal(eng_seq_new(e2, 16, &s2), FU_OK);
+    eng_seq *ss2[] = {s2, s2, s2};
+    eng_batch bad = {3, ids, NULL, ss2, NULL}; /* token ids into a span without embeddings */
+    float *logits = malloc(3 * 100 * sizeof(float));
+    assert_int_equal(eng_forward(e2, &bad, logits), FU_ERR_INVALID);
+    eng_batch good = {3, NULL, hidden, ss2, NULL};
+    assert_int_equal(eng_forward(e2, &good, logits), FU_OK);
+    assert_int_equal(eng_seq_len(s2), 3);
+    /* the two spans chained compute what the whole model computes */
+    eng_seq *sw;
+    assert_int_equal(eng_seq_new(ew, 16, &sw), FU_OK);
+    eng_seq *ssw[] = {sw, sw, sw};
+    float *whole = malloc(3 * 100 * sizeof(float));
+    eng_batch wb = {3, ids, NULL, ssw, NULL};
+    assert_int_equal(eng_forward(ew, &wb, whole), FU_OK);
+    assert_true(max_abs_diff(whole, logits, 300) < 1e-5f);
+    eng_seq_free(ew, sw);
+    free(whole);
+    free(logits);
+    eng_seq_free(e2, s2);
+    eng_seq_free(e1, s1);
+    eng_free(e2);
+    eng_free(e1);
+    eng_free(ew);
+    op_backend_free(be);
+    mdl_free(m2);
+    mdl_free(m1);
+    mdl_free(mw);
+}
+
+static void test_bad_input(void **state) {
+    fixture f;
+    fixture_open(&f, MDL_ARCH_LLAMA, OP_TYPE_F32, 16);
+    eng_seq *s;
+    assert_int_equal(eng_seq_new(f.e, 0, &s), FU_ERR_RANGE);
+    assert_int_equal(eng_seq_new(f.e, 65, &s), FU_ERR_RANGE);
+    assert_int_equal(eng_seq_new(f.e, 4, &s), FU_OK);
+    float out[5 * 100];
+    int32_t ids[5] = {1, 2, 3, 4, 5};
+    eng_seq *ss[5] = {s, s, s, s, s};
+    eng_batch over = {5, ids, NULL, ss, NULL}; /* 5 positions into a 4-position cache */
+    assert_int_equal(eng_forward(f.e, &over, out), FU_ERR_RANGE);
+    assert_int_equal(eng_seq_len(s), 0);
+    int32_t bad_ids[2] = {1, 100};
+    eng_batch bad_tok = {2, bad_ids, NULL, ss, NULL};
+    assert_int_equal(eng_forward(f.e, &bad_tok, out), FU_ERR_RANGE);
+    assert_int_equal(eng_seq_len(s), 0);
+    eng_batch empty = {0, ids, NULL, ss, NULL};
+    assert_int_equal(eng_forward(f.e, &empty, out), FU_ERR_INVALID);
+    eng_seq_free(f.e, s);
+    fixture_close(&f);
+
+    mdl_config c = small_config(MDL_ARCH_LLAMA);
+    c.n_kv_heads = 3; /* 4 heads are not a multiple of 3 kv heads */
+    mdl_model *m;
+    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, NULL, &m), FU_ERR_FORMAT);
+    c = small_config(MDL_ARCH_LLAMA);
+    mdl_open_options o = {1, 5, false, false};
+    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &o, &m), FU_ERR_RANGE);
+    assert_int_equal(mdl_open("/nonexistent/model", NULL, &m), FU_ERR_NOT_FOUND);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_batched_llama_f32),
+        cmocka_unit_test(test_batched_qwen2_bf16),
+        cmocka_unit_test(test_batched_qwen3_q8),
+        cmocka_unit_test(test_batched_llama_q4_1),
+        cmocka_unit_test(test_chunked_prefill_equals_single_pass),
+        cmocka_unit_test(test_span_without_embeddings_takes_hidden_states),
+        cmocka_unit_test(test_bad_input),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
