@@ -420,6 +420,8 @@ static int gguf_parse_tensor_infos(gguf_file *f, gguf_rd *r, gguf_arena *names, 
         gguf_rd_what(r, "tensor %" PRId64, i);
         int rc = gguf_rd_str(r, &name, &len, "name");
         if (rc) return rc;
+        if (len == 0)
+            return fu_errorf(FU_ERR_FORMAT, "%s: tensor %" PRId64 " has an empty name", f->path, i);
         if (memchr(name, '\0', (size_t)len))
             return fu_errorf(FU_ERR_FORMAT, "%s: tensor %" PRId64 " has a NUL byte in its name",
                              f->path, i);
@@ -520,7 +522,9 @@ static int gguf_check_tensor_data(gguf_file *f) {
                              "file (size %zu)",
                              f->path, ti->name, begin, begin, ti->nbytes, f->size);
         }
-        ti->data = f->base + f->data_offset + ti->offset;
+        /* (only empty tensors can sit past the end, when the file stops before
+         * the padded data section starts: point them at the end) */
+        ti->data = f->base + (data_size ? f->data_offset + ti->offset : f->size);
         ranges[i] = (mf_range){ti->offset, ti->offset + ti->nbytes, i};
     }
     int64_t a, b;

@@ -280,6 +280,10 @@ static int st_open_index(st_model *m, const char *index, const char *dir) {
     if (rc) return rc;
     json_t *root = NULL;
     const char **names = NULL;
+    if (mf.size == 0) {
+        rc = fu_errorf(FU_ERR_FORMAT, "%s: empty index file", index);
+        goto out;
+    }
     if (mf.size > ST_MAX_INDEX) {
         rc = fu_errorf(FU_ERR_FORMAT, "%s: index of %zu bytes is too large", index, mf.size);
         goto out;
@@ -401,10 +405,11 @@ int st_model_open(const char *path, st_model **out) {
             rc = fu_errorf(FU_ERR_NOMEM, "%s: out of memory", path);
             goto err;
         }
-        if (st_is_file(index)) {
-            rc = st_open_index(m, index, dir);
-        } else if (st_is_file(single)) {
+        /* like transformers: a single file wins over an index */
+        if (st_is_file(single)) {
             goto open_single;
+        } else if (st_is_file(index)) {
+            rc = st_open_index(m, index, dir);
         } else {
             rc = fu_errorf(FU_ERR_NOT_FOUND,
                            "%s: no " ST_SINGLE_NAME " or " ST_INDEX_NAME " in this directory",

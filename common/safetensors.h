@@ -10,7 +10,11 @@
 typedef struct st_model st_model;
 
 /* Opens a checkpoint: `path` is a directory holding model.safetensors, or
- * model.safetensors.index.json plus its shards, or a single .safetensors file.
+ * model.safetensors.index.json plus its shards (model.safetensors wins when
+ * both exist, as in transformers), an index file (a path ending in ".json"),
+ * or a single .safetensors file. Each shard is mapped once; shard names in the
+ * index must be plain file names (no '/' or ".."), and every weight_map entry
+ * must be found in the shard it names.
  * Headers are parsed and validated (JSON, dtypes, shapes, data_offsets inside the
  * file and consistent with shape * dtype size); tensor data is only mapped.
  * On failure fu_last_error() names the file and tensor. *out is freed with

@@ -84,6 +84,8 @@ static void print_float(float v) {
         fputs("\"nan\"", stdout);
     else if (isinf(v))
         fputs(v > 0 ? "\"inf\"" : "\"-inf\"", stdout);
+    else if (v == 0.0f && signbit(v))
+        fputs("-0.0", stdout); /* "-0" would read back as the integer 0 */
     else
         printf("%.9g", (double)v);
 }
