@@ -864,9 +864,10 @@ static void progress_report(hub_xfer *x, int finished) {
     const hub_options *o = x->o;
     if (!o || o->quiet) return;
     double t = now_s();
-    if (!finished && x->t_last > 0) {
+    if (!finished) { /* the first report comes one interval after the start */
+        double ref = x->t_last > 0 ? x->t_last : x->t_start;
         double interval = o->progress ? (o->progress_interval_ms > 0 ? o->progress_interval_ms : 250) / 1000.0 : 10.0;
-        if (t - x->t_last < interval) return;
+        if (t - ref < interval) return;
     }
     x->t_last = t;
     double dt = t - x->t_start;
@@ -1218,10 +1219,17 @@ nomem:
 static int http_status_error(const hub_http *h, const hub_xfer *x, const char *url, const char *what,
                              int *transient) {
     *transient = x->status == 408 || x->status == 429 || x->status >= 500;
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s", x->err_msg);
+    if (!msg[0] && x->err_body_len > 0 && x->err_body[0] == '{') { /* {"error": "..."} */
+        json_t *body = json_loadb(x->err_body, x->err_body_len, 0, NULL);
+        const char *e = json_string_value(json_object_get(body, "error"));
+        if (e) copy_header(msg, sizeof msg, e, strlen(e));
+        json_decref(body);
+    }
     char detail[400] = "";
-    if (x->err_msg[0] || x->err_code[0])
-        snprintf(detail, sizeof detail, " [%s%s%s]", x->err_code, x->err_code[0] && x->err_msg[0] ? ": " : "",
-                 x->err_msg);
+    if (msg[0] || x->err_code[0])
+        snprintf(detail, sizeof detail, " [%s%s%s]", x->err_code, x->err_code[0] && msg[0] ? ": " : "", msg);
     const char *tok_hint = !h->auth ? "no token was sent; set HF_TOKEN to a token with access to it"
                            : h->token_from_env ? "the token in HF_TOKEN was rejected or has no access to it"
                                                : "the token given was rejected or has no access to it";
@@ -1284,7 +1292,7 @@ static int fetch_listing(hub_http *h, const hub_ref *ref, char **out, size_t *ou
     *out = NULL;
     *out_len = 0;
     char *rev = url_escape(ref->revision, 0);
-    char *url = rev ? str_printf("%s/api/models/%s/revision/%s?blobs=true", h->endpoint, ref->repo_id, rev) : NULL;
+    char *url = rev ? str_printf("%s/api/models/%s/revision/%s?blobs=True", h->endpoint, ref->repo_id, rev) : NULL;
     free(rev);
     if (!url) return fu_errorf(FU_ERR_NOMEM, "out of memory");
     char what[HUB_REPO_ID_MAX + HUB_REVISION_MAX + 32];
@@ -1328,14 +1336,13 @@ static int cached_ok(const char *final, const hub_file *f, int verify) {
     struct stat st;
     if (stat(final, &st) != 0 || !S_ISREG(st.st_mode)) return 0;
     if (f->size >= 0 && st.st_size != f->size) {
-        FU_WARN("cached %s has %lld bytes, %lld expected; fetching it again", final, (long long)st.st_size,
-                (long long)f->size);
+        FU_WARN("cached %s has %lld bytes, %lld expected", final, (long long)st.st_size, (long long)f->size);
         return 0;
     }
     if (verify && f->sha256[0]) {
         char hex[65];
         if (hub_sha256_file(final, hex) != FU_OK || strcmp(hex, f->sha256) != 0) {
-            FU_WARN("cached %s fails its sha256 check; fetching it again", final);
+            FU_WARN("cached %s fails its sha256 check", final);
             return 0;
         }
     }
@@ -1527,12 +1534,17 @@ static int download_file(hub_session *s, const hub_file *f, const char *final, i
         break;
     }
 done:
+    x.prog.status = rc;
     progress_report(&x, 1);
     if (!o->quiet && !o->progress && rc == FU_OK) {
         char a[32];
         FU_INFO("downloaded %s (%s)", f->path, fmt_bytes((double)x.done, a, sizeof a));
     }
-    if (x.fd >= 0) close(x.fd);
+    if (x.fd >= 0) {
+        struct stat st;
+        if (rc != FU_OK && fstat(x.fd, &st) == 0 && st.st_size == 0) unlink(tmp); /* nothing to resume */
+        close(x.fd);
+    }
     EVP_MD_CTX_free(x.md);
     free(tmp);
     free(url);

@@ -38,6 +38,7 @@ typedef struct hub_progress {
     int64_t total;    /* expected size, -1 if unknown */
     double rate;      /* bytes/s received in this transfer so far */
     int finished;     /* 1 on the last report for this file (success or not) */
+    int status;       /* with finished: FU_OK, or the error that stopped the file */
 } hub_progress;
 
 /* Called from inside hub_resolve(), at most every progress_interval_ms per file

@@ -11,7 +11,7 @@
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: fusion-fetch [options] REPO_ID[@REVISION]\n"
+            "usage: fusion-fetch [options] [--] REPO_ID[@REVISION]\n"
             "Downloads what a model needs from the Hugging Face hub (config, tokenizer,\n"
             "safetensors weights; or one GGUF file) into the cache and prints the local\n"
             "directory. A name that is an existing path is printed as is.\n"
@@ -67,8 +67,10 @@ static void print_progress(const hub_progress *p, void *user) {
     } else {
         snprintf(total, sizeof total, "?");
     }
-    fprintf(stderr, "%s[%d/%d] %s  %s / %s%s  %s/s%s%s", tty ? "\r\033[K" : "", p->file_index + 1, p->n_files,
-            p->path, done, total, pct, rate, p->finished ? "  done" : "", tty && !p->finished ? "" : "\n");
+    fprintf(stderr, "%s[%d/%d] %s  %s / %s%s%s%s%s%s%s", tty ? "\r\033[K" : "", p->file_index + 1, p->n_files,
+            p->path, done, total, pct, p->rate > 0 ? "  " : "", p->rate > 0 ? rate : "", p->rate > 0 ? "/s" : "",
+            p->finished ? (p->status == FU_OK ? "  done" : "  failed") : "",
+            tty && !p->finished ? "" : "\n");
     fflush(stderr);
 }
 
@@ -79,8 +81,22 @@ int main(int argc, char **argv) {
     size_t n_files = 0;
     const char *name = NULL;
     int tty = isatty(STDERR_FILENO);
+    int options_done = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
+        if (!options_done && strcmp(a, "--") == 0) {
+            options_done = 1;
+            continue;
+        }
+        if (options_done || a[0] != '-' || a[1] == '\0') {
+            if (name) {
+                fprintf(stderr, "fusion-fetch: more than one model name ('%s', '%s')\n", name, a);
+                free(files);
+                return 2;
+            }
+            name = a;
+            continue;
+        }
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
         long v = 0;
         int takes = strcmp(a, "--file") == 0 || strcmp(a, "--cache-dir") == 0 || strcmp(a, "--endpoint") == 0 ||
@@ -130,17 +146,11 @@ int main(int argc, char **argv) {
             else if (strcmp(a, "--connect-timeout") == 0) o.connect_timeout_s = v;
             else o.low_speed_time_s = v;
             i++;
-        } else if (a[0] == '-' && a[1] != '\0') {
+        } else {
             fprintf(stderr, "fusion-fetch: unknown option %s\n", a);
             usage(stderr);
             free(files);
             return 2;
-        } else if (name) {
-            fprintf(stderr, "fusion-fetch: more than one model name ('%s', '%s')\n", name, a);
-            free(files);
-            return 2;
-        } else {
-            name = a;
         }
     }
     if (!name) {
