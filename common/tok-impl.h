@@ -71,6 +71,22 @@ typedef struct tok_pre {
     bool split;
 } tok_pre;
 
+/* Decoder steps, applied to each token's text to give its decoded bytes. */
+typedef enum tok_dec_kind {
+    TOK_DEC_BYTELEVEL,    /* GPT-2 code points -> bytes (text kept if any is unmapped) */
+    TOK_DEC_BYTEFALLBACK, /* "<0xXX>" -> that byte */
+    TOK_DEC_REPLACE,      /* a -> b */
+    TOK_DEC_STRIP,        /* per token: up to `start` leading / `stop` trailing `ch` */
+} tok_dec_kind;
+
+typedef struct tok_dec {
+    tok_dec_kind kind;
+    char *a, *b; /* owned */
+    size_t alen, blen;
+    int start, stop;
+    char ch;
+} tok_dec;
+
 /* An added token as Hugging Face's AddedVocabulary sees it. */
 typedef struct tok_added {
     int32_t id;
@@ -118,7 +134,8 @@ struct tok_tokenizer {
 
     /* model options */
     bool byte_fallback, fuse_unk, ignore_merges;
-    int32_t unk_id; /* model's unknown token or -1 */
+    int32_t unk_id;    /* the unknown token (reported by tok_unk) or -1 */
+    int32_t model_unk; /* what the model emits for text it cannot encode, or -1 to drop it */
 
     /* added tokens */
     tok_added *added;
@@ -132,7 +149,8 @@ struct tok_tokenizer {
     size_t n_pre;
 
     /* decoder */
-    bool dec_bytelevel;   /* pieces came from the GPT-2 byte map */
+    tok_dec *dec;
+    size_t n_dec;
     int dec_strip;        /* leading ' ' to strip from the start of a decoded stream */
     bool dec_join_space;  /* no decoder: tokens joined with ' ' (HF default) */
 
@@ -153,7 +171,7 @@ struct tok_tokenizer {
 int tok__new(int32_t n_vocab, tok_tokenizer **out);
 
 /* Gives id the text s[0..len) (copied); FU_ERR_FORMAT if id is out of range
- * or already has a text. `flags` are ORed in (TOK_F_PRESENT is implied). */
+ * or already has a different text. `flags` are ORed in (TOK_F_PRESENT is implied). */
 int tok__set_token(tok_tokenizer *t, int32_t id, const char *s, size_t len, unsigned flags);
 
 /* Builds the text -> id map; call once every token is set. Tokens with
@@ -193,6 +211,23 @@ int tok__finalize(tok_tokenizer *t);
 
 /* Runs the normalizer steps on s[0..len): *out is malloc'd (caller frees). */
 int tok__normalize(const tok_tokenizer *t, const char *s, size_t len, char **out, size_t *outlen);
+
+/* Appends a decoder step (a/b copied). */
+int tok__add_dec(tok_tokenizer *t, const tok_dec *d);
+
+/* The merge of ids (a, b): true with its rank and result id. */
+bool tok__merge_get(const tok_tokenizer *t, int32_t a, int32_t b, int32_t *rank, int32_t *result);
+
+/* Examines the UTF-8 character at s[0..n), n >= 1: 1 = valid (*adv bytes,
+ * *cp the code point if cp is not NULL), 0 = a valid but truncated prefix
+ * (*adv = n), -1 = invalid (*adv = length of the maximal invalid subpart). */
+int tok__utf8_next(const uint8_t *s, size_t n, size_t *adv, uint32_t *cp);
+
+/* Writes cp as UTF-8 to out (4 bytes room); returns the length. */
+size_t tok__utf8_put(uint32_t cp, char *out);
+
+/* The code point GPT-2's byte-level map gives byte b. */
+uint32_t tok__byte_to_cp(uint8_t b);
 
 /* Appends id to the EOG set (ignores duplicates and bad ids). */
 int tok__add_eog(tok_tokenizer *t, int32_t id);

@@ -9,6 +9,16 @@
  * Invalid UTF-8 in the text to encode is not an error: each maximal invalid
  * subsequence becomes U+FFFD first (what Python's bytes.decode("utf-8",
  * "replace") does), so the ids are those of the repaired text.
+ *
+ * Known differences from Hugging Face (tests/oracle/test_tokenizer.py checks
+ * the rest): decoding bytes that are not valid UTF-8 gives one U+FFFD per
+ * maximal invalid subsequence everywhere (HF's ByteFallback decoder gives one
+ * per byte token of the whole run); transformers' clean_up_tokenization_spaces
+ * is not applied; pre-tokenizer regexes run on PCRE2 rather than Oniguruma
+ * (same results on every tested script and white-space character). GGUF
+ * vocabularies follow llama.cpp where it and HF disagree: characters a
+ * byte-level vocabulary cannot spell are dropped (no <unk>), and special tokens
+ * are found leftmost-longest like HF (llama.cpp tries the longest token first).
  */
 #ifndef FU_TOKENIZER_H
 #define FU_TOKENIZER_H
