@@ -43,6 +43,7 @@ static void usage(FILE *f) {
                "  --prompt N    prefill tokens (default 128)\n"
                "  --decode N    decode steps (default 32)\n"
                "  --no-head     leave out the LM head (span-only figures)\n"
+               "  --blocks A:B  load only blocks [A, B) (embeddings if A = 0, head if B = all)\n"
                "presets:");
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) fprintf(f, " %s", presets[i].name);
     fprintf(f, "\n");
@@ -51,16 +52,17 @@ static void usage(FILE *f) {
 int main(int argc, char **argv) {
     const char *model_path = NULL, *random_name = NULL;
     op_type dtype = OP_TYPE_F16;
-    int threads = 0, n_prompt = 128, n_decode = 32, no_head = 0;
+    int threads = 0, n_prompt = 128, n_decode = 32, no_head = 0, first = 0, last = -1;
     op_cpu_isa isa = OP_CPU_ISA_AUTO;
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"random", required_argument, 0, 'r'},
         {"dtype", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
         {"prompt", required_argument, 0, 'p'}, {"decode", required_argument, 0, 'n'},
         {"isa", required_argument, 0, 'i'},   {"no-head", no_argument, 0, 'H'},
+        {"blocks", required_argument, 0, 'b'},
         {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
     int c;
-    while ((c = getopt_long(argc, argv, "m:r:d:t:p:n:i:Hh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "m:r:d:t:p:n:i:b:Hh", opts, NULL)) != -1) {
         char *end = NULL;
         switch (c) {
         case 'm': model_path = optarg; break;
@@ -79,6 +81,9 @@ int main(int argc, char **argv) {
             else goto bad;
             break;
         case 'H': no_head = 1; break;
+        case 'b':
+            if (sscanf(optarg, "%d:%d", &first, &last) != 2 || first < 0 || last <= first) goto bad;
+            break;
         case 'h': usage(stdout); return 0;
         default:
         bad:
@@ -90,13 +95,17 @@ int main(int argc, char **argv) {
         usage(stderr);
         return 2;
     }
-    mdl_open_options mo = mdl_open_options_all();
-    mo.head = !no_head;
+    mdl_open_options mo = {first, last, first == 0, !no_head};
     mdl_model *m = NULL;
     int rc;
     double t_load = bench_now();
     if (model_path) {
         rc = mdl_open(model_path, &mo, &m);
+        if (rc == FU_OK && mo.head && m->last != m->cfg.n_layers) { /* a span that ends early */
+            mdl_free(m);
+            mo.head = false;
+            rc = mdl_open(model_path, &mo, &m);
+        }
     } else {
         const preset *p = NULL;
         for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
@@ -105,6 +114,8 @@ int main(int argc, char **argv) {
             usage(stderr);
             return 2;
         }
+        if (last > p->cfg.n_layers) last = p->cfg.n_layers;
+        mo.head = mo.head && (last < 0 || last == p->cfg.n_layers);
         rc = mdl_random(&p->cfg, dtype, 1, &mo, &m);
     }
     if (rc) {
@@ -128,8 +139,9 @@ int main(int argc, char **argv) {
     eng_seq *s = NULL;
     int32_t *ids = malloc((size_t)max_len * sizeof *ids);
     eng_seq **seqs = malloc((size_t)max_len * sizeof *seqs);
-    float *out = malloc((size_t)(no_head ? cfg->dim : cfg->vocab_size) * (size_t)max_len * sizeof(float));
-    if (!ids || !seqs || !out || (rc = eng_new(m, be, &eo, &e)) || (rc = eng_seq_new(e, max_len, &s))) {
+    float *out = malloc((size_t)(m->has_head ? cfg->vocab_size : cfg->dim) * (size_t)max_len * sizeof(float));
+    float *hidden = m->has_embed ? NULL : malloc((size_t)cfg->dim * (size_t)max_len * sizeof(float));
+    if (!ids || !seqs || !out || (!m->has_embed && !hidden) || (rc = eng_new(m, be, &eo, &e)) || (rc = eng_seq_new(e, max_len, &s))) {
         fprintf(stderr, "fusion-bench-generate: %s\n", rc ? fu_last_error() : "out of memory");
         return 1;
     }
@@ -137,26 +149,31 @@ int main(int argc, char **argv) {
         ids[i] = (int32_t)((i * 7919 + 13) % cfg->vocab_size);
         seqs[i] = s;
     }
+    for (size_t i = 0; hidden && i < (size_t)cfg->dim * (size_t)max_len; i++)
+        hidden[i] = (float)((i * 2654435761u) % 2001) / 1000.0f - 1.0f;
+    const int32_t *tok_in = m->has_embed ? ids : NULL;
+#define BENCH_EMBD_(i) (hidden ? hidden + (size_t)(i) * cfg->dim : NULL)
     /* warm-up: touch the weights once */
-    eng_batch wb = {1, ids, NULL, seqs, NULL};
+    eng_batch wb = {1, tok_in, BENCH_EMBD_(0), seqs, NULL};
     if ((rc = eng_forward(e, &wb, out)) || (rc = eng_seq_truncate(s, 0))) goto fail;
 
     uint8_t *want = calloc((size_t)n_prompt, 1);
     if (!want) goto fail;
     want[n_prompt - 1] = 1;
     double t0 = bench_now();
-    eng_batch pb = {n_prompt, ids, NULL, seqs, want};
+    eng_batch pb = {n_prompt, tok_in, BENCH_EMBD_(0), seqs, want};
     rc = eng_forward(e, &pb, out);
     double t_prefill = bench_now() - t0;
     free(want);
     if (rc) goto fail;
     t0 = bench_now();
     for (int i = 0; i < n_decode; i++) {
-        eng_batch db = {1, ids + n_prompt + i, NULL, seqs, NULL};
+        eng_batch db = {1, tok_in ? tok_in + n_prompt + i : NULL, BENCH_EMBD_(n_prompt + i), seqs, NULL};
         if ((rc = eng_forward(e, &db, out))) goto fail;
     }
     double t_decode = bench_now() - t0;
 
+    double peak_rss = bench_peak_rss_mib(); /* before the bandwidth buffer */
     double bw = bench_read_bandwidth(op_backend_n_threads(be), (size_t)1 << 30, 5);
     uint64_t wbytes = mdl_weight_bytes_per_token(m);
     double prefill_tps = n_prompt / t_prefill, decode_tps = n_decode / t_decode;
@@ -168,8 +185,9 @@ int main(int argc, char **argv) {
         const op_tensor *ws[] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (size_t i = 0; i < sizeof ws / sizeof ws[0]; i++) params += (double)op_tensor_nelems(ws[i]);
     }
-    printf("model        %s (%s, %d blocks, hidden %d, ffn %d, heads %d/%d, vocab %d), weights %s\n",
-           model_path ? model_path : random_name, mdl_arch_name(cfg->arch), cfg->n_layers, cfg->dim,
+    printf("model        %s (%s, blocks [%d, %d) of %d, hidden %d, ffn %d, heads %d/%d, vocab %d), weights %s\n",
+           model_path ? model_path : random_name, mdl_arch_name(cfg->arch), m->first, m->last,
+           cfg->n_layers, cfg->dim,
            cfg->ffn_dim, cfg->n_heads, cfg->n_kv_heads, cfg->vocab_size,
            model_path ? op_type_name(m->layers[0].wq.type) : op_type_name(dtype));
     printf("backend      cpu/%s, %d threads; load %.2f s\n", op_backend_isa(be), op_backend_n_threads(be),
@@ -182,7 +200,7 @@ int main(int argc, char **argv) {
     printf("bound        %.1f MB of weights per token -> %.2f tokens/s at the measured bandwidth\n",
            (double)wbytes / 1e6, bound_tps);
     printf("ratio        decode / bandwidth bound = %.3f\n", decode_tps / bound_tps);
-    printf("memory       peak RSS %.0f MiB (weights %.0f MiB, KV cache %.1f MiB)\n", bench_peak_rss_mib(),
+    printf("memory       peak RSS %.0f MiB (weights %.0f MiB, KV cache %.1f MiB)\n", peak_rss,
            (double)wbytes / 1048576.0, (double)eng_kv_bytes_per_pos(e) * max_len / 1048576.0);
 fail:
     if (rc) fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
@@ -193,5 +211,6 @@ fail:
     free(ids);
     free(seqs);
     free(out);
+    free(hidden);
     return rc ? 1 : 0;
 }
