@@ -16,7 +16,8 @@ struct smp_sampler {
     smp_params p;
     int n_vocab;
     uint64_t rng[4];   /* xoshiro256** state */
-    smp_bias *bias;    /* (n_bias) */
+    smp_bias *bias;    /* (cap_bias) copy of the parameters' logit_bias */
+    int cap_bias;
     int32_t *counts;   /* (n_vocab) occurrences of each emitted token */
     float *prob;       /* (n_vocab) probabilities */
     smp_cand *cand;    /* (n_vocab) candidates */
@@ -55,9 +56,8 @@ static uint64_t smp_next(smp_sampler *s) {
 /* Uniform in [0, 1). */
 static double smp_uniform(smp_sampler *s) { return (double)(smp_next(s) >> 11) * 0x1.0p-53; }
 
-int smp_new(const smp_params *p, int n_vocab, smp_sampler **out) {
-    *out = NULL;
-    if (n_vocab <= 0) return fu_errorf(FU_ERR_INVALID, "sampler: vocabulary size %d", n_vocab);
+/* Checks p against a vocabulary of n_vocab. */
+static int smp_params_check(const smp_params *p, int n_vocab) {
     if (!(p->temperature >= 0 && p->temperature <= 100))
         return fu_errorf(FU_ERR_INVALID, "temperature must be in [0, 100]");
     if (!(p->top_p > 0 && p->top_p <= 1)) return fu_errorf(FU_ERR_INVALID, "top_p must be in (0, 1]");
@@ -78,22 +78,42 @@ int smp_new(const smp_params *p, int n_vocab, smp_sampler **out) {
             return fu_errorf(FU_ERR_INVALID, "logit_bias: bias for token %d must be in [-100, 100]",
                              p->bias[i].token);
     }
+    return FU_OK;
+}
+
+int smp_reset(smp_sampler *s, const smp_params *p) {
+    int rc = smp_params_check(p, s->n_vocab);
+    if (rc) return rc;
+    if (p->n_bias > s->cap_bias) {
+        smp_bias *nb = realloc(s->bias, (size_t)p->n_bias * sizeof *nb);
+        if (!nb) return fu_errorf(FU_ERR_NOMEM, "sampler");
+        s->bias = nb;
+        s->cap_bias = p->n_bias;
+    }
+    s->p = *p;
+    if (p->n_bias) memcpy(s->bias, p->bias, (size_t)p->n_bias * sizeof *s->bias);
+    s->p.bias = s->bias;
+    memset(s->counts, 0, (size_t)s->n_vocab * sizeof *s->counts);
+    uint64_t seed = p->seed;
+    for (int i = 0; i < 4; i++) s->rng[i] = smp_splitmix(&seed);
+    return FU_OK;
+}
+
+int smp_new(const smp_params *p, int n_vocab, smp_sampler **out) {
+    *out = NULL;
+    if (n_vocab <= 0) return fu_errorf(FU_ERR_INVALID, "sampler: vocabulary size %d", n_vocab);
+    int rc = smp_params_check(p, n_vocab);
+    if (rc) return rc;
     smp_sampler *s = calloc(1, sizeof *s);
     if (!s) return fu_errorf(FU_ERR_NOMEM, "sampler");
-    s->p = *p;
     s->n_vocab = n_vocab;
     s->counts = calloc((size_t)n_vocab, sizeof *s->counts);
     s->cand = malloc((size_t)n_vocab * sizeof *s->cand);
     s->prob = malloc((size_t)n_vocab * sizeof *s->prob);
-    s->bias = p->n_bias ? malloc((size_t)p->n_bias * sizeof *s->bias) : NULL;
-    if (!s->counts || !s->cand || !s->prob || (p->n_bias && !s->bias)) {
+    if (!s->counts || !s->cand || !s->prob || (rc = smp_reset(s, p))) {
         smp_free(s);
-        return fu_errorf(FU_ERR_NOMEM, "sampler");
+        return rc ? rc : fu_errorf(FU_ERR_NOMEM, "sampler");
     }
-    if (p->n_bias) memcpy(s->bias, p->bias, (size_t)p->n_bias * sizeof *s->bias);
-    s->p.bias = s->bias;
-    uint64_t seed = p->seed;
-    for (int i = 0; i < 4; i++) s->rng[i] = smp_splitmix(&seed);
     *out = s;
     return FU_OK;
 }

@@ -32,6 +32,11 @@ smp_params smp_params_default(void);
 int smp_new(const smp_params *p, int n_vocab, smp_sampler **out);
 void smp_free(smp_sampler *s); /* NULL is a no-op */
 
+/* Reconfigures an existing sampler for new parameters: validates them,
+ * reseeds, forgets accepted tokens. Allocates only when p has more logit_bias
+ * entries than any earlier configuration of this sampler. */
+int smp_reset(smp_sampler *s, const smp_params *p);
+
 /* Records that `token` was emitted (feeds the penalties). */
 void smp_accept(smp_sampler *s, int32_t token);
 

@@ -1,0 +1,520 @@
+/* shard-core.c -- sessions, KV admission control and the continuous batcher of a shard server. */
+#include "shard-core.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine.h"
+#include "log.h"
+#include "status.h"
+
+#define SHARD_MAX_TOP_LOGPROBS 20
+
+struct shard_session {
+    char id[129];
+    eng_seq *seq;
+    uint64_t kv_bytes;         /* reserved from the budget */
+    int32_t *history;          /* (max_len) token id at each position, -1 if unknown */
+    smp_sampler *smp;          /* created on the first sampling step */
+    shard_session *next;       /* the core's list of sessions */
+
+    /* output buffers, grown on demand, owned by the session */
+    float *out_f;              /* hidden (n, D) or logits (n_out, V) */
+    size_t cap_f;
+    int32_t *out_tok;          /* (n_out) */
+    float *out_lp;             /* (n_out) */
+    int32_t *out_top_ids;      /* (n_out, k) */
+    float *out_top_lp;         /* (n_out, k) */
+    size_t cap_tok, cap_lp, cap_top_ids, cap_top_lp;
+
+    /* the step in flight (guarded by the core's mutex) */
+    shard_step *step;
+    shard_session *next_pending;
+    bool done;
+    int rc;
+    char err[256];
+    int64_t t_enqueue_us;
+};
+
+struct shard_core {
+    const mdl_model *m;
+    op_backend *be;
+    eng_engine *e;
+    shard_core_options o;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv_work;  /* the batcher waits for steps */
+    pthread_cond_t cv_done;  /* submitters wait for their steps */
+    pthread_t thread;
+    bool running, stop;
+    shard_session *pend_head, *pend_tail;
+    shard_session *sessions;
+    uint64_t kv_used;
+    shard_core_stats stats;
+
+    /* batch scratch: batcher thread only */
+    shard_session **b_sess;  /* (max steps per batch) */
+    int32_t *b_tokens;       /* (cap_tokens) */
+    float *b_hidden;         /* (cap_tokens, D) */
+    eng_seq **b_seqs;        /* (cap_tokens) */
+    uint8_t *b_want;         /* (cap_tokens) */
+    float *b_out;            /* (cap_out) floats */
+    size_t cap_tok, cap_seqs, cap_want, cap_hidden, cap_steps, cap_out;
+};
+
+static int64_t now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* Grows *p (elements of `size` bytes) to hold n; returns 0 or -1. */
+static int grow(void **p, size_t *cap, size_t n, size_t size) {
+    if (n <= *cap) return 0;
+    size_t c = *cap ? *cap : 16;
+    while (c < n) c *= 2;
+    void *q = realloc(*p, c * size);
+    if (!q) return -1;
+    *p = q;
+    *cap = c;
+    return 0;
+}
+
+/* ---- the batcher -------------------------------------------------------------- */
+
+/* Which positions of a step produce output. */
+static bool step_wants_output(const shard_core *c, const shard_step *st) {
+    return !c->m->has_head || st->want_logits || st->sample;
+}
+
+static int step_n_out(const shard_core *c, const shard_step *st) {
+    if (!c->m->has_head) return st->n;
+    if (!st->want_logits && !st->sample) return 0;
+    return st->all_positions ? st->n : 1;
+}
+
+/* Fills a session's outputs from the rows of the batch's output. */
+static int shard_finish_step(shard_core *c, shard_session *s, const float *rows) {
+    shard_step *st = s->step;
+    const mdl_config *cfg = &c->m->cfg;
+    const int n_out = st->n_out;
+    if (!c->m->has_head) {
+        memcpy(s->out_f, rows, (size_t)st->n * (size_t)cfg->dim * sizeof(float));
+        st->out_hidden = s->out_f;
+        return FU_OK;
+    }
+    const size_t V = (size_t)cfg->vocab_size;
+    if (st->want_logits) {
+        memcpy(s->out_f, rows, (size_t)n_out * V * sizeof(float));
+        st->out_logits = s->out_f;
+    }
+    if (!st->sample) return FU_OK;
+    const int k = st->top_logprobs;
+    for (int i = 0; i < n_out; i++) {
+        const float *row = rows + (size_t)i * V;
+        int pos = st->all_positions ? (int)st->start_pos + i : (int)st->start_pos + st->n - 1;
+        smp_params p = st->sampling;
+        p.seed += (uint64_t)i;
+        int rc = smp_reset(s->smp, &p);
+        if (rc) return rc;
+        for (int64_t q = st->penalty_start < 0 ? 0 : st->penalty_start; q <= pos; q++)
+            if (s->history[q] >= 0) smp_accept(s->smp, s->history[q]);
+        float *work = s->out_f + (st->want_logits ? (size_t)n_out * V : 0); /* (V) scratch */
+        memcpy(work, row, V * sizeof(float));
+        int32_t tok = smp_sample(s->smp, work);
+        s->out_tok[i] = tok;
+        s->out_lp[i] = smp_top_logprobs(row, (int)V, tok, k, s->out_top_ids + (size_t)i * k,
+                                        s->out_top_lp + (size_t)i * k);
+    }
+    st->out_tokens = s->out_tok;
+    st->out_logprobs = s->out_lp;
+    st->out_top_ids = k ? s->out_top_ids : NULL;
+    st->out_top_lp = k ? s->out_top_lp : NULL;
+    return FU_OK;
+}
+
+/* Runs one batched forward over the sessions b_sess[0..n) and completes them. */
+static void shard_run_batch(shard_core *c, int n) {
+    const mdl_model *m = c->m;
+    const int D = m->cfg.dim;
+    const size_t row = m->has_head ? (size_t)m->cfg.vocab_size : (size_t)D;
+    size_t T = 0, n_want = 0;
+    for (int i = 0; i < n; i++) {
+        T += (size_t)c->b_sess[i]->step->n;
+        n_want += (size_t)step_n_out(c, c->b_sess[i]->step);
+    }
+    int rc = FU_OK;
+    if (grow((void **)&c->b_tokens, &c->cap_tok, T, sizeof *c->b_tokens) ||
+        grow((void **)&c->b_seqs, &c->cap_seqs, T, sizeof *c->b_seqs) ||
+        grow((void **)&c->b_want, &c->cap_want, T, sizeof *c->b_want) ||
+        (!m->has_embed && grow((void **)&c->b_hidden, &c->cap_hidden, T * (size_t)D, sizeof(float))) ||
+        grow((void **)&c->b_out, &c->cap_out, (n_want ? n_want : 1) * row, sizeof(float)))
+        rc = fu_errorf(FU_ERR_NOMEM, "batch of %zu tokens", T);
+    int64_t t0 = now_us();
+    if (!rc) {
+        size_t t = 0;
+        for (int i = 0; i < n; i++) {
+            shard_step *st = c->b_sess[i]->step;
+            bool out = step_wants_output(c, st);
+            for (int j = 0; j < st->n; j++, t++) {
+                c->b_seqs[t] = c->b_sess[i]->seq;
+                if (m->has_embed) c->b_tokens[t] = st->tokens[j];
+                c->b_want[t] = out && (!m->has_head || st->all_positions || j == st->n - 1);
+            }
+            if (!m->has_embed)
+                memcpy(c->b_hidden + (t - (size_t)st->n) * (size_t)D, st->hidden,
+                       (size_t)st->n * (size_t)D * sizeof(float));
+        }
+        eng_batch b = {(int)T, m->has_embed ? c->b_tokens : NULL, m->has_embed ? NULL : c->b_hidden,
+                       c->b_seqs, c->b_want};
+        rc = eng_forward(c->e, &b, c->b_out);
+    }
+    int64_t t1 = now_us();
+    const char *err = rc ? fu_last_error() : "";
+    const float *rows = c->b_out;
+    for (int i = 0; i < n; i++) {
+        shard_session *s = c->b_sess[i];
+        shard_step *st = s->step;
+        int src = rc;
+        if (!src) {
+            for (int j = 0; j < st->n; j++)
+                s->history[st->start_pos + j] = st->tokens ? st->tokens[j] : -1;
+            src = shard_finish_step(c, s, rows);
+            if (src) snprintf(s->err, sizeof s->err, "%s", fu_last_error());
+        } else {
+            snprintf(s->err, sizeof s->err, "%s", err);
+        }
+        rows += (size_t)step_n_out(c, st) * row;
+        st->queue_us = t0 - s->t_enqueue_us;
+        st->compute_us = t1 - t0;
+        s->rc = src;
+    }
+    pthread_mutex_lock(&c->mu);
+    for (int i = 0; i < n; i++) c->b_sess[i]->done = true;
+    if (!rc) {
+        c->stats.batches++;
+        c->stats.batched_steps += (uint64_t)n;
+        c->stats.tokens += T;
+    }
+    pthread_cond_broadcast(&c->cv_done);
+    pthread_mutex_unlock(&c->mu);
+}
+
+static void *shard_batcher(void *arg) {
+    shard_core *c = arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->pend_head && !c->stop) pthread_cond_wait(&c->cv_work, &c->mu);
+        if (c->stop) break;
+        /* take ready steps in arrival order up to the token budget (the first always) */
+        int n = 0, tokens = 0;
+        while (c->pend_head) {
+            shard_session *s = c->pend_head;
+            if (n > 0 && tokens + s->step->n > c->o.max_batch_tokens) break;
+            if (grow((void **)&c->b_sess, &c->cap_steps, (size_t)n + 1, sizeof *c->b_sess)) break;
+            c->pend_head = s->next_pending;
+            if (!c->pend_head) c->pend_tail = NULL;
+            c->b_sess[n++] = s;
+            tokens += s->step->n;
+        }
+        if (n == 0) { /* could not grow the step list: fail the first step */
+            shard_session *s = c->pend_head;
+            c->pend_head = s->next_pending;
+            if (!c->pend_head) c->pend_tail = NULL;
+            s->rc = FU_ERR_NOMEM;
+            snprintf(s->err, sizeof s->err, "batch");
+            s->done = true;
+            pthread_cond_broadcast(&c->cv_done);
+            continue;
+        }
+        pthread_mutex_unlock(&c->mu);
+        shard_run_batch(c, n);
+        pthread_mutex_lock(&c->mu);
+    }
+    /* fail whatever is still queued */
+    for (shard_session *s = c->pend_head; s; s = s->next_pending) {
+        s->rc = FU_ERR_CANCELLED;
+        snprintf(s->err, sizeof s->err, "the server is shutting down");
+        s->done = true;
+    }
+    c->pend_head = c->pend_tail = NULL;
+    pthread_cond_broadcast(&c->cv_done);
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* ---- core ---------------------------------------------------------------------------- */
+
+int shard_core_new(const mdl_model *m, op_backend *be, const shard_core_options *o, shard_core **out) {
+    *out = NULL;
+    shard_core *c = calloc(1, sizeof *c);
+    if (!c) return fu_errorf(FU_ERR_NOMEM, "shard core");
+    c->m = m;
+    c->be = be;
+    if (o) c->o = *o;
+    if (!c->o.kv_budget_bytes) c->o.kv_budget_bytes = (uint64_t)1 << 30;
+    if (c->o.max_batch_tokens <= 0) c->o.max_batch_tokens = 512;
+    if (c->o.kv_type != OP_TYPE_F16) c->o.kv_type = OP_TYPE_F32;
+    eng_options eo = {c->o.max_batch_tokens, c->o.kv_type};
+    int rc = eng_new(m, be, &eo, &c->e);
+    if (rc) {
+        free(c);
+        return rc;
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv_work, NULL);
+    pthread_cond_init(&c->cv_done, NULL);
+    if (pthread_create(&c->thread, NULL, shard_batcher, c)) {
+        shard_core_free(c);
+        return fu_errorf(FU_ERR_INTERNAL, "cannot start the batcher thread");
+    }
+    c->running = true;
+    *out = c;
+    return FU_OK;
+}
+
+void shard_core_free(shard_core *c) {
+    if (!c) return;
+    if (c->running) {
+        pthread_mutex_lock(&c->mu);
+        c->stop = true;
+        pthread_cond_broadcast(&c->cv_work);
+        pthread_mutex_unlock(&c->mu);
+        pthread_join(c->thread, NULL);
+    }
+    while (c->sessions) shard_session_close(c, c->sessions);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv_work);
+    pthread_cond_destroy(&c->cv_done);
+    eng_free(c->e);
+    free(c->b_sess);
+    free(c->b_tokens);
+    free(c->b_hidden);
+    free(c->b_seqs);
+    free(c->b_want);
+    free(c->b_out);
+    free(c);
+}
+
+const mdl_model *shard_core_model(const shard_core *c) { return c->m; }
+
+void shard_core_get_stats(shard_core *c, shard_core_stats *st) {
+    pthread_mutex_lock(&c->mu);
+    *st = c->stats;
+    st->kv_total_bytes = c->o.kv_budget_bytes;
+    st->kv_free_bytes = c->o.kv_budget_bytes - c->kv_used;
+    st->kv_bytes_per_pos = eng_kv_bytes_per_pos(c->e);
+    int n = 0;
+    for (shard_session *s = c->sessions; s; s = s->next) n++;
+    st->active_sessions = n;
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- sessions ------------------------------------------------------------------------- */
+
+int shard_session_open(shard_core *c, const char *id, int max_len, shard_session **out) {
+    *out = NULL;
+    size_t idlen = id ? strlen(id) : 0;
+    if (idlen == 0 || idlen > 128)
+        return fu_errorf(FU_ERR_INVALID, "session id must be 1..128 characters");
+    for (size_t i = 0; i < idlen; i++)
+        if (id[i] < 0x21 || id[i] > 0x7e)
+            return fu_errorf(FU_ERR_INVALID, "session id must be printable ASCII without spaces");
+    const int limit = c->m->cfg.max_seq_len;
+    if (max_len <= 0 || max_len > limit)
+        return fu_errorf(FU_ERR_RANGE, "max_length %d outside [1, %d]", max_len, limit);
+    uint64_t need = eng_kv_bytes_per_pos(c->e) * (uint64_t)max_len;
+
+    pthread_mutex_lock(&c->mu);
+    for (shard_session *s = c->sessions; s; s = s->next)
+        if (!strcmp(s->id, id)) {
+            pthread_mutex_unlock(&c->mu);
+            return fu_errorf(FU_ERR_INVALID, "session '%s' already exists", id);
+        }
+    if (need > c->o.kv_budget_bytes - c->kv_used) {
+        uint64_t free_b = c->o.kv_budget_bytes - c->kv_used;
+        pthread_mutex_unlock(&c->mu);
+        return fu_errorf(FU_ERR_EXHAUSTED,
+                         "KV cache full: a session of %d positions needs %.1f MiB, %.1f MiB of %.1f MiB "
+                         "free (%d positions)",
+                         max_len, need / 1048576.0, free_b / 1048576.0,
+                         c->o.kv_budget_bytes / 1048576.0,
+                         (int)(free_b / (eng_kv_bytes_per_pos(c->e) ? eng_kv_bytes_per_pos(c->e) : 1)));
+    }
+    c->kv_used += need; /* reserve before allocating outside the lock */
+    pthread_mutex_unlock(&c->mu);
+
+    shard_session *s = calloc(1, sizeof *s);
+    int rc = s ? FU_OK : fu_errorf(FU_ERR_NOMEM, "session");
+    if (!rc) {
+        memcpy(s->id, id, idlen + 1);
+        s->kv_bytes = need;
+        s->history = malloc((size_t)max_len * sizeof *s->history);
+        rc = s->history ? eng_seq_new(c->e, max_len, &s->seq) : fu_errorf(FU_ERR_NOMEM, "session");
+    }
+    pthread_mutex_lock(&c->mu);
+    if (rc) {
+        c->kv_used -= need;
+        pthread_mutex_unlock(&c->mu);
+        if (s) {
+            free(s->history);
+            free(s);
+        }
+        return rc;
+    }
+    s->next = c->sessions;
+    c->sessions = s;
+    pthread_mutex_unlock(&c->mu);
+    *out = s;
+    return FU_OK;
+}
+
+void shard_session_close(shard_core *c, shard_session *s) {
+    if (!s) return;
+    pthread_mutex_lock(&c->mu);
+    for (shard_session **pp = &c->sessions; *pp; pp = &(*pp)->next)
+        if (*pp == s) {
+            *pp = s->next;
+            break;
+        }
+    c->kv_used -= s->kv_bytes;
+    pthread_mutex_unlock(&c->mu);
+    eng_seq_free(c->e, s->seq);
+    smp_free(s->smp);
+    free(s->history);
+    free(s->out_f);
+    free(s->out_tok);
+    free(s->out_lp);
+    free(s->out_top_ids);
+    free(s->out_top_lp);
+    free(s);
+}
+
+int shard_session_len(const shard_session *s) { return eng_seq_len(s->seq); }
+int shard_session_max_len(const shard_session *s) { return eng_seq_max_len(s->seq); }
+const char *shard_session_id(const shard_session *s) { return s->id; }
+
+int shard_session_rollback(shard_session *s, int len) { return eng_seq_truncate(s->seq, len); }
+
+/* Checks a step and sizes the session's output buffers (caller's thread). */
+static int shard_step_prepare(shard_core *c, shard_session *s, shard_step *st) {
+    const mdl_model *m = c->m;
+    const int len = eng_seq_len(s->seq), max_len = eng_seq_max_len(s->seq);
+    if (st->n <= 0) return fu_errorf(FU_ERR_INVALID, "a step needs at least one position");
+    if (st->start_pos != len)
+        return fu_errorf(FU_ERR_INVALID, "start_position %lld but session '%s' holds %d positions",
+                         (long long)st->start_pos, s->id, len);
+    if (st->n > max_len - len)
+        return fu_errorf(FU_ERR_RANGE, "%d positions exceed session '%s' max_length %d (holds %d)", st->n,
+                         s->id, max_len, len);
+    if (m->has_embed && !st->tokens)
+        return fu_errorf(FU_ERR_INVALID, "this server holds the embeddings: send token ids");
+    if (!m->has_embed && !st->hidden)
+        return fu_errorf(FU_ERR_INVALID, "this server starts at block %d: send hidden states", m->first);
+    if (st->tokens)
+        for (int i = 0; i < st->n; i++)
+            if (st->tokens[i] < 0 || st->tokens[i] >= m->cfg.vocab_size)
+                return fu_errorf(FU_ERR_INVALID, "token id %d outside the vocabulary [0, %d)",
+                                 st->tokens[i], m->cfg.vocab_size);
+    if (st->hidden) {
+        size_t nh = (size_t)st->n * (size_t)m->cfg.dim;
+        for (size_t i = 0; i < nh; i++)
+            if (!isfinite(st->hidden[i]))
+                return fu_errorf(FU_ERR_INVALID, "hidden state has a non-finite value at %zu", i);
+    }
+    if (!m->has_head) {
+        st->want_logits = st->sample = false;
+        st->top_logprobs = 0;
+    }
+    if (st->top_logprobs < 0 || st->top_logprobs > SHARD_MAX_TOP_LOGPROBS)
+        return fu_errorf(FU_ERR_INVALID, "top_logprobs must be in [0, %d]", SHARD_MAX_TOP_LOGPROBS);
+    if (st->sample) {
+        if (!s->smp) {
+            int rc = smp_new(&st->sampling, m->cfg.vocab_size, &s->smp);
+            if (rc) return rc;
+        } else {
+            int rc = smp_reset(s->smp, &st->sampling);
+            if (rc) return rc;
+        }
+    }
+    st->n_out = step_n_out(c, st);
+    size_t nf = m->has_head
+                    ? (size_t)(st->want_logits ? st->n_out : 0) * (size_t)m->cfg.vocab_size +
+                          (st->sample ? (size_t)m->cfg.vocab_size : 0)
+                    : (size_t)st->n * (size_t)m->cfg.dim;
+    size_t n_top = (size_t)st->n_out * (size_t)st->top_logprobs + 1;
+    if (grow((void **)&s->out_f, &s->cap_f, nf ? nf : 1, sizeof(float)) ||
+        grow((void **)&s->out_tok, &s->cap_tok, (size_t)st->n_out + 1, sizeof(int32_t)) ||
+        grow((void **)&s->out_lp, &s->cap_lp, (size_t)st->n_out + 1, sizeof(float)) ||
+        grow((void **)&s->out_top_ids, &s->cap_top_ids, n_top, sizeof(int32_t)) ||
+        grow((void **)&s->out_top_lp, &s->cap_top_lp, n_top, sizeof(float)))
+        return fu_errorf(FU_ERR_NOMEM, "step outputs");
+    st->out_hidden = st->out_logits = st->out_logprobs = st->out_top_lp = NULL;
+    st->out_tokens = st->out_top_ids = NULL;
+    return FU_OK;
+}
+
+int shard_session_step(shard_core *c, shard_session *s, shard_step *st) {
+    int rc = shard_step_prepare(c, s, st);
+    if (rc) return rc;
+    pthread_mutex_lock(&c->mu);
+    if (c->stop) {
+        pthread_mutex_unlock(&c->mu);
+        return fu_errorf(FU_ERR_CANCELLED, "the server is shutting down");
+    }
+    s->step = st;
+    s->done = false;
+    s->next_pending = NULL;
+    s->t_enqueue_us = now_us();
+    if (c->pend_tail) c->pend_tail->next_pending = s;
+    else c->pend_head = s;
+    c->pend_tail = s;
+    pthread_cond_signal(&c->cv_work);
+    while (!s->done) pthread_cond_wait(&c->cv_done, &c->mu);
+    rc = s->rc;
+    s->step = NULL;
+    pthread_mutex_unlock(&c->mu);
+    if (rc) return fu_errorf(rc, "%s", s->err);
+    return FU_OK;
+}
+
+/* ---- throughput ------------------------------------------------------------------------- */
+
+double shard_core_measure(shard_core *c, int batch, double seconds) {
+    const mdl_model *m = c->m;
+    if (batch < 1) batch = 1;
+    eng_seq **seqs = calloc((size_t)batch, sizeof *seqs);
+    int32_t *tokens = calloc((size_t)batch, sizeof *tokens);
+    float *hidden = calloc((size_t)batch * (size_t)m->cfg.dim, sizeof *hidden);
+    float *out = malloc((size_t)batch * (size_t)(m->has_head ? m->cfg.vocab_size : m->cfg.dim) *
+                        sizeof *out);
+    int len = m->cfg.max_seq_len < 64 ? m->cfg.max_seq_len : 64;
+    double tps = FU_ERR_NOMEM;
+    if (!seqs || !tokens || !hidden || !out) goto done;
+    for (int i = 0; i < batch; i++) {
+        tokens[i] = i % m->cfg.vocab_size;
+        for (int j = 0; j < m->cfg.dim; j++) hidden[(size_t)i * m->cfg.dim + j] = (float)((i + j) % 7) * 0.1f;
+        if (eng_seq_new(c->e, len, &seqs[i])) goto done;
+    }
+    eng_batch b = {batch, m->has_embed ? tokens : NULL, m->has_embed ? NULL : hidden, seqs, NULL};
+    int64_t t0 = now_us(), steps = 0;
+    while (steps < len && (steps < 2 || (double)(now_us() - t0) < seconds * 1e6)) {
+        if (eng_forward(c->e, &b, out)) {
+            tps = FU_ERR_INTERNAL;
+            goto done;
+        }
+        steps++;
+    }
+    tps = (double)(steps * batch) / ((double)(now_us() - t0) * 1e-6);
+done:
+    for (int i = 0; seqs && i < batch; i++) eng_seq_free(c->e, seqs[i]);
+    free(seqs);
+    free(tokens);
+    free(hidden);
+    free(out);
+    return tps;
+}

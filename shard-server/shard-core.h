@@ -1,0 +1,100 @@
+/* shard-core.h -- a shard server's state: one span's engine, its sessions, and the batcher
+ * that merges the ready steps of all sessions into one forward (continuous batching).
+ *
+ * Transport-free: the RPC handlers (shard-server.c) and the tests drive it
+ * through these calls. Thread-safe: any number of threads may open, step and
+ * close sessions at once; one session is stepped by one thread at a time.
+ */
+#ifndef FU_SHARD_CORE_H
+#define FU_SHARD_CORE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "model.h"
+#include "ops.h"
+#include "sampler.h"
+
+typedef struct shard_core shard_core;
+typedef struct shard_session shard_session;
+
+typedef struct shard_core_options {
+    uint64_t kv_budget_bytes; /* KV cache memory for all sessions (0: 1 GiB) */
+    int max_batch_tokens;     /* tokens per batched forward (0: 512) */
+    op_type kv_type;          /* OP_TYPE_F32 (default) or OP_TYPE_F16 */
+} shard_core_options;
+
+/* Creates the core over `m` (borrowed, must outlive the core) on `be`
+ * (borrowed) and starts its batcher thread. */
+int shard_core_new(const mdl_model *m, op_backend *be, const shard_core_options *o, shard_core **out);
+/* Stops the batcher (failing queued steps with FU_ERR_CANCELLED) and frees
+ * the core; every session must have been closed. NULL is a no-op. */
+void shard_core_free(shard_core *c);
+
+const mdl_model *shard_core_model(const shard_core *c);
+
+typedef struct shard_core_stats {
+    uint64_t kv_total_bytes;
+    uint64_t kv_free_bytes;
+    uint64_t kv_bytes_per_pos;
+    int active_sessions;
+    uint64_t batches;        /* forwards run */
+    uint64_t batched_steps;  /* steps they carried */
+    uint64_t tokens;         /* positions computed */
+} shard_core_stats;
+
+void shard_core_get_stats(shard_core *c, shard_core_stats *st);
+
+/* Measures the span's compute throughput: decode steps of a batch of
+ * `batch` sequences for about `seconds` seconds. Returns tokens/s (> 0) or a
+ * negative status. Call before serving (it uses the engine). */
+double shard_core_measure(shard_core *c, int batch, double seconds);
+
+/* Opens a session that can hold max_len positions. Fails with
+ * FU_ERR_EXHAUSTED (message: bytes needed and free) when the KV budget cannot
+ * admit it, FU_ERR_INVALID for a duplicate id, FU_ERR_RANGE for a length the
+ * model does not allow. */
+int shard_session_open(shard_core *c, const char *id, int max_len, shard_session **out);
+/* Frees the session's KV cache at once. NULL is a no-op. */
+void shard_session_close(shard_core *c, shard_session *s);
+
+int shard_session_len(const shard_session *s);
+int shard_session_max_len(const shard_session *s);
+const char *shard_session_id(const shard_session *s);
+/* Rolls back to the first `len` positions. */
+int shard_session_rollback(shard_session *s, int len);
+
+/* One step of one session. The caller fills the inputs and the output spec;
+ * the core fills the outputs into buffers it owns (valid until the session's
+ * next step or close). */
+typedef struct shard_step {
+    /* inputs */
+    int n;                      /* positions, >= 1 */
+    int64_t start_pos;          /* must equal the session length */
+    const int32_t *tokens;      /* (n) ids: required with embeddings; else optional (penalties) */
+    const float *hidden;        /* (n, D): required without embeddings */
+    /* output spec (servers with the head) */
+    bool want_logits;
+    bool all_positions;         /* outputs for every position, else the last only */
+    bool sample;
+    smp_params sampling;        /* with sample */
+    int64_t penalty_start;      /* penalties count session tokens at positions >= this */
+    int top_logprobs;           /* 0..20 */
+
+    /* outputs */
+    int n_out;                  /* output positions */
+    const float *out_hidden;    /* (n, D): servers without the head */
+    const float *out_logits;    /* (n_out, V) when want_logits */
+    const int32_t *out_tokens;  /* (n_out) when sample */
+    const float *out_logprobs;  /* (n_out) when sample */
+    const int32_t *out_top_ids; /* (n_out, top_logprobs) */
+    const float *out_top_lp;    /* (n_out, top_logprobs) */
+    int64_t queue_us;
+    int64_t compute_us;
+} shard_step;
+
+/* Queues the step for the next batched forward and waits for it. Validates
+ * the inputs (FU_ERR_INVALID / FU_ERR_RANGE with a message) before queueing. */
+int shard_session_step(shard_core *c, shard_session *s, shard_step *step);
+
+#endif

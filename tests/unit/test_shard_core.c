@@ -1,0 +1,247 @@
+/* test_shard_core.c -- the shard core: concurrent sessions batched together compute what
+ * each computes alone; chained spans equal the whole model; admission control; bad steps. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+#include "model.h"
+#include "shard-core.h"
+#include "status.h"
+
+#define N_SESS 6
+#define N_PROMPT 9
+#define N_GEN 12
+
+static mdl_config test_config(void) {
+    mdl_config c;
+    memset(&c, 0, sizeof c);
+    c.arch = MDL_ARCH_LLAMA;
+    c.n_layers = 3;
+    c.dim = 64;
+    c.ffn_dim = 128;
+    c.n_heads = 4;
+    c.n_kv_heads = 2;
+    c.head_dim = 16;
+    c.vocab_size = 97;
+    c.max_seq_len = 128;
+    c.norm_eps = 1e-5f;
+    c.rope_theta = 10000.0f;
+    c.rope_mode = OP_ROPE_NEOX;
+    return c;
+}
+
+/* Greedy reference on a private engine: the tokens a prompt continues with. */
+static void reference_greedy(const mdl_model *m, op_backend *be, const int32_t *prompt, int n,
+                             int32_t *gen) {
+    eng_engine *e;
+    assert_int_equal(eng_new(m, be, NULL, &e), FU_OK);
+    eng_seq *s;
+    assert_int_equal(eng_seq_new(e, 64, &s), FU_OK);
+    eng_seq *seqs[64];
+    for (int i = 0; i < 64; i++) seqs[i] = s;
+    uint8_t want[N_PROMPT] = {0};
+    want[n - 1] = 1;
+    float logits[97];
+    eng_batch b = {n, prompt, NULL, seqs, want};
+    assert_int_equal(eng_forward(e, &b, logits), FU_OK);
+    for (int i = 0; i < N_GEN; i++) {
+        gen[i] = smp_argmax(logits, 97);
+        eng_batch d = {1, &gen[i], NULL, seqs, NULL};
+        assert_int_equal(eng_forward(e, &d, logits), FU_OK);
+    }
+    eng_seq_free(e, s);
+    eng_free(e);
+}
+
+typedef struct worker {
+    shard_core *core;
+    int idx;
+    int32_t prompt[N_PROMPT];
+    int32_t gen[N_GEN];
+    int rc;
+} worker;
+
+static void *worker_run(void *arg) {
+    worker *w = arg;
+    char id[32];
+    snprintf(id, sizeof id, "sess-%d", w->idx);
+    shard_session *s;
+    if ((w->rc = shard_session_open(w->core, id, 64, &s))) return NULL;
+    shard_step st;
+    memset(&st, 0, sizeof st);
+    st.n = N_PROMPT;
+    st.tokens = w->prompt;
+    st.sample = true;
+    st.sampling = smp_params_default();
+    st.sampling.temperature = 0;
+    st.top_logprobs = 3;
+    for (int i = 0; i < N_GEN; i++) {
+        st.start_pos = shard_session_len(s);
+        if ((w->rc = shard_session_step(w->core, s, &st))) break;
+        if (st.n_out != 1 || !st.out_tokens || !st.out_top_ids || st.out_top_ids[0] != st.out_tokens[0]) {
+            w->rc = -100;
+            break;
+        }
+        w->gen[i] = st.out_tokens[0];
+        st.n = 1;
+        st.tokens = &w->gen[i];
+    }
+    shard_session_close(w->core, s);
+    return NULL;
+}
+
+static void test_concurrent_sessions_batch_and_match(void **state) {
+    mdl_config cfg = test_config();
+    mdl_model *m;
+    assert_int_equal(mdl_random(&cfg, OP_TYPE_BF16, 11, NULL, &m), FU_OK);
+    op_cpu_options co = {2, OP_CPU_ISA_AUTO};
+    op_backend *be = op_backend_cpu_new(&co);
+    shard_core *core;
+    shard_core_options o = {64u << 20, 64, OP_TYPE_F32};
+    assert_int_equal(shard_core_new(m, be, &o, &core), FU_OK);
+    worker w[N_SESS];
+    pthread_t th[N_SESS];
+    for (int i = 0; i < N_SESS; i++) {
+        memset(&w[i], 0, sizeof w[i]);
+        w[i].core = core;
+        w[i].idx = i;
+        for (int j = 0; j < N_PROMPT; j++) w[i].prompt[j] = (i * 13 + j * 7 + 1) % 97;
+        assert_int_equal(pthread_create(&th[i], NULL, worker_run, &w[i]), 0);
+    }
+    for (int i = 0; i < N_SESS; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < N_SESS; i++) {
+        assert_int_equal(w[i].rc, FU_OK);
+        int32_t ref[N_GEN];
+        reference_greedy(m, be, w[i].prompt, N_PROMPT, ref);
+        assert_memory_equal(ref, w[i].gen, sizeof ref);
+    }
+    shard_core_stats st;
+    shard_core_get_stats(core, &st);
+    assert_int_equal(st.active_sessions, 0);
+    assert_true(st.kv_free_bytes == st.kv_total_bytes);
+    assert_int_equal(st.batched_steps, N_SESS * N_GEN);
+    /* concurrent steps were merged: fewer forwards than steps */
+    assert_true(st.batches < st.batched_steps);
+    assert_true(shard_core_measure(core, 2, 0.05) > 0);
+    shard_core_free(core);
+    op_backend_free(be);
+    mdl_free(m);
+}
+
+static void test_chained_spans_equal_whole(void **state) {
+    mdl_config cfg = test_config();
+    mdl_model *whole, *a, *b;
+    mdl_open_options oa = {0, 2, true, false}, ob = {2, 3, false, true};
+    assert_int_equal(mdl_random(&cfg, OP_TYPE_F16, 5, NULL, &whole), FU_OK);
+    assert_int_equal(mdl_random(&cfg, OP_TYPE_F16, 5, &oa, &a), FU_OK);
+    assert_int_equal(mdl_random(&cfg, OP_TYPE_F16, 5, &ob, &b), FU_OK);
+    op_cpu_options co = {1, OP_CPU_ISA_AUTO};
+    op_backend *be = op_backend_cpu_new(&co);
+    shard_core *cw, *ca, *cb;
+    assert_int_equal(shard_core_new(whole, be, NULL, &cw), FU_OK);
+    assert_int_equal(shard_core_new(a, be, NULL, &ca), FU_OK);
+    assert_int_equal(shard_core_new(b, be, NULL, &cb), FU_OK);
+    shard_session *sw, *sa, *sb;
+    assert_int_equal(shard_session_open(cw, "w", 32, &sw), FU_OK);
+    assert_int_equal(shard_session_open(ca, "x", 32, &sa), FU_OK);
+    assert_int_equal(shard_session_open(cb, "x", 32, &sb), FU_OK);
+    int32_t ids[5] = {3, 1, 4, 1, 5};
+    shard_step s1 = {.n = 5, .tokens = ids, .want_logits = true, .all_positions = true};
+    assert_int_equal(shard_session_step(cw, sw, &s1), FU_OK);
+    shard_step s2 = {.n = 5, .tokens = ids};
+    assert_int_equal(shard_session_step(ca, sa, &s2), FU_OK);
+    assert_non_null(s2.out_hidden);
+    shard_step s3 = {.n = 5, .tokens = ids, .hidden = s2.out_hidden, .want_logits = true, .all_positions = true};
+    assert_int_equal(shard_session_step(cb, sb, &s3), FU_OK);
+    assert_int_equal(s3.n_out, 5);
+    for (int i = 0; i < 5 * 97; i++) assert_true(fabsf(s1.out_logits[i] - s3.out_logits[i]) < 1e-5f);
+
+    /* rollback the last two positions on both and replay: same last logits */
+    float last[97];
+    memcpy(last, s1.out_logits + 4 * 97, sizeof last);
+    assert_int_equal(shard_session_rollback(sw, 3), FU_OK);
+    shard_step s4 = {.n = 2, .start_pos = 3, .tokens = ids + 3, .want_logits = true};
+    assert_int_equal(shard_session_step(cw, sw, &s4), FU_OK);
+    assert_int_equal(s4.n_out, 1);
+    for (int i = 0; i < 97; i++) assert_true(fabsf(s4.out_logits[i] - last[i]) < 1e-5f);
+
+    shard_session_close(cw, sw);
+    shard_session_close(ca, sa);
+    shard_session_close(cb, sb);
+    shard_core_free(cw);
+    shard_core_free(ca);
+    shard_core_free(cb);
+    op_backend_free(be);
+    mdl_free(whole);
+    mdl_free(a);
+    mdl_free(b);
+}
+
+static void test_admission_and_bad_steps(void **state) {
+    mdl_config cfg = test_config();
+    mdl_model *m;
+    assert_int_equal(mdl_random(&cfg, OP_TYPE_F32, 3, NULL, &m), FU_OK);
+    op_cpu_options co = {1, OP_CPU_ISA_AUTO};
+    op_backend *be = op_backend_cpu_new(&co);
+    shard_core *core;
+    /* 3 layers x 2 (K, V) x 32 floats x 4 bytes = 768 bytes per position: room for 100 */
+    shard_core_options o = {76800, 32, OP_TYPE_F32};
+    assert_int_equal(shard_core_new(m, be, &o, &core), FU_OK);
+    shard_session *s1, *s2, *s3;
+    assert_int_equal(shard_session_open(core, "a", 60, &s1), FU_OK);
+    assert_int_equal(shard_session_open(core, "b", 60, &s2), FU_ERR_EXHAUSTED);
+    assert_non_null(strstr(fu_last_error(), "KV cache full"));
+    assert_int_equal(shard_session_open(core, "a", 10, &s2), FU_ERR_INVALID); /* duplicate */
+    assert_int_equal(shard_session_open(core, "", 10, &s2), FU_ERR_INVALID);
+    assert_int_equal(shard_session_open(core, "c", 1000, &s2), FU_ERR_RANGE); /* over the context */
+    assert_int_equal(shard_session_open(core, "b", 40, &s2), FU_OK);
+    shard_session_close(core, s1);
+    assert_int_equal(shard_session_open(core, "c", 60, &s3), FU_OK); /* freed at once */
+
+    int32_t ids[4] = {1, 2, 3, 200};
+    shard_step bad_tok = {.n = 4, .tokens = ids};
+    assert_int_equal(shard_session_step(core, s2, &bad_tok), FU_ERR_INVALID);
+    shard_step bad_pos = {.n = 2, .start_pos = 5, .tokens = ids};
+    assert_int_equal(shard_session_step(core, s2, &bad_pos), FU_ERR_INVALID);
+    shard_step no_tok = {.n = 2};
+    assert_int_equal(shard_session_step(core, s2, &no_tok), FU_ERR_INVALID);
+    int32_t many[41] = {0};
+    shard_step too_long = {.n = 41, .tokens = many};
+    assert_int_equal(shard_session_step(core, s2, &too_long), FU_ERR_RANGE);
+    shard_step bad_top = {.n = 1, .tokens = ids, .sample = true, .top_logprobs = 21};
+    bad_top.sampling = smp_params_default();
+    assert_int_equal(shard_session_step(core, s2, &bad_top), FU_ERR_INVALID);
+    shard_step bad_temp = {.n = 1, .tokens = ids, .sample = true};
+    bad_temp.sampling = smp_params_default();
+    bad_temp.sampling.temperature = -1;
+    assert_int_equal(shard_session_step(core, s2, &bad_temp), FU_ERR_INVALID);
+    assert_int_equal(shard_session_len(s2), 0);
+    shard_step ok = {.n = 3, .tokens = ids, .sample = true};
+    ok.sampling = smp_params_default();
+    ok.sampling.seed = 9;
+    assert_int_equal(shard_session_step(core, s2, &ok), FU_OK);
+    assert_int_equal(shard_session_len(s2), 3);
+    assert_int_equal(shard_session_rollback(s2, 4), FU_ERR_RANGE);
+    shard_session_close(core, s2);
+    shard_session_close(core, s3);
+    shard_core_free(core);
+    op_backend_free(be);
+    mdl_free(m);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_concurrent_sessions_batch_and_match),
+        cmocka_unit_test(test_chained_spans_equal_whole),
+        cmocka_unit_test(test_admission_and_bad_steps),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
