@@ -1,0 +1,34 @@
+/* wire.h -- activations on the wire: f32, bf16, f16 or int8 blockwise absmax, to and from floats. */
+#ifndef FU_WIRE_H
+#define FU_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Numbered as proto/fusion.proto's Dtype. */
+typedef enum wire_dtype {
+    WIRE_F32 = 1,
+    WIRE_BF16 = 2,
+    WIRE_F16 = 3,
+    WIRE_INT8_BLOCK = 4, /* int8 q with one f32 scale per block: x = q * absmax(block) / 127 */
+} wire_dtype;
+
+#define WIRE_DEFAULT_BLOCK 64
+
+const char *wire_dtype_name(int dtype);
+int wire_dtype_valid(int dtype);
+
+/* Bytes of data (and of scales, for INT8_BLOCK) that n values take. */
+size_t wire_data_bytes(int dtype, size_t n);
+size_t wire_scale_bytes(int dtype, size_t n, int block);
+
+/* Encodes n values into data (wire_data_bytes) and scales (wire_scale_bytes,
+ * INT8_BLOCK only). n must be a multiple of block for INT8_BLOCK. */
+int wire_encode(const float *x, size_t n, int dtype, int block, uint8_t *data, uint8_t *scales);
+
+/* Decodes n values, checking that the byte counts match exactly; non-finite
+ * results are rejected (FU_ERR_INVALID naming `what`). */
+int wire_decode(const uint8_t *data, size_t data_len, const uint8_t *scales, size_t scales_len,
+                int dtype, int block, size_t n, float *out, const char *what);
+
+#endif

@@ -1,0 +1,37 @@
+/* shard-rpc.h -- fusion.Shard over the RPC layer: sessions, stateless forward, info, health. */
+#ifndef FU_SHARD_RPC_H
+#define FU_SHARD_RPC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "shard-core.h"
+
+typedef struct shard_server shard_server;
+
+typedef struct shard_server_config {
+    const char *listen;          /* "host:port" (port 0: any free port) */
+    const char *advertise;       /* the name this server reports in timings; NULL: listen */
+    const char *tls_cert;        /* PEM text or path; NULL with allow_insecure: plaintext */
+    const char *tls_key;
+    const char *tls_ca;          /* to verify next hops when forwarding; NULL: system roots */
+    bool allow_insecure;         /* plaintext, loopback only (also for next hops) */
+    const char *secret;          /* swarm secret, required */
+    size_t max_message_bytes;    /* 0: the RPC layer's default */
+    int idle_timeout_ms;         /* default session expiry (0: 120 s) */
+    int n_workers;               /* unary handler threads (0: 4) */
+    const char *model_name;
+    const char *device;          /* "cpu", ... */
+    double tokens_per_s;         /* measured at start-up */
+} shard_server_config;
+
+/* Creates the server for `core` (borrowed) and binds its port. */
+int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_server **out);
+int shard_server_start(shard_server *s);
+int shard_server_port(const shard_server *s);
+/* Stops accepting sessions (they are refused with UNAVAILABLE), lets running
+ * ones go on for up to grace_ms, then cancels the rest and waits. */
+int shard_server_drain(shard_server *s, int grace_ms);
+void shard_server_free(shard_server *s); /* NULL is a no-op */
+
+#endif
