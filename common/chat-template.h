@@ -23,6 +23,24 @@
  * FU_ERR_TEMPLATE with "line N: message" in fu_last_error(); a render that
  * exceeds its limits returns FU_ERR_EXHAUSTED; bad arguments FU_ERR_INVALID;
  * allocation failure FU_ERR_NOMEM.
+ *
+ * Supported: {{ }}, {% %}, {# #}, whitespace control (-, +, trim_blocks,
+ * lstrip_blocks), raw, if/elif/else, for/else (loop filters, unpacking,
+ * loop.index/index0/revindex/revindex0/first/last/length/previtem/nextitem/
+ * cycle/changed), break/continue, set (also block set and namespace
+ * attributes), with, macros (positional/keyword/default arguments), filter
+ * blocks, print, generation; jinja2's filters except filesizeformat, groupby,
+ * pprint, random, striptags, urlencode, urlize, wordwrap and xmlattr; all of
+ * its tests; common str/dict/list methods; the globals range, namespace, dict,
+ * raise_exception and strftime_now.
+ *
+ * Known differences from jinja2 (none affects real chat templates we know):
+ * integers are 64-bit (overflow is an error, not a bignum); reprs of Python
+ * objects (bound methods, range(), dict views, generators) print differently;
+ * Markup is not modelled (|safe and |escape return plain strings); recursive
+ * for loops, call blocks, include/import/extends are rejected; slicing a
+ * literal that is not a sequence is an error where jinja2's constant folding
+ * yields Undefined; storing a namespace inside itself is an error.
  */
 
 typedef struct tpl_template tpl_template;

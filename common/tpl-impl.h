@@ -54,12 +54,14 @@ typedef struct tpl_list {
     size_t len, cap;
     bool tuple; /* prints as (a, b) and compares unequal to lists */
     bool gen;   /* came from a generator-returning filter (map, select...) */
+    bool holds_mut; /* some item is (or holds) a namespace, loop or function */
     tpl_val *v;
 } tpl_list;
 
 typedef struct tpl_dict {
     tpl_obj h;
     size_t len, cap;
+    bool holds_mut; /* as tpl_list (namespaces always count as mutable) */
     tpl_val *k, *v; /* keys are str, int, float, bool or none */
 } tpl_dict;
 
@@ -122,6 +124,7 @@ typedef struct tpl_rt {
     size_t live_bytes;  /* bytes held by this render's objects */
     uint64_t fuel;      /* work units left */
     int depth;          /* macro call depth */
+    int frames;         /* nested eval/exec calls, bounding C stack use */
     int line;           /* template line being evaluated, for messages */
     tpl_scope *scope;   /* innermost scope */
     tpl_scope *root;    /* template-level scope */
@@ -334,10 +337,11 @@ enum {
     TPL_FN_RANGE, TPL_FN_NAMESPACE, TPL_FN_DICT, TPL_FN_RAISE, TPL_FN_STRFTIME,
     TPL_FN_LOOP_CYCLE, TPL_FN_LOOP_CHANGED,
     TPL_FN_METHOD_BASE = 100, /* + method index (see tpl-builtins.c) */
-    TPL_FN_UNSAFE = 1000,     /* a mutating list/dict method: SecurityError when called */
 };
 
 int tpl_filter_id(const char *name);
+/* True for jinja2 builtin filters fusion does not implement (errors only when used). */
+bool tpl_is_jinja2_filter(const char *name);
 int tpl_test_id(const char *name);
 int tpl_global_id(const char *name);
 /* Method id for attribute `name` on `obj`, or -1 if it has no such method. */
@@ -355,6 +359,19 @@ int tpl_call_builtin(tpl_rt *R, tpl_func *f, const tpl_args *a, tpl_val *out);
  * `bound[i]`). Fails on unknown keywords or too many positionals. */
 int tpl_bind(tpl_rt *R, const char *fname, const tpl_args *a, const char *const *params, size_t nparams,
              tpl_val *out, bool *bound);
+
+/* Python's `fmt % args` string formatting (also the `format` filter). */
+int tpl_format_percent(tpl_rt *R, tpl_val fmt, tpl_val args, tpl_val *out);
+/* A loop object iterating over `items` (a list; a new reference is taken). */
+int tpl_loop_new(tpl_rt *R, tpl_val items, tpl_val *out);
+/* Sets *found if `v` holds (directly or nested) the mutable object `obj`, or
+ * is nested too deeply to tell: storing v inside obj would make a cycle.
+ * Charges the traversal to the work budget. */
+int tpl_reaches(tpl_rt *R, tpl_val v, const tpl_obj *obj, bool *found);
+/* Python binary operator `op` (OP_ADD...OP_CONCAT). */
+int tpl_binop(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out);
+/* Runs a parsed template's top-level body. */
+int tpl_exec_template(tpl_rt *R, const tpl_node *root);
 
 /* Used by builtins: getattr with jinja2 semantics, and calling a macro. */
 int tpl_getattr(tpl_rt *R, tpl_val obj, const char *name, size_t len, tpl_val *out);

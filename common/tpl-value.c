@@ -15,13 +15,15 @@
 /* ------------------------------------------------------------------------ */
 
 int tpl_rt_fail(tpl_rt *R, int status, const char *fmt, ...) {
-    if (R->failed)
+    if (R && R->failed)
         return status;
     char msg[900];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    if (!R) /* compile time */
+        return fu_errorf(status, "%s", msg);
     R->failed = true;
     return fu_errorf(status, "line %d: %s", R->line, msg);
 }
@@ -87,13 +89,7 @@ void tpl_ref(tpl_val v) {
 
 /* Children of an object whose count reached zero are released through an
  * explicit work list, so freeing deeply nested values cannot overflow the
- * stack. The work list links objects through their (now unused) rc field's
- * neighbour: we reuse `bytes` after unaccounting, storing the next pointer in
- * a side array instead would need allocation, so objects carry it inline. */
-typedef struct free_item {
-    tpl_obj *o;
-} free_item;
-
+ * stack. */
 static void release_child(tpl_val v, tpl_obj ***stack, size_t *n, size_t *cap) {
     if (!tpl_is_heap(v) || v.o->rc < 0)
         return;
@@ -247,8 +243,25 @@ static int grow(tpl_rt *R, tpl_obj *h, tpl_val **arr, size_t *cap, size_t need, 
     return FU_OK;
 }
 
+/* True if v is a mutable object or a container holding one. */
+static bool mutable_ref(tpl_val v) {
+    switch (v.kind) {
+    case TPL_NS:
+    case TPL_LOOP:
+    case TPL_FUNC:
+        return true;
+    case TPL_LIST:
+        return tpl_as_list(v)->holds_mut;
+    case TPL_DICT:
+        return tpl_as_dict(v)->holds_mut;
+    default:
+        return false;
+    }
+}
+
 int tpl_list_push(tpl_rt *R, tpl_val list, tpl_val v) {
     tpl_list *l = tpl_as_list(list);
+    l->holds_mut |= mutable_ref(v);
     int rc = grow(R, &l->h, &l->v, &l->cap, l->len + 1, 1, NULL);
     if (rc) {
         tpl_drop(R, v);
@@ -302,6 +315,7 @@ tpl_val *tpl_dict_get_cstr(tpl_val dict, const char *key, size_t len) {
 
 int tpl_dict_set(tpl_rt *R, tpl_val dict, tpl_val key, tpl_val v) {
     tpl_dict *d = tpl_as_dict(dict);
+    d->holds_mut |= mutable_ref(v);
     tpl_val *slot = tpl_dict_get(dict, key);
     if (slot) {
         tpl_drop(R, key);
@@ -330,6 +344,19 @@ int tpl_dict_set_cstr(tpl_rt *R, tpl_val dict, const char *key, tpl_val v) {
         return rc;
     }
     return tpl_dict_set(R, dict, k, v);
+}
+
+int tpl_loop_new(tpl_rt *R, tpl_val items, tpl_val *out) {
+    int rc;
+    tpl_loop *l = obj_alloc(R, sizeof(tpl_loop), TPL_LOOP, &rc);
+    if (!l)
+        return rc;
+    l->items = items;
+    tpl_ref(items);
+    l->last_changed = tpl_undef();
+    out->kind = TPL_LOOP;
+    out->o = &l->h;
+    return FU_OK;
 }
 
 int tpl_func_new(tpl_rt *R, int id, tpl_val self, const struct tpl_node *mac, tpl_val *out) {
@@ -1011,8 +1038,8 @@ static int json_key(tpl_rt *R, tpl_buf *b, tpl_val k, const tpl_json_opts *o) {
     }
 }
 
-static int key_cmp(const void *x, const void *y, void *arg) {
-    (void)arg;
+/* Orders dict keys for sort_keys (str keys by code point, numbers by value). */
+static int key_cmp(const void *x, const void *y) {
     const tpl_val *a = x, *b = y;
     if (a->kind == TPL_STR && b->kind == TPL_STR) {
         tpl_str *s = tpl_as_str(*a), *t = tpl_as_str(*b);
@@ -1075,7 +1102,7 @@ int tpl_buf_json(tpl_rt *R, tpl_buf *b, tpl_val v, const tpl_json_opts *o, int l
             /* Stable insertion sort by key (dicts in templates are small). */
             for (size_t i = 1; i < d->len; i++) {
                 size_t x = order[i], j = i;
-                while (j > 0 && key_cmp(&d->k[order[j - 1]], &d->k[x], NULL) > 0) {
+                while (j > 0 && key_cmp(&d->k[order[j - 1]], &d->k[x]) > 0) {
                     order[j] = order[j - 1];
                     j--;
                 }

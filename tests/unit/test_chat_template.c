@@ -1,0 +1,361 @@
+/* test_chat_template.c -- chat-template interpreter: error paths, limits, concurrency and malformed input. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <jansson.h>
+#include <pthread.h>
+
+#include "chat-template.h"
+#include "status.h"
+
+/* Renders `src` with the JSON context `ctx_json` (NULL: empty); returns the
+ * status and sets *out (caller frees) on success. */
+static int render(const char *src, const char *ctx_json, char **out) {
+    tpl_template *t = NULL;
+    *out = NULL;
+    int rc = tpl_compile(src, &t);
+    if (rc)
+        return rc;
+    json_t *ctx = ctx_json ? json_loads(ctx_json, 0, NULL) : NULL;
+    if (ctx_json)
+        assert_non_null(ctx);
+    rc = tpl_render(t, ctx, out);
+    json_decref(ctx);
+    tpl_free(t);
+    return rc;
+}
+
+static void expect_render(const char *src, const char *ctx, const char *want) {
+    char *out = NULL;
+    int rc = render(src, ctx, &out);
+    if (rc)
+        fail_msg("render of %s failed: %s", src, fu_last_error());
+    assert_string_equal(out, want);
+    free(out);
+}
+
+static void expect_error(const char *src, const char *ctx, int status, const char *needle) {
+    char *out = NULL;
+    int rc = render(src, ctx, &out);
+    if (rc != status)
+        fail_msg("%s: expected status %d, got %d (%s) output=%s", src, status, rc, fu_last_error(),
+                 out ? out : "(null)");
+    assert_null(out);
+    if (needle && !strstr(fu_last_error(), needle))
+        fail_msg("%s: error \"%s\" lacks \"%s\"", src, fu_last_error(), needle);
+}
+
+static const char *CHATML =
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+static void test_basic_renders(void **state) {
+    (void)state;
+    expect_render("Hello {{ name }}!", "{\"name\": \"w\\u00f6rld\"}", "Hello wörld!");
+    expect_render("{% for x in xs %}{{ loop.index }}{{ x }}{% if not loop.last %},{% endif %}{% endfor %}",
+                  "{\"xs\": [\"a\", \"b\"]}", "1a,2b");
+    expect_render("[{{ missing }}][{{ d.missing }}]", "{\"d\": {}}", "[][]");
+    expect_render("{{ d|tojson }}", "{\"d\": {\"k\": [1, 2.5, null, true, \"\\u00e9\"]}}",
+                  "{\"k\": [1, 2.5, null, true, \"é\"]}");
+    expect_render("{% set ns = namespace(n=0) %}{% for i in range(4) %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}",
+                  NULL, "6");
+    expect_render("a\n  {% if true %}\n  b\n  {% endif %}\nc", NULL, "a\n  b\nc");
+    expect_render("{{ 'a,b'.split(',')[::-1]|join('-') }} {{ 7 // 2 }} {{ 7 / 2 }} {{ 1e16 }}", NULL, "b-a 3 3.5 1e+16");
+    expect_render("{% macro m(x, y='d') %}<{{ x }}{{ y }}>{% endmacro %}{{ m(1) }}{{ m(2, y='e') }}", NULL, "<1d><2e>");
+    expect_render("", NULL, "");
+    expect_render("trailing newline dropped\n", NULL, "trailing newline dropped");
+}
+
+static void test_apply_chat(void **state) {
+    (void)state;
+    tpl_template *t = NULL;
+    assert_int_equal(tpl_compile(CHATML, &t), FU_OK);
+    json_t *msgs = json_loads("[{\"role\": \"system\", \"content\": \"Be brief.\"},"
+                              " {\"role\": \"user\", \"content\": \"Hi \\u2603\"}]",
+                              0, NULL);
+    assert_non_null(msgs);
+    char *out = NULL;
+    assert_int_equal(tpl_apply_chat(t, msgs, NULL, 1, "<s>", "</s>", NULL, &out), FU_OK);
+    assert_string_equal(out, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi ☃<|im_end|>\n"
+                             "<|im_start|>assistant\n");
+    free(out);
+
+    /* tools=None is defined-but-none; bos undefined when NULL; kwargs override. */
+    tpl_template *t2 = NULL;
+    assert_int_equal(tpl_compile("{{ tools is defined }}{{ tools is none }}{{ bos_token is defined }}"
+                                 "{{ eos_token }}{{ add_generation_prompt }}{{ flag }}",
+                                 &t2),
+                     FU_OK);
+    json_t *kw = json_loads("{\"flag\": false, \"eos_token\": \"E\"}", 0, NULL);
+    assert_int_equal(tpl_apply_chat(t2, msgs, NULL, 0, NULL, "</s>", kw, &out), FU_OK);
+    assert_string_equal(out, "TrueTrueFalseEFalseFalse");
+    free(out);
+
+    /* Bad arguments. */
+    assert_int_equal(tpl_apply_chat(t2, kw, NULL, 0, NULL, NULL, NULL, &out), FU_ERR_INVALID);
+    assert_null(out);
+    assert_int_equal(tpl_apply_chat(t2, msgs, NULL, 0, NULL, NULL, msgs, &out), FU_ERR_INVALID);
+    assert_int_equal(tpl_apply_chat(NULL, msgs, NULL, 0, NULL, NULL, NULL, &out), FU_ERR_INVALID);
+    assert_int_equal(tpl_render(t2, msgs, &out), FU_ERR_INVALID); /* context must be an object */
+    json_decref(kw);
+    json_decref(msgs);
+    tpl_free(t);
+    tpl_free(t2);
+}
+
+static void test_syntax_errors(void **state) {
+    (void)state;
+    static const struct {
+        const char *src, *needle;
+    } cases[] = {
+        {"line1\n{% if x %}\nline3", "line 3"},
+        {"{% for x in xs %}{% endif %}", "endif"},
+        {"a\nb\n{{ 1 + }}", "line 3"},
+        {"{{ 'unterminated }}", "unterminated string"},
+        {"{% frobnicate %}", "unknown tag 'frobnicate'"},
+        {"{# open comment", "comment"},
+        {"{{ (1, 2 }}", NULL},
+        {"{{ x | }}", NULL},
+        {"{% break %}", "outside loop"},
+        {"{% macro m(a=1, b) %}{% endmacro %}", "non-default argument"},
+        {"{{ 99999999999999999999 }}", "too large"},
+        {"{{ '\\x4' }}", "escape"},
+        {"{% set %}", NULL},
+        {"{% include 'x' %}", "not supported"},
+        {"ok\n\xff\xfe", "invalid UTF-8"},
+        {"{{ x|nosuchfilter }}", "No filter named 'nosuchfilter'"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        tpl_template *t = (tpl_template *)0x1;
+        int rc = tpl_compile(cases[i].src, &t);
+        if (rc != FU_ERR_TEMPLATE)
+            fail_msg("%s: expected a syntax error, got %d", cases[i].src, rc);
+        assert_null(t);
+        assert_non_null(strstr(fu_last_error(), "syntax error"));
+        if (cases[i].needle && !strstr(fu_last_error(), cases[i].needle))
+            fail_msg("%s: \"%s\" lacks \"%s\"", cases[i].src, fu_last_error(), cases[i].needle);
+    }
+    /* Deep nesting fails cleanly instead of exhausting the stack. */
+    size_t n = 20000;
+    char *deep = malloc(2 * n + 16);
+    assert_non_null(deep);
+    memcpy(deep, "{{ ", 3);
+    memset(deep + 3, '(', n);
+    memcpy(deep + 3 + n, "1 }}", 5);
+    tpl_template *t = NULL;
+    assert_int_equal(tpl_compile(deep, &t), FU_ERR_TEMPLATE);
+    size_t k = 0;
+    for (size_t i = 0; i < 2000; i++)
+        k += (size_t)snprintf(deep + k, 2 * n + 16 - k, "{%% if x %%}");
+    assert_int_equal(tpl_compile(deep, &t), FU_ERR_TEMPLATE);
+    assert_non_null(strstr(fu_last_error(), "nested too deeply"));
+    free(deep);
+
+    assert_int_equal(tpl_compile(NULL, &t), FU_ERR_INVALID);
+    assert_int_equal(tpl_compile("x", NULL), FU_ERR_INVALID);
+    tpl_free(NULL);
+}
+
+static void test_runtime_errors(void **state) {
+    (void)state;
+    expect_error("{{ raise_exception('Conversation roles must alternate') }}", NULL, FU_ERR_TEMPLATE,
+                 "Conversation roles must alternate");
+    expect_error("ok\n{{ missing.attr }}", NULL, FU_ERR_TEMPLATE, "line 2: 'missing' is undefined");
+    expect_error("{{ d.a.b }}", "{\"d\": {}}", FU_ERR_TEMPLATE, "'dict object' has no attribute 'a'");
+    expect_error("{{ 'a' + 1 }}", NULL, FU_ERR_TEMPLATE, "can only concatenate str");
+    expect_error("{{ 1 / 0 }}", NULL, FU_ERR_TEMPLATE, "division by zero");
+    expect_error("{{ xs.append(1) }}", "{\"xs\": []}", FU_ERR_TEMPLATE, "unsafe");
+    expect_error("{% for x in 3 %}{% endfor %}", NULL, FU_ERR_TEMPLATE, "not iterable");
+    expect_error("{% if x %}{{ x|nosuchfilter }}{% endif %}", "{\"x\": 1}", FU_ERR_TEMPLATE,
+                 "No filter named 'nosuchfilter'");
+    expect_render("{% if x %}{{ x|nosuchfilter }}{% endif %}ok", NULL, "ok");
+    expect_error("{{ missing() }}", NULL, FU_ERR_TEMPLATE, "undefined");
+    expect_error("{{ range(100001)|length }}", NULL, FU_ERR_TEMPLATE, "Range too big");
+    expect_error("{% set n = 1 %}{% set n.a = 2 %}", NULL, FU_ERR_TEMPLATE, "non-namespace");
+    expect_error("{% set ns = namespace() %}{% set ns.self = [ns] %}", NULL, FU_ERR_TEMPLATE, "inside itself");
+    expect_error("{% set ns = namespace() %}{% for x in [ns] %}{% set ns.l = loop %}{% endfor %}", NULL,
+                 FU_ERR_TEMPLATE, "inside itself");
+    expect_error("{% for x in [1] %}{{ loop.changed([loop]) }}{% endfor %}", NULL, FU_ERR_TEMPLATE, "loop itself");
+    expect_error("{% set a = namespace() %}{% set b = namespace(x=a) %}{% set a.y = {'k': [b]} %}", NULL,
+                 FU_ERR_TEMPLATE, "inside itself");
+    expect_render("{% set a = namespace() %}{% set b = namespace(x=a) %}{% set b.y = [a, {'k': a}] %}{{ b.y|length }}",
+                  NULL, "2");
+    expect_error("{{ 9223372036854775807 + 1 }}", NULL, FU_ERR_TEMPLATE, "overflow");
+    /* An error inside a macro, a loop and a captured block unwinds cleanly. */
+    expect_error("{% macro m() %}{% for i in [1] %}{% set x %}{{ 1 / 0 }}{% endset %}{% endfor %}{% endmacro %}{{ m() }}",
+                 NULL, FU_ERR_TEMPLATE, "division by zero");
+}
+
+static int render_limited(const char *src, const tpl_limits *lim) {
+    tpl_template *t = NULL;
+    int rc = tpl_compile(src, &t);
+    assert_int_equal(rc, FU_OK);
+    char *out = NULL;
+    rc = tpl_render_ex(t, NULL, lim, &out, NULL);
+    free(out);
+    tpl_free(t);
+    return rc;
+}
+
+static void test_limits(void **state) {
+    (void)state;
+    tpl_limits lim = {.max_work = 10000};
+    assert_int_equal(render_limited("{% for i in range(100000) %}{% endfor %}", &lim), FU_ERR_EXHAUSTED);
+    assert_non_null(strstr(fu_last_error(), "work limit"));
+    lim = (tpl_limits){.max_output = 1000};
+    assert_int_equal(render_limited("{% for i in range(1000) %}xx{% endfor %}", &lim), FU_ERR_EXHAUSTED);
+    assert_non_null(strstr(fu_last_error(), "output"));
+    lim = (tpl_limits){.max_memory = 1 << 20};
+    assert_int_equal(render_limited("{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+                                    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+                                    &lim),
+                     FU_ERR_EXHAUSTED);
+    assert_int_equal(render_limited("{{ 'x' * 100000000000 }}", &lim), FU_ERR_EXHAUSTED);
+    assert_int_equal(render_limited("{{ [1, 2] * 100000000000 }}", &lim), FU_ERR_EXHAUSTED);
+    lim = (tpl_limits){.max_depth = 8};
+    assert_int_equal(render_limited("{% macro r(n) %}{{ r(n + 1) }}{% endmacro %}{{ r(0) }}", &lim), FU_ERR_EXHAUSTED);
+    /* Runaway templates stop (the default work budget is exercised by the oracle test, unsanitized). */
+    lim = (tpl_limits){.max_work = 1000000};
+    assert_int_equal(render_limited("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+                                    &lim),
+                     FU_ERR_EXHAUSTED);
+    assert_int_equal(render_limited("{% macro r(n) %}{{ r(n + 1) }}{% endmacro %}{{ r(0) }}", NULL), FU_ERR_EXHAUSTED);
+    assert_int_equal(render_limited("{% set ns = namespace(l=[]) %}{% for i in range(5000) %}{% set ns.l = [ns.l] %}"
+                                    "{% endfor %}{{ ns.l }}{{ ns.l == ns.l }}",
+                                    NULL),
+                     FU_ERR_TEMPLATE);
+    /* Within limits, the same constructs are fine. */
+    lim = (tpl_limits){.max_work = 100000, .max_output = 100000, .max_depth = 8};
+    assert_int_equal(render_limited("{% for i in range(1000) %}{{ i }}{% endfor %}", &lim), FU_OK);
+}
+
+static void test_output_with_nul(void **state) {
+    (void)state;
+    tpl_template *t = NULL;
+    assert_int_equal(tpl_compile("a{{ s }}b", &t), FU_OK);
+    json_t *ctx = json_pack("{s:s%}", "s", "x\0y", (size_t)3);
+    assert_non_null(ctx);
+    char *out = NULL;
+    size_t len = 0;
+    assert_int_equal(tpl_render_ex(t, ctx, NULL, &out, &len), FU_OK);
+    assert_int_equal(len, 5);
+    assert_memory_equal(out, "ax\0yb", 5);
+    free(out);
+    json_decref(ctx);
+    tpl_free(t);
+}
+
+/* Concurrent renders of one compiled template give identical output. */
+typedef struct worker {
+    const tpl_template *t;
+    const json_t *ctx;
+    const char *want;
+    int failures;
+} worker;
+
+static void *render_worker(void *arg) {
+    worker *w = arg;
+    for (int i = 0; i < 200; i++) {
+        char *out = NULL;
+        if (tpl_render(w->t, w->ctx, &out) != FU_OK || strcmp(out, w->want) != 0)
+            w->failures++;
+        free(out);
+    }
+    return NULL;
+}
+
+static void test_concurrent_renders(void **state) {
+    (void)state;
+    const char *src =
+        "{%- set ns = namespace(n=0) -%}{%- for m in messages -%}{%- set ns.n = ns.n + 1 -%}"
+        "[{{ loop.index }}:{{ m.role|upper }}:{{ m.content|trim }}:{{ m|tojson }}]{%- endfor -%}"
+        "{{ ns.n }}{{ 'x' ~ 'literal' }}";
+    tpl_template *t = NULL;
+    assert_int_equal(tpl_compile(src, &t), FU_OK);
+    json_t *ctx = json_loads("{\"messages\": [{\"role\": \"user\", \"content\": \" hi \"},"
+                             " {\"role\": \"assistant\", \"content\": \"yo\"}]}",
+                             0, NULL);
+    char *want = NULL;
+    assert_int_equal(tpl_render(t, ctx, &want), FU_OK);
+    assert_string_equal(want, "[1:USER:hi:{\"role\": \"user\", \"content\": \" hi \"}]"
+                              "[2:ASSISTANT:yo:{\"role\": \"assistant\", \"content\": \"yo\"}]2xliteral");
+    pthread_t th[4];
+    worker w[4];
+    for (int i = 0; i < 4; i++) {
+        w[i] = (worker){.t = t, .ctx = ctx, .want = want};
+        assert_int_equal(pthread_create(&th[i], NULL, render_worker, &w[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        assert_int_equal(w[i].failures, 0);
+    }
+    free(want);
+    json_decref(ctx);
+    tpl_free(t);
+}
+
+/* Random token soup: compile and render must never crash, leak or hang. */
+static void test_random_templates(void **state) {
+    (void)state;
+    static const char *const pieces[] = {
+        "{{", "}}", "{%", "%}", "{#", "#}", "-", "+", " ", "\n", "for ", "in ", "if ", "else", "elif ", "endif",
+        "endfor", "set ", "=", "x", "xs", "d", "loop", ".", "index", "[", "]", "(", ")", "{", "}", ",", ":",
+        "'s'", "\"t\"", "1", "2.5", "|", "upper", "tojson", "length", "join", "is ", "defined", "not ", "and ",
+        "or ", "~", "*", "/", "%", "macro ", "endmacro", "namespace", "range", "items()", "raw", "endraw",
+        "break", "continue", "none", "true", "'\\n'", "é", "\t", "**", "//", "==", "!=", "<", ">", "[::-1]",
+    };
+    const size_t np = sizeof pieces / sizeof pieces[0];
+    json_t *ctx = json_loads("{\"x\": 3, \"xs\": [1, \"a\", null], \"d\": {\"k\": [1, {\"z\": 2}]}}", 0, NULL);
+    tpl_limits lim = {.max_work = 20000, .max_output = 1 << 16, .max_memory = 1 << 22, .max_depth = 8};
+    unsigned seed = 12345;
+    int compiled = 0, rendered = 0;
+    for (int iter = 0; iter < 3000; iter++) {
+        char src[512];
+        size_t len = 0;
+        int npieces = 1 + (int)(rand_r(&seed) % 40);
+        for (int k = 0; k < npieces; k++) {
+            const char *p = pieces[rand_r(&seed) % np];
+            size_t pl = strlen(p);
+            if (len + pl + 1 >= sizeof src)
+                break;
+            memcpy(src + len, p, pl);
+            len += pl;
+        }
+        src[len] = '\0';
+        tpl_template *t = NULL;
+        if (tpl_compile(src, &t) != FU_OK) {
+            assert_null(t);
+            continue;
+        }
+        compiled++;
+        char *out = NULL;
+        int rc = tpl_render_ex(t, ctx, &lim, &out, NULL);
+        if (rc == FU_OK) {
+            rendered++;
+            assert_non_null(out);
+        } else {
+            assert_null(out);
+            assert_true(rc == FU_ERR_TEMPLATE || rc == FU_ERR_EXHAUSTED);
+        }
+        free(out);
+        tpl_free(t);
+    }
+    assert_true(compiled > 100);
+    assert_true(rendered > 50);
+    json_decref(ctx);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_basic_renders),   cmocka_unit_test(test_apply_chat),
+        cmocka_unit_test(test_syntax_errors),   cmocka_unit_test(test_runtime_errors),
+        cmocka_unit_test(test_limits),          cmocka_unit_test(test_output_with_nul),
+        cmocka_unit_test(test_concurrent_renders), cmocka_unit_test(test_random_templates),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
