@@ -661,6 +661,14 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
     rpc_server_options ro = {cfg->listen, cfg->tls_cert, cfg->tls_key, cfg->allow_insecure, cfg->secret,
                              cfg->max_message_bytes, cfg->n_workers > 0 ? cfg->n_workers : 4};
     int rc = rpc_server_new(&ro, &s->rpc);
+    if (!rc && !cfg->advertise) { /* name ourselves by the port actually bound */
+        const char *colon = strrchr(cfg->listen, ':');
+        char name[300];
+        snprintf(name, sizeof name, "%.*s:%d", colon ? (int)(colon - cfg->listen) : 0, cfg->listen,
+                 rpc_server_port(s->rpc));
+        free(s->advertise);
+        if (!(s->advertise = strdup(name))) rc = fu_errorf(FU_ERR_NOMEM, "server");
+    }
     if (!rc) rc = rpc_server_add_stream(s->rpc, RPC_SHARD_SESSION, &fusion__session_request__descriptor,
                                         session_handler, s);
     if (!rc) rc = rpc_server_add_unary(s->rpc, RPC_SHARD_FORWARD, &fusion__forward_request__descriptor,

@@ -1,0 +1,88 @@
+/* chain.h -- the client side of a chain of shard servers: a session across every hop.
+ *
+ * A chain is a list of hops whose spans tile the model: hop 0 starts at block 0
+ * and holds the embeddings, each hop starts where the previous one ends, the last
+ * holds the LM head. A session opens one session per hop (or, with forwarding,
+ * one on hop 0 that opens the rest itself, so a step never returns to the
+ * client between hops). Steps carry token ids in; sampled tokens, log-probs and
+ * optionally logits come back.
+ */
+#ifndef FU_CHAIN_H
+#define FU_CHAIN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sampler.h"
+
+typedef struct chain_hop {
+    const char *address;          /* "host:port" */
+    int first_block, last_block;  /* the span it holds */
+    const char *tls_server_name;  /* NULL: the address's host */
+} chain_hop;
+
+typedef struct chain_options {
+    const char *secret;           /* swarm secret, required */
+    const char *tls_ca;           /* CA (PEM text or path); NULL: system roots */
+    bool insecure;                /* plaintext, loopback hops only */
+    size_t max_message_bytes;     /* 0: the RPC default */
+    int wire_dtype;               /* WIRE_* (wire.h); 0: bf16 */
+    int int8_block;               /* with WIRE_INT8_BLOCK; 0: server default */
+    bool forward;                 /* server-to-server forwarding */
+    int timeout_ms;               /* per open / step; 0: 60 s */
+} chain_options;
+
+typedef struct chain_client chain_client;
+typedef struct chain_session chain_session;
+
+/* A client keeps one channel per address, shared by its sessions. */
+int chain_client_new(const chain_options *o, chain_client **out);
+void chain_client_free(chain_client *c); /* after every session is closed; NULL is a no-op */
+
+/* Opens a session of max_length positions across hops[0..n). Fails with the
+ * first hop's error (fu_last_error() names the hop): FU_ERR_EXHAUSTED when a
+ * server's KV cache cannot admit it, FU_ERR_NETWORK when a hop is down, ... */
+int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
+                       int max_length, chain_session **out);
+void chain_session_close(chain_session *s); /* NULL is a no-op */
+
+typedef struct chain_spec {
+    bool want_logits;
+    bool all_positions;
+    bool sample;
+    smp_params sampling;
+    int64_t penalty_start;
+    int top_logprobs;
+} chain_spec;
+
+typedef struct chain_timing {
+    char server[64];
+    int first_block, last_block;
+    int64_t queue_us, compute_us, total_us;
+} chain_timing;
+
+typedef struct chain_result {
+    int n_out;
+    const float *logits;        /* (n_out, V) when want_logits */
+    int vocab;
+    const int32_t *tokens;      /* (n_out) when sample */
+    const float *logprobs;      /* (n_out) */
+    const int32_t *top_ids;     /* (n_out, top_k) */
+    const float *top_logprobs;  /* (n_out, top_k) */
+    int top_k;
+    int64_t position;           /* session length after the step */
+    int n_timing;
+    const chain_timing *timing; /* per hop */
+    int64_t total_us;           /* client-side wall time of the step */
+} chain_result;
+
+/* Runs one step of n positions (token ids). If rollback_to >= 0 the session
+ * is first rolled back to that many positions on every hop. The result is
+ * owned by the session and valid until its next step or close. */
+int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t rollback_to,
+                       const chain_spec *spec, const chain_result **out);
+
+int64_t chain_session_len(const chain_session *s);
+
+#endif

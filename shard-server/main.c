@@ -1,0 +1,340 @@
+/* main.c -- fusion-shard: serves a span of transformer blocks of a model over gRPC. */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "hub.h"
+#include "log.h"
+#include "model.h"
+#include "ops.h"
+#include "shard-core.h"
+#include "shard-rpc.h"
+#include "status.h"
+
+typedef struct shard_args {
+    char *model;
+    int first, last;     /* -1: default */
+    int embed, head;     /* -1: default (first == 0 / last == all) */
+    char *listen;
+    char *advertise;
+    char *secret;
+    char *tls_cert, *tls_key, *tls_ca;
+    int insecure;
+    long kv_budget_mib;
+    int kv_f16;
+    int max_batch;
+    int threads;
+    int idle_timeout_ms;
+    int drain_ms;
+    char *port_file;
+} shard_args;
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: fusion-shard --model PATH|ORG/NAME[@REV] --blocks A:B [options]\n"
+            "  --config FILE         JSON config (keys as the long options, e.g. \"kv_budget_mib\")\n"
+            "  --listen HOST:PORT    (default 127.0.0.1:7001; port 0 picks one)\n"
+            "  --advertise NAME      name reported in timings (default: the listen address)\n"
+            "  --secret S            swarm secret (or env FUSION_SECRET, or --secret-file)\n"
+            "  --secret-file F\n"
+            "  --tls-cert F --tls-key F   serve TLS\n"
+            "  --tls-ca F            CA to verify next hops when forwarding\n"
+            "  --insecure            plaintext, loopback addresses only\n"
+            "  --embed / --no-embed  hold the token embeddings (default: when A = 0)\n"
+            "  --head / --no-head    hold the final norm and LM head (default: when B = all)\n"
+            "  --kv-budget-mib N     KV cache memory for all sessions (default 1024)\n"
+            "  --kv f32|f16          KV cache type (default f32)\n"
+            "  --max-batch N         tokens per batched forward (default 512)\n"
+            "  --threads N           CPU threads (default: all)\n"
+            "  --idle-timeout-ms N   expire idle sessions (default 120000)\n"
+            "  --drain-ms N          on SIGTERM, let sessions finish this long (default 10000)\n"
+            "  --port-file F         write the bound port to F (atomically)\n");
+}
+
+static char *read_file_trim(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char buf[1100];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r' || buf[n - 1] == ' ')) buf[--n] = '\0';
+    return strdup(buf);
+}
+
+static int set_str(char **dst, const char *v) {
+    free(*dst);
+    *dst = strdup(v);
+    return *dst ? 0 : -1;
+}
+
+static int parse_blocks(const char *s, int *a, int *b) {
+    char *end;
+    long x = strtol(s, &end, 10);
+    if (end == s || *end != ':' || x < 0 || x > 100000) return -1;
+    const char *t = end + 1;
+    long y = strtol(t, &end, 10);
+    if (end == t || *end || y <= x || y > 100000) return -1;
+    *a = (int)x;
+    *b = (int)y;
+    return 0;
+}
+
+static int parse_long(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+/* Applies one option (from the command line or the config file). */
+static int apply_option(shard_args *a, const char *name, const char *val) {
+    long v;
+    if (!strcmp(name, "model")) {
+        if (!strncmp(val, "~/", 2) && getenv("HOME")) {
+            char buf[4096];
+            snprintf(buf, sizeof buf, "%s/%s", getenv("HOME"), val + 2);
+            return set_str(&a->model, buf);
+        }
+        return set_str(&a->model, val);
+    }
+    if (!strcmp(name, "blocks")) return parse_blocks(val, &a->first, &a->last);
+    if (!strcmp(name, "listen")) return set_str(&a->listen, val);
+    if (!strcmp(name, "advertise")) return set_str(&a->advertise, val);
+    if (!strcmp(name, "secret")) return set_str(&a->secret, val);
+    if (!strcmp(name, "secret-file") || !strcmp(name, "secret_file")) {
+        char *s = read_file_trim(val);
+        if (!s) return -1;
+        free(a->secret);
+        a->secret = s;
+        return 0;
+    }
+    if (!strcmp(name, "tls-cert") || !strcmp(name, "tls_cert")) return set_str(&a->tls_cert, val);
+    if (!strcmp(name, "tls-key") || !strcmp(name, "tls_key")) return set_str(&a->tls_key, val);
+    if (!strcmp(name, "tls-ca") || !strcmp(name, "tls_ca")) return set_str(&a->tls_ca, val);
+    if (!strcmp(name, "port-file") || !strcmp(name, "port_file")) return set_str(&a->port_file, val);
+    if (!strcmp(name, "kv")) {
+        if (!strcmp(val, "f16")) a->kv_f16 = 1;
+        else if (!strcmp(val, "f32")) a->kv_f16 = 0;
+        else return -1;
+        return 0;
+    }
+#define SHARD_INT_OPT_(opt, alt, field, lo, hi)                     \
+    if (!strcmp(name, opt) || !strcmp(name, alt)) {                \
+        if (parse_long(val, lo, hi, &v)) return -1;                 \
+        a->field = (int)v;                                          \
+        return 0;                                                   \
+    }
+    SHARD_INT_OPT_("max-batch", "max_batch", max_batch, 1, 1 << 16)
+    SHARD_INT_OPT_("threads", "threads", threads, 0, 1024)
+    SHARD_INT_OPT_("idle-timeout-ms", "idle_timeout_ms", idle_timeout_ms, 1, 86400000)
+    SHARD_INT_OPT_("drain-ms", "drain_ms", drain_ms, 0, 3600000)
+#undef SHARD_INT_OPT_
+    if (!strcmp(name, "kv-budget-mib") || !strcmp(name, "kv_budget_mib")) {
+        if (parse_long(val, 1, 1L << 24, &v)) return -1;
+        a->kv_budget_mib = v;
+        return 0;
+    }
+    return -2;
+}
+
+/* Loads a JSON config: an object whose keys are option names. */
+static int load_config(shard_args *a, const char *path) {
+    json_error_t err;
+    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &err);
+    if (!root) {
+        fprintf(stderr, "fusion-shard: %s:%d: %s\n", path, err.line, err.text);
+        return -1;
+    }
+    if (!json_is_object(root)) {
+        fprintf(stderr, "fusion-shard: %s: the config must be a JSON object\n", path);
+        json_decref(root);
+        return -1;
+    }
+    const char *key;
+    json_t *val;
+    int rc = 0;
+    json_object_foreach(root, key, val) {
+        char buf[64];
+        const char *s;
+        if (json_is_string(val)) s = json_string_value(val);
+        else if (json_is_integer(val)) {
+            snprintf(buf, sizeof buf, "%lld", (long long)json_integer_value(val));
+            s = buf;
+        } else if (json_is_boolean(val)) {
+            int on = json_is_true(val);
+            if (!strcmp(key, "insecure")) a->insecure = on;
+            else if (!strcmp(key, "embed")) a->embed = on;
+            else if (!strcmp(key, "head")) a->head = on;
+            else {
+                fprintf(stderr, "fusion-shard: %s: \"%s\" is not a boolean option\n", path, key);
+                rc = -1;
+            }
+            continue;
+        } else {
+            fprintf(stderr, "fusion-shard: %s: \"%s\" must be a string, integer or boolean\n", path, key);
+            rc = -1;
+            continue;
+        }
+        int r = apply_option(a, key, s);
+        if (r) {
+            fprintf(stderr, "fusion-shard: %s: %s \"%s\"\n", path,
+                    r == -2 ? "unknown option" : "bad value for", key);
+            rc = -1;
+        }
+    }
+    json_decref(root);
+    return rc;
+}
+
+static int write_port_file(const char *path, int port) {
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) return -1;
+    fprintf(f, "%d\n", port);
+    if (fclose(f)) return -1;
+    return rename(tmp, path);
+}
+
+static void free_args(shard_args *a) {
+    free(a->model);
+    free(a->listen);
+    free(a->advertise);
+    free(a->secret);
+    free(a->tls_cert);
+    free(a->tls_key);
+    free(a->tls_ca);
+    free(a->port_file);
+}
+
+int main(int argc, char **argv) {
+    shard_args a = {.first = -1, .last = -1, .embed = -1, .head = -1, .kv_budget_mib = 1024,
+                    .max_batch = 512, .idle_timeout_ms = 120000, .drain_ms = 10000};
+    static const struct option opts[] = {
+        {"config", required_argument, 0, 'c'},   {"model", required_argument, 0, 1},
+        {"blocks", required_argument, 0, 1},     {"listen", required_argument, 0, 1},
+        {"advertise", required_argument, 0, 1},  {"secret", required_argument, 0, 1},
+        {"secret-file", required_argument, 0, 1}, {"tls-cert", required_argument, 0, 1},
+        {"tls-key", required_argument, 0, 1},    {"tls-ca", required_argument, 0, 1},
+        {"kv", required_argument, 0, 1},         {"kv-budget-mib", required_argument, 0, 1},
+        {"max-batch", required_argument, 0, 1},  {"threads", required_argument, 0, 1},
+        {"idle-timeout-ms", required_argument, 0, 1}, {"drain-ms", required_argument, 0, 1},
+        {"port-file", required_argument, 0, 1},  {"insecure", no_argument, 0, 'i'},
+        {"embed", no_argument, 0, 'e'},          {"no-embed", no_argument, 0, 'E'},
+        {"head", no_argument, 0, 'H'},           {"no-head", no_argument, 0, 'N'},
+        {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
+    /* the config file first, so that flags override it */
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--config") && load_config(&a, argv[i + 1])) {
+            free_args(&a);
+            return 2;
+        }
+    int c, idx;
+    while ((c = getopt_long(argc, argv, "h", opts, &idx)) != -1) {
+        switch (c) {
+        case 'c': break;
+        case 1: {
+            int r = apply_option(&a, opts[idx].name, optarg);
+            if (r) {
+                fprintf(stderr, "fusion-shard: bad value for --%s: '%s'\n", opts[idx].name, optarg);
+                free_args(&a);
+                return 2;
+            }
+            break;
+        }
+        case 'i': a.insecure = 1; break;
+        case 'e': a.embed = 1; break;
+        case 'E': a.embed = 0; break;
+        case 'H': a.head = 1; break;
+        case 'N': a.head = 0; break;
+        case 'h': usage(stdout); free_args(&a); return 0;
+        default: usage(stderr); free_args(&a); return 2;
+        }
+    }
+    if (!a.secret && getenv("FUSION_SECRET")) a.secret = strdup(getenv("FUSION_SECRET"));
+    if (!a.listen) a.listen = strdup("127.0.0.1:7001");
+    if (!a.model || !a.secret || !a.secret[0]) {
+        fprintf(stderr, "fusion-shard: --model and a swarm secret (--secret, --secret-file or FUSION_SECRET) "
+                        "are required\n");
+        usage(stderr);
+        free_args(&a);
+        return 2;
+    }
+
+    /* signals are taken by sigwait in this thread; every other thread blocks them */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    int rc, status = 1;
+    char *path = NULL;
+    mdl_model *m = NULL;
+    op_backend *be = NULL;
+    shard_core *core = NULL;
+    shard_server *srv = NULL;
+    hub_options ho;
+    hub_options_init(&ho);
+    if ((rc = hub_resolve(a.model, &ho, &path))) goto done;
+    /* learn the block count first when the span is left open-ended */
+    mdl_open_options mo = {a.first < 0 ? 0 : a.first, a.last, false, false};
+    mo.embed = a.embed >= 0 ? a.embed : mo.first == 0;
+    if (a.head >= 0) {
+        mo.head = a.head;
+    } else {
+        mdl_open_options probe = {0, 0, false, false};
+        if ((rc = mdl_open(path, &probe, &m))) goto done;
+        int L = m->cfg.n_layers;
+        mdl_free(m);
+        m = NULL;
+        mo.head = a.last < 0 || a.last == L;
+    }
+    if ((rc = mdl_open(path, &mo, &m))) goto done;
+    op_cpu_options co = {a.threads, OP_CPU_ISA_AUTO};
+    if (!(be = op_backend_cpu_new(&co))) {
+        rc = FU_ERR_INTERNAL;
+        goto done;
+    }
+    shard_core_options so = {(uint64_t)a.kv_budget_mib << 20, a.max_batch, a.kv_f16 ? OP_TYPE_F16 : OP_TYPE_F32};
+    if ((rc = shard_core_new(m, be, &so, &core))) goto done;
+    double tps = shard_core_measure(core, 1, 0.3);
+    if (tps < 0) tps = 0;
+    char device[64];
+    snprintf(device, sizeof device, "cpu (%s, %d threads)", op_backend_isa(be), op_backend_n_threads(be));
+    shard_server_config cfg = {a.listen, a.advertise, a.tls_cert, a.tls_key, a.tls_ca, a.insecure != 0,
+                               a.secret, 0, a.idle_timeout_ms, 4, m->name, device, tps};
+    if ((rc = shard_server_new(core, &cfg, &srv)) || (rc = shard_server_start(srv))) goto done;
+    int port = shard_server_port(srv);
+    FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s on %s (port %d), %.1f tokens/s measured",
+            m->first, m->last, m->name, m->has_embed ? " +embeddings" : "", m->has_head ? " +head" : "",
+            a.listen, port, tps);
+    if (a.port_file && write_port_file(a.port_file, port)) {
+        rc = fu_errorf(FU_ERR_IO, "%s: %s", a.port_file, strerror(errno));
+        goto done;
+    }
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    FU_INFO("%s: draining (up to %d ms)", sig == SIGTERM ? "SIGTERM" : "SIGINT", a.drain_ms);
+    shard_server_drain(srv, a.drain_ms);
+    status = 0;
+done:
+    if (status) fprintf(stderr, "fusion-shard: %s: %s\n", fu_status_str(rc), fu_last_error());
+    shard_server_free(srv);
+    shard_core_free(core);
+    op_backend_free(be);
+    mdl_free(m);
+    free(path);
+    free_args(&a);
+    return status;
+}

@@ -1,0 +1,90 @@
+"""Helpers for tests that run real fusion-shard processes on loopback."""
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+BUILD = os.environ.get("FUSION_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+SECRET = "integration-secret"
+
+
+def program(name):
+    path = os.path.join(BUILD, "fusion-" + name)
+    assert os.path.exists(path), f"{path} not built"
+    return path
+
+
+class Shard:
+    """One fusion-shard process serving [first, last) of a model on 127.0.0.1."""
+
+    def __init__(self, model, first, last, extra=(), secret=SECRET, tls=None, threads=1):
+        self.first, self.last = first, last
+        self.dir = tempfile.mkdtemp(prefix="shard-")
+        port_file = os.path.join(self.dir, "port")
+        cmd = [program("shard"), "--model", model, "--blocks", f"{first}:{last}", "--listen",
+               "127.0.0.1:0", "--port-file", port_file, "--secret", secret, "--threads", str(threads)]
+        if tls:
+            cmd += ["--tls-cert", tls["cert"], "--tls-key", tls["key"], "--tls-ca", tls["cert"]]
+        else:
+            cmd += ["--insecure"]
+        cmd += list(extra)
+        self.log = open(os.path.join(self.dir, "log"), "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"fusion-shard exited {self.proc.returncode}: {self.output()}")
+            if time.time() > deadline:
+                self.stop()
+                raise RuntimeError("fusion-shard did not start: " + self.output())
+            time.sleep(0.05)
+        self.port = int(open(port_file).read())
+        self.address = f"127.0.0.1:{self.port}"
+
+    def hop(self):
+        return f"{self.address}:{self.first}:{self.last}"
+
+    def output(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def make_tls(directory):
+    """A self-signed certificate for localhost / 127.0.0.1, made with the openssl CLI."""
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return {"cert": cert, "key": key}
+
+
+def run_chain(shards, prompt, max_tokens, *, wire=None, forward=False, sessions=1, logits=None,
+              secret=SECRET, tls=None, extra=(), check=True):
+    cmd = [program("chain"), "--secret", secret, "--prompt-ids", ",".join(map(str, prompt)),
+           "--max-tokens", str(max_tokens), "--sessions", str(sessions), "--json"]
+    for s in shards:
+        cmd += ["--hop", s.hop()]
+    cmd += ["--tls-ca", tls["cert"]] if tls else ["--insecure"]
+    if wire:
+        cmd += ["--wire", wire]
+    if forward:
+        cmd += ["--forward"]
+    if logits:
+        cmd += ["--logits-out", logits]
+    cmd += list(extra)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if check:
+        assert res.returncode == 0, f"fusion-chain failed: {res.stderr}"
+    return res
