@@ -255,8 +255,8 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
             return rc;
         if ((rc = op_rope(be, &q3, e->pos, &rp)) || (rc = op_rope(be, &k3, e->pos, &rp)))
             return rc;
-        if ((rc = op_kv_store(be, &k, e->kptr, e->seq_idx, e->pos)) ||
-            (rc = op_kv_store(be, &v, e->vptr, e->seq_idx, e->pos)))
+        if ((rc = op_kv_store(be, &k, e->kptr, n_useq, e->seq_idx, e->pos)) ||
+            (rc = op_kv_store(be, &v, e->vptr, n_useq, e->seq_idx, e->pos)))
             return rc;
         if ((rc = op_attention(be, &q3, &a, &att3)) || (rc = op_matmul(be, &L->wo, &att, &tmp)) ||
             (rc = op_add(be, &x, &tmp)))

@@ -389,8 +389,17 @@ int op_attention(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor
     return be->v->attention(be, q, a, out);
 }
 
-int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, const int32_t *seq,
-                const int32_t *pos) {
+int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, int n_seqs,
+                const int32_t *seq, const int32_t *pos) {
+    for (int64_t t = 0; t < src->ne[1]; t++) {
+        if (seq[t] < 0 || seq[t] >= n_seqs)
+            return fu_errorf(FU_ERR_RANGE, "kv_store: sequence %d outside [0, %d)", seq[t], n_seqs);
+        const op_tensor *d = dst[seq[t]];
+        int64_t rows = src->ne[0] ? op_tensor_nelems(d) / src->ne[0] : 0; /* positions of C values */
+        if (pos[t] < 0 || pos[t] >= rows)
+            return fu_errorf(FU_ERR_RANGE, "kv_store: position %d outside a cache of %lld", pos[t],
+                             (long long)rows);
+    }
     return be->v->kv_store(be, src, dst, seq, pos);
 }
 

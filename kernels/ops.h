@@ -187,9 +187,11 @@ typedef struct op_attn {
 int op_attention(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor *out);
 
 /* Writes row t of src (T, C) f32 into row pos[t] of dst[seq[t]] ((max_len, C),
- * F32 or F16), converting. seq/pos host memory. */
-int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, const int32_t *seq,
-                const int32_t *pos);
+ * F32 or F16), converting. dst holds n_seqs caches; seq/pos host memory (T).
+ * A sequence index outside [0, n_seqs) or a position outside its cache is an
+ * error (FU_ERR_RANGE) and nothing is written. */
+int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, int n_seqs,
+                const int32_t *seq, const int32_t *pos);
 
 /* out (T, F) = silu(gate (T, F)) * up (T, F); out may alias gate. */
 int op_swiglu(op_backend *be, const op_tensor *gate, const op_tensor *up, op_tensor *out);

@@ -1,0 +1,641 @@
+/* test_ops.c -- every op of the CPU backend on every ISA path and thread count, against
+ * straightforward double-precision loops written here.
+ *
+ * Backends: each of portable / avx2 / avx512 that this CPU has, with 1 and 2
+ * threads. Tolerances (stated per check below):
+ *   matmul:     |y - ref| <= 1e-5 * sum_k |w_k x_k| + 1e-6, where ref uses the
+ *               op_dequantize_row'd weights (f32 accumulation vs double); for
+ *               Q8_0/Q4_0/Q4_1 weights at T <= 8 (decode), where a backend may
+ *               quantize x to int8 per 32-block (d = amax/127, q = rint(x/d)),
+ *               the result must match, with that tolerance, either ref or the
+ *               same double reference over the int8-rounded x;
+ *   get_rows:   bit-exact with op_dequantize_row;
+ *   kv_store:   bit-exact with op_f32_to_f16 / memcpy;
+ *   attention:  |out - ref| <= 2e-5 * max|v| + 1e-6 (online softmax in f32);
+ *   rmsnorm, rope, swiglu, softmax, log_softmax, add: relative 2e-6 .. 1e-5.
+ * Under the sanitizers (FUSION_SANITIZED=1) the big shapes are skipped.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops.h"
+#include "status.h"
+
+/* ---- helpers ------------------------------------------------------------- */
+
+static uint64_t rng_state = 0x243f6a8885a308d3ull;
+
+static double rnd(void) { /* uniform in [-1, 1) */
+    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+    return (double)(rng_state >> 11) * (2.0 / 9007199254740992.0) - 1.0;
+}
+
+static void fill(float *x, int64_t n, double scale) {
+    for (int64_t i = 0; i < n; i++) x[i] = (float)(scale * rnd());
+}
+
+static bool sanitized(void) {
+    const char *s = getenv("FUSION_SANITIZED");
+    return s && *s && strcmp(s, "0") != 0;
+}
+
+typedef struct test_be {
+    op_backend *be;
+    char label[32];
+} test_be;
+
+#define MAX_BES 6
+static test_be bes[MAX_BES];
+static int n_bes;
+
+/* Every ISA this CPU has, with 1 and 2 threads. */
+static int setup_backends(void **state) {
+    (void)state;
+    static const op_cpu_isa isas[] = {OP_CPU_ISA_PORTABLE, OP_CPU_ISA_AVX2, OP_CPU_ISA_AVX512};
+    static const char *names[] = {"portable", "avx2", "avx512"};
+    n_bes = 0;
+    for (int i = 0; i < 3; i++) {
+        for (int nt = 1; nt <= 2; nt++) {
+            op_backend *be = op_backend_cpu_new(&(op_cpu_options){nt, isas[i]});
+            assert_non_null(be);
+            if (strcmp(op_backend_isa(be), names[i]) != 0) { /* the CPU lacks this level */
+                op_backend_free(be);
+                continue;
+            }
+            bes[n_bes].be = be;
+            snprintf(bes[n_bes].label, sizeof bes[n_bes].label, "%s/%dt", names[i], nt);
+            n_bes++;
+        }
+    }
+    assert_true(n_bes >= 2);
+    return 0;
+}
+
+static int teardown_backends(void **state) {
+    (void)state;
+    for (int i = 0; i < n_bes; i++) op_backend_free(bes[i].be);
+    n_bes = 0;
+    return 0;
+}
+
+/* Fails with a message naming the backend and index if |got - want| > tol. */
+static void check_close(const char *what, const char *label, int64_t i, double got, double want,
+                        double tol) {
+    if (!(fabs(got - want) <= tol)) {
+        fail_msg("%s [%s] element %lld: got %.9g want %.9g (tol %.3g)", what, label, (long long)i,
+                 got, want, tol);
+    }
+}
+
+/* ---- backend basics ---------------------------------------------------------- */
+
+static void test_backend_basics(void **state) {
+    (void)state;
+    for (int b = 0; b < n_bes; b++) {
+        op_backend *be = bes[b].be;
+        assert_string_equal(op_backend_name(be), "cpu");
+        assert_true(op_backend_n_threads(be) == 1 || op_backend_n_threads(be) == 2);
+        for (int t = 0; t < OP_TYPE_COUNT; t++)
+            assert_int_equal(op_backend_supports(be, (op_type)t), t != OP_TYPE_I32);
+        uint8_t *p = op_buffer_alloc(be, 1000);
+        assert_non_null(p);
+        for (int i = 0; i < 1000; i++) assert_int_equal(p[i], 0);
+        uint8_t src[16], dst[16];
+        for (int i = 0; i < 16; i++) src[i] = (uint8_t)(i * 7);
+        assert_int_equal(op_buffer_set(be, p, src, 16), FU_OK);
+        assert_int_equal(op_buffer_get(be, dst, p, 16), FU_OK);
+        assert_memory_equal(src, dst, 16);
+        op_buffer_free(be, p);
+        op_buffer_free(be, NULL);
+        assert_int_equal(op_reserve(be, 64, 1024), FU_OK);
+        assert_int_equal(op_synchronize(be), FU_OK);
+    }
+    op_backend_free(NULL);
+    /* AUTO picks the best level; a level the CPU lacks falls back */
+    op_backend *be = op_backend_cpu_new(NULL);
+    assert_non_null(be);
+    assert_true(op_backend_n_threads(be) >= 1);
+    op_backend_free(be);
+}
+
+/* ---- matmul ------------------------------------------------------------------ */
+
+static const op_type weight_types[] = {OP_TYPE_F32,  OP_TYPE_F16,  OP_TYPE_BF16, OP_TYPE_Q8_0,
+                                       OP_TYPE_Q4_0, OP_TYPE_Q4_1, OP_TYPE_I8};
+
+/* One (type, T, N, K) case on every backend against a double reference over
+ * the dequantized weights. */
+static void matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
+    size_t rb = op_row_bytes(type, k);
+    uint8_t *w = malloc(rb * (size_t)n + 1);
+    float *scales = malloc((size_t)n * sizeof(float));
+    float *row = malloc((size_t)k * sizeof(float));
+    float *wd = malloc((size_t)(n * k) * sizeof(float));
+    float *x = malloc((size_t)(t * k) * sizeof(float));
+    float *y = malloc((size_t)(t * n) * sizeof(float));
+    double *ref = malloc((size_t)(t * n) * sizeof(double));
+    double *mag = malloc((size_t)(t * n) * sizeof(double));
+    double *refq = malloc((size_t)(t * n) * sizeof(double)); /* over int8-rounded x */
+    double *xr = malloc((size_t)(t * k) * sizeof(double));
+    assert_true(w && scales && row && wd && x && y && ref && mag && refq && xr);
+    for (int64_t r = 0; r < n; r++) {
+        fill(row, k, 1.0);
+        op_quantize_row(type, row, k, w + (size_t)r * rb, &scales[r]);
+    }
+    op_tensor wt = op_tensor_2d(type, w, k, n);
+    wt.row_scale = scales;
+    wt.name = "w";
+    for (int64_t r = 0; r < n; r++) op_dequantize_row(&wt, r, wd + r * k);
+    fill(x, t * k, 2.0);
+    for (int64_t i = 0; i < t * k; i++) x[i] += 0.5f; /* a mean, so that block sums matter */
+    bool int8_x = t <= 8 && k % 32 == 0 &&
+                  (type == OP_TYPE_Q8_0 || type == OP_TYPE_Q4_0 || type == OP_TYPE_Q4_1);
+    for (int64_t i = 0; int8_x && i < t * k; i += 32) {
+        float am = 0;
+        for (int64_t c = i; c < i + 32; c++) am = fmaxf(am, fabsf(x[c]));
+        float d = am / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        for (int64_t c = i; c < i + 32; c++) xr[c] = (double)d * (double)rintf(x[c] * id);
+    }
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t r = 0; r < n; r++) {
+            double s = 0, a = 0, q = 0;
+            for (int64_t c = 0; c < k; c++) {
+                double p = (double)wd[r * k + c] * x[i * k + c];
+                s += p;
+                a += fabs(p);
+                if (int8_x) q += (double)wd[r * k + c] * xr[i * k + c];
+            }
+            ref[i * n + r] = s;
+            mag[i * n + r] = a;
+            refq[i * n + r] = int8_x ? q : s;
+        }
+    op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, k, t), yt = op_tensor_2d(OP_TYPE_F32, y, n, t);
+    for (int b = 0; b < n_bes; b++) {
+        char what[64];
+        snprintf(what, sizeof what, "matmul %s T=%lld N=%lld K=%lld", op_type_name(type), (long long)t,
+                 (long long)n, (long long)k);
+        for (int64_t i = 0; i < t * n; i++) y[i] = NAN;
+        int rc = op_matmul(bes[b].be, &wt, &xt, &yt);
+        if (rc) fail_msg("%s [%s]: %s", what, bes[b].label, fu_last_error());
+        for (int64_t i = 0; i < t * n; i++) {
+            double tol = 1e-5 * mag[i] + 1e-6;
+            if (fabs(y[i] - refq[i]) <= tol) continue; /* the int8-activation decode path */
+            check_close(what, bes[b].label, i, y[i], ref[i], tol);
+        }
+    }
+    free(w);
+    free(scales);
+    free(row);
+    free(wd);
+    free(x);
+    free(y);
+    free(ref);
+    free(mag);
+    free(refq);
+    free(xr);
+}
+
+static void test_matmul_decode(void **state) {
+    (void)state;
+    /* T <= 8 takes the matvec path; K multiples of 32 but not of 64/256 (f32
+     * activations), and multiples of 64 (the int8 activation path); odd N */
+    static const int64_t shapes[][3] = {{1, 67, 96}, {2, 13, 160}, {3, 33, 288}, {4, 5, 32},
+                                        {1, 1, 64}, {1, 35, 128}, {4, 19, 320}, {2, 3, 576},
+                                        {7, 21, 128}, {8, 17, 96}};
+    for (size_t ti = 0; ti < sizeof weight_types / sizeof weight_types[0]; ti++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            matmul_case(weight_types[ti], shapes[s][0], shapes[s][1], shapes[s][2]);
+}
+
+static void test_matmul_prefill(void **state) {
+    (void)state;
+    /* N not a multiple of any panel height; T=37 leaves a partial token block;
+     * K=544 spans two K slices */
+    static const int64_t shapes[][3] = {{9, 7, 96}, {37, 29, 160}, {64, 24, 544}, {33, 100, 32}};
+    for (size_t ti = 0; ti < sizeof weight_types / sizeof weight_types[0]; ti++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            matmul_case(weight_types[ti], shapes[s][0], shapes[s][1], shapes[s][2]);
+    if (!sanitized()) {
+        /* two token blocks of 256, three K slices */
+        matmul_case(OP_TYPE_F16, 300, 53, 1056);
+        matmul_case(OP_TYPE_Q4_1, 270, 40, 1056);
+    }
+}
+
+static void test_matmul_plain_odd_k(void **state) {
+    (void)state;
+    /* plain types accept any K: SIMD tails */
+    static const op_type plain[] = {OP_TYPE_F32, OP_TYPE_F16, OP_TYPE_BF16, OP_TYPE_I8};
+    for (size_t ti = 0; ti < sizeof plain / sizeof plain[0]; ti++) {
+        matmul_case(plain[ti], 1, 19, 37);
+        matmul_case(plain[ti], 3, 9, 75);
+        matmul_case(plain[ti], 37, 21, 37);
+        matmul_case(plain[ti], 9, 5, 7);
+    }
+}
+
+static void test_matmul_errors(void **state) {
+    (void)state;
+    op_backend *be = bes[0].be;
+    float x[64 * 2] = {0}, y[8 * 2];
+    uint8_t w[64 * 8 * 4] = {0};
+    op_tensor wt = op_tensor_2d(OP_TYPE_F32, w, 64, 8), xt = op_tensor_2d(OP_TYPE_F32, x, 64, 2);
+    op_tensor yt = op_tensor_2d(OP_TYPE_F32, y, 7, 2);
+    assert_int_equal(op_matmul(be, &wt, &xt, &yt), FU_ERR_INVALID); /* N mismatch */
+    yt = op_tensor_2d(OP_TYPE_F32, y, 8, 2);
+    op_tensor xbad = op_tensor_2d(OP_TYPE_F32, x, 32, 4);
+    assert_int_equal(op_matmul(be, &wt, &xbad, &yt), FU_ERR_INVALID); /* K mismatch */
+    op_tensor wq = op_tensor_2d(OP_TYPE_Q8_0, w, 48, 2);
+    op_tensor xq = op_tensor_2d(OP_TYPE_F32, x, 48, 2), yq = op_tensor_2d(OP_TYPE_F32, y, 2, 2);
+    assert_int_equal(op_matmul(be, &wq, &xq, &yq), FU_ERR_INVALID); /* K % 32 */
+    op_tensor wi = op_tensor_2d(OP_TYPE_I8, w, 64, 8);
+    assert_int_equal(op_matmul(be, &wi, &xt, &yt), FU_ERR_INVALID); /* no row scales */
+    op_tensor w32 = op_tensor_2d(OP_TYPE_I32, w, 64, 8);
+    assert_int_equal(op_matmul(be, &w32, &xt, &yt), FU_ERR_UNSUPPORTED);
+}
+
+/* Many back-to-back ops of different kinds: the fork-join pool must not lose,
+ * repeat or mix jobs (a late worker must never run a finished job). */
+static void test_pool_many_small_ops(void **state) {
+    (void)state;
+    enum { N = 40, K = 64, ITERS = 300, R = 8, D = 8192 };
+    float w[N * K], x[K], y[N], ref[N];
+    float *a = malloc(R * D * sizeof(float)), *b = malloc(R * D * sizeof(float));
+    assert_true(a && b);
+    fill(w, N * K, 1.0);
+    fill(x, K, 1.0);
+    fill(b, R * D, 1.0);
+    for (int r = 0; r < N; r++) {
+        double s = 0;
+        for (int c = 0; c < K; c++) s += (double)w[r * K + c] * x[c];
+        ref[r] = (float)s;
+    }
+    op_tensor wt = op_tensor_2d(OP_TYPE_F32, w, K, N), xt = op_tensor_2d(OP_TYPE_F32, x, K, 1);
+    op_tensor yt = op_tensor_2d(OP_TYPE_F32, y, N, 1);
+    op_tensor at = op_tensor_2d(OP_TYPE_F32, a, D, R), bt = op_tensor_2d(OP_TYPE_F32, b, D, R);
+    for (int bi = 0; bi < n_bes; bi++) {
+        memset(a, 0, R * D * sizeof(float));
+        for (int it = 0; it < ITERS; it++) {
+            memset(y, 0, sizeof y);
+            assert_int_equal(op_matmul(bes[bi].be, &wt, &xt, &yt), FU_OK);
+            for (int r = 0; r < N; r++) check_close("pool matvec", bes[bi].label, r, y[r], ref[r], 1e-5);
+            if (it % 10 == 0) /* a threaded row op: a += b, counted below */
+                assert_int_equal(op_add(bes[bi].be, &at, &bt), FU_OK);
+        }
+        for (int i = 0; i < R * D; i++) check_close("pool add", bes[bi].label, i, a[i], 30.0 * b[i], 1e-4);
+    }
+    free(a);
+    free(b);
+}
+
+/* ---- get_rows ------------------------------------------------------------------ */
+
+static void test_get_rows(void **state) {
+    (void)state;
+    enum { V = 23, D = 96, T = 7 };
+    int32_t ids[T] = {0, 22, 5, 5, 13, 1, 21};
+    for (size_t ti = 0; ti < sizeof weight_types / sizeof weight_types[0]; ti++) {
+        op_type type = weight_types[ti];
+        size_t rb = op_row_bytes(type, D);
+        uint8_t *tab = malloc(rb * V);
+        float scales[V], row[D], out[T * D], want[D];
+        for (int r = 0; r < V; r++) {
+            fill(row, D, 3.0);
+            op_quantize_row(type, row, D, tab + r * rb, &scales[r]);
+        }
+        op_tensor tt = op_tensor_2d(type, tab, D, V);
+        tt.row_scale = scales;
+        op_tensor ot = op_tensor_2d(OP_TYPE_F32, out, D, T);
+        for (int b = 0; b < n_bes; b++) {
+            memset(out, 0xff, sizeof out);
+            assert_int_equal(op_get_rows(bes[b].be, &tt, ids, &ot), FU_OK);
+            for (int t = 0; t < T; t++) {
+                op_dequantize_row(&tt, ids[t], want);
+                if (memcmp(want, out + t * D, sizeof want) != 0)
+                    fail_msg("get_rows %s [%s] row %d differs from op_dequantize_row", op_type_name(type),
+                             bes[b].label, t);
+            }
+        }
+        int32_t bad[1] = {V};
+        op_tensor o1 = op_tensor_2d(OP_TYPE_F32, out, D, 1);
+        assert_int_equal(op_get_rows(bes[0].be, &tt, bad, &o1), FU_ERR_RANGE);
+        bad[0] = -1;
+        assert_int_equal(op_get_rows(bes[0].be, &tt, bad, &o1), FU_ERR_RANGE);
+        free(tab);
+    }
+}
+
+/* ---- element-wise and row ops ---------------------------------------------------- */
+
+static void test_rmsnorm(void **state) {
+    (void)state;
+    static const int64_t shapes[][2] = {{3, 37}, {5, 2048}, {40, 1000}}; /* (R, D); last one is threaded */
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int64_t r = shapes[s][0], d = shapes[s][1];
+        float *x = malloc((size_t)(r * d) * 4), *y = malloc((size_t)(r * d) * 4), *w = malloc((size_t)d * 4);
+        fill(x, r * d, 4.0);
+        fill(w, d, 2.0);
+        for (int b = 0; b < n_bes; b++)
+            for (int use_w = 0; use_w < 2; use_w++)
+                for (int alias = 0; alias < 2; alias++) {
+                    float *xc = malloc((size_t)(r * d) * 4);
+                    memcpy(xc, x, (size_t)(r * d) * 4);
+                    float *out = alias ? xc : y;
+                    op_tensor xt = op_tensor_2d(OP_TYPE_F32, xc, d, r), yt = op_tensor_2d(OP_TYPE_F32, out, d, r);
+                    op_tensor wt = op_tensor_1d(OP_TYPE_F32, w, d);
+                    assert_int_equal(op_rmsnorm(bes[b].be, &xt, use_w ? &wt : NULL, 1e-5f, &yt), FU_OK);
+                    for (int64_t i = 0; i < r; i++) {
+                        double ss = 0;
+                        for (int64_t j = 0; j < d; j++) ss += (double)x[i * d + j] * x[i * d + j];
+                        double inv = 1.0 / sqrt(ss / d + 1e-5);
+                        for (int64_t j = 0; j < d; j++) {
+                            double want = x[i * d + j] * inv * (use_w ? w[j] : 1.0);
+                            check_close("rmsnorm", bes[b].label, i * d + j, out[i * d + j], want,
+                                        2e-6 * fabs(want) + 1e-7);
+                        }
+                    }
+                    free(xc);
+                }
+        float bad[3];
+        op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, d, r), wt = op_tensor_1d(OP_TYPE_F32, bad, 3);
+        assert_int_equal(op_rmsnorm(bes[0].be, &xt, &wt, 1e-5f, &xt), FU_ERR_INVALID);
+        free(x);
+        free(y);
+        free(w);
+    }
+}
+
+static void test_softmax_and_log_softmax(void **state) {
+    (void)state;
+    static const int64_t shapes[][2] = {{4, 33}, {1, 5}, {3, 20000}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int64_t r = shapes[s][0], d = shapes[s][1];
+        float *x = malloc((size_t)(r * d) * 4), *y = malloc((size_t)(r * d) * 4);
+        fill(x, r * d, 30.0); /* large logits: needs the max shift */
+        for (int b = 0; b < n_bes; b++)
+            for (int lg = 0; lg < 2; lg++) {
+                memcpy(y, x, (size_t)(r * d) * 4);
+                op_tensor yt = op_tensor_2d(OP_TYPE_F32, y, d, r);
+                assert_int_equal(lg ? op_log_softmax(bes[b].be, &yt) : op_softmax(bes[b].be, &yt), FU_OK);
+                for (int64_t i = 0; i < r; i++) {
+                    double mx = -INFINITY, sum = 0;
+                    for (int64_t j = 0; j < d; j++) mx = fmax(mx, x[i * d + j]);
+                    for (int64_t j = 0; j < d; j++) sum += exp((double)x[i * d + j] - mx);
+                    for (int64_t j = 0; j < d; j++) {
+                        double want = lg ? x[i * d + j] - mx - log(sum) : exp((double)x[i * d + j] - mx) / sum;
+                        check_close(lg ? "log_softmax" : "softmax", bes[b].label, i * d + j, y[i * d + j], want,
+                                    lg ? 1e-5 * (1 + fabs(want)) : 1e-5 * want + 1e-9);
+                    }
+                }
+            }
+        free(x);
+        free(y);
+    }
+}
+
+static void test_swiglu_add_add_row(void **state) {
+    (void)state;
+    static const int64_t shapes[][2] = {{3, 45}, {6, 8192}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int64_t r = shapes[s][0], d = shapes[s][1], n = r * d;
+        float *g = malloc((size_t)n * 4), *u = malloc((size_t)n * 4), *o = malloc((size_t)n * 4);
+        float *bias = malloc((size_t)d * 4);
+        fill(g, n, 6.0);
+        fill(u, n, 2.0);
+        fill(bias, d, 1.0);
+        for (int b = 0; b < n_bes; b++) {
+            op_tensor gt = op_tensor_2d(OP_TYPE_F32, g, d, r), ut = op_tensor_2d(OP_TYPE_F32, u, d, r);
+            op_tensor ot = op_tensor_2d(OP_TYPE_F32, o, d, r), bt = op_tensor_1d(OP_TYPE_F32, bias, d);
+            assert_int_equal(op_swiglu(bes[b].be, &gt, &ut, &ot), FU_OK);
+            for (int64_t i = 0; i < n; i++) {
+                double want = g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+                check_close("swiglu", bes[b].label, i, o[i], want, 2e-6 * fabs(want) + 1e-7);
+            }
+            memcpy(o, g, (size_t)n * 4);
+            assert_int_equal(op_add(bes[b].be, &ot, &ut), FU_OK);
+            for (int64_t i = 0; i < n; i++) check_close("add", bes[b].label, i, o[i], (double)g[i] + u[i], 1e-6 * (fabs(g[i]) + fabs(u[i])));
+            memcpy(o, g, (size_t)n * 4);
+            assert_int_equal(op_add_row(bes[b].be, &ot, &bt), FU_OK);
+            for (int64_t i = 0; i < n; i++)
+                check_close("add_row", bes[b].label, i, o[i], (double)g[i] + bias[i % d], 1e-6 * (fabs(g[i]) + 1));
+            /* out aliases gate */
+            memcpy(o, g, (size_t)n * 4);
+            assert_int_equal(op_swiglu(bes[b].be, &ot, &ut, &ot), FU_OK);
+            for (int64_t i = 0; i < n; i++) {
+                double want = g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+                check_close("swiglu alias", bes[b].label, i, o[i], want, 2e-6 * fabs(want) + 1e-7);
+            }
+        }
+        op_tensor short_t = op_tensor_2d(OP_TYPE_F32, u, d, r - 1), gt = op_tensor_2d(OP_TYPE_F32, g, d, r);
+        assert_int_equal(op_add(bes[0].be, &gt, &short_t), FU_ERR_INVALID);
+        free(g);
+        free(u);
+        free(o);
+        free(bias);
+    }
+}
+
+/* ---- rope ---------------------------------------------------------------------- */
+
+static void test_rope(void **state) {
+    (void)state;
+    enum { T = 5, H = 3, HD = 64 };
+    int32_t pos[T] = {0, 1, 7, 300, 4095};
+    static const int rots[] = {64, 32, 16};
+    for (int mode = 0; mode < 2; mode++)
+        for (size_t ri = 0; ri < sizeof rots / sizeof rots[0]; ri++) {
+            int rot = rots[ri];
+            float inv[HD / 2], x[T * H * HD], y[T * H * HD];
+            for (int i = 0; i < rot / 2; i++) inv[i] = (float)pow(500000.0, -2.0 * i / rot);
+            fill(x, T * H * HD, 2.0);
+            op_rope_params p = {(op_rope_mode)mode, rot, inv, ri == 1 ? 1.25f : 1.0f};
+            for (int b = 0; b < n_bes; b++) {
+                memcpy(y, x, sizeof x);
+                op_tensor yt = op_tensor_3d(OP_TYPE_F32, y, HD, H, T);
+                assert_int_equal(op_rope(bes[b].be, &yt, pos, &p), FU_OK);
+                for (int t = 0; t < T; t++)
+                    for (int h = 0; h < H; h++) {
+                        const float *xi = x + (t * H + h) * HD;
+                        const float *yi = y + (t * H + h) * HD;
+                        double want[HD];
+                        for (int d = 0; d < HD; d++) want[d] = xi[d]; /* dims >= rot untouched */
+                        for (int i = 0; i < rot / 2; i++) {
+                            float theta = (float)pos[t] * inv[i]; /* the angle in f32, as torch does */
+                            double c = cos((double)theta) * p.attn_factor, s = sin((double)theta) * p.attn_factor;
+                            int i0 = mode == OP_ROPE_NEOX ? i : 2 * i, i1 = mode == OP_ROPE_NEOX ? i + rot / 2 : 2 * i + 1;
+                            want[i0] = xi[i0] * c - xi[i1] * s;
+                            want[i1] = xi[i0] * s + xi[i1] * c;
+                        }
+                        for (int d = 0; d < HD; d++)
+                            check_close(mode ? "rope norm" : "rope neox", bes[b].label, (t * H + h) * HD + d, yi[d],
+                                        want[d], 2e-6 * 4);
+                    }
+            }
+        }
+    float x[8];
+    op_tensor xt = op_tensor_3d(OP_TYPE_F32, x, 8, 1, 1);
+    float inv[8] = {1};
+    int32_t pos1[1] = {0};
+    op_rope_params bad = {OP_ROPE_NEOX, 10, inv, 1.0f};
+    assert_int_equal(op_rope(bes[0].be, &xt, pos1, &bad), FU_ERR_INVALID);
+    bad.rot_dim = 3;
+    assert_int_equal(op_rope(bes[0].be, &xt, pos1, &bad), FU_ERR_INVALID);
+}
+
+/* ---- kv_store + attention ---------------------------------------------------------- */
+
+static double cache_val(const op_tensor *c, int64_t p, int g, int d) {
+    const uint8_t *row = (const uint8_t *)c->data + p * c->nb[2] + g * c->nb[1];
+    if (c->type == OP_TYPE_F16) {
+        uint16_t h;
+        memcpy(&h, row + 2 * d, 2);
+        return op_f16_to_f32(h);
+    }
+    float f;
+    memcpy(&f, row + 4 * d, 4);
+    return f;
+}
+
+/* Fills caches through op_kv_store (checked bit-exactly), then checks
+ * op_attention on a batch mixing sequences and positions. */
+static void attention_case(op_type ctype, int hd, int nh, int nkv) {
+    enum { NS = 3, MAXLEN = 200 };
+    const int lens[NS] = {150, 1, 67}; /* positions filled per sequence */
+    const int c = nkv * hd;
+    op_tensor kc[NS], vc[NS];
+    size_t esz = op_type_block_bytes(ctype);
+    for (int s = 0; s < NS; s++) {
+        kc[s] = op_tensor_3d(ctype, calloc((size_t)MAXLEN * c, esz), hd, nkv, MAXLEN);
+        vc[s] = op_tensor_3d(ctype, calloc((size_t)MAXLEN * c, esz), hd, nkv, MAXLEN);
+        assert_true(kc[s].data && vc[s].data);
+    }
+    /* store every position of every sequence in one batch, converting */
+    int total = 0;
+    for (int s = 0; s < NS; s++) total += lens[s];
+    float *kr = malloc((size_t)total * c * 4), *vr = malloc((size_t)total * c * 4);
+    int32_t *sq = malloc((size_t)total * 4), *ps = malloc((size_t)total * 4);
+    fill(kr, (int64_t)total * c, 1.0);
+    fill(vr, (int64_t)total * c, 1.0);
+    for (int s = 0, i = 0; s < NS; s++)
+        for (int p = 0; p < lens[s]; p++, i++) {
+            sq[i] = s;
+            ps[i] = p;
+        }
+    op_tensor *kp[NS], *vp[NS];
+    for (int s = 0; s < NS; s++) {
+        kp[s] = &kc[s];
+        vp[s] = &vc[s];
+    }
+    op_tensor kt = op_tensor_2d(OP_TYPE_F32, kr, c, total), vt = op_tensor_2d(OP_TYPE_F32, vr, c, total);
+    op_backend *be0 = bes[n_bes - 1].be;
+    assert_int_equal(op_kv_store(be0, &kt, kp, NS, sq, ps), FU_OK);
+    assert_int_equal(op_kv_store(be0, &vt, vp, NS, sq, ps), FU_OK);
+    for (int i = 0; i < total; i++)
+        for (int j = 0; j < c; j++) {
+            const uint8_t *row = (const uint8_t *)kc[sq[i]].data + (size_t)ps[i] * kc[sq[i]].nb[2];
+            if (ctype == OP_TYPE_F16) {
+                uint16_t h;
+                memcpy(&h, row + 2 * j, 2);
+                if (h != op_f32_to_f16(kr[(size_t)i * c + j])) fail_msg("kv_store f16 mismatch at %d/%d", i, j);
+            } else if (memcmp(row + 4 * j, &kr[(size_t)i * c + j], 4) != 0) {
+                fail_msg("kv_store f32 mismatch at %d/%d", i, j);
+            }
+        }
+    int32_t badpos[1] = {MAXLEN};
+    op_tensor k1 = op_tensor_2d(OP_TYPE_F32, kr, c, 1);
+    assert_int_equal(op_kv_store(be0, &k1, kp, NS, sq, badpos), FU_ERR_RANGE);
+
+    /* a batch: decode tokens at the ends and prefill-like positions inside */
+    enum { T = 6 };
+    int32_t tseq[T] = {0, 1, 2, 0, 2, 0}, tpos[T] = {149, 0, 66, 63, 0, 64};
+    float *q = malloc((size_t)T * nh * hd * 4), *out = malloc((size_t)T * nh * hd * 4);
+    fill(q, (int64_t)T * nh * hd, 3.0);
+    op_attn a = {nh, nkv, hd, 1.0f / sqrtf((float)hd), NS, tseq, tpos, kc, vc};
+    op_tensor qt = op_tensor_3d(OP_TYPE_F32, q, hd, nh, T), ot = op_tensor_3d(OP_TYPE_F32, out, hd, nh, T);
+    double *sc = malloc(MAXLEN * sizeof(double));
+    for (int b = 0; b < n_bes; b++) {
+        char what[64];
+        snprintf(what, sizeof what, "attention %s hd=%d H=%d KVH=%d", op_type_name(ctype), hd, nh, nkv);
+        for (int i = 0; i < T * nh * hd; i++) out[i] = NAN;
+        int rc = op_attention(bes[b].be, &qt, &a, &ot);
+        if (rc) fail_msg("%s [%s]: %s", what, bes[b].label, fu_last_error());
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < nh; h++) {
+                int g = h / (nh / nkv), n = tpos[t] + 1;
+                const float *qi = q + (t * nh + h) * hd;
+                double mx = -INFINITY, sum = 0, vmax = 0;
+                for (int p = 0; p < n; p++) {
+                    double s = 0;
+                    for (int d = 0; d < hd; d++) s += qi[d] * cache_val(&kc[tseq[t]], p, g, d);
+                    sc[p] = s * a.scale;
+                    mx = fmax(mx, sc[p]);
+                }
+                for (int p = 0; p < n; p++) sum += (sc[p] = exp(sc[p] - mx));
+                for (int d = 0; d < hd; d++) {
+                    double o = 0;
+                    for (int p = 0; p < n; p++) {
+                        double v = cache_val(&vc[tseq[t]], p, g, d);
+                        o += sc[p] / sum * v;
+                        vmax = fmax(vmax, fabs(v));
+                    }
+                    check_close(what, bes[b].label, (t * nh + h) * hd + d, out[(t * nh + h) * hd + d], o,
+                                2e-5 * vmax + 1e-6);
+                }
+            }
+    }
+    /* errors: position beyond the cache, sequence out of range */
+    int32_t p2[T] = {MAXLEN, 0, 0, 0, 0, 0}, s2[T] = {NS, 0, 0, 0, 0, 0};
+    op_attn bad = a;
+    bad.pos = p2;
+    assert_int_equal(op_attention(bes[0].be, &qt, &bad, &ot), FU_ERR_RANGE);
+    bad = a;
+    bad.seq = s2;
+    assert_int_equal(op_attention(bes[0].be, &qt, &bad, &ot), FU_ERR_RANGE);
+    free(sc);
+    free(q);
+    free(out);
+    free(kr);
+    free(vr);
+    free(sq);
+    free(ps);
+    for (int s = 0; s < NS; s++) {
+        free(kc[s].data);
+        free(vc[s].data);
+    }
+}
+
+static void test_attention(void **state) {
+    (void)state;
+    static const op_type ctypes[] = {OP_TYPE_F32, OP_TYPE_F16};
+    for (int ci = 0; ci < 2; ci++) {
+        attention_case(ctypes[ci], 64, 4, 4); /* MHA */
+        attention_case(ctypes[ci], 64, 4, 2); /* GQA 2 */
+        attention_case(ctypes[ci], 40, 8, 2); /* GQA 4, head_dim not a multiple of 16 */
+        if (!sanitized()) attention_case(ctypes[ci], 128, 8, 2);
+    }
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_backend_basics),
+        cmocka_unit_test(test_matmul_decode),
+        cmocka_unit_test(test_matmul_prefill),
+        cmocka_unit_test(test_matmul_plain_odd_k),
+        cmocka_unit_test(test_matmul_errors),
+        cmocka_unit_test(test_pool_many_small_ops),
+        cmocka_unit_test(test_get_rows),
+        cmocka_unit_test(test_rmsnorm),
+        cmocka_unit_test(test_softmax_and_log_softmax),
+        cmocka_unit_test(test_swiglu_add_add_row),
+        cmocka_unit_test(test_rope),
+        cmocka_unit_test(test_attention),
+    };
+    return cmocka_run_group_tests(tests, setup_backends, teardown_backends);
+}

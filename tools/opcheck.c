@@ -1,0 +1,175 @@
+/* opcheck.c -- fusion-opcheck: runs one op of the CPU backend on raw arrays, for oracle tests.
+ *
+ * Usage: fusion-opcheck [--isa auto|portable|avx2|avx512] [--threads N] OP ARGS...
+ * Reads the op's inputs as raw little-endian arrays, concatenated, from stdin
+ * and writes its f32 output to stdout:
+ *   matmul TYPE T N K        W (N rows of TYPE: f32|f16|bf16), x (T,K) f32  -> y (T,N)
+ *   rmsnorm R D EPS          x (R,D), w (D)                               -> y (R,D)
+ *   rope neox|norm T H HD ROT  x (T,H,HD), pos (T) i32, inv_freq (ROT/2)  -> x rotated
+ *   attention f32|f16 T H KVH HD  q (T,H,HD), k (T,KVH,HD), v (T,KVH,HD): one
+ *                            sequence, token t at position t (causal)      -> out (T,H,HD)
+ *   softmax R N | log_softmax R N   x (R,N)                                -> y (R,N)
+ *   swiglu R F               gate (R,F), up (R,F)                          -> out (R,F)
+ * Exit status 0 on success, 1 on an op error (message on stderr), 2 on usage.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops.h"
+#include "status.h"
+
+/* Reads exactly n bytes from stdin into a new buffer; NULL on short input. */
+static void *oc_read(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (p && fread(p, 1, n, stdin) != n) {
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+static int oc_write(const float *y, size_t n) {
+    return fwrite(y, sizeof(float), n, stdout) == n ? 0 : 1;
+}
+
+static bool oc_int(const char *s, long long *out) {
+    char *end;
+    long long v = strtoll(s, &end, 10);
+    if (end == s || *end || v < 0 || v > (1ll << 31)) return false;
+    *out = v;
+    return true;
+}
+
+static int oc_usage(void) {
+    fprintf(stderr, "usage: fusion-opcheck [--isa auto|portable|avx2|avx512] [--threads N] OP ARGS... "
+                    "(see the header of tools/opcheck.c)\n");
+    return 2;
+}
+
+static int oc_fail(const char *what) {
+    fprintf(stderr, "fusion-opcheck: %s: %s\n", what, fu_last_error());
+    return 1;
+}
+
+int main(int argc, char **argv) {
+    op_cpu_options opts = {0, OP_CPU_ISA_AUTO};
+    int i = 1;
+    for (; i + 1 < argc && !strncmp(argv[i], "--", 2); i += 2) {
+        if (!strcmp(argv[i], "--threads")) {
+            long long n;
+            if (!oc_int(argv[i + 1], &n)) return oc_usage();
+            opts.n_threads = (int)n;
+        } else if (!strcmp(argv[i], "--isa")) {
+            const char *v = argv[i + 1];
+            opts.isa = !strcmp(v, "portable") ? OP_CPU_ISA_PORTABLE
+                       : !strcmp(v, "avx2")   ? OP_CPU_ISA_AVX2
+                       : !strcmp(v, "avx512") ? OP_CPU_ISA_AVX512
+                                              : OP_CPU_ISA_AUTO;
+        } else {
+            return oc_usage();
+        }
+    }
+    if (i >= argc) return oc_usage();
+    const char *op = argv[i++];
+    long long a[6] = {0};
+    int nargs = argc - i;
+    op_backend *be = op_backend_cpu_new(&opts);
+    if (!be) return oc_fail("backend");
+    fprintf(stderr, "fusion-opcheck: %s on %s with %d threads\n", op, op_backend_isa(be), op_backend_n_threads(be));
+    int rc = 2;
+    if (!strcmp(op, "matmul") && nargs == 4 && oc_int(argv[i + 1], &a[0]) && oc_int(argv[i + 2], &a[1]) &&
+        oc_int(argv[i + 3], &a[2])) {
+        const char *tn = argv[i];
+        op_type type = !strcmp(tn, "f32") ? OP_TYPE_F32 : !strcmp(tn, "f16") ? OP_TYPE_F16 : OP_TYPE_BF16;
+        if (strcmp(tn, "f32") && strcmp(tn, "f16") && strcmp(tn, "bf16")) goto out;
+        int64_t t = a[0], n = a[1], k = a[2];
+        void *w = oc_read(op_row_bytes(type, k) * (size_t)n);
+        float *x = oc_read((size_t)(t * k) * 4), *y = malloc((size_t)(t * n) * 4 + 4);
+        if (w && x && y) {
+            op_tensor wt = op_tensor_2d(type, w, k, n), xt = op_tensor_2d(OP_TYPE_F32, x, k, t);
+            op_tensor yt = op_tensor_2d(OP_TYPE_F32, y, n, t);
+            op_reserve(be, t, k);
+            rc = op_matmul(be, &wt, &xt, &yt) ? oc_fail("matmul") : oc_write(y, (size_t)(t * n));
+        }
+        free(w);
+        free(x);
+        free(y);
+    } else if (!strcmp(op, "rmsnorm") && nargs == 3 && oc_int(argv[i], &a[0]) && oc_int(argv[i + 1], &a[1])) {
+        float eps = strtof(argv[i + 2], NULL);
+        float *x = oc_read((size_t)(a[0] * a[1]) * 4), *w = oc_read((size_t)a[1] * 4);
+        if (x && w) {
+            op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, a[1], a[0]), wt = op_tensor_1d(OP_TYPE_F32, w, a[1]);
+            rc = op_rmsnorm(be, &xt, &wt, eps, &xt) ? oc_fail("rmsnorm") : oc_write(x, (size_t)(a[0] * a[1]));
+        }
+        free(x);
+        free(w);
+    } else if (!strcmp(op, "rope") && nargs == 5 && oc_int(argv[i + 1], &a[0]) && oc_int(argv[i + 2], &a[1]) &&
+               oc_int(argv[i + 3], &a[2]) && oc_int(argv[i + 4], &a[3])) {
+        int64_t t = a[0], h = a[1], hd = a[2], rot = a[3];
+        float *x = oc_read((size_t)(t * h * hd) * 4);
+        int32_t *pos = oc_read((size_t)t * 4);
+        float *inv = oc_read((size_t)(rot / 2) * 4);
+        if (x && pos && inv) {
+            op_tensor xt = op_tensor_3d(OP_TYPE_F32, x, hd, h, t);
+            op_rope_params p = {!strcmp(argv[i], "norm") ? OP_ROPE_NORM : OP_ROPE_NEOX, (int)rot, inv, 1.0f};
+            rc = op_rope(be, &xt, pos, &p) ? oc_fail("rope") : oc_write(x, (size_t)(t * h * hd));
+        }
+        free(x);
+        free(pos);
+        free(inv);
+    } else if (!strcmp(op, "attention") && nargs == 5 && oc_int(argv[i + 1], &a[0]) &&
+               oc_int(argv[i + 2], &a[1]) && oc_int(argv[i + 3], &a[2]) && oc_int(argv[i + 4], &a[3])) {
+        int64_t t = a[0], h = a[1], kvh = a[2], hd = a[3];
+        op_type ct = !strcmp(argv[i], "f16") ? OP_TYPE_F16 : OP_TYPE_F32;
+        float *q = oc_read((size_t)(t * h * hd) * 4), *k = oc_read((size_t)(t * kvh * hd) * 4);
+        float *v = oc_read((size_t)(t * kvh * hd) * 4), *o = malloc((size_t)(t * h * hd) * 4 + 4);
+        void *kc = calloc((size_t)(t * kvh * hd), 4), *vc = calloc((size_t)(t * kvh * hd), 4);
+        int32_t *seq = calloc((size_t)t + 1, 4), *pos = malloc((size_t)t * 4 + 4);
+        if (q && k && v && o && kc && vc && seq && pos) {
+            for (int64_t j = 0; j < t; j++) pos[j] = (int32_t)j;
+            op_tensor kct = op_tensor_3d(ct, kc, hd, kvh, t), vct = op_tensor_3d(ct, vc, hd, kvh, t);
+            op_tensor *kp[1] = {&kct}, *vp[1] = {&vct};
+            op_tensor ks = op_tensor_2d(OP_TYPE_F32, k, kvh * hd, t), vs = op_tensor_2d(OP_TYPE_F32, v, kvh * hd, t);
+            op_tensor qt = op_tensor_3d(OP_TYPE_F32, q, hd, h, t), ot = op_tensor_3d(OP_TYPE_F32, o, hd, h, t);
+            op_attn at = {(int)h, (int)kvh, (int)hd, 1.0f / sqrtf((float)hd), 1, seq, pos, &kct, &vct};
+            if (op_kv_store(be, &ks, kp, 1, seq, pos) || op_kv_store(be, &vs, vp, 1, seq, pos))
+                rc = oc_fail("kv_store");
+            else
+                rc = op_attention(be, &qt, &at, &ot) ? oc_fail("attention") : oc_write(o, (size_t)(t * h * hd));
+        }
+        free(q);
+        free(k);
+        free(v);
+        free(o);
+        free(kc);
+        free(vc);
+        free(seq);
+        free(pos);
+    } else if ((!strcmp(op, "softmax") || !strcmp(op, "log_softmax")) && nargs == 2 && oc_int(argv[i], &a[0]) &&
+               oc_int(argv[i + 1], &a[1])) {
+        float *x = oc_read((size_t)(a[0] * a[1]) * 4);
+        if (x) {
+            op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, a[1], a[0]);
+            int r = !strcmp(op, "softmax") ? op_softmax(be, &xt) : op_log_softmax(be, &xt);
+            rc = r ? oc_fail(op) : oc_write(x, (size_t)(a[0] * a[1]));
+        }
+        free(x);
+    } else if (!strcmp(op, "swiglu") && nargs == 2 && oc_int(argv[i], &a[0]) && oc_int(argv[i + 1], &a[1])) {
+        float *g = oc_read((size_t)(a[0] * a[1]) * 4), *u = oc_read((size_t)(a[0] * a[1]) * 4);
+        if (g && u) {
+            op_tensor gt = op_tensor_2d(OP_TYPE_F32, g, a[1], a[0]), ut = op_tensor_2d(OP_TYPE_F32, u, a[1], a[0]);
+            rc = op_swiglu(be, &gt, &ut, &gt) ? oc_fail("swiglu") : oc_write(g, (size_t)(a[0] * a[1]));
+        }
+        free(g);
+        free(u);
+    }
+out:
+    if (rc == 2 && !feof(stdin) && !ferror(stdin))
+        oc_usage();
+    else if (rc == 2)
+        fprintf(stderr, "fusion-opcheck: %s: short input\n", op);
+    op_backend_free(be);
+    return rc;
+}
