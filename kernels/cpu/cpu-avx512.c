@@ -1,5 +1,6 @@
 /* cpu-avx512.c -- AVX-512 kernels of the CPU backend (compiled with -mavx512*; run only when present). */
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "cpu-impl.h"
@@ -80,18 +81,36 @@ CPU_INLINE void cpu_avx512_deq(op_type type, const uint8_t *row, int64_t b, __m5
 
 /* ---- matvec ---------------------------------------------------------------- */
 
+/* Software prefetch CPU_PF_DIST bytes ahead of blocks b, b+1 of a row (rows
+ * are consecutive, so this runs into the next rows): the hardware prefetcher
+ * alone does not keep enough reads in flight at this per-core bandwidth. */
+CPU_INLINE void cpu_avx512_prefetch_blocks(op_type type, const uint8_t *row, int64_t b) {
+    const size_t bytes = type == OP_TYPE_F32                              ? 256
+                         : type == OP_TYPE_F16 || type == OP_TYPE_BF16      ? 128
+                         : type == OP_TYPE_Q8_0                             ? 2 * sizeof(op_block_q8_0)
+                         : type == OP_TYPE_Q4_0                             ? 2 * sizeof(op_block_q4_0)
+                         : type == OP_TYPE_Q4_1                             ? 2 * sizeof(op_block_q4_1)
+                                                                            : 64;
+    const size_t at = (size_t)b * (bytes / 2); /* b is even: the pair starts here */
+    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch((const char *)row + at + o + CPU_PF_DIST, _MM_HINT_T0);
+}
+
 /* sums[t] = sum over the nb full blocks of row . x[t], for nt tokens; two
  * blocks per step into separate accumulators to hide the FMA latency. */
 CPU_INLINE void cpu_avx512_mv(op_type type, const uint8_t *row, const float *x, size_t ldx, int nt,
                               int64_t nb, float *sums) {
     __m512 acc[CPU_MV_T][4];
+    #pragma GCC unroll 16
     for (int t = 0; t < nt; t++)
+        #pragma GCC unroll 16
         for (int i = 0; i < 4; i++) acc[t][i] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < nb; b += 2) {
         __m512 w0, w1, w2, w3;
+        cpu_avx512_prefetch_blocks(type, row, b);
         cpu_avx512_deq(type, row, b, &w0, &w1);
         cpu_avx512_deq(type, row, b + 1, &w2, &w3);
+        #pragma GCC unroll 16
         for (int t = 0; t < nt; t++) {
             const float *xp = x + t * ldx + b * 32;
             acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp), acc[t][0]);
@@ -103,12 +122,14 @@ CPU_INLINE void cpu_avx512_mv(op_type type, const uint8_t *row, const float *x, 
     if (b < nb) {
         __m512 w0, w1;
         cpu_avx512_deq(type, row, b, &w0, &w1);
+        #pragma GCC unroll 16
         for (int t = 0; t < nt; t++) {
             const float *xp = x + t * ldx + b * 32;
             acc[t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp), acc[t][0]);
             acc[t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + 16), acc[t][1]);
         }
     }
+    #pragma GCC unroll 16
     for (int t = 0; t < nt; t++)
         sums[t] = _mm512_reduce_add_ps(
             _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3])));
@@ -130,7 +151,188 @@ CPU_INLINE void cpu_avx512_matvec_any(op_type type, const cpu_mm *m, int64_t r0,
             default: cpu_avx512_mv(type, row, x, m->ldx, 4, nb, sums); break;
             }
             if (nb * 32 < m->k) cpu_portable_matvec_tail(m, r, nb * 32, (int)t0, nt, sums);
+            #pragma GCC unroll 16
             for (int t = 0; t < nt; t++) m->y[(size_t)(t0 + t) * m->ldy + r] = scale * sums[t];
+        }
+    }
+}
+
+/* ---- integer matvec (VNNI) for Q4_0 / Q4_1 -------------------------------------------
+ *
+ * Activations: per pair of blocks (b, b+1) of a token, CPU_XQ_PAIR bytes:
+ *   q[64]   int8 in the order x_b[0..15], x_b1[0..15], x_b[16..31], x_b1[16..31],
+ *           matching the nibbles of two Q4 blocks unpacked as lo(b), lo(b1),
+ *           hi(b), hi(b1);
+ *   dx[16]  f32 scale of the block each int32 lane of vpdpbusd belongs to
+ *           (lanes -> blocks {b x4, b1 x4, b x4, b1 x4});
+ *   sx      Q4_1: f32 {0, sx_b, 0, sx_b1} with sx = dx * sum(q) of the block,
+ *           lined up with the f16 pairs {d_b, m_b, d_b1, m_b1} of the weights;
+ *           Q4_0: int32[16], -8 * (sum of the lane's 4 q), the starting value
+ *           of vpdpbusd, which makes it sum (nib - 8) * q.
+ * A block's dot is then d_w * dx * sum((nib - 8) * q) for Q4_0, d_w * dx *
+ * sum(nib * q) + m_w sx for Q4_1. Quantizing x (d = amax / 127, q = rint(x / d))
+ * costs at most dx/2 per element. */
+
+static void cpu_avx512_quant_x_q4(op_type type, const float *x, int64_t k, uint8_t *dst) {
+    for (int64_t p = 0; p < k / 64; p++) {
+        const float *xb = x + p * 64;
+        uint8_t *o = dst + p * CPU_XQ_PAIR;
+        float dx[2], sx[2];
+        int8_t q[64];
+        for (int h = 0; h < 2; h++) {
+            float amax = 0;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[32 * h + j]));
+            float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                int v = (int)rintf(xb[32 * h + j] * id);
+                q[32 * h + j] = (int8_t)v;
+                sum += v;
+            }
+            dx[h] = d;
+            sx[h] = d * (float)sum;
+        }
+        int8_t *oq = (int8_t *)o;
+        for (int j = 0; j < 16; j++) {
+            oq[j] = q[j];           /* x_b[0..15] */
+            oq[16 + j] = q[32 + j]; /* x_b1[0..15] */
+            oq[32 + j] = q[16 + j]; /* x_b[16..31] */
+            oq[48 + j] = q[48 + j]; /* x_b1[16..31] */
+        }
+        for (int l = 0; l < 16; l++) {
+            float d = dx[(l / 4) & 1];
+            memcpy(o + 64 + 4 * l, &d, 4);
+            if (type == OP_TYPE_Q4_0) {
+                int32_t lane = 0;
+                for (int j = 0; j < 4; j++) lane += oq[4 * l + j];
+                lane *= -8;
+                memcpy(o + 128 + 4 * l, &lane, 4);
+            }
+        }
+        if (type == OP_TYPE_Q4_1) {
+            float s4[4] = {0.0f, sx[0], 0.0f, sx[1]};
+            memcpy(o + 128, s4, sizeof s4);
+        }
+    }
+}
+
+static void cpu_avx512_quant_x_q4_0(const float *x, int64_t k, uint8_t *dst) {
+    cpu_avx512_quant_x_q4(OP_TYPE_Q4_0, x, k, dst);
+}
+
+static void cpu_avx512_quant_x_q4_1(const float *x, int64_t k, uint8_t *dst) {
+    cpu_avx512_quant_x_q4(OP_TYPE_Q4_1, x, k, dst);
+}
+
+CPU_INLINE uint32_t cpu_ld32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* sums[t] = row . x[t] over np pairs of Q4 blocks, from the quantized activations. */
+CPU_INLINE void cpu_avx512_mvq(op_type type, const uint8_t *row, const uint8_t *xq, size_t ldxq,
+                               int nt, int64_t np, float *sums) {
+    const bool q41 = type == OP_TYPE_Q4_1;
+    const size_t bs = q41 ? sizeof(op_block_q4_1) : sizeof(op_block_q4_0);
+    const int off = q41 ? 4 : 2; /* of qs in a block */
+    const __m512i idx_d = _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[CPU_MV_T];
+    __m128 accm[CPU_MV_T];
+#pragma GCC unroll 16
+    for (int t = 0; t < nt; t++) {
+        acc[t] = _mm512_setzero_ps();
+        accm[t] = _mm_setzero_ps();
+    }
+    for (int64_t p = 0; p < np; p++) {
+        const uint8_t *b0 = row + (size_t)(2 * p) * bs, *b1 = b0 + bs;
+        _mm_prefetch((const char *)b0 + CPU_PF_DIST, _MM_HINT_T0);
+        /* [d_b, m_b, d_b1, m_b1] (m is the first nibble bytes for Q4_0: unused) */
+        __m128 dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)cpu_ld32(b0)), (int)cpu_ld32(b1), 1));
+        __m512 dw = _mm512_permutexvar_ps(idx_d, _mm512_castps128_ps512(dm));
+        __m256i qq = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b0 + off))),
+                                             _mm_loadu_si128((const __m128i *)(b1 + off)), 1);
+        __m512i w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qq), _mm256_srli_epi16(qq, 4), 1), m4);
+#pragma GCC unroll 16
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *xp = xq + t * ldxq + (size_t)p * CPU_XQ_PAIR;
+            __m512i xv = _mm512_loadu_si512(xp);
+            __m512i dot = q41 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv)
+                              : _mm512_dpbusd_epi32(_mm512_loadu_si512(xp + 128), w, xv);
+            __m512 sc = _mm512_mul_ps(dw, _mm512_loadu_ps((const float *)(xp + 64)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[t]);
+            if (q41) accm[t] = _mm_fmadd_ps(dm, _mm_loadu_ps((const float *)(xp + 128)), accm[t]); /* m * sx */
+        }
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < nt; t++) {
+        __m128 m = _mm_add_ps(accm[t], _mm_movehl_ps(accm[t], accm[t]));
+        m = _mm_add_ss(m, _mm_movehdup_ps(m));
+        sums[t] = _mm512_reduce_add_ps(acc[t]) + (q41 ? _mm_cvtss_f32(m) : 0.0f);
+    }
+}
+
+/* Q8_0 on the natural layout (cpu_quant_x_natural): per block, 256-bit
+ * vpdpbusd of |w| with x carrying w's sign, scaled by d_w * dx. Faster here
+ * than the 512-bit pair scheme, which needs a second vpdpbusd for the offset. */
+CPU_INLINE void cpu_avx512_mvq8(const uint8_t *row, const uint8_t *xq, size_t ldxq, int nt, int64_t np,
+                                float *sums) {
+    const size_t bs = sizeof(op_block_q8_0);
+    __m256 acc[CPU_MV_T];
+#pragma GCC unroll 16
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        _mm_prefetch((const char *)row + (size_t)(2 * p) * bs + CPU_PF_DIST, _MM_HINT_T0);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *blk = row + (size_t)(2 * p + h) * bs;
+            const float dw = cpu_h2f(blk);
+            __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 2)), aw = _mm256_abs_epi8(w);
+#pragma GCC unroll 16
+            for (int t = 0; t < nt; t++) {
+                const uint8_t *xp = xq + t * ldxq + (size_t)p * CPU_XQ_PAIR;
+                __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xp + 32 * h)), w);
+                float dx;
+                memcpy(&dx, xp + 64 + 4 * h, 4);
+                __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, xv);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx), acc[t]);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < nt; t++) {
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+        s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        sums[t] = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+    }
+}
+
+CPU_INLINE void cpu_avx512_matvec_q(op_type type, const cpu_mm *m, int64_t r0, int64_t r1) {
+    const int64_t np = m->k / 64;
+    const size_t ldxq = CPU_XQ_BYTES(m->k);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = m->w + (size_t)r * m->w_stride;
+        for (int64_t t0 = 0; t0 < m->t; t0 += CPU_MV_T) {
+            int nt = (int)(m->t - t0 < CPU_MV_T ? m->t - t0 : CPU_MV_T);
+            const uint8_t *xq = m->xq + (size_t)t0 * ldxq;
+            float sums[CPU_MV_T];
+            if (type == OP_TYPE_Q8_0) {
+                switch (nt) {
+                case 1: cpu_avx512_mvq8(row, xq, ldxq, 1, np, sums); break;
+                case 2: cpu_avx512_mvq8(row, xq, ldxq, 2, np, sums); break;
+                case 3: cpu_avx512_mvq8(row, xq, ldxq, 3, np, sums); break;
+                default: cpu_avx512_mvq8(row, xq, ldxq, 4, np, sums); break;
+                }
+            } else {
+            switch (nt) {
+            case 1: cpu_avx512_mvq(type, row, xq, ldxq, 1, np, sums); break;
+            case 2: cpu_avx512_mvq(type, row, xq, ldxq, 2, np, sums); break;
+            case 3: cpu_avx512_mvq(type, row, xq, ldxq, 3, np, sums); break;
+            default: cpu_avx512_mvq(type, row, xq, ldxq, 4, np, sums); break;
+            }
+            }
+            for (int t = 0; t < nt; t++) m->y[(size_t)(t0 + t) * m->ldy + r] = sums[t];
         }
     }
 }
@@ -156,7 +358,10 @@ CPU_INLINE void cpu_avx512_dequant_any(op_type type, const uint8_t *row, int64_t
 
 #define CPU_AVX512_TYPE(name, type)                                                               \
     static void cpu_avx512_matvec_##name(const cpu_mm *m, int64_t r0, int64_t r1) {              \
-        cpu_avx512_matvec_any(type, m, r0, r1);                                                   \
+        if ((type == OP_TYPE_Q8_0 || type == OP_TYPE_Q4_0 || type == OP_TYPE_Q4_1) && m->xq)     \
+            cpu_avx512_matvec_q(type, m, r0, r1);                                                 \
+        else                                                                                      \
+            cpu_avx512_matvec_any(type, m, r0, r1);                                               \
     }                                                                                             \
     static void cpu_avx512_dequant_##name(const uint8_t *row, int64_t k0, int64_t n, float scale, \
                                           float *out) {                                           \
@@ -177,18 +382,21 @@ CPU_AVX512_TYPE(i8, OP_TYPE_I8)
 static void cpu_avx512_gemm(const float *wf, int64_t ldw, const float *xt, int64_t kc, float *c,
                             int accumulate) {
     __m512 acc[CPU_AVX512_NR][2];
+    #pragma GCC unroll 16
     for (int j = 0; j < CPU_AVX512_NR; j++) {
         acc[j][0] = accumulate ? _mm512_loadu_ps(c + j * CPU_TB) : _mm512_setzero_ps();
         acc[j][1] = accumulate ? _mm512_loadu_ps(c + j * CPU_TB + 16) : _mm512_setzero_ps();
     }
     for (int64_t k = 0; k < kc; k++) {
         __m512 x0 = _mm512_loadu_ps(xt + k * CPU_TB), x1 = _mm512_loadu_ps(xt + k * CPU_TB + 16);
+        #pragma GCC unroll 16
         for (int j = 0; j < CPU_AVX512_NR; j++) {
             __m512 w = _mm512_set1_ps(wf[j * ldw + k]);
             acc[j][0] = _mm512_fmadd_ps(w, x0, acc[j][0]);
             acc[j][1] = _mm512_fmadd_ps(w, x1, acc[j][1]);
         }
     }
+    #pragma GCC unroll 16
     for (int j = 0; j < CPU_AVX512_NR; j++) {
         _mm512_storeu_ps(c + j * CPU_TB, acc[j][0]);
         _mm512_storeu_ps(c + j * CPU_TB + 16, acc[j][1]);
@@ -230,6 +438,7 @@ static void cpu_avx512_accum(const float *p, const uint8_t *v, op_type vt, size_
     for (int d0 = 0; d0 < hd; d0 += 64) {
         __mmask16 mk[4];
         __m512 a[4];
+        #pragma GCC unroll 16
         for (int i = 0; i < 4; i++) {
             int left = hd - d0 - 16 * i;
             mk[i] = left > 0 ? cpu_avx512_mask(left) : 0;
@@ -238,9 +447,11 @@ static void cpu_avx512_accum(const float *p, const uint8_t *v, op_type vt, size_
         for (int j = 0; j < n; j++) {
             const uint8_t *row = v + (size_t)j * stride;
             __m512 pj = _mm512_set1_ps(p[j]);
+            #pragma GCC unroll 16
             for (int i = 0; i < 4; i++)
                 if (mk[i]) a[i] = _mm512_fmadd_ps(pj, cpu_avx512_kv(row, vt, d0 + 16 * i, mk[i]), a[i]);
         }
+        #pragma GCC unroll 16
         for (int i = 0; i < 4; i++) _mm512_mask_storeu_ps(acc + d0 + 16 * i, mk[i], a[i]);
     }
 }
@@ -280,4 +491,10 @@ const cpu_kernels cpu_kernels_avx512 = {
     .scores = cpu_avx512_scores,
     .accum = cpu_avx512_accum,
     .to_f16 = cpu_avx512_to_f16,
+    .quant_x =
+        {
+            [OP_TYPE_Q8_0] = cpu_quant_x_natural,
+            [OP_TYPE_Q4_0] = cpu_avx512_quant_x_q4_0,
+            [OP_TYPE_Q4_1] = cpu_avx512_quant_x_q4_1,
+        },
 };

@@ -2,36 +2,51 @@
 #ifndef FU_CPU_IMPL_H
 #define FU_CPU_IMPL_H
 
+#include <math.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "ops-impl.h"
 
 /* ---- matmul blocking ---------------------------------------------------------
  *
- * Decode (T <= CPU_DECODE_MAX_T): each thread takes a contiguous range of
- * weight rows and streams them once; for each row the kernel dots it with up to
+ * Decode (T <= CPU_DECODE_MAX_T): threads take chunks of consecutive weight
+ * rows and stream them once; for each row the kernel dots it with up to
  * CPU_MV_T tokens at a time (further tokens re-read the row from L1).
  *
  * Prefill (larger T): the activations are first transposed into xT blocks of
- * CPU_TB tokens, xt[tb][k][j] = x[tb*CPU_TB + j][k] (zero past T). Each thread
- * owns a range of weight panels of `nr` rows; for every CPU_TC tokens, panel
- * and CPU_KC slice of K it dequantizes the panel slice to f32 once
- * (nr x CPU_KC, in L1) and reuses it for all CPU_TC / CPU_TB token blocks with
- * a register-blocked FMA micro-kernel that keeps tokens in vector lanes.
+ * CPU_TB tokens, xt[tb][k][j] = x[tb*CPU_TB + j][k] (zero past T). Threads
+ * take (CPU_TC tokens, CPU_PG panels of `nr` rows) units; for each panel and
+ * CPU_KC slice of K the panel slice is dequantized to f32 once (nr x CPU_KC,
+ * in L1) and reused for all CPU_TC / CPU_TB token blocks by a register-blocked
+ * FMA micro-kernel that keeps tokens in vector lanes.
  */
-#define CPU_DECODE_MAX_T 4
+#define CPU_DECODE_MAX_T 8 /* largest T that takes the matvec path */
+#define CPU_PF_DIST 4096   /* bytes a matvec prefetches ahead of the weight it reads */
 #define CPU_MV_T 4    /* tokens per pass of a matvec kernel */
 #define CPU_TB 32     /* tokens per xT block (lanes of the micro-kernel) */
 #define CPU_TC 256    /* tokens per outer GEMM block (multiple of CPU_TB) */
 #define CPU_KC 512    /* K per GEMM slice (multiple of OP_QK) */
 #define CPU_NR_MAX 16 /* largest micro-kernel panel over all ISAs */
+#define CPU_PG 8      /* panels whose partial sums a thread keeps at a time */
+/* Floats between panel rows: CPU_KC plus a pad so that the rows do not all
+ * fall into the same few L1 sets. */
+#define CPU_WF_LD (CPU_KC + 16)
 
 /* Largest head_dim op_attention accepts (its accumulators live on the stack). */
 #define CPU_ATTN_MAX_HD 1024
 /* Positions scored per chunk of the attention kernel (online softmax). */
 #define CPU_ATTN_CHUNK 64
+
+/* Integer decode path (Q8_0/Q4_0/Q4_1 weights, K % 64 == 0, AVX2 maddubs or
+ * AVX-512 VNNI): each token row is quantized to int8 per 32-block
+ * (d = amax / 127, q = rint(x / d)) and laid out per pair of blocks as 64 int8
+ * values plus per-block scales and sums, CPU_XQ_PAIR bytes per 64 inputs (the
+ * layouts: cpu_quant_x_natural below, cpu_avx512_quant_x_q4 in cpu-avx512.c). Results then match the f32 computation over the rounded x. */
+#define CPU_XQ_PAIR 192
+#define CPU_XQ_BYTES(k) ((size_t)((k) / 64) * CPU_XQ_PAIR)
 
 /* One matmul, as the kernels see it. */
 typedef struct cpu_mm {
@@ -45,6 +60,7 @@ typedef struct cpu_mm {
     float *y;               /* (T, N) outputs */
     size_t ldy;             /* floats between rows of y */
     const float *xt;        /* (ceil(T/CPU_TB), K, CPU_TB) transposed activations (prefill) */
+    const uint8_t *xq;      /* (T, CPU_XQ_BYTES(K)) quantized activations, or NULL (decode) */
 } cpu_mm;
 
 /* Decode kernel: y[t][r] = W[r] . x[t] for r in [r0, r1) and every t < m->t. */
@@ -72,6 +88,10 @@ typedef void (*cpu_accum_fn)(const float *p, const uint8_t *v, op_type vt, size_
 /* Row conversion f32 -> f16 (kv_store). */
 typedef void (*cpu_to_f16_fn)(const float *x, uint16_t *y, int64_t n);
 
+/* Quantizes one activation row x (k floats, k % 64 == 0) into CPU_XQ_BYTES(k)
+ * bytes at dst, in the layout the `type` matvec kernel reads. */
+typedef void (*cpu_quant_x_fn)(const float *x, int64_t k, uint8_t *dst);
+
 typedef struct cpu_kernels {
     const char *name;                     /* "portable", "avx2", "avx512" */
     int nr;                               /* panel height of gemm (<= CPU_NR_MAX) */
@@ -81,6 +101,7 @@ typedef struct cpu_kernels {
     cpu_scores_fn scores;
     cpu_accum_fn accum;
     cpu_to_f16_fn to_f16;
+    cpu_quant_x_fn quant_x[OP_TYPE_COUNT]; /* NULL: the type's matvec uses f32 activations */
 } cpu_kernels;
 
 extern const cpu_kernels cpu_kernels_portable;
@@ -94,7 +115,10 @@ void cpu_portable_matvec_tail(const cpu_mm *m, int64_t r, int64_t k0, int t0, in
 
 /* ---- thread pool --------------------------------------------------------- */
 
-/* A job runs fn(arg, ith, nth) on every thread, ith in [0, nth). */
+/* A job runs fn(arg, ith, nth) on the caller (ith 0) and on the workers that
+ * join it in time (distinct ith in [1, nth)): a job must hand out its work
+ * from a shared counter so that the threads that do run take all of it; ith
+ * only selects per-thread scratch. */
 typedef void (*cpu_job_fn)(void *arg, int ith, int nth);
 
 typedef struct cpu_pool cpu_pool;
@@ -103,7 +127,35 @@ typedef struct cpu_pool cpu_pool;
 cpu_pool *cpu_pool_new(int n_threads);
 /* Joins the workers; NULL is a no-op. */
 void cpu_pool_free(cpu_pool *pool);
-/* Runs fn on all threads and returns when every one has finished (fork-join). */
+/* Runs a job (see cpu_job_fn) and returns when every thread that joined it has
+ * finished (fork-join). */
 void cpu_pool_run(cpu_pool *pool, cpu_job_fn fn, void *arg);
+
+/* ---- activation quantization (inline: compiled with each ISA's flags) ------ */
+
+/* The natural layout of quantized activations: per pair of blocks (b, b+1),
+ * CPU_XQ_PAIR bytes: int8 q_b[32], q_b1[32] in order, then f32 dx_b, dx_b1
+ * (d = amax / 127, q = rint(x / d)) and f32 sx_b, sx_b1 (dx * sum(q)).
+ * x: (k) floats, k % 64 == 0; dst: CPU_XQ_BYTES(k) bytes. */
+static inline void cpu_quant_x_natural(const float *x, int64_t k, uint8_t *dst) {
+    for (int64_t p = 0; p < k / 64; p++) {
+        uint8_t *o = dst + p * CPU_XQ_PAIR;
+        for (int h = 0; h < 2; h++) {
+            const float *xb = x + p * 64 + 32 * h;
+            float amax = 0;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(xb[j]));
+            float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+            int sum = 0;
+            for (int j = 0; j < 32; j++) {
+                int v = (int)rintf(xb[j] * id);
+                o[32 * h + j] = (uint8_t)(int8_t)v;
+                sum += v;
+            }
+            float sx = d * (float)sum;
+            memcpy(o + 64 + 4 * h, &d, 4);
+            memcpy(o + 72 + 4 * h, &sx, 4);
+        }
+    }
+}
 
 #endif

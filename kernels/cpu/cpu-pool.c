@@ -8,17 +8,19 @@
 
 #include "cpu-impl.h"
 
-/* Iterations a waiting thread polls before it sleeps in the kernel: about
- * 50-100 us, long enough to cover the gap between consecutive ops. */
-#define CPU_POOL_SPIN 4096
+/* Iterations a waiting thread polls (with pause, ~40-140 cycles each) before it
+ * sleeps in the kernel: tens of microseconds, enough to cover the gap between
+ * consecutive ops of a forward pass without burning a core when idle. */
+#define CPU_POOL_SPIN 2048
 
 struct cpu_pool {
     int n;                    /* threads including the caller */
     pthread_t *threads;       /* (n - 1) workers */
     _Atomic uint32_t gen;     /* futex word: bumped once per job */
-    _Atomic uint32_t pending; /* futex word: workers still running the current job */
+    _Atomic uint32_t closed;  /* generation of the last job the caller has closed */
+    _Atomic uint32_t active;  /* futex word: workers inside the current job */
     _Atomic int sleepers;     /* workers blocked (or about to block) on gen */
-    _Atomic int main_waiting; /* the caller is blocked (or about to block) on pending */
+    _Atomic int main_waiting; /* the caller is blocked (or about to block) on active */
     _Atomic int stop;
     cpu_job_fn fn;
     void *arg;
@@ -62,9 +64,15 @@ static void *cpu_pool_main(void *p) {
         }
         seen = g;
         if (atomic_load(&pool->stop)) break;
-        pool->fn(pool->arg, w->ith, pool->n);
-        if (atomic_fetch_sub(&pool->pending, 1) == 1 && atomic_load(&pool->main_waiting))
-            cpu_futex_wake(&pool->pending);
+        /* Join job g only while it is open: the caller closes it once its own
+         * share is done and then waits for the workers that joined, so a
+         * worker the OS runs late never delays it (jobs hand out their work
+         * from shared counters, so whoever runs takes it all). */
+        atomic_fetch_add(&pool->active, 1);
+        if (atomic_load(&pool->gen) == g && atomic_load(&pool->closed) != g)
+            pool->fn(pool->arg, w->ith, pool->n);
+        if (atomic_fetch_sub(&pool->active, 1) == 1 && atomic_load(&pool->main_waiting))
+            cpu_futex_wake(&pool->active);
     }
     free(w);
     return NULL;
@@ -115,19 +123,22 @@ void cpu_pool_run(cpu_pool *pool, cpu_job_fn fn, void *arg) {
     }
     pool->fn = fn;
     pool->arg = arg;
-    atomic_store(&pool->pending, (uint32_t)(pool->n - 1));
-    atomic_fetch_add(&pool->gen, 1); /* seq_cst: publishes fn/arg, ordered before the sleepers read */
+    /* seq_cst: publishes fn/arg, ordered before the sleepers read */
+    uint32_t g = atomic_fetch_add(&pool->gen, 1) + 1;
     if (atomic_load(&pool->sleepers) > 0) cpu_futex_wake(&pool->gen);
     fn(arg, 0, pool->n);
-    uint32_t p;
+    /* Close the job, then wait for the workers inside it. A worker either sees
+     * the close and skips, or has raised `active` before our read (seq_cst). */
+    atomic_store(&pool->closed, g);
+    uint32_t a;
     int spins = 0;
-    while ((p = atomic_load_explicit(&pool->pending, memory_order_acquire)) != 0) {
+    while ((a = atomic_load(&pool->active)) != 0) {
         if (++spins < CPU_POOL_SPIN) {
             cpu_pause();
             continue;
         }
         atomic_store(&pool->main_waiting, 1);
-        if (atomic_load(&pool->pending) != 0) cpu_futex_wait(&pool->pending, p);
+        if (atomic_load(&pool->active) != 0) cpu_futex_wait(&pool->active, a);
         atomic_store(&pool->main_waiting, 0);
         spins = 0;
     }

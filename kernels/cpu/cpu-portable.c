@@ -80,14 +80,14 @@ CPU_PORTABLE_DEQUANT(i8, OP_TYPE_I8)
 
 /* ---- matvec -------------------------------------------------------------- */
 
-/* sums[t] += sum_{k >= k0} W[r][k] * x[t0 + t][k] for t < nt, plain types only
- * (the SIMD kernels' tails when K is not a multiple of their block). */
+/* sums[t] += sum_{k >= k0} W[r][k] * x[t0 + t][k] for t < nt, plain types
+ * only (the kernels' tails when K is not a multiple of 32). The I8 row scale is
+ * left out: callers multiply the whole sum by it. */
 void cpu_portable_matvec_tail(const cpu_mm *m, int64_t r, int64_t k0, int t0, int nt, float *sums) {
     const uint8_t *row = m->w + (size_t)r * m->w_stride;
-    float scale = m->row_scale ? m->row_scale[r] : 1.0f;
     for (int64_t k = k0; k < m->k; k++) {
         float w;
-        cpu_portable_dequant_any(m->type, row, k, 1, scale, &w);
+        cpu_portable_dequant_any(m->type, row, k, 1, 1.0f, &w);
         for (int t = 0; t < nt; t++) sums[t] += w * m->x[(size_t)(t0 + t) * m->ldx + k];
     }
 }

@@ -13,8 +13,10 @@ typedef struct cpu_backend {
     cpu_pool *pool;
     float *xt;       /* transposed activations for prefill matmuls */
     size_t xt_cap;   /* floats in xt */
-    float *wf;       /* (n_threads, CPU_NR_MAX, CPU_KC) dequantized weight panels */
-    float *cbuf;     /* (n_threads, CPU_NR_MAX, CPU_TC) output tiles */
+    uint8_t *xq;     /* quantized activations for integer decode matvecs */
+    size_t xq_cap;   /* bytes in xq */
+    float *wf;       /* (n_threads, CPU_NR_MAX, CPU_WF_LD) dequantized weight panels */
+    float *cbuf;     /* (n_threads, CPU_PG, CPU_NR_MAX, CPU_TC) partial sums of panel groups */
 } cpu_backend;
 
 static cpu_backend *cpu_be(op_backend *be) { return (cpu_backend *)be; }
@@ -32,12 +34,12 @@ static bool cpu_has_avx2(void) {
 }
 
 static bool cpu_has_avx512(void) {
-    /* cpu-avx512.c is compiled for F/BW/VL/DQ plus BF16 and VNNI; it uses the
-     * latter two, so the level needs all of them. */
+    /* cpu-avx512.c uses F/BW/VL/DQ and VNNI (vpdpbusd). It is also compiled
+     * with -mavx512bf16, but no BF16 instruction is written there and GCC does
+     * not generate them on its own, so BF16 is not required. */
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16") &&
-           __builtin_cpu_supports("avx512vnni");
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
 }
 
 /* The kernels for `isa`, or for the best level below it that the CPU has. */
@@ -54,6 +56,7 @@ static void cpu_free(op_backend *be) {
     cpu_backend *c = cpu_be(be);
     cpu_pool_free(c->pool);
     free(c->xt);
+    free(c->xq);
     free(c->wf);
     free(c->cbuf);
     free(c);
@@ -102,11 +105,26 @@ static int cpu_reserve_xt(cpu_backend *c, int64_t t, int64_t k) {
     return FU_OK;
 }
 
-/* Scratch is sized for prefill matmuls of max_tokens x max_k; every other op
- * uses fixed per-thread buffers allocated with the backend, or the stack. */
+/* Makes room for the quantized activations of a (t <= CPU_DECODE_MAX_T, k) decode matmul. */
+static int cpu_reserve_xq(cpu_backend *c, int64_t t, int64_t k) {
+    size_t need = (size_t)t * CPU_XQ_BYTES(k);
+    if (need <= c->xq_cap) return FU_OK;
+    uint8_t *p = cpu_alloc_aligned(need);
+    if (!p) return fu_errorf(FU_ERR_NOMEM, "cpu: no memory for %zu bytes of matmul scratch", need);
+    free(c->xq);
+    c->xq = p;
+    c->xq_cap = need;
+    return FU_OK;
+}
+
+/* Scratch for matmuls of up to max_tokens x max_k: the transposed activations
+ * of prefill and the quantized activations of decode. Every other op uses
+ * fixed per-thread buffers allocated with the backend, or the stack. A matmul
+ * larger than reserved grows the scratch once (an allocation on that call). */
 static int cpu_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
     if (max_tokens < 0 || max_k < 0) return fu_errorf(FU_ERR_INVALID, "cpu reserve: negative size");
-    if (max_tokens <= CPU_DECODE_MAX_T) return FU_OK;
+    int rc = cpu_reserve_xq(cpu_be(be), max_tokens < CPU_DECODE_MAX_T ? max_tokens : CPU_DECODE_MAX_T, max_k);
+    if (rc || max_tokens <= CPU_DECODE_MAX_T) return rc;
     return cpu_reserve_xt(cpu_be(be), max_tokens, max_k);
 }
 
@@ -115,41 +133,43 @@ static int cpu_synchronize(op_backend *be) {
     return FU_OK;
 }
 
-/* Start and end of part ith of n items split into nth nearly equal parts, in
- * units of `align`. */
-static void cpu_split(int64_t n, int64_t align, int ith, int nth, int64_t *lo, int64_t *hi) {
-    int64_t units = (n + align - 1) / align;
-    int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
-    *lo = u0 * align < n ? u0 * align : n;
-    *hi = u1 * align < n ? u1 * align : n;
-}
-
 /* ---- matmul -------------------------------------------------------------- */
 
+/* Matmul work is handed out in chunks from a shared counter, so that a thread
+ * that the OS delays (2 vCPUs shared with other processes) does not hold up
+ * the others at the join. */
 typedef struct cpu_mm_job {
     cpu_backend *c;
     cpu_mm m;
+    int64_t chunk;        /* matvec: rows per chunk */
+    _Atomic int64_t next; /* next chunk (matvec) or (token block, panel group) unit (gemm) */
 } cpu_mm_job;
 
 static void cpu_matvec_job(void *arg, int ith, int nth) {
+    (void)ith;
+    (void)nth;
     cpu_mm_job *j = arg;
-    int64_t r0, r1;
-    cpu_split(j->m.n, 16, ith, nth, &r0, &r1);
-    if (r0 < r1) j->c->kern->matvec[j->m.type](&j->m, r0, r1);
+    for (;;) {
+        int64_t r0 = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed) * j->chunk;
+        if (r0 >= j->m.n) break;
+        int64_t r1 = r0 + j->chunk < j->m.n ? r0 + j->chunk : j->m.n;
+        j->c->kern->matvec[j->m.type](&j->m, r0, r1);
+    }
 }
 
-/* xt[tb][k][i] = x[tb * CPU_TB + i][k], zero for tokens >= T. Split over
- * (token block, k range). */
+/* xt[tb][k][i] = x[tb * CPU_TB + i][k], zero for tokens >= T. Units of work:
+ * (token block, 256 values of k). */
 static void cpu_transpose_job(void *arg, int ith, int nth) {
+    (void)ith;
+    (void)nth;
     cpu_mm_job *j = arg;
     const cpu_mm *m = &j->m;
-    int64_t ntb = (m->t + CPU_TB - 1) / CPU_TB;
-    int64_t lo, hi;
-    cpu_split(ntb * m->k, 64, ith, nth, &lo, &hi);
+    const int64_t ntb = (m->t + CPU_TB - 1) / CPU_TB, nkc = (m->k + 255) / 256;
     float *xt = j->c->xt;
-    for (int64_t u = lo; u < hi;) {
-        int64_t tb = u / m->k, k0 = u % m->k;
-        int64_t k1 = m->k < k0 + (hi - u) ? m->k : k0 + (hi - u);
+    for (;;) {
+        int64_t u = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (u >= ntb * nkc) break;
+        int64_t tb = u / nkc, k0 = u % nkc * 256, k1 = m->k < k0 + 256 ? m->k : k0 + 256;
         int64_t nt = m->t - tb * CPU_TB < CPU_TB ? m->t - tb * CPU_TB : CPU_TB;
         float *dst = xt + (size_t)tb * (size_t)m->k * CPU_TB;
         for (int64_t k = k0; k < k1; k++) {
@@ -157,63 +177,81 @@ static void cpu_transpose_job(void *arg, int ith, int nth) {
             for (int64_t i = 0; i < nt; i++) d[i] = m->x[(size_t)(tb * CPU_TB + i) * m->ldx + k];
             for (int64_t i = nt; i < CPU_TB; i++) d[i] = 0.0f;
         }
-        u += k1 - k0;
     }
 }
 
+/* Units of work: (block of CPU_TC tokens, group of CPU_PG panels), token
+ * block major, taken from a shared counter. Within a unit: K slice (CPU_KC) >
+ * panel > 32 tokens. The xT slice (CPU_KC x CPU_TC floats, 512 KiB) and the
+ * group's f32 partial sums (CPU_PG x nr x CPU_TC, <= 128 KiB) stay in L2, each
+ * dequantized panel slice (L1) serves CPU_TC tokens, and y is written once per
+ * element after the last slice. */
 static void cpu_gemm_job(void *arg, int ith, int nth) {
+    (void)nth;
     cpu_mm_job *j = arg;
     const cpu_mm *m = &j->m;
     const cpu_kernels *kern = j->c->kern;
     const int nr = kern->nr;
-    float *wf = j->c->wf + (size_t)ith * CPU_NR_MAX * CPU_KC;
-    float *cbuf = j->c->cbuf + (size_t)ith * CPU_NR_MAX * CPU_TC;
-    int64_t npanels = (m->n + nr - 1) / nr, p0, p1;
-    cpu_split(npanels, 1, ith, nth, &p0, &p1);
-    for (int64_t t0 = 0; t0 < m->t; t0 += CPU_TC) {
+    float *wf = j->c->wf + (size_t)ith * CPU_NR_MAX * CPU_WF_LD;
+    float *cbuf = j->c->cbuf + (size_t)ith * CPU_PG * CPU_NR_MAX * CPU_TC;
+    const int64_t npanels = (m->n + nr - 1) / nr, ngroups = (npanels + CPU_PG - 1) / CPU_PG;
+    const int64_t nunits = (m->t + CPU_TC - 1) / CPU_TC * ngroups;
+    for (;;) {
+        int64_t u = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (u >= nunits) break;
+        int64_t t0 = u / ngroups * CPU_TC, g0 = u % ngroups * CPU_PG;
         int64_t t1 = m->t < t0 + CPU_TC ? m->t : t0 + CPU_TC;
-        int64_t ntb = (t1 - t0 + CPU_TB - 1) / CPU_TB;
-        for (int64_t p = p0; p < p1; p++) {
-            int64_t n0 = p * nr, nv = m->n - n0 < nr ? m->n - n0 : nr;
-            for (int64_t k0 = 0; k0 < m->k; k0 += CPU_KC) {
-                int64_t kc = m->k - k0 < CPU_KC ? m->k - k0 : CPU_KC;
+        int64_t g1 = npanels < g0 + CPU_PG ? npanels : g0 + CPU_PG;
+        for (int64_t k0 = 0; k0 < m->k; k0 += CPU_KC) {
+            int64_t kc = m->k - k0 < CPU_KC ? m->k - k0 : CPU_KC;
+            for (int64_t p = g0; p < g1; p++) {
+                int64_t n0 = p * nr, nv = m->n - n0 < nr ? m->n - n0 : nr;
                 for (int64_t r = 0; r < nr; r++) {
                     if (r < nv) {
                         int64_t row = n0 + r;
                         float s = m->row_scale ? m->row_scale[row] : 1.0f;
                         kern->dequant[m->type](m->w + (size_t)row * m->w_stride, k0, kc, s,
-                                               wf + r * CPU_KC);
+                                               wf + r * CPU_WF_LD);
                     } else {
-                        memset(wf + r * CPU_KC, 0, (size_t)kc * sizeof(float));
+                        memset(wf + r * CPU_WF_LD, 0, (size_t)kc * sizeof(float));
                     }
                 }
-                for (int64_t b = 0; b < ntb; b++) {
-                    const float *xt = j->c->xt + ((size_t)(t0 / CPU_TB + b) * (size_t)m->k + (size_t)k0) * CPU_TB;
-                    kern->gemm(wf, CPU_KC, xt, kc, cbuf + b * nr * CPU_TB, k0 > 0);
+                float *c = cbuf + (size_t)(p - g0) * nr * CPU_TC;
+                for (int64_t tb0 = t0; tb0 < t1; tb0 += CPU_TB) {
+                    const float *xt = m->xt + ((size_t)(tb0 / CPU_TB) * (size_t)m->k + (size_t)k0) * CPU_TB;
+                    kern->gemm(wf, CPU_WF_LD, xt, kc, c + (tb0 - t0) * nr, k0 > 0);
                 }
             }
-            for (int64_t b = 0; b < ntb; b++) {
-                const float *cb = cbuf + b * nr * CPU_TB;
-                int64_t tb0 = t0 + b * CPU_TB;
+        }
+        for (int64_t p = g0; p < g1; p++) {
+            int64_t n0 = p * nr, nv = m->n - n0 < nr ? m->n - n0 : nr;
+            const float *c = cbuf + (size_t)(p - g0) * nr * CPU_TC;
+            for (int64_t tb0 = t0; tb0 < t1; tb0 += CPU_TB) {
+                const float *tile = c + (tb0 - t0) * nr;
                 int64_t nt = t1 - tb0 < CPU_TB ? t1 - tb0 : CPU_TB;
                 for (int64_t i = 0; i < nt; i++) {
                     float *y = m->y + (size_t)(tb0 + i) * m->ldy + n0;
-                    for (int64_t r = 0; r < nv; r++) y[r] = cb[r * CPU_TB + i];
+                    for (int64_t r = 0; r < nv; r++) y[r] = tile[r * CPU_TB + i];
                 }
             }
         }
     }
 }
 
-/* Rows of a 2-D view: checks that t has contiguous rows of ne[0] elements. */
+/* True if t is a set of rows: contiguous along ne[0], and dimensions 2 and 3
+ * continue the row stride nb[1] (so row r of the flattened view is at r * nb[1]). */
 static bool cpu_rows_ok(const op_tensor *t) {
-    return t->nb[0] == op_type_block_bytes(t->type) && t->data != NULL;
+    if (t->nb[0] != op_type_block_bytes(t->type) || t->data == NULL) return false;
+    for (int i = 2; i < 4; i++)
+        if (t->ne[i] > 1 && t->nb[i] != t->nb[i - 1] * (size_t)t->ne[i - 1]) return false;
+    return true;
 }
 
 static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
     cpu_backend *c = cpu_be(be);
-    if (!cpu_rows_ok(w) || !cpu_rows_ok(x) || !cpu_rows_ok(y))
-        return fu_errorf(FU_ERR_INVALID, "matmul %s: rows must be contiguous", w->name ? w->name : "");
+    if (!cpu_rows_ok(w) || !cpu_rows_ok(x) || !cpu_rows_ok(y) || w->ne[2] * w->ne[3] != 1)
+        return fu_errorf(FU_ERR_INVALID, "matmul %s: W must be 2-D and all rows contiguous",
+                         w->name ? w->name : "");
     if (op_type_block_elems(w->type) > 1 && w->ne[0] % OP_QK)
         return fu_errorf(FU_ERR_INVALID, "matmul %s: K=%lld is not a multiple of %d",
                          w->name ? w->name : "", (long long)w->ne[0], OP_QK);
@@ -237,6 +275,15 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
         return FU_OK;
     }
     if (j.m.t <= CPU_DECODE_MAX_T) {
+        cpu_quant_x_fn qx = c->kern->quant_x[j.m.type];
+        j.chunk = (j.m.n + 8 * c->base.n_threads - 1) / (8 * c->base.n_threads);
+        j.chunk = j.chunk < 16 ? 16 : (j.chunk + 15) / 16 * 16;
+        if (qx && j.m.k % 64 == 0) {
+            int rc = cpu_reserve_xq(c, j.m.t, j.m.k);
+            if (rc) return rc;
+            for (int64_t t = 0; t < j.m.t; t++) qx(j.m.x + t * j.m.ldx, j.m.k, c->xq + t * CPU_XQ_BYTES(j.m.k));
+            j.m.xq = c->xq;
+        }
         cpu_pool_run(c->pool, cpu_matvec_job, &j);
         return FU_OK;
     }
@@ -244,6 +291,7 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
     if (rc) return rc;
     j.m.xt = c->xt;
     cpu_pool_run(c->pool, cpu_transpose_job, &j);
+    atomic_store(&j.next, 0);
     cpu_pool_run(c->pool, cpu_gemm_job, &j);
     return FU_OK;
 }
@@ -260,6 +308,8 @@ typedef enum cpu_row_kind {
 } cpu_row_kind;
 
 typedef struct cpu_row_job {
+    _Atomic int64_t next; /* next chunk of rows to take */
+    int64_t chunk;        /* rows per chunk */
     cpu_row_kind kind;
     int64_t rows, d;   /* rows of d elements */
     float *out;        /* (rows, d) */
@@ -320,13 +370,20 @@ static void cpu_row_one(const cpu_row_job *j, int64_t r) {
 }
 
 static void cpu_row_job_run(void *arg, int ith, int nth) {
+    (void)ith;
+    (void)nth;
     cpu_row_job *j = arg;
-    int64_t r0, r1;
-    cpu_split(j->rows, 1, ith, nth, &r0, &r1);
-    for (int64_t r = r0; r < r1; r++) cpu_row_one(j, r);
+    for (;;) {
+        int64_t r0 = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed) * j->chunk;
+        if (r0 >= j->rows) break;
+        int64_t r1 = r0 + j->chunk < j->rows ? r0 + j->chunk : j->rows;
+        for (int64_t r = r0; r < r1; r++) cpu_row_one(j, r);
+    }
 }
 
 static int cpu_rows_run(cpu_backend *c, cpu_row_job *j) {
+    int nth = c->base.n_threads;
+    j->chunk = (j->rows + 4 * nth - 1) / (4 * nth);
     if (j->rows * j->d < CPU_SERIAL_ELEMS || j->rows == 1)
         cpu_row_job_run(j, 0, 1);
     else
@@ -341,7 +398,7 @@ static bool cpu_f32_contig(const op_tensor *t) {
 static int cpu_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y) {
     if (!cpu_f32_contig(x) || !cpu_f32_contig(y) || (w && !cpu_f32_contig(w)))
         return fu_errorf(FU_ERR_INVALID, "rmsnorm: tensors must be contiguous f32");
-    cpu_row_job j = {CPU_ROW_RMSNORM, op_tensor_nelems(x) / (x->ne[0] ? x->ne[0] : 1), x->ne[0],
+    cpu_row_job j = {0, 0, CPU_ROW_RMSNORM, op_tensor_nelems(x) / (x->ne[0] ? x->ne[0] : 1), x->ne[0],
                      y->data, x->data, w ? w->data : NULL, eps};
     if (x->ne[0] == 0) return FU_OK;
     return cpu_rows_run(cpu_be(be), &j);
@@ -350,7 +407,7 @@ static int cpu_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, f
 static int cpu_softmax_any(op_backend *be, op_tensor *x, cpu_row_kind kind) {
     if (!cpu_f32_contig(x)) return fu_errorf(FU_ERR_INVALID, "softmax: x must be contiguous f32");
     if (x->ne[0] == 0) return FU_OK;
-    cpu_row_job j = {kind, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data, NULL, 0};
+    cpu_row_job j = {0, 0, kind, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data, NULL, 0};
     return cpu_rows_run(cpu_be(be), &j);
 }
 
@@ -364,7 +421,7 @@ static int cpu_swiglu(op_backend *be, const op_tensor *gate, const op_tensor *up
     if (!cpu_f32_contig(gate) || !cpu_f32_contig(up) || !cpu_f32_contig(out))
         return fu_errorf(FU_ERR_INVALID, "swiglu: tensors must be contiguous f32");
     int64_t n = op_tensor_nelems(gate), d = gate->ne[0] ? gate->ne[0] : 1;
-    cpu_row_job j = {CPU_ROW_SWIGLU, n / d, d, out->data, gate->data, up->data, 0};
+    cpu_row_job j = {0, 0, CPU_ROW_SWIGLU, n / d, d, out->data, gate->data, up->data, 0};
     return cpu_rows_run(cpu_be(be), &j);
 }
 
@@ -372,7 +429,7 @@ static int cpu_add(op_backend *be, op_tensor *x, const op_tensor *y) {
     if (!cpu_f32_contig(x) || !cpu_f32_contig(y))
         return fu_errorf(FU_ERR_INVALID, "add: tensors must be contiguous f32");
     int64_t n = op_tensor_nelems(x), d = x->ne[0] ? x->ne[0] : 1;
-    cpu_row_job j = {CPU_ROW_ADD, n / d, d, x->data, x->data, y->data, 0};
+    cpu_row_job j = {0, 0, CPU_ROW_ADD, n / d, d, x->data, x->data, y->data, 0};
     return cpu_rows_run(cpu_be(be), &j);
 }
 
@@ -380,7 +437,7 @@ static int cpu_add_row(op_backend *be, op_tensor *x, const op_tensor *b) {
     if (!cpu_f32_contig(x) || !cpu_f32_contig(b))
         return fu_errorf(FU_ERR_INVALID, "add_row: tensors must be contiguous f32");
     if (x->ne[0] == 0) return FU_OK;
-    cpu_row_job j = {CPU_ROW_ADD_ROW, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data,
+    cpu_row_job j = {0, 0, CPU_ROW_ADD_ROW, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data,
                      b->data, 0};
     return cpu_rows_run(cpu_be(be), &j);
 }
@@ -426,7 +483,11 @@ typedef struct cpu_attn_job {
     _Atomic int64_t next;  /* next task to take */
 } cpu_attn_job;
 
-/* One (token, head): online softmax over chunks of CPU_ATTN_CHUNK positions. */
+/* One (token, head): online softmax over chunks of CPU_ATTN_CHUNK positions
+ * (scores of a chunk, then a rescale of the running sum when the maximum
+ * grows). Scratch rule: none is needed -- the chunk's scores and the (hd)
+ * accumulator live on the worker's stack, so any cache length works without
+ * op_reserve; head_dim is limited to CPU_ATTN_MAX_HD. */
 static void cpu_attn_task(cpu_attn_job *j, int64_t task) {
     const op_attn *a = j->a;
     const cpu_kernels *kern = j->c->kern;
@@ -596,8 +657,8 @@ op_backend *op_backend_cpu_new(const op_cpu_options *opts) {
     c->base.v = &cpu_vtbl;
     c->base.n_threads = n;
     c->kern = cpu_pick_kernels(o.isa);
-    c->wf = cpu_alloc_aligned((size_t)n * CPU_NR_MAX * CPU_KC * sizeof(float));
-    c->cbuf = cpu_alloc_aligned((size_t)n * CPU_NR_MAX * CPU_TC * sizeof(float));
+    c->wf = cpu_alloc_aligned((size_t)n * CPU_NR_MAX * CPU_WF_LD * sizeof(float));
+    c->cbuf = cpu_alloc_aligned((size_t)n * CPU_PG * CPU_NR_MAX * CPU_TC * sizeof(float));
     if (!c->wf || !c->cbuf) {
         fu_errorf(FU_ERR_NOMEM, "cpu backend: out of memory for scratch");
         goto err;
