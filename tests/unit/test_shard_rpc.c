@@ -1,0 +1,330 @@
+/* test_shard_rpc.c -- fusion.Shard end to end in one process: a real server on loopback with a
+ * random-weight span, a real client, and every kind of bad request refused with a clear status. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fusion.pb-c.h"
+#include "model.h"
+#include "rpc.h"
+#include "shard-core.h"
+#include "shard-rpc.h"
+#include "status.h"
+#include "wire.h"
+
+#define SECRET "unit-secret"
+
+typedef struct fixture {
+    mdl_model *m;
+    op_backend *be;
+    shard_core *core;
+    shard_server *srv;
+    rpc_channel *ch;
+    char addr[64];
+} fixture;
+
+static mdl_config cfg_small(void) {
+    mdl_config c;
+    memset(&c, 0, sizeof c);
+    c.arch = MDL_ARCH_LLAMA;
+    c.n_layers = 4;
+    c.dim = 64;
+    c.ffn_dim = 96;
+    c.n_heads = 4;
+    c.n_kv_heads = 2;
+    c.head_dim = 16;
+    c.vocab_size = 50;
+    c.max_seq_len = 32;
+    c.norm_eps = 1e-5f;
+    c.rope_theta = 10000.0f;
+    return c;
+}
+
+/* A server for blocks [first, last) of the random model. */
+static void start(fixture *f, int first, int last, bool embed, bool head) {
+    memset(f, 0, sizeof *f);
+    mdl_config c = cfg_small();
+    mdl_open_options o = {first, last, embed, head};
+    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &o, &f->m), FU_OK);
+    op_cpu_options co = {1, OP_CPU_ISA_AUTO};
+    f->be = op_backend_cpu_new(&co);
+    shard_core_options so = {1u << 20, 64, OP_TYPE_F32};
+    assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
+    shard_server_config sc = {"127.0.0.1:0", NULL, NULL, NULL, NULL, true, SECRET, 1u << 20, 2000, 2,
+                              "random", "cpu", 1.0};
+    assert_int_equal(shard_server_new(f->core, &sc, &f->srv), FU_OK);
+    assert_int_equal(shard_server_start(f->srv), FU_OK);
+    snprintf(f->addr, sizeof f->addr, "127.0.0.1:%d", shard_server_port(f->srv));
+    rpc_channel_options cho = {NULL, true, SECRET, 1u << 20, NULL};
+    assert_int_equal(rpc_channel_new(f->addr, &cho, &f->ch), FU_OK);
+}
+
+static void stop(fixture *f) {
+    rpc_channel_free(f->ch);
+    shard_server_drain(f->srv, 0);
+    shard_server_free(f->srv);
+    shard_core_free(f->core);
+    op_backend_free(f->be);
+    mdl_free(f->m);
+}
+
+/* Opens a session stream; returns the open's outcome. */
+static int open_session(fixture *f, rpc_stream **s, const Fusion__OpenSession *open, rpc_status *st) {
+    assert_int_equal(rpc_stream_open(f->ch, RPC_SHARD_SESSION, 10000, s, st), RPC_OK);
+    Fusion__SessionRequest req = FUSION__SESSION_REQUEST__INIT;
+    req.kind_case = FUSION__SESSION_REQUEST__KIND_OPEN;
+    req.open = (Fusion__OpenSession *)open;
+    int rc = rpc_stream_send(*s, &req.base, st);
+    ProtobufCMessage *msg = NULL;
+    if (!rc) rc = rpc_stream_recv(*s, &fusion__session_reply__descriptor, &msg, 10000, st);
+    rpc_msg_free(msg);
+    return rc;
+}
+
+static int send_step(rpc_stream *s, const Fusion__StepRequest *sr, Fusion__SessionReply **rep, rpc_status *st) {
+    Fusion__SessionRequest req = FUSION__SESSION_REQUEST__INIT;
+    req.kind_case = FUSION__SESSION_REQUEST__KIND_STEP;
+    req.step = (Fusion__StepRequest *)sr;
+    int rc = rpc_stream_send(s, &req.base, st);
+    ProtobufCMessage *msg = NULL;
+    if (!rc) rc = rpc_stream_recv(s, &fusion__session_reply__descriptor, &msg, 10000, st);
+    *rep = (Fusion__SessionReply *)msg;
+    return rc;
+}
+
+static Fusion__OpenSession open_msg(const char *id, int max_len) {
+    Fusion__OpenSession o = FUSION__OPEN_SESSION__INIT;
+    o.session_id = (char *)id;
+    o.max_length = max_len;
+    o.wire_dtype = FUSION__DTYPE__DTYPE_F32;
+    return o;
+}
+
+static void test_info_and_good_session(void **state) {
+    fixture f;
+    start(&f, 0, 4, true, true);
+    Fusion__InfoRequest ir = FUSION__INFO_REQUEST__INIT;
+    ProtobufCMessage *msg = NULL;
+    rpc_status st;
+    assert_int_equal(rpc_call_unary(f.ch, RPC_SHARD_INFO, &ir.base, &fusion__info_reply__descriptor, &msg, 5000, &st),
+                     RPC_OK);
+    Fusion__InfoReply *info = (Fusion__InfoReply *)msg;
+    assert_int_equal(info->n_layers, 4);
+    assert_int_equal(info->last_block, 4);
+    assert_true(info->has_embeddings && info->has_head);
+    assert_int_equal(info->total_kv_bytes, 1 << 20);
+    rpc_msg_free(msg);
+
+    rpc_stream *s;
+    Fusion__OpenSession o = open_msg("good", 16);
+    assert_int_equal(open_session(&f, &s, &o, &st), RPC_OK);
+    int32_t toks[3] = {1, 2, 3};
+    Fusion__Input in = FUSION__INPUT__INIT;
+    in.n_tokens = 3;
+    in.tokens = toks;
+    Fusion__Sampling samp = FUSION__SAMPLING__INIT;
+    Fusion__OutputSpec os = FUSION__OUTPUT_SPEC__INIT;
+    os.sampling = &samp;
+    os.top_logprobs = 2;
+    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
+    sr.input = &in;
+    sr.output = &os;
+    Fusion__SessionReply *rep;
+    assert_int_equal(send_step(s, &sr, &rep, &st), RPC_OK);
+    assert_int_equal(rep->step->position, 3);
+    assert_int_equal(rep->step->output->n_tokens, 1);
+    assert_int_equal(rep->step->output->n_top_logprobs, 1);
+    assert_int_equal(rep->step->output->top_logprobs[0]->entries[0]->token, rep->step->output->tokens[0]);
+    rpc_msg_free(&rep->base);
+    rpc_stream_free(s);
+    stop(&f);
+}
+
+/* Sends a step that must be refused with `code`; the message must contain `needle`. */
+static void expect_step_refused(fixture *f, const Fusion__StepRequest *sr, int code, const char *needle) {
+    rpc_stream *s;
+    rpc_status st;
+    static int n;
+    char id[32];
+    snprintf(id, sizeof id, "bad-%d", n++);
+    Fusion__OpenSession o = open_msg(id, 16);
+    assert_int_equal(open_session(f, &s, &o, &st), RPC_OK);
+    Fusion__SessionReply *rep = NULL;
+    int rc = send_step(s, sr, &rep, &st);
+    if (rc != code || !strstr(st.message, needle))
+        fail_msg("expected %s containing '%s', got %s: %s", rpc_code_str(code), needle, rpc_code_str(rc),
+                 st.message);
+    rpc_msg_free(rep ? &rep->base : NULL);
+    rpc_stream_free(s);
+}
+
+static void test_bad_steps(void **state) {
+    fixture f;
+    start(&f, 2, 4, false, true); /* takes hidden states of dim 64 */
+    float h[3 * 64] = {0};
+    uint8_t bytes[3 * 64 * 4];
+    memcpy(bytes, h, sizeof bytes);
+    int64_t shape_bad[2] = {3, 63}, shape_ok[2] = {3, 64}, shape_3d[3] = {1, 3, 64};
+    Fusion__Tensor t = FUSION__TENSOR__INIT;
+    t.dtype = FUSION__DTYPE__DTYPE_F32;
+    t.n_shape = 2;
+    t.shape = shape_bad;
+    t.data.data = bytes;
+    t.data.len = 3 * 63 * 4;
+    Fusion__Input in = FUSION__INPUT__INIT;
+    in.hidden = &t;
+    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
+    sr.input = &in;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "shape");
+    t.n_shape = 3;
+    t.shape = shape_3d;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "shape");
+    t.n_shape = 2;
+    t.shape = shape_ok;
+    t.data.len = 100; /* bytes do not match the shape */
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "bytes");
+    t.data.len = sizeof bytes;
+    t.dtype = (Fusion__Dtype)9;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "dtype");
+    t.dtype = FUSION__DTYPE__DTYPE_F32;
+    float nan = __builtin_nanf("");
+    memcpy(bytes + 8, &nan, 4);
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "non-finite");
+    memset(bytes, 0, sizeof bytes);
+    int32_t toks[2] = {1, 2};
+    in.n_tokens = 2; /* 2 ids for 3 positions */
+    in.tokens = toks;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "tokens");
+    in.n_tokens = 0;
+    sr.start_position = 5;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "start_position");
+    sr.start_position = 0;
+    sr.rollback_case = FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO;
+    sr.rollback_to = 7;
+    expect_step_refused(&f, &sr, RPC_OUT_OF_RANGE, "rollback_to");
+    sr.rollback_case = FUSION__STEP_REQUEST__ROLLBACK__NOT_SET;
+    Fusion__Input tok_only = FUSION__INPUT__INIT;
+    tok_only.n_tokens = 2;
+    tok_only.tokens = toks;
+    sr.input = &tok_only; /* token ids to a server without embeddings */
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "hidden states");
+    sr.input = NULL;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "input");
+    /* too many positions for the session */
+    static uint8_t big[20 * 64 * 4];
+    int64_t shape_big[2] = {20, 64};
+    Fusion__Tensor tb = FUSION__TENSOR__INIT;
+    tb.dtype = FUSION__DTYPE__DTYPE_F32;
+    tb.n_shape = 2;
+    tb.shape = shape_big;
+    tb.data.data = big;
+    tb.data.len = sizeof big;
+    Fusion__Input inb = FUSION__INPUT__INIT;
+    inb.hidden = &tb;
+    sr.input = &inb;
+    expect_step_refused(&f, &sr, RPC_OUT_OF_RANGE, "max_length");
+    /* sampling with bad parameters */
+    sr.input = &in;
+    Fusion__Sampling samp = FUSION__SAMPLING__INIT;
+    samp.temperature = -1;
+    Fusion__OutputSpec os = FUSION__OUTPUT_SPEC__INIT;
+    os.sampling = &samp;
+    sr.output = &os;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "temperature");
+    samp.temperature = 0;
+    os.top_logprobs = 50;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "top_logprobs");
+    stop(&f);
+}
+
+static void test_bad_opens_and_auth(void **state) {
+    fixture f;
+    start(&f, 0, 2, true, false);
+    rpc_stream *s;
+    rpc_status st;
+    Fusion__OpenSession o = open_msg("x", 16);
+    o.first_block = 1;
+    o.last_block = 3;
+    assert_int_equal(open_session(&f, &s, &o, &st), RPC_FAILED_PRECONDITION);
+    rpc_stream_free(s);
+    o = open_msg("x", 1000); /* beyond the context */
+    assert_int_equal(open_session(&f, &s, &o, &st), RPC_OUT_OF_RANGE);
+    rpc_stream_free(s);
+    o = open_msg("x", 16);
+    o.adapter_id = (char *)"nope";
+    assert_int_equal(open_session(&f, &s, &o, &st), RPC_NOT_FOUND);
+    rpc_stream_free(s);
+    o = open_msg("", 16);
+    assert_int_equal(open_session(&f, &s, &o, &st), RPC_INVALID_ARGUMENT);
+    rpc_stream_free(s);
+    /* the KV budget (1 MiB, 2 layers x 2 x 32 floats x 4 B = 512 B per position) */
+    o = open_msg("fits", 32);
+    rpc_stream *keep;
+    assert_int_equal(open_session(&f, &keep, &o, &st), RPC_OK);
+    /* a step message as the first message */
+    assert_int_equal(rpc_stream_open(f.ch, RPC_SHARD_SESSION, 10000, &s, &st), RPC_OK);
+    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
+    Fusion__SessionReply *rep = NULL;
+    assert_int_equal(send_step(s, &sr, &rep, &st), RPC_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.message, "open"));
+    rpc_stream_free(s);
+    /* duplicate session id while the first is open */
+    o = open_msg("fits", 8);
+    assert_int_equal(open_session(&f, &s, &o, &st), RPC_INVALID_ARGUMENT);
+    rpc_stream_free(s);
+    rpc_stream_free(keep);
+    /* garbage bytes */
+    assert_int_equal(rpc_stream_open(f.ch, RPC_SHARD_SESSION, 10000, &s, &st), RPC_OK);
+    const uint8_t junk[] = {0x0a, 0xff, 0xff, 0xff, 0xff, 0x0f, 0x01};
+    rpc_stream_send_raw(s, junk, sizeof junk, &st);
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_stream_recv(s, &fusion__session_reply__descriptor, &msg, 10000, &st);
+    assert_int_equal(rc, RPC_INVALID_ARGUMENT);
+    rpc_stream_free(s);
+    /* wrong secret */
+    rpc_channel *bad;
+    rpc_channel_options cho = {NULL, true, "wrong", 0, NULL};
+    assert_int_equal(rpc_channel_new(f.addr, &cho, &bad), FU_OK);
+    Fusion__HealthRequest hr = FUSION__HEALTH_REQUEST__INIT;
+    assert_int_equal(rpc_call_unary(bad, RPC_SHARD_HEALTH, &hr.base, &fusion__health_reply__descriptor, &msg, 5000, &st),
+                     RPC_UNAUTHENTICATED);
+    rpc_channel_free(bad);
+    /* a stateless forward of two sequences */
+    int32_t a[3] = {1, 2, 3}, b[2] = {4, 5};
+    Fusion__Input ia = FUSION__INPUT__INIT, ib = FUSION__INPUT__INIT;
+    ia.n_tokens = 3;
+    ia.tokens = a;
+    ib.n_tokens = 2;
+    ib.tokens = b;
+    Fusion__Input *seqs[2] = {&ia, &ib};
+    Fusion__ForwardRequest fr = FUSION__FORWARD_REQUEST__INIT;
+    fr.n_sequences = 2;
+    fr.sequences = seqs;
+    fr.wire_dtype = FUSION__DTYPE__DTYPE_F32;
+    assert_int_equal(rpc_call_unary(f.ch, RPC_SHARD_FORWARD, &fr.base, &fusion__forward_reply__descriptor, &msg, 5000, &st),
+                     RPC_OK);
+    Fusion__ForwardReply *fwd = (Fusion__ForwardReply *)msg;
+    assert_int_equal(fwd->n_outputs, 2);
+    assert_int_equal(fwd->outputs[0]->hidden->shape[0], 3);
+    assert_int_equal(fwd->outputs[1]->hidden->shape[1], 64);
+    rpc_msg_free(msg);
+    ib.tokens[0] = 99; /* out of the vocabulary */
+    assert_int_equal(rpc_call_unary(f.ch, RPC_SHARD_FORWARD, &fr.base, &fusion__forward_reply__descriptor, &msg, 5000, &st),
+                     RPC_INVALID_ARGUMENT);
+    assert_non_null(strstr(st.message, "sequences[1]"));
+    stop(&f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_info_and_good_session),
+        cmocka_unit_test(test_bad_steps),
+        cmocka_unit_test(test_bad_opens_and_auth),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
