@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""fusion-shard benchmark: continuous batching (aggregate decode tokens/s at 1, 4 and 16
+concurrent sessions), peak RSS next to the KV budget, per-hop overhead per decode step on
+loopback (client-driven vs server-to-server forwarding) and a 2-shard chain against the
+single process. Usage: bench/shard.py [--model PATH] [--build DIR] [--tokens N]"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
+import shard_cluster  # noqa: E402
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]
+
+
+def chain(shards, tokens, sessions, forward=False, wire="bf16"):
+    t0 = time.time()
+    res = shard_cluster.run_chain(shards, PROMPT, tokens, sessions=sessions, forward=forward, wire=wire,
+                                  extra=["--temperature", "0.8", "--seed", "1"])
+    wall = time.time() - t0
+    out = json.loads(res.stdout)["sessions"]
+    # decode rate of each session from its own step latencies (prefill excluded)
+    rates = [1e6 / s["step_us_mean"] for s in out if s["step_us_mean"] > 0]
+    return out, sum(rates), wall
+
+
+def peak_rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--build", default=os.path.join(HERE, "..", "build"))
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--kv-budget-mib", type=int, default=256)
+    a = ap.parse_args()
+    shard_cluster.BUILD = os.path.abspath(a.build)
+    model = a.model or subprocess.run([os.path.join(HERE, "..", "scripts", "fetch-default-model.sh")],
+                                      capture_output=True, text=True, check=True).stdout.strip()
+    n_layers = 30
+    kv = ["--kv-budget-mib", str(a.kv_budget_mib), "--threads", "2"]
+
+    print(f"model {model}, {a.tokens} tokens per session, KV budget {a.kv_budget_mib} MiB per shard")
+    whole = shard_cluster.Shard(model, 0, n_layers, extra=kv, threads=2)
+    try:
+        rows = []
+        for n in (1, 4, 16):
+            _, agg, wall = chain([whole], a.tokens, n)
+            rows.append((n, agg, wall))
+        base = rows[0][1]
+        print("\ncontinuous batching, one shard holding every block")
+        print(f"{'sessions':>8} {'agg decode tok/s':>17} {'x vs 1':>7} {'wall s':>7}")
+        for n, agg, wall in rows:
+            print(f"{n:>8} {agg:>17.1f} {agg / base:>7.2f} {wall:>7.2f}")
+        rss = peak_rss_mib(whole.proc.pid)
+        print(f"peak RSS of the shard after 16 sessions: {rss:.0f} MiB "
+              f"(model file {os.path.getsize(model) / 2**20:.0f} MiB + KV budget {a.kv_budget_mib} MiB)")
+    finally:
+        whole.stop()
+
+    # single process reference
+    gen = subprocess.run([shard_cluster.program("generate"), "--model", model, "--prompt-ids",
+                          ",".join(map(str, PROMPT)), "--max-tokens", str(a.tokens), "--json",
+                          "--ignore-eos", "--temperature", "0.8", "--seed", "1"],
+                         capture_output=True, text=True, check=True)
+    g = json.loads(gen.stdout)
+    single = (a.tokens - 1) / g["decode_s"]
+
+    half = n_layers // 2
+    shards = [shard_cluster.Shard(model, 0, half, extra=kv, threads=2),
+              shard_cluster.Shard(model, half, n_layers, extra=kv, threads=2)]
+    try:
+        print("\n2-shard chain on loopback, one session, bf16 on the wire")
+        print(f"{'mode':>22} {'step ms':>8} {'compute ms':>10} {'overhead/hop ms':>15} {'tok/s':>7} {'x single':>8}")
+        print(f"{'single process':>22} {1e3 / single:>8.2f} {'':>10} {'':>15} {single:>7.1f} {1.0:>8.2f}")
+        for forward in (False, True):
+            out, agg, _ = chain(shards, a.tokens, 1, forward=forward)
+            s = out[0]
+            compute = sum(h["compute_us"] for h in s["hops"]) / 1e3
+            step = s["step_us_mean"] / 1e3
+            label = "server-to-server" if forward else "client relays"
+            print(f"{label:>22} {step:>8.2f} {compute:>10.2f} {(step - compute) / 2:>15.3f} "
+                  f"{agg:>7.1f} {agg / single:>8.2f}")
+    finally:
+        for s in shards:
+            s.stop()
+
+
+if __name__ == "__main__":
+    main()
