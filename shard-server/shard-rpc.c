@@ -105,9 +105,9 @@ static int encode_tensor(Fusion__Tensor *t, int64_t *shape, const float *x, int6
 /* ---- steps ---------------------------------------------------------------------- */
 
 /* Translates an Input + OutputSpec into a shard_step. */
-static int step_from_msg(shard_server *srv, const Fusion__Input *in, const Fusion__OutputSpec *spec,
+static int step_from_msg(shard_core *core, const Fusion__Input *in, const Fusion__OutputSpec *spec,
                          int64_t start, shard_step *step, sbuf *hbuf, rpc_status *st) {
-    const mdl_model *m = shard_core_model(srv->core);
+    const mdl_model *m = shard_core_model(core);
     memset(step, 0, sizeof *step);
     step->start_pos = start;
     if (!in) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "input: missing");
@@ -179,9 +179,9 @@ static void out_storage_free(out_storage *o) {
     free(o->lbuf.p);
 }
 
-static int output_to_msg(shard_server *srv, const shard_step *step, int wire_dtype, int block,
+static int output_to_msg(shard_core *core, const shard_step *step, int wire_dtype, int block,
                          out_storage *o) {
-    const mdl_model *m = shard_core_model(srv->core);
+    const mdl_model *m = shard_core_model(core);
     fusion__output__init(&o->out);
     int rc;
     if (step->out_hidden) {
@@ -291,8 +291,8 @@ fail:
 }
 
 /* Validates an OpenSession against this server. */
-static int check_open(shard_server *srv, const Fusion__OpenSession *o, rpc_status *st) {
-    const mdl_model *m = shard_core_model(srv->core);
+static int check_open(shard_core *core, const Fusion__OpenSession *o, rpc_status *st) {
+    const mdl_model *m = shard_core_model(core);
     if (o->adapter_id && o->adapter_id[0])
         return rpc_status_setf(st, RPC_NOT_FOUND, "open.adapter_id: no adapter '%.64s' on this server",
                                o->adapter_id);
@@ -343,7 +343,7 @@ static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
         goto done;
     }
     const Fusion__OpenSession *open = req->open;
-    if ((rc = check_open(srv, open, st))) goto done;
+    if ((rc = check_open(srv->core, open, st))) goto done;
     int wire = open->wire_dtype == FUSION__DTYPE__DTYPE_UNSPECIFIED ? WIRE_BF16 : (int)open->wire_dtype;
     int block = open->int8_block_size ? open->int8_block_size : WIRE_DEFAULT_BLOCK;
     if (wire == WIRE_INT8_BLOCK && m->cfg.dim % block) block = m->cfg.dim;
@@ -405,12 +405,12 @@ static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
             shard_session_rollback(sess, (int)sr->rollback_to);
         }
         shard_step step;
-        if ((rc = step_from_msg(srv, sr->input, sr->output, sr->start_position, &step, &hbuf, st))) goto done;
+        if ((rc = step_from_msg(srv->core, sr->input, sr->output, sr->start_position, &step, &hbuf, st))) goto done;
         if ((rc = shard_session_step(srv->core, sess, &step))) {
             rc = rpc_status_from_fu(st, rc);
             goto done;
         }
-        if ((rc = output_to_msg(srv, &step, wire, block, &os))) {
+        if ((rc = output_to_msg(srv->core, &step, wire, block, &os))) {
             rc = rpc_status_from_fu(st, rc);
             goto done;
         }
@@ -537,7 +537,7 @@ static int forward_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
     for (size_t i = 0; i < f->n && !rc; i++) {
         shard_step step;
         const Fusion__Input *in = req->sequences[i];
-        if ((rc = step_from_msg(srv, in, req->output, 0, &step, &hbuf, st))) break;
+        if ((rc = step_from_msg(srv->core, in, req->output, 0, &step, &hbuf, st))) break;
         char id[64];
         snprintf(id, sizeof id, "forward-%llu-%zu", (unsigned long long)fid, i);
         int frc = shard_session_open(srv->core, id, step.n, &f->sess[i]);
@@ -551,7 +551,7 @@ static int forward_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
         }
         int block = in->hidden && in->hidden->block_size > 0 ? in->hidden->block_size : WIRE_DEFAULT_BLOCK;
         if (dt == WIRE_INT8_BLOCK && m->cfg.dim % block) block = m->cfg.dim;
-        if (!frc) frc = output_to_msg(srv, &step, dt, block, &f->store[i]);
+        if (!frc) frc = output_to_msg(srv->core, &step, dt, block, &f->store[i]);
         if (frc) {
             rc = rpc_status_from_fu(st, frc);
             char m2[256];
@@ -699,4 +699,36 @@ void shard_server_free(shard_server *s) {
     rpc_server_free(s->rpc);
     free(s->advertise);
     free(s);
+}
+
+/* ---- fuzzing hook ---------------------------------------------------------------------- */
+
+int shard_rpc_fuzz_one(shard_core *core, shard_session *scratch, const void *data, size_t len) {
+    rpc_status st = {0};
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_msg_unpack(&fusion__session_request__descriptor, data, len, 1u << 20, &msg, &st);
+    if (rc) return rc;
+    const Fusion__SessionRequest *req = (const Fusion__SessionRequest *)msg;
+    if (req->kind_case == FUSION__SESSION_REQUEST__KIND_OPEN && req->open) {
+        rc = check_open(core, req->open, &st);
+    } else if (req->kind_case == FUSION__SESSION_REQUEST__KIND_STEP && req->step) {
+        const Fusion__StepRequest *sr = req->step;
+        sbuf hbuf = {0};
+        shard_step step;
+        int64_t start = shard_session_len(scratch);
+        rc = step_from_msg(core, sr->input, sr->output, start, &step, &hbuf, &st);
+        if (!rc) {
+            rc = shard_session_step(core, scratch, &step);
+            if (!rc) {
+                out_storage os;
+                memset(&os, 0, sizeof os);
+                rc = output_to_msg(core, &step, WIRE_INT8_BLOCK, shard_core_model(core)->cfg.dim, &os);
+                out_storage_free(&os);
+            }
+            shard_session_rollback(scratch, 0);
+        }
+        free(hbuf.p);
+    }
+    rpc_msg_free(msg);
+    return rc;
 }

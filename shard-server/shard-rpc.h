@@ -34,4 +34,11 @@ int shard_server_port(const shard_server *s);
 int shard_server_drain(shard_server *s, int grace_ms);
 void shard_server_free(shard_server *s); /* NULL is a no-op */
 
+/* Decodes `len` bytes as a SessionRequest and handles it as the session
+ * handler would, without a transport: an open is validated against the core's
+ * span; a valid step runs on `scratch` (then rolled back to empty) and its
+ * outputs are encoded. Returns an rpc_code; never crashes on any input. For
+ * fuzzing the message path. */
+int shard_rpc_fuzz_one(shard_core *core, shard_session *scratch, const void *data, size_t len);
+
 #endif

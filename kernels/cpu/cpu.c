@@ -1,4 +1,5 @@
 /* cpu.c -- the CPU backend: ISA selection, scratch, and every op split over the thread pool. */
+#include <cpuid.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +11,7 @@
 typedef struct cpu_backend {
     op_backend base;
     const cpu_kernels *kern; /* kernels of the ISA in use */
+    bool quant_x;            /* op_cpu_options.quantized_activations: int8 decode activations */
     cpu_pool *pool;
     float *xt;       /* transposed activations for prefill matmuls */
     size_t xt_cap;   /* floats in xt */
@@ -29,8 +31,11 @@ static cpu_backend *cpu_be(op_backend *be) { return (cpu_backend *)be; }
 
 static bool cpu_has_avx2(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    /* F16C from CPUID leaf 1 (ECX bit 29): not every compiler's
+     * __builtin_cpu_supports knows its name */
+    unsigned a, b, c, d;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
 }
 
 static bool cpu_has_avx512(void) {
@@ -118,13 +123,17 @@ static int cpu_reserve_xq(cpu_backend *c, int64_t t, int64_t k) {
 }
 
 /* Scratch for matmuls of up to max_tokens x max_k: the transposed activations
- * of prefill and the quantized activations of decode. Every other op uses
+ * of prefill and (opt-in only) the quantized activations of decode. Every other op uses
  * fixed per-thread buffers allocated with the backend, or the stack. A matmul
  * larger than reserved grows the scratch once (an allocation on that call). */
 static int cpu_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
     if (max_tokens < 0 || max_k < 0) return fu_errorf(FU_ERR_INVALID, "cpu reserve: negative size");
-    int rc = cpu_reserve_xq(cpu_be(be), max_tokens < CPU_DECODE_MAX_T ? max_tokens : CPU_DECODE_MAX_T, max_k);
-    if (rc || max_tokens <= CPU_DECODE_MAX_T) return rc;
+    if (cpu_be(be)->quant_x) {
+        int rc = cpu_reserve_xq(cpu_be(be), max_tokens < CPU_DECODE_MAX_T ? max_tokens : CPU_DECODE_MAX_T,
+                                max_k);
+        if (rc) return rc;
+    }
+    if (max_tokens <= CPU_DECODE_MAX_T) return FU_OK;
     return cpu_reserve_xt(cpu_be(be), max_tokens, max_k);
 }
 
@@ -275,7 +284,7 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
         return FU_OK;
     }
     if (j.m.t <= CPU_DECODE_MAX_T) {
-        cpu_quant_x_fn qx = c->kern->quant_x[j.m.type];
+        cpu_quant_x_fn qx = c->quant_x ? c->kern->quant_x[j.m.type] : NULL;
         j.chunk = (j.m.n + 8 * c->base.n_threads - 1) / (8 * c->base.n_threads);
         j.chunk = j.chunk < 16 ? 16 : (j.chunk + 15) / 16 * 16;
         if (qx && j.m.k % 64 == 0) {
@@ -657,6 +666,7 @@ op_backend *op_backend_cpu_new(const op_cpu_options *opts) {
     c->base.v = &cpu_vtbl;
     c->base.n_threads = n;
     c->kern = cpu_pick_kernels(o.isa);
+    c->quant_x = o.quantized_activations;
     c->wf = cpu_alloc_aligned((size_t)n * CPU_NR_MAX * CPU_WF_LD * sizeof(float));
     c->cbuf = cpu_alloc_aligned((size_t)n * CPU_PG * CPU_NR_MAX * CPU_TC * sizeof(float));
     if (!c->wf || !c->cbuf) {
