@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "fusion.pb-c.h"
 #include "model.h"
@@ -320,11 +321,68 @@ static void test_bad_opens_and_auth(void **state) {
     stop(&f);
 }
 
+/* Free KV bytes as the server reports them. */
+static int64_t free_kv(fixture *f) {
+    Fusion__InfoRequest ir = FUSION__INFO_REQUEST__INIT;
+    ProtobufCMessage *msg = NULL;
+    rpc_status st;
+    assert_int_equal(rpc_call_unary(f->ch, RPC_SHARD_INFO, &ir.base, &fusion__info_reply__descriptor, &msg, 5000, &st),
+                     RPC_OK);
+    int64_t v = ((Fusion__InfoReply *)msg)->free_kv_bytes;
+    rpc_msg_free(msg);
+    return v;
+}
+
+/* Polls until the server's free KV bytes equal `want` (the handler frees a
+ * dropped session as soon as it notices). */
+static bool wait_free_kv(fixture *f, int64_t want) {
+    for (int i = 0; i < 200; i++) {
+        if (free_kv(f) == want) return true;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return false;
+}
+
+static void test_sessions_free_memory_when_dropped_or_idle(void **state) {
+    fixture f;
+    start(&f, 0, 4, true, true);
+    const int64_t total = free_kv(&f);
+    rpc_stream *s;
+    rpc_status st;
+    Fusion__OpenSession o = open_msg("dropped", 32);
+    assert_int_equal(open_session(&f, &s, &o, &st), RPC_OK);
+    assert_true(free_kv(&f) < total);
+    rpc_stream_free(s); /* the client goes away without closing */
+    assert_true(wait_free_kv(&f, total));
+
+    o = open_msg("idle", 32);
+    o.idle_timeout_ms = 200;
+    assert_int_equal(open_session(&f, &s, &o, &st), RPC_OK);
+    assert_true(free_kv(&f) < total);
+    struct timespec ts = {0, 500 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    assert_true(wait_free_kv(&f, total)); /* expired by the server */
+    int32_t toks[1] = {1};
+    Fusion__Input in = FUSION__INPUT__INIT;
+    in.n_tokens = 1;
+    in.tokens = toks;
+    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
+    sr.input = &in;
+    Fusion__SessionReply *rep = NULL;
+    int rc = send_step(s, &sr, &rep, &st);
+    assert_int_equal(rc, RPC_DEADLINE_EXCEEDED);
+    assert_non_null(strstr(st.message, "expired"));
+    rpc_stream_free(s);
+    stop(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_info_and_good_session),
         cmocka_unit_test(test_bad_steps),
         cmocka_unit_test(test_bad_opens_and_auth),
+        cmocka_unit_test(test_sessions_free_memory_when_dropped_or_idle),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
