@@ -1,0 +1,72 @@
+/* gw-gen.h -- generation jobs: worker threads drive each choice through a chain of shard servers.
+ *
+ * A job is one HTTP generation request (chat or completions). Each of its
+ * choices (prompts x n) runs on a worker thread with its own chain session, so
+ * concurrent choices and requests are decoded together by the shards. The
+ * first worker to reach a job prepares it (template, tokenization, context
+ * check). Results flow back under the job's mutex: SSE bytes for streaming
+ * jobs, one JSON body for the others; the HTTP side registers a wake callback
+ * that is called (with the job locked) whenever there is something new.
+ */
+#ifndef FU_GW_GEN_H
+#define FU_GW_GEN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "chat-template.h"
+#include "gw.h"
+#include "tokenizer.h"
+
+typedef struct gw_model {
+    tok_tokenizer *tok; /* borrowed */
+    tpl_template *tpl;  /* borrowed; NULL: no chat template */
+    const char *name;   /* the served model id */
+    int vocab;          /* V */
+    int ctx;            /* the model's context length */
+} gw_model;
+
+typedef struct gw_engine gw_engine;
+typedef struct gw_job gw_job;
+
+typedef enum gw_job_phase {
+    GW_JOB_PENDING = 0, /* queued or preparing: no response yet */
+    GW_JOB_STREAMING,   /* streaming: SSE bytes accumulate in the job */
+    GW_JOB_DONE,        /* non-streaming: the body is ready */
+    GW_JOB_FAILED,      /* an error before any response: gw_job_error() */
+} gw_job_phase;
+
+/* Starts the workers. cfg, model and metrics are borrowed and must outlive the engine. */
+int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metrics, gw_engine **out);
+/* Waits for queued and running choices (cancel their jobs first for a quick exit),
+ * joins the workers and frees the engine. NULL is a no-op. */
+void gw_engine_free(gw_engine *e);
+int gw_engine_queue_depth(gw_engine *e);
+
+/* Creates a job for a parsed request, taking ownership of *req (zeroed). The
+ * caller holds one reference. */
+int gw_job_new(gw_engine *e, gw_request *req, gw_job **out);
+/* Queues every choice of the job. FU_ERR_EXHAUSTED when the queue has no room
+ * (nothing is queued then). */
+int gw_job_submit(gw_job *j);
+void gw_job_release(gw_job *j); /* drops a reference; NULL is a no-op */
+/* Asks the job's choices to stop and close their sessions (thread-safe). */
+void gw_job_cancel(gw_job *j);
+
+typedef void (*gw_wake_fn)(void *arg);
+
+void gw_job_lock(gw_job *j);
+void gw_job_unlock(gw_job *j);
+/* The following require the job's lock. */
+void gw_job_set_wake(gw_job *j, gw_wake_fn fn, void *arg); /* fn NULL: detach */
+gw_job_phase gw_job_phase_get(const gw_job *j);
+bool gw_job_is_stream(const gw_job *j);
+const gw_error *gw_job_error(const gw_job *j); /* with GW_JOB_FAILED */
+const char *gw_job_body(const gw_job *j);      /* with GW_JOB_DONE: the JSON body */
+/* Streaming: copies up to max pending SSE bytes into buf and returns how many. */
+size_t gw_job_take(gw_job *j, char *buf, size_t max);
+/* Streaming: every byte has been produced (and, once taken, sent). */
+bool gw_job_finished(const gw_job *j);
+bool gw_job_cancelled(const gw_job *j);
+
+#endif

@@ -1,0 +1,614 @@
+/* gw-http.c -- fusion-gateway's HTTP side: libmicrohttpd with epoll and suspend/resume, OpenAI routes, SSE. */
+#include "gw-http.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "chat-template.h"
+#include "log.h"
+#include "status.h"
+
+typedef struct gw_conn gw_conn;
+
+struct gw_server {
+    const gw_config *cfg;
+    const gw_model *model;
+    gw_engine *engine;
+    gw_metrics *metrics;
+    struct MHD_Daemon *d;
+    int listen_fd;
+    char *https_cert, *https_key;
+    atomic_bool stopping;
+    pthread_mutex_t mu; /* the connection list */
+    gw_conn *conns;
+    long long started;
+};
+
+struct gw_conn {
+    gw_server *srv;
+    struct MHD_Connection *mc;
+    gw_conn *prev, *next;
+    gw_route route;
+    bool is_post;
+    gw_buf body;
+    bool too_large;
+    bool responded;
+    gw_job *job;
+    bool suspended; /* under the job's lock */
+};
+
+/* ---- responses --------------------------------------------------------------------------- */
+
+/* Queues a response with body[0..len) (malloc'd, taken). */
+static enum MHD_Result gw_respond(gw_conn *c, int status, const char *ctype, char *body, size_t len) {
+    struct MHD_Response *r = MHD_create_response_from_buffer(len, body ? body : (char *)"",
+                                                             body ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", ctype);
+    if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    enum MHD_Result ret = MHD_queue_response(c->mc, (unsigned)status, r);
+    MHD_destroy_response(r);
+    c->responded = true;
+    gw_metrics_request(c->srv->metrics, c->route, status);
+    return ret;
+}
+
+static enum MHD_Result gw_respond_json(gw_conn *c, int status, json_t *o) {
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    if (!s) return MHD_NO;
+    return gw_respond(c, status, "application/json", s, strlen(s));
+}
+
+static enum MHD_Result gw_respond_error(gw_conn *c, const gw_error *e) {
+    char *s = gw_error_json(e);
+    if (!s) return MHD_NO;
+    return gw_respond(c, e->http, "application/json", s, strlen(s));
+}
+
+static enum MHD_Result gw_fail(gw_conn *c, int http, const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static enum MHD_Result gw_fail(gw_conn *c, int http, const char *param, const char *code, const char *fmt, ...) {
+    gw_error e;
+    gw_error_set(&e, http, param, code, "%s", "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e.message, sizeof e.message, fmt, ap);
+    va_end(ap);
+    return gw_respond_error(c, &e);
+}
+
+/* ---- routing and auth ---------------------------------------------------------------------- */
+
+static gw_route gw_route_of(const char *url, bool *post_expected) {
+    static const struct {
+        const char *path;
+        gw_route r;
+        bool post;
+    } routes[] = {
+        {"/v1/chat/completions", GW_ROUTE_CHAT, true},  {"/v1/completions", GW_ROUTE_COMPLETIONS, true},
+        {"/v1/models", GW_ROUTE_MODELS, false},         {"/tokenize", GW_ROUTE_TOKENIZE, true},
+        {"/detokenize", GW_ROUTE_DETOKENIZE, true},     {"/apply-template", GW_ROUTE_APPLY_TEMPLATE, true},
+        {"/health", GW_ROUTE_HEALTH, false},            {"/metrics", GW_ROUTE_METRICS, false},
+        {"/chat/completions", GW_ROUTE_CHAT, true},     {"/completions", GW_ROUTE_COMPLETIONS, true},
+        {"/v1/health", GW_ROUTE_HEALTH, false},
+    };
+    for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
+        if (!strcmp(url, routes[i].path)) {
+            *post_expected = routes[i].post;
+            return routes[i].r;
+        }
+    if (!strncmp(url, "/v1/models/", 11)) {
+        *post_expected = false;
+        return GW_ROUTE_MODELS;
+    }
+    return GW_ROUTE_OTHER;
+}
+
+/* Constant-time comparison of a presented key with a configured one. */
+static bool gw_key_equal(const char *a, size_t alen, const char *b) {
+    size_t blen = strlen(b);
+    unsigned char diff = alen != blen;
+    for (size_t i = 0; i < blen; i++) diff |= (unsigned char)(b[i] ^ (i < alen ? a[i] : 0));
+    return diff == 0;
+}
+
+static bool gw_authorized(gw_conn *c) {
+    const gw_config *cfg = c->srv->cfg;
+    if (cfg->n_api_keys == 0) return true;
+    const char *h = MHD_lookup_connection_value(c->mc, MHD_HEADER_KIND, "Authorization");
+    if (!h || strncasecmp(h, "Bearer ", 7)) return false;
+    const char *key = h + 7;
+    while (*key == ' ') key++;
+    size_t len = strlen(key);
+    bool ok = false;
+    for (int i = 0; i < cfg->n_api_keys; i++) ok |= gw_key_equal(key, len, cfg->api_keys[i]);
+    return ok;
+}
+
+/* ---- simple routes ---------------------------------------------------------------------------- */
+
+static json_t *gw_model_object(gw_server *s) {
+    return json_pack("{s:s, s:s, s:I, s:s, s:i}", "id", s->model->name, "object", "model", "created",
+                     (json_int_t)s->started, "owned_by", "fusion", "max_model_len", s->model->ctx);
+}
+
+static enum MHD_Result gw_route_models(gw_conn *c, const char *url) {
+    gw_server *s = c->srv;
+    if (!strncmp(url, "/v1/models/", 11)) {
+        if (strcmp(url + 11, s->model->name))
+            return gw_fail(c, 404, "model", "model_not_found", "The model '%.200s' does not exist", url + 11);
+        return gw_respond_json(c, 200, gw_model_object(s));
+    }
+    return gw_respond_json(c, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", gw_model_object(s)));
+}
+
+static enum MHD_Result gw_route_metrics(gw_conn *c) {
+    gw_buf b = {0};
+    if (gw_metrics_render(c->srv->metrics, gw_engine_queue_depth(c->srv->engine), &b)) {
+        gw_buf_free(&b);
+        return gw_fail(c, 500, NULL, NULL, "out of memory");
+    }
+    return gw_respond(c, 200, "text/plain; version=0.0.4", b.data, b.len);
+}
+
+static bool gw_opt_bool(const json_t *o, const char *key, bool dflt) {
+    const json_t *v = json_object_get(o, key);
+    return json_is_boolean(v) ? json_is_true(v) : dflt;
+}
+
+static enum MHD_Result gw_route_tokenize(gw_conn *c, const json_t *body) {
+    const gw_model *m = c->srv->model;
+    const json_t *content = json_object_get(body, "content");
+    if (!json_is_string(content))
+        return gw_fail(c, 400, "content", "invalid_type", "'content' must be a string");
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (tok_encode(m->tok, json_string_value(content), json_string_length(content),
+                   gw_opt_bool(body, "add_special", false), gw_opt_bool(body, "parse_special", true), &ids, &n))
+        return gw_fail(c, 400, "content", NULL, "tokenizer: %s", fu_last_error());
+    bool pieces = gw_opt_bool(body, "with_pieces", false);
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) {
+        if (!pieces) {
+            json_array_append_new(arr, json_integer(ids[i]));
+            continue;
+        }
+        const char *b;
+        size_t len;
+        json_t *piece;
+        if (tok_token_piece(m->tok, ids[i], &b, &len)) piece = json_string("");
+        else if (gw_utf8_valid(b, len)) piece = json_stringn(b, len);
+        else {
+            piece = json_array();
+            for (size_t k = 0; k < len; k++) json_array_append_new(piece, json_integer((unsigned char)b[k]));
+        }
+        json_array_append_new(arr, json_pack("{s:i, s:o}", "id", ids[i], "piece", piece));
+    }
+    free(ids);
+    return gw_respond_json(c, 200, json_pack("{s:o}", "tokens", arr));
+}
+
+static enum MHD_Result gw_route_detokenize(gw_conn *c, const json_t *body) {
+    const gw_model *m = c->srv->model;
+    const json_t *toks = json_object_get(body, "tokens");
+    if (!json_is_array(toks)) return gw_fail(c, 400, "tokens", "invalid_type", "'tokens' must be an array of token ids");
+    size_t n = json_array_size(toks);
+    int32_t *ids = malloc((n ? n : 1) * sizeof *ids);
+    if (!ids) return gw_fail(c, 500, NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const json_t *v = json_array_get(toks, i);
+        if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) >= m->vocab) {
+            free(ids);
+            return gw_fail(c, 400, "tokens", "invalid_value", "'tokens[%zu]' is not a token id in [0, %d)", i,
+                           m->vocab);
+        }
+        ids[i] = (int32_t)json_integer_value(v);
+    }
+    char *text = NULL;
+    size_t len = 0;
+    int rc = tok_decode(m->tok, ids, n, false, &text, &len);
+    free(ids);
+    if (rc) return gw_fail(c, 400, "tokens", NULL, "%s", fu_last_error());
+    json_t *s = gw_json_string_lossy(text, len);
+    free(text);
+    return gw_respond_json(c, 200, json_pack("{s:o}", "content", s));
+}
+
+static enum MHD_Result gw_route_apply_template(gw_conn *c, const json_t *body) {
+    const gw_model *m = c->srv->model;
+    gw_request r;
+    gw_error err;
+    if (gw_request_parse(body, GW_KIND_CHAT, &c->srv->cfg->limits, m->vocab, &r, &err)) return gw_respond_error(c, &err);
+    if (!m->tpl) {
+        gw_request_free(&r);
+        return gw_fail(c, 400, "messages", NULL, "the model has no chat template");
+    }
+    char *text = NULL;
+    int rc = tpl_apply_chat(m->tpl, r.messages, r.tools, 1, tok_bos_str(m->tok), tok_eos_str(m->tok), NULL, &text);
+    gw_request_free(&r);
+    if (rc) return gw_fail(c, 400, "messages", NULL, "chat template: %s", fu_last_error());
+    json_t *o = json_pack("{s:s}", "prompt", text);
+    free(text);
+    return gw_respond_json(c, 200, o);
+}
+
+/* ---- generation ----------------------------------------------------------------------------------- */
+
+/* Called by workers with the job locked: something new to send. */
+static void gw_wake(void *arg) {
+    gw_conn *c = arg;
+    if (c->suspended) {
+        c->suspended = false;
+        MHD_resume_connection(c->mc);
+    }
+}
+
+static ssize_t gw_sse_reader(void *cls, uint64_t pos, char *buf, size_t max) {
+    gw_conn *c = cls;
+    gw_job *j = c->job;
+    gw_job_lock(j);
+    size_t n = gw_job_take(j, buf, max);
+    if (n) {
+        gw_job_unlock(j);
+        return (ssize_t)n;
+    }
+    if (gw_job_finished(j)) {
+        gw_job_unlock(j);
+        return MHD_CONTENT_READER_END_OF_STREAM;
+    }
+    if (gw_job_cancelled(j) || atomic_load(&c->srv->stopping)) {
+        gw_job_unlock(j);
+        return MHD_CONTENT_READER_END_WITH_ERROR;
+    }
+    c->suspended = true;
+    MHD_suspend_connection(c->mc);
+    gw_job_unlock(j);
+    return 0;
+}
+
+/* Answers a generation request once its job has something to say, or suspends until then. */
+static enum MHD_Result gw_job_progress(gw_conn *c) {
+    gw_job *j = c->job;
+    gw_job_lock(j);
+    gw_job_phase ph = gw_job_phase_get(j);
+    if (ph == GW_JOB_PENDING) {
+        if (atomic_load(&c->srv->stopping)) {
+            gw_job_unlock(j);
+            return gw_fail(c, 503, NULL, "shutting_down", "the server is shutting down");
+        }
+        c->suspended = true;
+        MHD_suspend_connection(c->mc);
+        gw_job_unlock(j);
+        return MHD_YES;
+    }
+    gw_error err = {0};
+    char *body = NULL;
+    if (ph == GW_JOB_FAILED) err = *gw_job_error(j);
+    else if (ph == GW_JOB_DONE) body = strdup(gw_job_body(j));
+    gw_job_unlock(j);
+    if (ph == GW_JOB_FAILED) return gw_respond_error(c, &err);
+    if (ph == GW_JOB_DONE) {
+        if (!body) return gw_fail(c, 500, NULL, NULL, "out of memory");
+        return gw_respond(c, 200, "application/json", body, strlen(body));
+    }
+    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, gw_sse_reader, c, NULL);
+    if (!r) return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", "text/event-stream");
+    MHD_add_response_header(r, "Cache-Control", "no-cache");
+    MHD_add_response_header(r, "X-Accel-Buffering", "no");
+    enum MHD_Result ret = MHD_queue_response(c->mc, 200, r);
+    MHD_destroy_response(r);
+    c->responded = true;
+    gw_metrics_request(c->srv->metrics, c->route, 200);
+    return ret;
+}
+
+static enum MHD_Result gw_route_generate(gw_conn *c, const json_t *body) {
+    gw_server *s = c->srv;
+    gw_kind kind = c->route == GW_ROUTE_CHAT ? GW_KIND_CHAT : GW_KIND_COMPLETION;
+    gw_request r;
+    gw_error err;
+    if (gw_request_parse(body, kind, &s->cfg->limits, s->model->vocab, &r, &err)) return gw_respond_error(c, &err);
+    if (r.model && strcmp(r.model, s->model->name)) {
+        gw_error_set(&err, 404, "model", "model_not_found",
+                     "The model '%.200s' does not exist or you do not have access to it.", r.model);
+        err.type = "invalid_request_error";
+        gw_request_free(&r);
+        return gw_respond_error(c, &err);
+    }
+    gw_job *j = NULL;
+    if (gw_job_new(s->engine, &r, &j)) {
+        gw_request_free(&r);
+        return gw_fail(c, 500, NULL, NULL, "out of memory");
+    }
+    gw_job_lock(j);
+    gw_job_set_wake(j, gw_wake, c);
+    gw_job_unlock(j);
+    c->job = j;
+    if (gw_job_submit(j)) {
+        gw_job_lock(j);
+        gw_job_set_wake(j, NULL, NULL);
+        gw_job_unlock(j);
+        return gw_fail(c, 429, NULL, "rate_limit_exceeded",
+                       "the server is overloaded: too many requests are waiting, retry later");
+    }
+    return gw_job_progress(c);
+}
+
+/* ---- the access handler ------------------------------------------------------------------------------ */
+
+static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
+    gw_server *s = c->srv;
+    switch (c->route) {
+    case GW_ROUTE_HEALTH: return gw_respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
+    case GW_ROUTE_MODELS: return gw_route_models(c, url);
+    case GW_ROUTE_METRICS: return gw_route_metrics(c);
+    default: break;
+    }
+    if (c->too_large)
+        return gw_fail(c, 413, NULL, "request_too_large", "the request body exceeds %zu bytes", s->cfg->max_body_bytes);
+    json_error_t jerr;
+    json_t *body = json_loadb(c->body.data ? c->body.data : "", c->body.len, 0, &jerr);
+    if (!body)
+        return gw_fail(c, 400, NULL, "invalid_json",
+                       "We could not parse the JSON body of your request: %s (at byte %d)", jerr.text, jerr.position);
+    enum MHD_Result ret;
+    if (!json_is_object(body)) ret = gw_fail(c, 400, NULL, "invalid_type", "the request body must be a JSON object");
+    else if (c->route == GW_ROUTE_TOKENIZE) ret = gw_route_tokenize(c, body);
+    else if (c->route == GW_ROUTE_DETOKENIZE) ret = gw_route_detokenize(c, body);
+    else if (c->route == GW_ROUTE_APPLY_TEMPLATE) ret = gw_route_apply_template(c, body);
+    else ret = gw_route_generate(c, body);
+    json_decref(body);
+    gw_buf_free(&c->body);
+    return ret;
+}
+
+static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const char *url, const char *method,
+                                 const char *version, const char *upload, size_t *upload_size, void **con_cls) {
+    gw_server *s = cls;
+    gw_conn *c = *con_cls;
+    if (!c) {
+        if (!(c = calloc(1, sizeof *c))) return MHD_NO;
+        c->srv = s;
+        c->mc = mc;
+        *con_cls = c;
+        pthread_mutex_lock(&s->mu);
+        c->next = s->conns;
+        if (s->conns) s->conns->prev = c;
+        s->conns = c;
+        pthread_mutex_unlock(&s->mu);
+        bool want_post = false;
+        c->route = gw_route_of(url, &want_post);
+        c->is_post = !strcmp(method, "POST");
+        if (c->route == GW_ROUTE_OTHER)
+            return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
+        if (c->is_post != want_post && !(strcmp(method, "HEAD") == 0 && !want_post))
+            return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
+        if (c->route != GW_ROUTE_HEALTH && !gw_authorized(c))
+            return gw_fail(c, 401, NULL, "invalid_api_key",
+                           "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
+        const char *cl = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (cl) {
+            char *end;
+            errno = 0;
+            unsigned long long n = strtoull(cl, &end, 10);
+            if (errno || end == cl || n > s->cfg->max_body_bytes)
+                return gw_fail(c, 413, NULL, "request_too_large", "the request body exceeds %zu bytes",
+                               s->cfg->max_body_bytes);
+        }
+        return MHD_YES;
+    }
+    if (c->responded) { /* an early answer: discard the body */
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        if (!c->too_large && c->body.len + *upload_size <= s->cfg->max_body_bytes) {
+            if (gw_buf_append(&c->body, upload, *upload_size)) c->too_large = true;
+        } else {
+            c->too_large = true;
+            gw_buf_free(&c->body);
+        }
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (c->job) return gw_job_progress(c);
+    return gw_dispatch(c, url);
+}
+
+static void gw_completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    gw_server *s = cls;
+    gw_conn *c = *con_cls;
+    if (!c) return;
+    *con_cls = NULL;
+    if (c->job) {
+        gw_job_lock(c->job);
+        gw_job_set_wake(c->job, NULL, NULL);
+        bool done = gw_job_finished(c->job) || gw_job_phase_get(c->job) == GW_JOB_DONE;
+        gw_job_unlock(c->job);
+        if (!done) {
+            FU_DEBUG("client went away (%d): cancelling its generation", (int)toe);
+            gw_job_cancel(c->job);
+        }
+        gw_job_release(c->job);
+    }
+    if (!c->responded) gw_metrics_request(s->metrics, c->route, 499);
+    pthread_mutex_lock(&s->mu);
+    if (c->prev) c->prev->next = c->next;
+    else s->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    pthread_mutex_unlock(&s->mu);
+    gw_buf_free(&c->body);
+    free(c);
+}
+
+static void gw_mhd_log(void *cls, const char *fmt, va_list ap) {
+    if (FU_LOG_LEVEL_DEBUG < fu_log_threshold) return;
+    char buf[512];
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    size_t n = strlen(buf);
+    while (n && buf[n - 1] == '\n') buf[--n] = '\0';
+    FU_DEBUG("microhttpd: %s", buf);
+}
+
+/* ---- start and stop ---------------------------------------------------------------------------------- */
+
+/* Binds and listens on "host:port" ("[v6]:port" too); returns the socket or -1. */
+static int gw_listen(const char *spec, int *port) {
+    char host[256];
+    const char *colon = strrchr(spec, ':');
+    if (!colon || (size_t)(colon - spec) >= sizeof host) {
+        fu_errorf(FU_ERR_INVALID, "listen: expected HOST:PORT, got '%s'", spec);
+        return -1;
+    }
+    size_t hl = (size_t)(colon - spec);
+    memcpy(host, spec, hl);
+    host[hl] = '\0';
+    if (hl >= 2 && host[0] == '[' && host[hl - 1] == ']') {
+        memmove(host, host + 1, hl - 2);
+        host[hl - 2] = '\0';
+    }
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    int gai = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &res);
+    if (gai) {
+        fu_errorf(FU_ERR_INVALID, "listen %s: %s", spec, gai_strerror(gai));
+        return -1;
+    }
+    int fd = -1;
+    for (struct addrinfo *a = res; a && fd < 0; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, a->ai_addr, a->ai_addrlen) || listen(fd, 1024)) {
+            fu_errorf(FU_ERR_NETWORK, "listen %s: %s", spec, strerror(errno));
+            close(fd);
+            fd = -1;
+        }
+    }
+    freeaddrinfo(res);
+    if (fd < 0) return -1;
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    *port = 0;
+    if (!getsockname(fd, (struct sockaddr *)&ss, &sl))
+        *port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                         : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+    return fd;
+}
+
+static char *gw_read_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    gw_buf b = {0};
+    char tmp[4096];
+    size_t n;
+    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0)
+        if (gw_buf_append(&b, tmp, n)) break;
+    fclose(f);
+    return b.data;
+}
+
+int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engine, gw_metrics *metrics,
+                    gw_server **out, int *port) {
+    *out = NULL;
+    gw_server *s = calloc(1, sizeof *s);
+    if (!s) return fu_errorf(FU_ERR_NOMEM, "server");
+    s->cfg = cfg;
+    s->model = model;
+    s->engine = engine;
+    s->metrics = metrics;
+    s->started = (long long)time(NULL);
+    pthread_mutex_init(&s->mu, NULL);
+    s->listen_fd = gw_listen(cfg->listen ? cfg->listen : "127.0.0.1:8080", port);
+    if (s->listen_fd < 0) {
+        int rc = FU_ERR_NETWORK;
+        pthread_mutex_destroy(&s->mu);
+        free(s);
+        return rc;
+    }
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    if (cfg->https_cert) {
+        s->https_cert = gw_read_file(cfg->https_cert);
+        s->https_key = gw_read_file(cfg->https_key);
+        if (!s->https_cert || !s->https_key) {
+            close(s->listen_fd);
+            free(s->https_cert);
+            free(s->https_key);
+            pthread_mutex_destroy(&s->mu);
+            free(s);
+            return fu_errorf(FU_ERR_IO, "cannot read the HTTPS certificate or key");
+        }
+        flags |= MHD_USE_TLS;
+    }
+    struct MHD_OptionItem tls_opts[] = {
+        {MHD_OPTION_HTTPS_MEM_CERT, 0, s->https_cert},
+        {MHD_OPTION_HTTPS_MEM_KEY, 0, s->https_key},
+        {MHD_OPTION_END, 0, NULL},
+    };
+    s->d = MHD_start_daemon(flags, 0, NULL, NULL, gw_handle, s, MHD_OPTION_LISTEN_SOCKET, s->listen_fd,
+                            MHD_OPTION_NOTIFY_COMPLETED, gw_completed, s, MHD_OPTION_CONNECTION_TIMEOUT,
+                            (unsigned)cfg->connection_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)cfg->max_connections, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)128 * 1024,
+                            MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL, MHD_OPTION_ARRAY,
+                            cfg->https_cert ? tls_opts : tls_opts + 2, MHD_OPTION_END);
+    if (!s->d) {
+        close(s->listen_fd);
+        free(s->https_cert);
+        free(s->https_key);
+        pthread_mutex_destroy(&s->mu);
+        free(s);
+        return fu_errorf(FU_ERR_NETWORK, "cannot start the HTTP server (libmicrohttpd)");
+    }
+    *out = s;
+    return FU_OK;
+}
+
+void gw_server_stop(gw_server *s) {
+    if (!s) return;
+    atomic_store(&s->stopping, true);
+    /* cancel every generation and wake every waiting connection so that it can finish */
+    for (int round = 0; round < 50; round++) {
+        int waiting = 0;
+        pthread_mutex_lock(&s->mu);
+        for (gw_conn *c = s->conns; c; c = c->next) {
+            if (!c->job) continue;
+            gw_job_cancel(c->job);
+            gw_job_lock(c->job);
+            if (c->suspended) {
+                c->suspended = false;
+                MHD_resume_connection(c->mc);
+                waiting++;
+            }
+            gw_job_unlock(c->job);
+        }
+        pthread_mutex_unlock(&s->mu);
+        if (!waiting && round > 0) break;
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    MHD_stop_daemon(s->d); /* closes the listening socket too */
+    free(s->https_cert);
+    free(s->https_key);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}

@@ -1,0 +1,18 @@
+/* gw-http.h -- the gateway's HTTP server (libmicrohttpd): routes, API keys, limits, SSE streaming. */
+#ifndef FU_GW_HTTP_H
+#define FU_GW_HTTP_H
+
+#include "gw-gen.h"
+#include "gw.h"
+
+typedef struct gw_server gw_server;
+
+/* Binds cfg->listen and starts serving; everything passed in is borrowed and must
+ * outlive the server. *port receives the bound port (useful with port 0). */
+int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engine, gw_metrics *metrics,
+                    gw_server **out, int *port);
+/* Cancels every generation, answers waiting clients and stops the server; frees it.
+ * NULL is a no-op. Call before gw_engine_free(). */
+void gw_server_stop(gw_server *s);
+
+#endif

@@ -1,0 +1,411 @@
+/* gw-request.c -- parses and validates OpenAI chat and completions request bodies. */
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gw.h"
+#include "status.h"
+
+void gw_limits_default(gw_limits *l) {
+    l->max_n = 16;
+    l->max_choices = 64;
+    l->max_prompts = 64;
+    l->max_stop = 16;
+    l->max_stop_bytes = 256;
+    l->max_logit_bias = 300;
+    l->max_top_logprobs = 20;
+    l->max_messages = 4096;
+}
+
+void gw_request_free(gw_request *r) {
+    free(r->model);
+    json_decref(r->messages);
+    json_decref(r->tools);
+    for (int i = 0; i < r->n_prompts; i++) {
+        free(r->prompts[i].text);
+        free(r->prompts[i].ids);
+    }
+    free(r->prompts);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->stop);
+    free(r->bias);
+    free(r->user);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- typed getters: each returns 0 when absent or null (value untouched), 1 when
+ * set, or -1 after filling *err --------------------------------------------------- */
+
+static int get_number(const json_t *body, const char *key, double lo, double hi, double *out, gw_error *err) {
+    const json_t *v = json_object_get(body, key);
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_number(v)) {
+        gw_error_set(err, 400, key, "invalid_type", "'%s' must be a number", key);
+        return -1;
+    }
+    double x = json_number_value(v);
+    if (!isfinite(x) || x < lo || x > hi) {
+        gw_error_set(err, 400, key, "invalid_value", "'%s' must be between %g and %g", key, lo, hi);
+        return -1;
+    }
+    *out = x;
+    return 1;
+}
+
+static int get_int(const json_t *body, const char *key, json_int_t lo, json_int_t hi, json_int_t *out,
+                   gw_error *err) {
+    const json_t *v = json_object_get(body, key);
+    if (!v || json_is_null(v)) return 0;
+    json_int_t x;
+    if (json_is_integer(v)) x = json_integer_value(v);
+    else if (json_is_real(v) && floor(json_real_value(v)) == json_real_value(v) &&
+             fabs(json_real_value(v)) < 9.0e15)
+        x = (json_int_t)json_real_value(v);
+    else {
+        gw_error_set(err, 400, key, "invalid_type", "'%s' must be an integer", key);
+        return -1;
+    }
+    if (x < lo || x > hi) {
+        gw_error_set(err, 400, key, "invalid_value", "'%s' must be between %lld and %lld", key, (long long)lo,
+                     (long long)hi);
+        return -1;
+    }
+    *out = x;
+    return 1;
+}
+
+static int get_bool(const json_t *body, const char *key, bool *out, gw_error *err) {
+    const json_t *v = json_object_get(body, key);
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_boolean(v)) {
+        gw_error_set(err, 400, key, "invalid_type", "'%s' must be a boolean", key);
+        return -1;
+    }
+    *out = json_is_true(v);
+    return 1;
+}
+
+static int get_string(const json_t *body, const char *key, char **out, gw_error *err) {
+    const json_t *v = json_object_get(body, key);
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_string(v)) {
+        gw_error_set(err, 400, key, "invalid_type", "'%s' must be a string", key);
+        return -1;
+    }
+    *out = strndup(json_string_value(v), json_string_length(v));
+    if (!*out) {
+        gw_error_set(err, 500, NULL, NULL, "out of memory");
+        return -1;
+    }
+    return 1;
+}
+
+/* ---- chat messages --------------------------------------------------------------- */
+
+/* A message's content as the chat template expects it: a string (text parts of
+ * an array joined), or null for assistant messages with tool calls. */
+static int normalize_content(json_t *msg, int idx, gw_error *err) {
+    json_t *c = json_object_get(msg, "content");
+    if (!c || json_is_null(c) || json_is_string(c)) {
+        if (!c) json_object_set_new(msg, "content", json_null());
+        return 0;
+    }
+    char param[64];
+    snprintf(param, sizeof param, "messages[%d].content", idx);
+    if (!json_is_array(c)) {
+        gw_error_set(err, 400, param, "invalid_type", "'%s' must be a string or an array of content parts", param);
+        return -1;
+    }
+    gw_buf b = {0};
+    size_t i;
+    json_t *part;
+    json_array_foreach(c, i, part) {
+        const json_t *type = json_object_get(part, "type");
+        const json_t *text = json_object_get(part, "text");
+        if (!json_is_object(part) || !json_is_string(type) || strcmp(json_string_value(type), "text") ||
+            !json_is_string(text)) {
+            gw_buf_free(&b);
+            gw_error_set(err, 400, param, "invalid_value",
+                         "'%s' parts must be {\"type\": \"text\", \"text\": ...}: only text is supported", param);
+            return -1;
+        }
+        if (gw_buf_append(&b, json_string_value(text), json_string_length(text))) {
+            gw_buf_free(&b);
+            gw_error_set(err, 500, NULL, NULL, "out of memory");
+            return -1;
+        }
+    }
+    json_object_set_new(msg, "content", json_stringn(b.data ? b.data : "", b.len));
+    gw_buf_free(&b);
+    return 0;
+}
+
+static int parse_messages(const json_t *body, const gw_limits *lim, gw_request *r, gw_error *err) {
+    const json_t *m = json_object_get(body, "messages");
+    if (!m) return gw_error_set(err, 400, "messages", "missing_required_parameter",
+                                "'messages' is a required property");
+    if (!json_is_array(m) || json_array_size(m) == 0)
+        return gw_error_set(err, 400, "messages", "invalid_value", "'messages' must be a non-empty array");
+    if (json_array_size(m) > (size_t)lim->max_messages)
+        return gw_error_set(err, 400, "messages", "invalid_value", "'messages' holds more than %d messages",
+                            lim->max_messages);
+    r->messages = json_deep_copy(m);
+    if (!r->messages) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+    size_t i;
+    json_t *msg;
+    json_array_foreach(r->messages, i, msg) {
+        char param[64];
+        snprintf(param, sizeof param, "messages[%zu]", i);
+        if (!json_is_object(msg)) return gw_error_set(err, 400, param, "invalid_type", "'%s' must be an object", param);
+        const json_t *role = json_object_get(msg, "role");
+        if (!json_is_string(role) || json_string_length(role) == 0) {
+            snprintf(param, sizeof param, "messages[%zu].role", i);
+            return gw_error_set(err, 400, param, "invalid_value", "'%s' must be a non-empty string", param);
+        }
+        if (normalize_content(msg, (int)i, err)) return err->http;
+    }
+    const json_t *tools = json_object_get(body, "tools");
+    if (tools && !json_is_null(tools)) {
+        if (!json_is_array(tools)) return gw_error_set(err, 400, "tools", "invalid_type", "'tools' must be an array");
+        r->tools = json_deep_copy(tools);
+    }
+    return 0;
+}
+
+/* ---- completions prompts ------------------------------------------------------------ */
+
+static int parse_ids(const json_t *arr, int vocab, const char *param, gw_prompt *p, gw_error *err) {
+    size_t n = json_array_size(arr);
+    if (n == 0) return gw_error_set(err, 400, param, "invalid_value", "'%s' is an empty token list", param);
+    p->ids = malloc(n * sizeof *p->ids);
+    if (!p->ids) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const json_t *v = json_array_get(arr, i);
+        json_int_t x = json_is_integer(v) ? json_integer_value(v) : -1;
+        if (!json_is_integer(v) || x < 0 || x > INT32_MAX || (vocab > 0 && x >= vocab))
+            return gw_error_set(err, 400, param, "invalid_value",
+                                "'%s' holds %s at index %zu: token ids must be integers in [0, %d)", param,
+                                json_is_integer(v) ? "an out-of-range id" : "a non-integer", i,
+                                vocab > 0 ? vocab : INT32_MAX);
+        p->ids[i] = (int32_t)x;
+    }
+    p->n_ids = n;
+    return 0;
+}
+
+static int parse_prompt(const json_t *body, const gw_limits *lim, int vocab, gw_request *r, gw_error *err) {
+    const json_t *p = json_object_get(body, "prompt");
+    if (!p || json_is_null(p))
+        return gw_error_set(err, 400, "prompt", "missing_required_parameter", "'prompt' is a required property");
+    const char *bad = "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists";
+    if (json_is_string(p)) {
+        r->prompts = calloc(1, sizeof *r->prompts);
+        if (!r->prompts) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+        r->n_prompts = 1;
+        r->prompts[0].text = strndup(json_string_value(p), json_string_length(p));
+        r->prompts[0].text_len = json_string_length(p);
+        if (!r->prompts[0].text) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+        return 0;
+    }
+    if (!json_is_array(p) || json_array_size(p) == 0) return gw_error_set(err, 400, "prompt", "invalid_type", "%s", bad);
+    const json_t *first = json_array_get(p, 0);
+    if (json_is_integer(first)) { /* one token-id prompt */
+        r->prompts = calloc(1, sizeof *r->prompts);
+        if (!r->prompts) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+        r->n_prompts = 1;
+        return parse_ids(p, vocab, "prompt", &r->prompts[0], err);
+    }
+    size_t n = json_array_size(p);
+    if (n > (size_t)lim->max_prompts)
+        return gw_error_set(err, 400, "prompt", "invalid_value", "'prompt' holds more than %d prompts", lim->max_prompts);
+    r->prompts = calloc(n, sizeof *r->prompts);
+    if (!r->prompts) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+    r->n_prompts = (int)n;
+    for (size_t i = 0; i < n; i++) {
+        const json_t *e = json_array_get(p, i);
+        char param[48];
+        snprintf(param, sizeof param, "prompt[%zu]", i);
+        if (json_is_string(e)) {
+            r->prompts[i].text = strndup(json_string_value(e), json_string_length(e));
+            r->prompts[i].text_len = json_string_length(e);
+            if (!r->prompts[i].text) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+        } else if (json_is_array(e)) {
+            if (parse_ids(e, vocab, param, &r->prompts[i], err)) return err->http;
+        } else {
+            return gw_error_set(err, 400, "prompt", "invalid_type", "%s", bad);
+        }
+    }
+    return 0;
+}
+
+/* ---- the rest -------------------------------------------------------------------------- */
+
+static int parse_stop(const json_t *body, const gw_limits *lim, gw_request *r, gw_error *err) {
+    const json_t *s = json_object_get(body, "stop");
+    if (!s || json_is_null(s)) return 0;
+    size_t n = json_is_string(s) ? 1 : json_is_array(s) ? json_array_size(s) : 0;
+    if (!json_is_string(s) && !json_is_array(s))
+        return gw_error_set(err, 400, "stop", "invalid_type", "'stop' must be a string or an array of strings");
+    if (n > (size_t)lim->max_stop)
+        return gw_error_set(err, 400, "stop", "invalid_value", "'stop' holds more than %d strings", lim->max_stop);
+    r->stop = calloc(n ? n : 1, sizeof *r->stop);
+    if (!r->stop) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const json_t *e = json_is_string(s) ? s : json_array_get(s, i);
+        if (!json_is_string(e))
+            return gw_error_set(err, 400, "stop", "invalid_type", "'stop' must be a string or an array of strings");
+        size_t len = json_string_length(e);
+        if (len > (size_t)lim->max_stop_bytes)
+            return gw_error_set(err, 400, "stop", "invalid_value", "stop strings are limited to %d bytes",
+                                lim->max_stop_bytes);
+        if (len == 0 || memchr(json_string_value(e), '\0', len)) continue; /* an empty string never matches */
+        if (!(r->stop[r->n_stop] = strdup(json_string_value(e))))
+            return gw_error_set(err, 500, NULL, NULL, "out of memory");
+        r->n_stop++;
+    }
+    return 0;
+}
+
+static int parse_bias(const json_t *body, const gw_limits *lim, int vocab, gw_request *r, gw_error *err) {
+    const json_t *b = json_object_get(body, "logit_bias");
+    if (!b || json_is_null(b)) return 0;
+    if (!json_is_object(b))
+        return gw_error_set(err, 400, "logit_bias", "invalid_type", "'logit_bias' must be an object of token id -> bias");
+    size_t n = json_object_size(b);
+    if (n > (size_t)lim->max_logit_bias)
+        return gw_error_set(err, 400, "logit_bias", "invalid_value", "'logit_bias' holds more than %d entries",
+                            lim->max_logit_bias);
+    r->bias = calloc(n ? n : 1, sizeof *r->bias);
+    if (!r->bias) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)b, key, v) {
+        char *end;
+        errno = 0;
+        long id = strtol(key, &end, 10);
+        if (errno || end == key || *end || id < 0 || id > INT32_MAX || (vocab > 0 && id >= vocab))
+            return gw_error_set(err, 400, "logit_bias", "invalid_value",
+                                "'logit_bias' keys must be token ids in [0, %d)", vocab > 0 ? vocab : INT32_MAX);
+        if (!json_is_number(v) || !isfinite(json_number_value(v)) || json_number_value(v) < -100 ||
+            json_number_value(v) > 100)
+            return gw_error_set(err, 400, "logit_bias", "invalid_value",
+                                "'logit_bias' values must be numbers between -100 and 100");
+        r->bias[r->n_bias].token = (int32_t)id;
+        r->bias[r->n_bias].bias = (float)json_number_value(v);
+        r->n_bias++;
+    }
+    return 0;
+}
+
+#define TRY(x)                        \
+    do {                              \
+        if ((x) < 0) goto fail;       \
+    } while (0)
+
+int gw_request_parse(const json_t *body, gw_kind kind, const gw_limits *lim, int vocab, gw_request *r,
+                     gw_error *err) {
+    memset(r, 0, sizeof *r);
+    memset(err, 0, sizeof *err);
+    r->kind = kind;
+    r->max_tokens = -1;
+    r->n = 1;
+    r->sampling = smp_params_default();
+    if (!json_is_object(body)) {
+        gw_error_set(err, 400, NULL, "invalid_type", "the request body must be a JSON object");
+        goto fail;
+    }
+    TRY(get_string(body, "model", &r->model, err));
+    if (kind == GW_KIND_CHAT) {
+        if (parse_messages(body, lim, r, err)) goto fail;
+    } else if (parse_prompt(body, lim, vocab, r, err)) {
+        goto fail;
+    }
+
+    json_int_t iv;
+    double dv;
+    const char *mt_key = json_object_get(body, "max_completion_tokens") &&
+                                 !json_is_null(json_object_get(body, "max_completion_tokens"))
+                             ? "max_completion_tokens"
+                             : "max_tokens";
+    int got = get_int(body, mt_key, kind == GW_KIND_COMPLETION ? 0 : 1, INT32_MAX, &iv, err);
+    TRY(got);
+    if (got) r->max_tokens = (int)iv;
+    if ((got = get_number(body, "temperature", 0, 2, &dv, err)) < 0) goto fail;
+    if (got) r->sampling.temperature = (float)dv;
+    if ((got = get_number(body, "top_p", 0, 1, &dv, err)) < 0) goto fail;
+    if (got) r->sampling.top_p = dv <= 0 ? 1e-6f : (float)dv;
+    if ((got = get_int(body, "top_k", -1, INT32_MAX, &iv, err)) < 0) goto fail;
+    if (got) r->sampling.top_k = iv < 0 ? 0 : (int)iv;
+    if ((got = get_number(body, "min_p", 0, 1, &dv, err)) < 0) goto fail;
+    if (got) r->sampling.min_p = (float)dv;
+    if ((got = get_number(body, "presence_penalty", -2, 2, &dv, err)) < 0) goto fail;
+    if (got) r->sampling.presence_penalty = (float)dv;
+    if ((got = get_number(body, "frequency_penalty", -2, 2, &dv, err)) < 0) goto fail;
+    if (got) r->sampling.frequency_penalty = (float)dv;
+    if ((got = get_number(body, "repetition_penalty", 0.01, 10, &dv, err)) < 0) goto fail;
+    if (got) r->sampling.repetition_penalty = (float)dv;
+    if ((got = get_int(body, "seed", INT64_MIN, INT64_MAX, &iv, err)) < 0) goto fail;
+    if (got) {
+        r->has_seed = true;
+        r->seed = (uint64_t)iv;
+    }
+    if ((got = get_int(body, "n", 1, lim->max_n, &iv, err)) < 0) goto fail;
+    if (got) r->n = (int)iv;
+    int n_prompts = kind == GW_KIND_CHAT ? 1 : r->n_prompts;
+    if (r->n * n_prompts > lim->max_choices) {
+        gw_error_set(err, 400, "n", "invalid_value", "n x prompts = %d exceeds the limit of %d choices",
+                     r->n * n_prompts, lim->max_choices);
+        goto fail;
+    }
+    if (parse_stop(body, lim, r, err)) goto fail;
+    if (parse_bias(body, lim, vocab, r, err)) goto fail;
+    r->sampling.bias = r->bias;
+    r->sampling.n_bias = r->n_bias;
+
+    if (kind == GW_KIND_CHAT) {
+        TRY(get_bool(body, "logprobs", &r->logprobs, err));
+        if ((got = get_int(body, "top_logprobs", 0, lim->max_top_logprobs, &iv, err)) < 0) goto fail;
+        if (got) {
+            if (!r->logprobs && iv > 0) {
+                gw_error_set(err, 400, "top_logprobs", "invalid_value",
+                             "'top_logprobs' requires 'logprobs' to be true");
+                goto fail;
+            }
+            r->top_logprobs = (int)iv;
+        }
+    } else {
+        if ((got = get_int(body, "logprobs", 0, lim->max_top_logprobs, &iv, err)) < 0) goto fail;
+        if (got) {
+            r->logprobs = true;
+            r->top_logprobs = (int)iv;
+        }
+        TRY(get_bool(body, "echo", &r->echo, err));
+    }
+    TRY(get_bool(body, "stream", &r->stream, err));
+    const json_t *so = json_object_get(body, "stream_options");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so)) {
+            gw_error_set(err, 400, "stream_options", "invalid_type", "'stream_options' must be an object");
+            goto fail;
+        }
+        if (!r->stream) {
+            gw_error_set(err, 400, "stream_options", "invalid_value",
+                         "'stream_options' is only allowed when 'stream' is true");
+            goto fail;
+        }
+        if (get_bool(so, "include_usage", &r->include_usage, err) < 0) {
+            snprintf(err->param, sizeof err->param, "stream_options.include_usage");
+            goto fail;
+        }
+    }
+    TRY(get_bool(body, "ignore_eos", &r->ignore_eos, err));
+    TRY(get_bool(body, "return_tokens_as_token_ids", &r->tokens_as_ids, err));
+    TRY(get_string(body, "user", &r->user, err));
+    return 0;
+fail:
+    if (!err->http) gw_error_set(err, 400, NULL, NULL, "invalid request");
+    gw_request_free(r);
+    return err->http;
+}

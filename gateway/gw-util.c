@@ -1,0 +1,203 @@
+/* gw-util.c -- byte buffers, UTF-8 checks, step seeds, OpenAI error JSON and SSE framing for the gateway. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gw.h"
+#include "status.h"
+
+/* ---- buffers ---------------------------------------------------------------------- */
+
+static int gw_buf_reserve(gw_buf *b, size_t extra) {
+    if (extra > SIZE_MAX - b->len - 1) return FU_ERR_NOMEM;
+    size_t need = b->len + extra + 1;
+    if (need <= b->cap) return FU_OK;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < need) cap = cap > SIZE_MAX / 2 ? need : cap * 2;
+    char *d = realloc(b->data, cap);
+    if (!d) return FU_ERR_NOMEM;
+    b->data = d;
+    b->cap = cap;
+    return FU_OK;
+}
+
+int gw_buf_append(gw_buf *b, const void *data, size_t len) {
+    if (gw_buf_reserve(b, len)) return fu_errorf(FU_ERR_NOMEM, "buffer");
+    if (len) memcpy(b->data + b->len, data, len);
+    b->len += len;
+    b->data[b->len] = '\0';
+    return FU_OK;
+}
+
+int gw_buf_appendf(gw_buf *b, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0 || gw_buf_reserve(b, (size_t)n)) return fu_errorf(FU_ERR_NOMEM, "buffer");
+    va_start(ap, fmt);
+    vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+    return FU_OK;
+}
+
+void gw_buf_consume(gw_buf *b, size_t n) {
+    if (n >= b->len) {
+        b->len = 0;
+    } else {
+        memmove(b->data, b->data + n, b->len - n);
+        b->len -= n;
+    }
+    if (b->data) b->data[b->len] = '\0';
+}
+
+void gw_buf_free(gw_buf *b) {
+    free(b->data);
+    b->data = NULL;
+    b->len = b->cap = 0;
+}
+
+/* ---- UTF-8 ---------------------------------------------------------------------------- */
+
+/* Length of the valid UTF-8 sequence at s[0..len), 0 if invalid, -1 if it is a
+ * valid but incomplete prefix. */
+static int utf8_seq(const unsigned char *s, size_t len) {
+    unsigned c = s[0];
+    int need;
+    unsigned lo = 0x80, hi = 0xBF;
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) need = 1;
+    else if (c == 0xE0) need = 2, lo = 0xA0;
+    else if (c == 0xED) need = 2, hi = 0x9F;
+    else if (c >= 0xE1 && c <= 0xEF) need = 2;
+    else if (c == 0xF0) need = 3, lo = 0x90;
+    else if (c == 0xF4) need = 3, hi = 0x8F;
+    else if (c >= 0xF1 && c <= 0xF3) need = 3;
+    else return 0;
+    for (int i = 1; i <= need; i++) {
+        if ((size_t)i >= len) return -1;
+        unsigned d = s[i];
+        if (d < (i == 1 ? lo : 0x80) || d > (i == 1 ? hi : 0xBF)) return 0;
+    }
+    return need + 1;
+}
+
+size_t gw_utf8_complete_prefix(const char *s, size_t len) {
+    const unsigned char *u = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < len) {
+        int k = utf8_seq(u + i, len - i);
+        if (k < 0) return i;
+        i += k ? (size_t)k : 1;
+    }
+    return len;
+}
+
+bool gw_utf8_valid(const char *s, size_t len) {
+    const unsigned char *u = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < len) {
+        int k = utf8_seq(u + i, len - i);
+        if (k <= 0) return false;
+        i += (size_t)k;
+    }
+    return true;
+}
+
+json_t *gw_json_string_lossy(const char *s, size_t len) {
+    if (gw_utf8_valid(s, len)) return json_stringn(s, len);
+    gw_buf b = {0};
+    const unsigned char *u = (const unsigned char *)s;
+    size_t i = 0;
+    while (i < len) {
+        int k = utf8_seq(u + i, len - i);
+        if (k > 0) {
+            if (gw_buf_append(&b, u + i, (size_t)k)) break;
+            i += (size_t)k;
+            continue;
+        }
+        /* one U+FFFD per maximal invalid subsequence */
+        if (gw_buf_append(&b, "\xEF\xBF\xBD", 3)) break;
+        size_t j = i + 1;
+        if (k < 0) j = len;
+        else
+            while (j < len && (u[j] & 0xC0) == 0x80 && u[i] >= 0xC0) j++;
+        i = j;
+    }
+    json_t *r = i >= len ? json_stringn(b.data ? b.data : "", b.len) : NULL;
+    gw_buf_free(&b);
+    return r;
+}
+
+/* ---- seeds -------------------------------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+uint64_t gw_step_seed(uint64_t seed, int choice, int64_t position) {
+    uint64_t h = splitmix64(seed);
+    h = splitmix64(h ^ (uint64_t)(uint32_t)choice);
+    return splitmix64(h ^ (uint64_t)position);
+}
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+static const char *gw_error_type(int http) {
+    switch (http) {
+    case 401: return "authentication_error";
+    case 403: return "permission_error";
+    case 404: return "not_found_error";
+    case 429: return "rate_limit_error";
+    default: return http >= 500 ? "server_error" : "invalid_request_error";
+    }
+}
+
+int gw_error_set(gw_error *e, int http, const char *param, const char *code, const char *fmt, ...) {
+    e->http = http;
+    e->type = gw_error_type(http);
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    e->code = code;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return http;
+}
+
+json_t *gw_error_object(const gw_error *e) {
+    size_t mlen = strnlen(e->message, sizeof e->message);
+    mlen = gw_utf8_complete_prefix(e->message, mlen); /* truncation may split a character */
+    json_t *inner = json_object();
+    json_object_set_new(inner, "message", gw_json_string_lossy(e->message, mlen));
+    json_object_set_new(inner, "type", json_string(e->type ? e->type : "invalid_request_error"));
+    json_object_set_new(inner, "param", e->param[0] ? gw_json_string_lossy(e->param, strlen(e->param)) : json_null());
+    json_object_set_new(inner, "code", e->code ? json_string(e->code) : json_null());
+    json_t *o = json_object();
+    json_object_set_new(o, "error", inner);
+    return o;
+}
+
+char *gw_error_json(const gw_error *e) {
+    json_t *o = gw_error_object(e);
+    char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
+}
+
+/* ---- server-sent events ------------------------------------------------------------------------- */
+
+int gw_sse_event(gw_buf *out, const json_t *obj) {
+    char *s = json_dumps(obj, JSON_COMPACT);
+    if (!s) return fu_errorf(FU_ERR_NOMEM, "sse event");
+    int rc = gw_buf_appendf(out, "data: %s\n\n", s);
+    free(s);
+    return rc;
+}
+
+int gw_sse_done(gw_buf *out) { return gw_buf_append(out, "data: [DONE]\n\n", 14); }

@@ -1,0 +1,238 @@
+/* gw.h -- fusion-gateway's internal interface: buffers, errors, request parsing, stop strings, SSE, config, metrics.
+ *
+ * The pieces here are pure (no network, no model) so that the unit tests can
+ * drive them directly; gw-gen.h (generation over a shard chain) and
+ * gw-http.h (the libmicrohttpd server) build on them.
+ */
+#ifndef FU_GW_H
+#define FU_GW_H
+
+#include <jansson.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "sampler.h"
+
+/* ---- growable byte buffer -------------------------------------------------------- */
+
+typedef struct gw_buf {
+    char *data; /* NUL-terminated when non-NULL */
+    size_t len, cap;
+} gw_buf;
+
+/* Appends len bytes; returns FU_OK or FU_ERR_NOMEM (the buffer is unchanged then). */
+int gw_buf_append(gw_buf *b, const void *data, size_t len);
+int gw_buf_appendf(gw_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Drops the first n bytes. */
+void gw_buf_consume(gw_buf *b, size_t n);
+void gw_buf_free(gw_buf *b); /* leaves an empty buffer; safe to call twice */
+
+/* ---- UTF-8 ------------------------------------------------------------------------ */
+
+/* Length of the longest prefix of s[0..len) that ends on a complete UTF-8 character
+ * boundary (a trailing incomplete sequence is excluded). Invalid bytes count as one
+ * character each. */
+size_t gw_utf8_complete_prefix(const char *s, size_t len);
+/* Whether s[0..len) is valid UTF-8 (no overlongs, surrogates or values > U+10FFFF). */
+bool gw_utf8_valid(const char *s, size_t len);
+/* A JSON string of s[0..len) with each invalid sequence replaced by U+FFFD
+ * (new reference, NULL only on allocation failure). */
+json_t *gw_json_string_lossy(const char *s, size_t len);
+
+/* ---- seeds ------------------------------------------------------------------------ */
+
+/* The sampling seed of one step: a deterministic mix of the request seed, the
+ * choice index and the position in the sequence, so that the same seed gives the
+ * same output however steps are batched or scheduled. */
+uint64_t gw_step_seed(uint64_t seed, int choice, int64_t position);
+
+/* ---- errors (OpenAI's shape) --------------------------------------------------------- */
+
+typedef struct gw_error {
+    int http;            /* HTTP status, 0: no error */
+    char message[512];
+    const char *type;    /* "invalid_request_error", "authentication_error", ... */
+    char param[64];      /* "" when none */
+    const char *code;    /* NULL when none */
+} gw_error;
+
+/* Fills *e (http, type chosen from the status, message from fmt). Returns e->http. */
+int gw_error_set(gw_error *e, int http, const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+/* {"error": {"message", "type", "param", "code"}} as a new malloc'd string. */
+char *gw_error_json(const gw_error *e);
+/* The same as a JSON object (new reference). */
+json_t *gw_error_object(const gw_error *e);
+
+/* ---- requests ------------------------------------------------------------------------ */
+
+typedef enum gw_kind {
+    GW_KIND_CHAT = 0,   /* /v1/chat/completions */
+    GW_KIND_COMPLETION, /* /v1/completions */
+} gw_kind;
+
+/* Bounds on what one request may ask for. */
+typedef struct gw_limits {
+    int max_n;               /* choices per prompt */
+    int max_choices;         /* prompts x n */
+    int max_prompts;         /* entries of a completions prompt list */
+    int max_stop;            /* stop strings */
+    int max_stop_bytes;      /* bytes per stop string */
+    int max_logit_bias;      /* logit_bias entries */
+    int max_top_logprobs;    /* top_logprobs / integer logprobs */
+    int max_messages;        /* chat messages */
+} gw_limits;
+
+void gw_limits_default(gw_limits *l);
+
+typedef struct gw_prompt {
+    char *text;        /* a text prompt (NUL-terminated), or NULL */
+    size_t text_len;
+    int32_t *ids;      /* a token-id prompt, or NULL */
+    size_t n_ids;
+} gw_prompt;
+
+typedef struct gw_request {
+    gw_kind kind;
+    char *model;             /* NULL: the default model */
+    json_t *messages;        /* chat: normalized array of messages (content as strings) */
+    json_t *tools;           /* chat: tools array or NULL */
+    gw_prompt *prompts;      /* completions */
+    int n_prompts;
+    int max_tokens;          /* -1: unset */
+    smp_params sampling;     /* temperature, top_p, top_k, min_p, penalties; bias points into `bias` */
+    bool has_seed;
+    uint64_t seed;
+    char **stop;             /* n_stop NUL-terminated strings */
+    int n_stop;
+    int n;                   /* choices per prompt */
+    smp_bias *bias;          /* n_bias entries */
+    int n_bias;
+    bool logprobs;           /* return log-probabilities */
+    int top_logprobs;        /* alternatives per token */
+    bool echo;               /* completions: prepend the prompt */
+    bool stream;
+    bool include_usage;      /* stream_options.include_usage */
+    bool ignore_eos;         /* extension: keep going past end-of-generation tokens */
+    bool tokens_as_ids;      /* extension (vLLM): logprob tokens as "token_id:N" */
+    char *user;
+} gw_request;
+
+/* Parses and validates a request body against limits; `vocab` bounds token ids
+ * (0: unchecked). On success fills *r (release with gw_request_free) and returns
+ * 0; on failure returns the HTTP status (400) with *err naming the parameter. */
+int gw_request_parse(const json_t *body, gw_kind kind, const gw_limits *lim, int vocab, gw_request *r,
+                     gw_error *err);
+void gw_request_free(gw_request *r); /* zeroes *r; safe on a zeroed request */
+
+/* ---- stop strings ------------------------------------------------------------------- */
+
+/* Matches stop strings against streamed text. Text goes in piece by piece (each
+ * piece complete UTF-8); what can safely be shown comes out: text that could still
+ * turn out to be the start of a stop string is held back until it cannot. */
+typedef struct gw_stop {
+    char **stops; /* borrowed */
+    size_t *lens;
+    int n;
+    size_t max_len;
+    gw_buf held;  /* text not yet released */
+    bool matched;
+} gw_stop;
+
+/* Borrows stops[0..n) (NUL-terminated, non-empty). Returns FU_OK or FU_ERR_NOMEM. */
+int gw_stop_init(gw_stop *s, char *const *stops, int n);
+void gw_stop_free(gw_stop *s);
+/* Feeds text[0..len); appends the releasable text to *out. Once a stop string is
+ * found, the text before it is released, the rest dropped, s->matched set and
+ * further feeds ignored. Returns FU_OK or FU_ERR_NOMEM. */
+int gw_stop_feed(gw_stop *s, const char *text, size_t len, gw_buf *out);
+/* End of generation: releases what is held back (no match can complete now). */
+int gw_stop_flush(gw_stop *s, gw_buf *out);
+
+/* ---- server-sent events ----------------------------------------------------------------- */
+
+/* Appends "data: <compact json>\n\n" to *out. */
+int gw_sse_event(gw_buf *out, const json_t *obj);
+/* Appends "data: [DONE]\n\n". */
+int gw_sse_done(gw_buf *out);
+
+/* ---- configuration ------------------------------------------------------------------------ */
+
+#define GW_MAX_HOPS 32
+#define GW_MAX_KEYS 64
+
+typedef struct gw_hop_cfg {
+    char *address;
+    int first, last;
+} gw_hop_cfg;
+
+typedef struct gw_config {
+    char *model;            /* path or repo id: tokenizer, template, context length */
+    char *model_name;       /* id served in /v1/models; NULL: the model's name */
+    char *listen;           /* "127.0.0.1:8080" */
+    char *port_file;
+    gw_hop_cfg hops[GW_MAX_HOPS];
+    int n_hops;
+    char *secret;           /* swarm secret for the shards */
+    char *tls_ca;           /* CA for TLS shards */
+    bool insecure;          /* plaintext to loopback shards */
+    bool forward;           /* server-to-server forwarding */
+    char *api_keys[GW_MAX_KEYS];
+    int n_api_keys;
+    char *https_cert, *https_key; /* serve HTTPS */
+    int workers;            /* generation threads (concurrent sessions) */
+    int max_queue;          /* waiting generations beyond the workers; more: 429 */
+    size_t max_body_bytes;
+    int connection_timeout_s;
+    int max_connections;
+    int default_max_tokens;
+    int step_timeout_ms;    /* per chain step */
+    gw_limits limits;
+} gw_config;
+
+void gw_config_init(gw_config *c);
+void gw_config_free(gw_config *c);
+/* Applies one option by its long name ("listen", "hop", "api-key", ...; '_' and
+ * '-' are the same). Returns FU_OK or FU_ERR_INVALID (fu_last_error() says why). */
+int gw_config_set(gw_config *c, const char *name, const char *value);
+/* Loads a JSON object whose keys are option names; arrays apply each element
+ * (e.g. "hops": ["127.0.0.1:7001:0:15", ...], "api_keys": [...]). */
+int gw_config_load(gw_config *c, const char *path);
+/* Reads API keys, one per line ('#' comments), from a file. */
+int gw_config_load_keys(gw_config *c, const char *path);
+/* Checks the whole configuration after loading. */
+int gw_config_check(const gw_config *c);
+
+/* ---- metrics -------------------------------------------------------------------------------- */
+
+typedef enum gw_route {
+    GW_ROUTE_CHAT = 0,
+    GW_ROUTE_COMPLETIONS,
+    GW_ROUTE_MODELS,
+    GW_ROUTE_TOKENIZE,
+    GW_ROUTE_DETOKENIZE,
+    GW_ROUTE_APPLY_TEMPLATE,
+    GW_ROUTE_HEALTH,
+    GW_ROUTE_METRICS,
+    GW_ROUTE_OTHER,
+    GW_ROUTE_COUNT
+} gw_route;
+
+typedef struct gw_metrics gw_metrics;
+
+int gw_metrics_new(gw_metrics **out);
+void gw_metrics_free(gw_metrics *m); /* NULL is a no-op */
+void gw_metrics_request(gw_metrics *m, gw_route route, int http_status);
+void gw_metrics_tokens(gw_metrics *m, int64_t prompt, int64_t completion);
+void gw_metrics_ttft(gw_metrics *m, double seconds);
+void gw_metrics_itl(gw_metrics *m, double seconds);
+void gw_metrics_e2e(gw_metrics *m, double seconds);
+void gw_metrics_sessions(gw_metrics *m, int delta);  /* chain sessions open */
+void gw_metrics_running(gw_metrics *m, int delta);   /* generation requests in flight */
+/* Prometheus text exposition (queue depth passed in); appends to *out. */
+int gw_metrics_render(gw_metrics *m, int queue_depth, gw_buf *out);
+
+const char *gw_route_name(gw_route r);
+
+#endif

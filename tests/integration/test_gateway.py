@@ -1,0 +1,533 @@
+"""fusion-gateway end to end: two fusion-shard processes on the real default model (SmolLM2-135M-Instruct
+Q4_1, blocks 0:15 and 15:30) plus the gateway on loopback, driven by curl and the official openai SDK.
+
+Checks: chat and completions (streaming and not), n > 1, stop strings, seed determinism, logprobs, usage,
+greedy output equal to the single-process engine (fusion-generate) token for token, errors as the SDK's
+error classes, the context-length error, client disconnects freeing sessions on every shard, concurrency,
+overload (429), and hostile requests that must never crash or hang the server.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from shard_cluster import SECRET, Shard, program  # noqa: E402
+
+openai = pytest.importorskip("openai")
+
+SOURCE = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+KEY = "sk-test-gateway-key"
+QUESTION = "What is the capital of France?"
+
+
+def default_model():
+    out = subprocess.run([os.path.join(SOURCE, "scripts", "fetch-default-model.sh")], capture_output=True,
+                         text=True, timeout=600)
+    path = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    if out.returncode or not os.path.exists(path):
+        pytest.skip(f"default model unavailable: {out.stderr[-300:]}")
+    return path
+
+
+class Gateway:
+    """A fusion-gateway process on 127.0.0.1 with a port file."""
+
+    def __init__(self, model, shards, *extra):
+        self.dir = tempfile.mkdtemp(prefix="gateway-")
+        port_file = os.path.join(self.dir, "port")
+        cmd = [program("gateway"), "--model", model, "--listen", "127.0.0.1:0", "--port-file", port_file,
+               "--secret", SECRET, "--insecure", "--api-key", KEY, "--connection-timeout-s", "3"]
+        for s in shards:
+            cmd += ["--hop", s.hop()]
+        cmd += list(extra)
+        self.log = open(os.path.join(self.dir, "log"), "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("fusion-gateway did not start: " + self.output())
+            time.sleep(0.05)
+        self.port = int(open(port_file).read())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def output(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    model = default_model()
+    shards = [Shard(model, 0, 15), Shard(model, 15, 30)]
+    gw = None
+    try:
+        gw = Gateway(model, shards)
+        yield {"model": model, "shards": shards, "gw": gw}
+    finally:
+        if gw:
+            rc = gw.stop()
+            out = gw.output()
+            assert rc == 0, f"gateway exited {rc}:\n{out[-3000:]}"
+            assert "AddressSanitizer" not in out and "runtime error" not in out, out[-3000:]
+        for s in shards:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster["gw"].url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def model_id(client):
+    return client.models.list().data[0].id
+
+
+def http(cluster, method, path, body=None, key=KEY, raw=None, headers=None, timeout=60):
+    """(status, parsed JSON or text) of one request, via urllib."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(cluster["gw"].url + path, data=data, method=method)
+    if key:
+        req.add_header("Authorization", "Bearer " + key)
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def curl(cluster, *args, timeout=60):
+    res = subprocess.run(["curl", "-sS", "-N", "-H", f"Authorization: Bearer {KEY}", *args], capture_output=True,
+                         text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def raw_request(cluster, data):
+    """Sends raw bytes, returns (status, body text) of the reply; the server may answer before reading it all."""
+    s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
+    try:
+        s.sendall(data)
+    except OSError:
+        pass
+    got = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        got += chunk
+        head, _, rest = got.partition(b"\r\n\r\n")
+        if rest and b"content-length:" in head.lower():
+            n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            if len(rest) >= n:
+                break
+    s.close()
+    head, _, rest = got.partition(b"\r\n\r\n")
+    return int(head.split()[1]), rest.decode()
+
+
+def assert_error(status, body, want_status, param=None, code=None):
+    assert status == want_status, body
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+
+
+def shard_sessions(shard):
+    """active_sessions from a shard's Info RPC (field 12 of InfoReply), read with grpcio."""
+    import grpc
+    with grpc.insecure_channel(shard.address) as ch:
+        info = ch.unary_unary("/fusion.Shard/Info", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+        buf = info(b"", metadata=(("x-fusion-secret", SECRET),), timeout=10)
+    i, fields = 0, {}
+    while i < len(buf):  # protobuf wire format: varints and length-delimited fields only here
+        key, i = _varint(buf, i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = _varint(buf, i)
+        elif wt == 1:
+            v, i = None, i + 8
+        elif wt == 2:
+            n, i = _varint(buf, i)
+            v, i = None, i + n
+        elif wt == 5:
+            v, i = None, i + 4
+        else:
+            raise ValueError(wt)
+        fields[num] = v
+    return fields.get(12, 0)
+
+
+def _varint(buf, i):
+    shift = n = 0
+    while True:
+        b = buf[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, i
+
+
+def metric(cluster, name):
+    status, text = http(cluster, "GET", "/metrics")
+    assert status == 200
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def engine_tokens(cluster, prompt_ids, max_tokens):
+    """Greedy tokens of the single-process engine."""
+    res = subprocess.run([program("generate"), "--model", cluster["model"], "--prompt-ids",
+                          ",".join(map(str, prompt_ids)), "--max-tokens", str(max_tokens), "--json",
+                          "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+# ---- basic routes ------------------------------------------------------------------------------
+
+
+def test_health_models_tokenize(cluster, client):
+    assert http(cluster, "GET", "/health", key=None) == (200, {"status": "ok"})
+    models = client.models.list().data
+    assert len(models) == 1 and models[0].id.startswith("SmolLM2-135M-Instruct")
+    st, body = http(cluster, "GET", "/v1/models/" + models[0].id)
+    assert st == 200 and body["id"] == models[0].id
+    st, tok = http(cluster, "POST", "/tokenize", {"content": "Hello world", "with_pieces": True})
+    assert st == 200 and [t["piece"] for t in tok["tokens"]] == ["Hello", " world"]
+    ids = [t["id"] for t in tok["tokens"]]
+    st, plain = http(cluster, "POST", "/tokenize", {"content": "Hello world"})
+    assert plain["tokens"] == ids
+    assert http(cluster, "POST", "/detokenize", {"tokens": ids}) == (200, {"content": "Hello world"})
+    st, tpl = http(cluster, "POST", "/apply-template", {"messages": [{"role": "user", "content": "hi"}]})
+    assert st == 200
+    assert tpl["prompt"].endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"), tpl
+
+
+# ---- generation --------------------------------------------------------------------------------
+
+
+def test_chat_greedy_equals_engine_and_stream(cluster, client):
+    m = model_id(client)
+    r = client.chat.completions.create(model=m, messages=[{"role": "user", "content": QUESTION}],
+                                       temperature=0, max_tokens=24)
+    choice = r.choices[0]
+    assert r.id.startswith("chatcmpl-") and r.model == m and r.object == "chat.completion"
+    assert choice.message.role == "assistant" and "Paris" in choice.message.content
+    # the single-process engine on the same rendered prompt gives the same text
+    st, tpl = http(cluster, "POST", "/apply-template", {"messages": [{"role": "user", "content": QUESTION}]})
+    st, tok = http(cluster, "POST", "/tokenize", {"content": tpl["prompt"], "parse_special": True})
+    ref = engine_tokens(cluster, tok["tokens"], 24)
+    assert choice.message.content == ref["text"]
+    assert choice.finish_reason == ref["finish_reason"]
+    assert r.usage.prompt_tokens == len(tok["tokens"]) == ref["prompt_tokens"]
+    assert r.usage.completion_tokens == len(ref["tokens"])
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    # streaming: the deltas add up to the same text, then a usage chunk, then [DONE]
+    chunks = list(client.chat.completions.create(model=m, messages=[{"role": "user", "content": QUESTION}],
+                                                 temperature=0, max_tokens=24, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref["text"]
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [ref["finish_reason"]]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    raw = curl(cluster, cluster["gw"].url + "/v1/chat/completions", "-d",
+               json.dumps({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "stream": True}))
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def test_completions_token_ids_equal_engine(cluster, client):
+    """Greedy output through the gateway equals fusion-generate token for token (prompts as token ids)."""
+    st, tok = http(cluster, "POST", "/tokenize", {"content": "The three primary colors are"})
+    ids = tok["tokens"]
+    ref = engine_tokens(cluster, ids, 20)
+    r = client.completions.create(model=model_id(client), prompt=ids, max_tokens=20, temperature=0, logprobs=1,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    got = [int(t.split(":")[1]) for t in r.choices[0].logprobs.tokens]
+    assert got == ref["tokens"]
+    assert r.choices[0].text == ref["text"]
+    # a list of prompts (text and ids) gives one choice per prompt, in order
+    r2 = client.completions.create(model=model_id(client), prompt=[ids, "The three primary colors are"],
+                                   max_tokens=20, temperature=0)
+    assert [c.index for c in r2.choices] == [0, 1]
+    assert r2.choices[0].text == r2.choices[1].text == ref["text"]
+    assert r2.usage.prompt_tokens == 2 * len(ids)
+
+
+def test_seed_n_and_sampling(cluster, client):
+    m = model_id(client)
+    kw = dict(model=m, prompt="Once upon a time", max_tokens=12, temperature=1.0, top_p=0.95, n=3)
+    a = client.completions.create(seed=42, **kw)
+    b = client.completions.create(seed=42, **kw)
+    c = client.completions.create(seed=7, **kw)
+    ta, tb, tc = ([x.text for x in r.choices] for r in (a, b, c))
+    assert len(ta) == 3 and ta == tb  # same seed, same output
+    assert ta != tc
+    assert len(set(ta)) > 1  # the n choices are sampled independently
+    assert a.usage.completion_tokens <= 36 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    # streaming with the same seed gives the same text per choice
+    s = client.completions.create(seed=42, stream=True, **kw)
+    texts = [""] * 3
+    for ch in s:
+        for x in ch.choices:
+            texts[x.index] += x.text
+    assert texts == ta
+    # logit_bias bans a token; penalties are accepted
+    banned = client.completions.create(model=m, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                       logit_bias={"7042": -100}, presence_penalty=0.5, frequency_penalty=0.5)
+    free = client.completions.create(model=m, prompt="The capital of France is", max_tokens=3, temperature=0)
+    assert "Paris" in free.choices[0].text and "Paris" not in banned.choices[0].text
+
+
+def test_stop_sequences(cluster, client):
+    m = model_id(client)
+    msgs = [{"role": "user", "content": QUESTION}]
+    full = client.chat.completions.create(model=m, messages=msgs, temperature=0, max_tokens=24)
+    text = full.choices[0].message.content
+    assert "Paris" in text
+    cut = text[:text.index("Paris")]
+    for stop in (["Paris"], [" Par", "zzz"], "aris"):
+        r = client.chat.completions.create(model=m, messages=msgs, temperature=0, max_tokens=24, stop=stop)
+        want = text[:text.index(stop[0] if isinstance(stop, list) else stop)]
+        assert r.choices[0].message.content == want and r.choices[0].finish_reason == "stop"
+        chunks = client.chat.completions.create(model=m, messages=msgs, temperature=0, max_tokens=24, stop=stop,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    # a stop string spanning several tokens
+    r = client.chat.completions.create(model=m, messages=msgs, temperature=0, max_tokens=24,
+                                       stop=["of France is Paris"])
+    assert r.choices[0].message.content == text[:text.index("of France")]
+    assert cut.startswith(r.choices[0].message.content)
+
+
+def test_logprobs(cluster, client):
+    m = model_id(client)
+    r = client.chat.completions.create(model=m, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+                                       max_tokens=6, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert e.top_logprobs[0].token == e.token and abs(e.top_logprobs[0].logprob - e.logprob) < 1e-4
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+        assert sum(2.718281828 ** t.logprob for t in e.top_logprobs) <= 1.0001
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+    assert "".join(e.token for e in content).startswith(r.choices[0].message.content[:10])
+    # completions: integer logprobs, echo of the prompt with its own log-probabilities
+    c = client.completions.create(model=m, prompt="The capital of France is", max_tokens=2, temperature=0,
+                                  logprobs=2, echo=True)
+    lp = c.choices[0].logprobs
+    assert c.choices[0].text.startswith("The capital of France is")
+    n_prompt = c.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 2 and lp.token_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    # streamed logprobs match the non-streamed ones
+    s = client.chat.completions.create(model=m, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+                                       max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for ch in s if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(streamed, content))
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+
+def test_sdk_error_classes(cluster, client):
+    m = model_id(client)
+    msgs = [{"role": "user", "content": "hi"}]
+    bad_key = openai.OpenAI(base_url=cluster["gw"].url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.chat.completions.create(model=m, messages=msgs, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="no-such-model", messages=msgs, max_tokens=2)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=m, messages=msgs, max_tokens=2, temperature=5)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=m, messages=msgs, max_tokens=9000)
+    assert e.value.code == "context_length_exceeded" and "8192" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=m, prompt=[1] * 8000, max_tokens=500)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=m, messages=msgs, max_tokens=2, n=999)
+    assert e.value.param == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.get("/nope", cast_to=object)
+
+
+def test_hostile_requests(cluster):
+    post = lambda body, **kw: http(cluster, "POST", "/v1/chat/completions", raw=body, **kw)  # noqa: E731
+    assert_error(*post(b"{not json"), 400, code="invalid_json")
+    assert_error(*post(b""), 400)
+    assert_error(*post(b"[]"), 400)
+    assert_error(*post(b'{"messages": "x"}'), 400, param="messages")
+    assert_error(*post(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e999}'), 400)
+    assert_error(*post(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 123456789012345678901234}'),
+                 400)
+    assert_error(*post(b'{"messages": [{"role": "user", "content": "hi"}], "n": -1}'), 400, param="n")
+    assert_error(*post(b"[" * 100000 + b"]" * 100000), 400)  # deep nesting
+    assert_error(*post(b'{"messages": [{"role": "user", "content": "\xff\xfe bad utf-8"}]}'), 400)
+    assert_error(*post(b'{"messages": [{"role": "user", "content": "\\ud800"}]}'), 400)
+    assert_error(*post(json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 1000}).encode()),
+                 400, param="stop")
+    assert_error(*post(json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                   "logit_bias": {str(i): 1 for i in range(1000)}}).encode()), 400, param="logit_bias")
+    # a megabyte string: within the body limit it is tokenized and rejected for the context length
+    big = json.dumps({"messages": [{"role": "user", "content": "word " * 200000}], "max_tokens": 10}).encode()
+    assert_error(*post(big), 400, code="context_length_exceeded")
+    # beyond the body limit: 413, at once when Content-Length says so, at the end of a chunked upload
+    assert raw_request(cluster, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                       f"Content-Length: {9 << 20}\r\n\r\n".encode())[0] == 413
+    chunk = b"a" * (1 << 20)
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(9)) + b"0\r\n\r\n"
+    status, text = raw_request(cluster, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                               f"\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + body)
+    assert status == 413 and json.loads(text)["error"]["code"] == "request_too_large"
+    assert_error(*http(cluster, "POST", "/tokenize", {"content": 5}), 400, param="content")
+    assert_error(*http(cluster, "POST", "/detokenize", {"tokens": [10 ** 12]}), 400, param="tokens")
+    assert_error(*http(cluster, "GET", "/v1/nothing"), 404)
+    assert_error(*http(cluster, "GET", "/v1/chat/completions"), 405)
+    assert_error(*http(cluster, "GET", "/metrics", key=None), 401)
+    assert_error(*http(cluster, "GET", "/v1/models", key="nope"), 401)
+    assert cluster["gw"].alive()
+    assert http(cluster, "GET", "/health", key=None)[0] == 200
+
+
+def test_slow_client_times_out(cluster):
+    """A client that sends half a request and stalls is disconnected; others are served meanwhile."""
+    s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=10)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
+    t0 = time.time()
+    assert http(cluster, "GET", "/health", key=None)[0] == 200
+    s.settimeout(15)
+    data = s.recv(4096)  # the server closes the connection after its 3 s timeout
+    assert time.time() - t0 < 12
+    assert data == b"" or data.startswith(b"HTTP/1.1")
+    s.close()
+    assert cluster["gw"].alive()
+
+
+# ---- concurrency, disconnects, overload --------------------------------------------------------------
+
+
+def test_disconnect_frees_sessions(cluster):
+    body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "stream": True, "ignore_eos": True,
+                       "temperature": 0})
+    s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
+    s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    got = b""
+    while got.count(b"data: ") < 5:
+        chunk = s.recv(65536)
+        assert chunk, got
+        got += chunk
+    assert metric(cluster, "fusion_gateway_active_sessions") == 1
+    assert [shard_sessions(sh) for sh in cluster["shards"]] == [1, 1]
+    s.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if metric(cluster, "fusion_gateway_active_sessions") == 0 and \
+                [shard_sessions(sh) for sh in cluster["shards"]] == [0, 0]:
+            break
+        time.sleep(0.1)
+    assert metric(cluster, "fusion_gateway_active_sessions") == 0
+    assert [shard_sessions(sh) for sh in cluster["shards"]] == [0, 0]
+    # the stream stopped early: far fewer than 4000 tokens were generated
+    assert metric(cluster, "fusion_gateway_generation_tokens_total") < 3000
+
+
+def test_concurrent_streams(cluster, client):
+    m = model_id(client)
+    ref = client.completions.create(model=m, prompt="The history of computing", max_tokens=16, temperature=0)
+    results, errors = [None] * 8, []
+
+    def run(i):
+        try:
+            text = ""
+            for ch in client.completions.create(model=m, prompt="The history of computing", max_tokens=16,
+                                                temperature=0, stream=True):
+                text += "".join(c.text for c in ch.choices)
+            results[i] = text
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert results == [ref.choices[0].text] * 8  # batched decoding does not change greedy output
+    status, text = http(cluster, "GET", "/metrics")
+    for name in ("fusion_gateway_requests_total{route=\"/v1/completions\",code=\"200\"}",
+                 "fusion_gateway_time_to_first_token_seconds_count", "fusion_gateway_inter_token_latency_seconds_bucket",
+                 "fusion_gateway_queue_depth 0", "fusion_gateway_prompt_tokens_total"):
+        assert name in text, name
+
+
+def test_overload_429(cluster):
+    """One worker and no queue: a second generation while the first runs gets 429; the first completes."""
+    gw = Gateway(cluster["model"], cluster["shards"], "--workers", "1", "--max-queue", "0")
+    try:
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        m = c.models.list().data[0].id
+        stream = c.completions.create(model=m, prompt="Count:", max_tokens=60, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        it = iter(stream)
+        next(it)  # the worker is busy
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model=m, prompt="hi", max_tokens=2)
+        n = 1 + sum(1 for _ in it)
+        assert n >= 60  # 60 token chunks (+ the finish chunk)
+    finally:
+        assert gw.stop() == 0
