@@ -95,7 +95,7 @@ def test_greedy_and_logits(setup, prompt, tmp_path):
     path, model, tok, vocab = setup
     ids = tok(prompt, add_special_tokens=False).input_ids
     lp = str(tmp_path / "logits.bin")
-    gen = run_generate(path, ids, 32, lp)["tokens"]
+    gen = run_generate(path, ids, 32, lp, ["--ignore-eos"])["tokens"]
     ours = read_logits(lp, vocab)
     theirs = ref_logits(model, (ids + gen)[:-1])
     spread = np.abs(theirs).max()
