@@ -1,0 +1,78 @@
+/* router-impl.h -- router internals shared by the rt-*.c files: INI reader, flow-network
+ * layout, random numbers, clocks. Not a public interface. */
+#ifndef RT_ROUTER_IMPL_H
+#define RT_ROUTER_IMPL_H
+
+#include <stdint.h>
+
+#include "router.h"
+
+/* --- INI files (Helix clusters, profiles, placements) ------------------------------------ */
+
+typedef struct rt_ini_item {
+    char *section;
+    char *key;
+    char *value;
+} rt_ini_item;
+
+typedef struct rt_ini {
+    rt_ini_item *items;
+    int n, cap;
+} rt_ini;
+
+/* Reads `path` ("[section]" headers, "key = value" lines, '#'/';' comments). Keys before any
+ * section go to section "". On error nothing needs freeing. */
+int rt__ini_load(rt_ini *ini, const char *path);
+int rt__ini_parse(rt_ini *ini, const char *text, size_t len);
+void rt__ini_free(rt_ini *ini);
+/* Value of section/key or NULL (the last one wins). */
+const char *rt__ini_get(const rt_ini *ini, const char *section, const char *key);
+/* Evaluates Helix's numeric expressions: a product of numbers and unit names (kbps, mbps,
+ * gbps, KB, MB, GB, Byte, MilliSec), e.g. "12.5 * mbps". */
+int rt__eval_expr(const char *s, double *out);
+/* Parses "[1, 2, 'source', ...]" into ints (RT_SOURCE / RT_SINK for the names); *out is
+ * malloc'ed (free it). */
+int rt__parse_int_list(const char *s, int **out, int *n);
+
+/* --- the swarm's flow network ------------------------------------------------------------ */
+
+/* Node numbering: 0 source, 1 sink, 2 source_out, 3 sink_in, then 4 per server i:
+ * in = 4 + 4i, start = +1, end = +2, out = +3. */
+#define RT_N_SOURCE 0
+#define RT_N_SINK 1
+#define RT_N_SRC_OUT 2
+#define RT_N_SINK_IN 3
+#define RT_N_IN(i) (4 + 4 * (i))
+#define RT_N_START(i) (5 + 4 * (i))
+#define RT_N_END(i) (6 + 4 * (i))
+#define RT_N_OUT(i) (7 + 4 * (i))
+
+/* 1 if a hop i -> j is valid for the spans (exact boundary, or partial when allowed). */
+int rt__hop_valid(const rt_swarm *sw, int i, int j, int allow_partial);
+
+/* Max flow of the swarm with a reusable workspace (no allocation after the first call of a
+ * given size); used by the placement search. */
+typedef struct rt_flow_ws {
+    rt_graph *g;
+    int cap_nodes;
+} rt_flow_ws;
+double rt__flow_eval(const rt_swarm *sw, const rt_flow_opts *opts, rt_flow_ws *ws);
+void rt__flow_ws_free(rt_flow_ws *ws);
+
+/* Graph reset for reuse: drops all edges, keeps the allocation; grows to n_nodes. */
+int rt__graph_reset(rt_graph *g, int n_nodes);
+
+/* --- misc ------------------------------------------------------------------------------- */
+
+double rt__now(void);                  /* monotonic seconds */
+uint64_t rt__rng_next(uint64_t *state); /* splitmix64 */
+double rt__rng_unit(uint64_t *state);   /* uniform [0, 1) */
+int rt__rng_int(uint64_t *state, int n); /* uniform 0 .. n-1 (n > 0) */
+
+/* Per-block total throughput of serving servers ([n_layers], caller-allocated). */
+void rt__block_tput(const rt_swarm *sw, double *out);
+/* Petals' window choice: the start s in [0, L-k] whose sorted tput[s..s+k) is
+ * lexicographically smallest. */
+int rt__petals_best_start(const double *tput, int n_layers, int k, double *scratch);
+
+#endif

@@ -1,0 +1,340 @@
+/* router.h -- fusion's router core: swarm model, Helix-style flow network and max flow,
+ * span placement (Petals, Swarm, fusion's search, join/rebalance), IWRR routing, simulator. */
+#ifndef RT_ROUTER_H
+#define RT_ROUTER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/*
+ * Units everywhere: bandwidth and NIC speed in bytes/s, latency in seconds, sizes in bytes,
+ * throughput and flow in tokens/s (one unit of flow = one token passing through every layer).
+ *
+ * Ownership: an rt_swarm owns its servers' tables and names; every function that takes a
+ * `const rt_server *` description copies what it needs. Functions return FU_OK or a negative
+ * FU_ERR_* (common/status.h) and set fu_last_error() on failure; none aborts on bad input.
+ */
+
+/* ---------------------------------------------------------------------------------------- */
+/* Model and swarm                                                                            */
+
+typedef struct rt_model {
+    char name[64];
+    int n_layers;                    /* transformer blocks L */
+    double token_bytes;              /* bytes per token between coordinator and a server (Helix: 2) */
+    double act_bytes;                /* bytes per token of hidden state between servers */
+    double layer_bytes;              /* weight bytes per block */
+    double kv_bytes_per_token_layer; /* KV-cache bytes per token per block (0 = unknown) */
+    double weight_vram_fraction;     /* weights may use at most this share of VRAM (0 = 1.0) */
+} rt_model;
+
+typedef enum rt_server_state {
+    RT_SERVER_GONE = 0,   /* left the swarm; its id is never reused */
+    RT_SERVER_ACTIVE = 1, /* serves its span (if it has one) */
+    RT_SERVER_SPARE = 2,  /* backup pool: joined but holds no span */
+} rt_server_state;
+
+/* Pseudo server ids for links to and from the coordinator (gateway). */
+#define RT_SOURCE (-1)
+#define RT_SINK (-2)
+
+typedef struct rt_server {
+    char name[64];
+    char address[128];
+    char kind[32];         /* machine/profile type ("A100", "cpu-avx512", ...) */
+    int is_cpu;
+    rt_server_state state;
+    int first, last;       /* span [first, last) of blocks; first == last: no span */
+    double nic_in, nic_out; /* bytes/s; <= 0 means unlimited */
+    double vram_bytes;      /* <= 0 means unknown (only the throughput table bounds the span) */
+    int n_tput;             /* length of the tables below = most blocks the profile knows */
+    double *tput;           /* [n_tput] tokens/s when holding k = i + 1 blocks (owned) */
+    double *kv_tokens;      /* [n_tput] KV capacity in tokens with k blocks; 0 = unlimited (owned,
+                               may be NULL) */
+} rt_server;
+
+typedef struct rt_link {
+    double bandwidth; /* bytes/s; <= 0 means no link */
+    double latency;   /* seconds */
+} rt_link;
+
+typedef struct rt_swarm {
+    rt_model model;
+    int n_servers;           /* ids 0 .. n_servers-1 (GONE ones stay in place) */
+    int cap;                 /* allocated server slots; the link matrix is cap x cap */
+    rt_server *servers;      /* [cap] */
+    rt_link *links;          /* [cap * cap]: links[i * cap + j] is the directed link i -> j */
+    rt_link *from_source;    /* [cap] coordinator -> server */
+    rt_link *to_sink;        /* [cap] server -> coordinator */
+    double source_nic_out;   /* coordinator NICs in bytes/s (<= 0 unlimited) */
+    double sink_nic_in;
+    uint64_t version;        /* incremented by every mutation, so users can see changes */
+} rt_swarm;
+
+/* Initialises an empty swarm for `model` (copied). Free with rt_swarm_free. */
+int rt_swarm_init(rt_swarm *sw, const rt_model *model);
+/* Frees everything the swarm owns; NULL and a zeroed swarm are no-ops. */
+void rt_swarm_free(rt_swarm *sw);
+/* Deep copy of `src` into the uninitialised `dst`. */
+int rt_swarm_clone(rt_swarm *dst, const rt_swarm *src);
+
+/* Adds a server described by `desc` (its tables are copied; its state is taken as given,
+ * GONE becomes ACTIVE). Links to the new server start absent. Returns the new id (>= 0) or a
+ * negative status. */
+int rt_swarm_add_server(rt_swarm *sw, const rt_server *desc);
+/* Marks server `id` GONE (it keeps its id; it carries no flow). */
+int rt_swarm_remove_server(rt_swarm *sw, int id);
+/* Sets the span [first, last) of server `id` (first == last clears it); checks the bounds,
+ * the profile table and VRAM (rt_swarm_max_layers). */
+int rt_swarm_set_span(rt_swarm *sw, int id, int first, int last);
+/* Sets the directed link from -> to (ids or RT_SOURCE / RT_SINK). */
+int rt_swarm_set_link(rt_swarm *sw, int from, int to, double bandwidth, double latency);
+/* The directed link from -> to (ids or RT_SOURCE / RT_SINK); absent links read as {0, 0}. */
+rt_link rt_swarm_link(const rt_swarm *sw, int from, int to);
+/* Most blocks server `id` can hold: its table length, bounded by
+ * weight_vram_fraction * vram / layer_bytes when VRAM is known; 0 for GONE/invalid ids. */
+int rt_swarm_max_layers(const rt_swarm *sw, int id);
+/* Compute capacity (tokens/s) of server `id` holding k blocks; 0 if it cannot. */
+double rt_swarm_tput(const rt_swarm *sw, int id, int k);
+/* KV capacity in tokens of server `id` holding k blocks; 0 means unlimited. */
+double rt_swarm_kv_tokens(const rt_swarm *sw, int id, int k);
+/* 1 if server `id` is ACTIVE and holds a span. */
+int rt_swarm_serving(const rt_swarm *sw, int id);
+/* Number of blocks no serving server covers; if `first_gap` is not NULL it receives the first
+ * uncovered block (or -1). */
+int rt_swarm_uncovered(const rt_swarm *sw, int *first_gap);
+/* Number of non-GONE servers. */
+int rt_swarm_live(const rt_swarm *sw);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Loaders                                                                                    */
+
+/* Model constants for `model_name` ("llama2_70b", "llama1_30b") from Helix's
+ * derived/model_constants.json. */
+int rt_helix_load_model(rt_model *model, const char *constants_json, const char *model_name);
+/* Builds the swarm of a Helix cluster file (`[ComputeNode-i] type`, `[Link-a-b]` bidirectional
+ * links) with NICs/VRAM from the machine-profile ini and per-type throughput + KV tables from
+ * derived/node_capacity_by_layers.csv (the rows of sw->model.name whose composition matches
+ * the cluster's type counts, e.g. "A100x4+L4x8+T4x12"). `sw` must be initialised and empty. */
+int rt_helix_load_cluster(rt_swarm *sw, const char *cluster_ini, const char *profiles_ini,
+                          const char *capacity_csv);
+/* Applies a Helix placement file (ilp_sol.ini, swarm_sol.ini, petals_sol.ini, ...:
+ * `[Settings] offset`, `[Solution] compute_node_k=[l0, l1, ...]`); servers not listed lose
+ * their span. Layers must be contiguous. */
+int rt_helix_load_placement(rt_swarm *sw, const char *sol_ini);
+
+/* fusion's own cluster format (JSON), which shard servers fill from measurements:
+ *   {"model": {"name", "n_layers", "token_bytes" (default 2), "activation_bytes",
+ *              "layer_bytes", "kv_bytes_per_token_layer", "weight_vram_fraction"},
+ *    "coordinator": {"nic_out", "nic_in"},                     bytes/s, optional
+ *    "default_link": {"bandwidth", "latency"},                 optional, fills every pair
+ *    "servers": [{"name", "address", "kind", "cpu", "state": "active"|"spare",
+ *                 "nic_in", "nic_out", "vram",
+ *                 "tokens_per_s_by_layers": [tput with 1, 2, ... blocks]
+ *                   or "layer_tokens_per_s" + "max_layers" (tput(k) = value / k),
+ *                 "kv_tokens_by_layers": [...] (optional), "span": [first, last]}],
+ *    "links": [{"from", "to" (server names, "source", "sink"), "bandwidth", "latency",
+ *               "bidirectional" (default true)}]}
+ * Examples: config/clusters/. `sw` must be uninitialised; free with rt_swarm_free. */
+int rt_swarm_load_json(rt_swarm *sw, const char *path);
+int rt_swarm_parse_json(rt_swarm *sw, const char *text, size_t len);
+/* Writes `sw` in fusion's JSON format (links as directed entries). */
+int rt_swarm_save_json(const rt_swarm *sw, const char *path);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Max flow on a general graph (Dinic's algorithm on real-valued capacities)                  */
+
+typedef struct rt_graph rt_graph;
+
+/* New graph with `n_nodes` nodes and no edges; *out owned by the caller (rt_graph_free). */
+int rt_graph_init(rt_graph **out, int n_nodes);
+void rt_graph_free(rt_graph *g);
+/* Adds the directed edge u -> v with capacity cap >= 0; returns its index (>= 0) or a status. */
+int rt_graph_add_edge(rt_graph *g, int u, int v, double cap);
+/* Max flow from s to t; resets any previous flow. Returns the value (>= 0), or -1 on bad ids. */
+double rt_graph_max_flow(rt_graph *g, int s, int t);
+/* Flow on edge `e` after rt_graph_max_flow (0 for bad indices). */
+double rt_graph_edge_flow(const rt_graph *g, int e);
+
+/* ---------------------------------------------------------------------------------------- */
+/* The swarm's flow network                                                                   */
+
+typedef enum rt_convention {
+    /* Helix's runtime scheduler (network_flow.py): coordinator NIC edges, per-server
+     * in -> start -> end -> out with NIC / (tok or tok+act) and compute capacities, server
+     * links carry bandwidth / (tok + act). fusion uses this one. */
+    RT_CONV_RUNTIME = 0,
+    /* Helix's placement MILP: node capacity min(tput, min(NIC)/act), server links
+     * bandwidth / act, coordinator links bandwidth / tok, no coordinator NIC edges. */
+    RT_CONV_ILP = 1,
+} rt_convention;
+
+typedef struct rt_flow_opts {
+    rt_convention conv;
+    int allow_partial; /* also link i -> j when start_j <= end_i < end_j (j runs [end_i, end_j)) */
+} rt_flow_opts;
+
+typedef struct rt_flow {
+    double value;        /* max flow, tokens/s */
+    int n;               /* server slots covered (sw->n_servers when computed) */
+    double *server_flow; /* [n] tokens/s through each server's compute edge */
+    double *hop_flow;    /* [(n + 2)^2]: hop_flow[u * (n + 2) + v], u/v in 0..n-1 servers,
+                            n = source, n + 1 = sink */
+} rt_flow;
+
+/* Builds the flow network of `sw` and computes its max flow. `flow` may be NULL (value only,
+ * returned through `value`); otherwise it is (re)filled and must be freed with rt_flow_free.
+ * `opts` NULL means RT_CONV_RUNTIME without partial execution. */
+int rt_flow_compute(const rt_swarm *sw, const rt_flow_opts *opts, rt_flow *flow, double *value);
+/* Max flow value of `sw`, or 0 on error. */
+double rt_max_flow(const rt_swarm *sw, const rt_flow_opts *opts);
+void rt_flow_free(rt_flow *flow);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Placement                                                                                  */
+
+/* Petals' rule: servers join in id order, each taking rt_swarm_max_layers blocks at the
+ * window whose sorted per-block throughputs are lexicographically smallest, then Petals'
+ * rebalancing passes (a server moves when that lifts the weakest block). Every non-GONE
+ * server gets a span. Needs sum of spans >= L. */
+int rt_place_petals(rt_swarm *sw);
+/* Swarm's rule (Helix's baseline): equal stages of s = min over servers of max layers blocks,
+ * ceil(L / s) stages (the last one shorter), servers in decreasing throughput order to the
+ * stage with the lowest total throughput. */
+int rt_place_swarm(rt_swarm *sw);
+
+typedef struct rt_search_opts {
+    double time_limit_s;   /* wall-clock budget (default 5 s when <= 0) */
+    uint64_t seed;
+    rt_flow_opts flow;     /* how the flow is evaluated */
+    int keep_current;      /* also start from the swarm's current placement if it covers */
+} rt_search_opts;
+
+typedef struct rt_search_stats {
+    double seconds;        /* time taken */
+    long evaluations;      /* max-flow evaluations */
+    double start_flow;     /* best seed's flow */
+    double flow;           /* final flow */
+} rt_search_stats;
+
+/* fusion's placement search. Seeds: Petals, Swarm, equal stages of every length, the current
+ * placement (keep_current), and a stage-packing dynamic program: servers grouped into
+ * regions (components of fast links) and types; for a target flow F it searches (depth
+ * first, pruned by the capacity the unused servers can still add) for a cut of the blocks
+ * into consecutive stages, each held by a minimal same-region group with capacity >= F,
+ * consecutive stages in different regions needing |prev| * |cur| * slowest link >= F; F is
+ * raised by galloping + bisection for up to 60% of the budget; leftover servers then join
+ * where they add the most flow. The rest of the budget runs simulated annealing over
+ * (start, length) of each server (shift / resize / align to another span / join a stage /
+ * swap / bridge) on the true max flow, ties broken by the weakest block's capacity.
+ * Writes the best placement into `sw`: every block covered, every span within
+ * rt_swarm_max_layers. `stats` may be NULL. */
+int rt_place_search(rt_swarm *sw, const rt_search_opts *opts, rt_search_stats *stats);
+
+/* Where should the new (or spare) server `id` load? Tries every window the server can hold with
+ * the others fixed and picks: most uncovered blocks covered, then highest max flow, then
+ * Petals' weakest window. Does not change `sw`. *gain is the flow increase (may be 0: the
+ * caller may keep the server as a spare). */
+int rt_place_join(const rt_swarm *sw, int id, const rt_flow_opts *opts, int *first, int *last,
+                  double *gain);
+
+typedef struct rt_move {
+    int server;
+    int old_first, old_last;
+    int new_first, new_last;
+} rt_move;
+
+/* Rebalances `sw` one server at a time: first gives uncovered blocks to spares / servers
+ * whose departure keeps coverage, then moves a server when that raises the max flow by more
+ * than `min_gain` (fraction, e.g. 0.05). A server is only moved if every block stays covered
+ * without it, so applying the moves in order never uncovers a block. Applies the moves to
+ * `sw`, writes at most `max_moves` into `moves` (may be NULL) and their count to *n_moves. */
+int rt_place_rebalance(rt_swarm *sw, const rt_flow_opts *opts, double min_gain, int max_moves,
+                       rt_move *moves, int *n_moves);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Request routing (interleaved weighted round-robin over the max flow)                        */
+
+typedef struct rt_router rt_router;
+
+typedef struct rt_route_opts {
+    rt_flow_opts flow;
+    double min_share;     /* skip hops carrying less than this share of a node's out-flow
+                             (default 0.05 when <= 0) */
+} rt_route_opts;
+
+typedef struct rt_path {
+    rt_router *router;   /* the router that issued it */
+    uint64_t id;
+    int n_hops;
+    int *servers;        /* [n_hops] server ids in order */
+    int *first, *last;   /* [n_hops] blocks each hop runs ([first, last), contiguous) */
+    int request_len;     /* tokens reserved in each hop's KV cache */
+} rt_path;
+
+/* A router over `sw` (borrowed: it must outlive the router; call rt_router_update after
+ * changing it). `opts` may be NULL. *out owned by the caller (rt_router_free). */
+int rt_router_init(rt_router **out, const rt_swarm *sw, const rt_route_opts *opts);
+/* Frees the router; paths still held must be released first. NULL is a no-op. */
+void rt_router_free(rt_router *r);
+/* Recomputes the max flow from the swarm (membership, spans or measurements changed).
+ * In-flight load and KV reservations are kept per server id. */
+int rt_router_update(rt_router *r);
+/* The current flow (valid until the next rt_router_update). */
+const rt_flow *rt_router_flow(const rt_router *r);
+
+/* Chooses a chain for a request of `request_len` tokens (prompt + max new tokens): from the
+ * source, at each hop among next servers whose hop carries >= min_share of the flow out of the
+ * current node and whose KV cache can admit request_len more tokens, the one minimising
+ * (load + request_len) / flow, where load is the work currently routed over that hop
+ * (interleaved weighted round-robin); backtracks on dead ends. Reserves KV and load until
+ * rt_release. *path is owned by the caller. FU_ERR_EXHAUSTED: no chain can admit it now
+ * (caller may queue or return 503); FU_ERR_NOT_FOUND: no chain at all. Decode steps of the
+ * request reuse the same path. */
+int rt_route(rt_router *r, int request_len, rt_path **path);
+/* Releases the path's reservations and frees it. NULL is a no-op. */
+void rt_release(rt_path *path);
+/* Work currently routed over server `id` (tokens); for tests and /v1/swarm. */
+double rt_router_load(const rt_router *r, int id);
+
+/* ---------------------------------------------------------------------------------------- */
+/* Simulator                                                                                  */
+
+typedef struct rt_sim_request {
+    double arrival_s;
+    int prompt_len;
+    int output_len;
+} rt_sim_request;
+
+typedef struct rt_sim_opts {
+    double duration_s;     /* simulated seconds (default 600) */
+    double warmup_s;       /* excluded from the throughput figures (default 60) */
+    double arrival_rate;   /* requests/s (Poisson) when > 0 and no trace */
+    int concurrency;       /* closed loop with this many requests in flight (default 256)
+                              when arrival_rate <= 0 and no trace */
+    int prompt_len;        /* synthetic requests (default 750 / 240, Helix's averages) */
+    int output_len;
+    const rt_sim_request *trace; /* optional, sorted by arrival */
+    int n_trace;
+    uint64_t seed;
+    rt_route_opts route;
+} rt_sim_opts;
+
+typedef struct rt_sim_result {
+    double max_flow;          /* tokens/s of the placement */
+    double decode_tps;        /* decode tokens/s in the measured window */
+    double prompt_tps;        /* prompt tokens/s in the measured window */
+    double mean_prompt_latency_s;
+    double mean_decode_latency_s; /* mean time per decode step */
+    long completed;           /* requests finished in the measured window */
+    long rejected;            /* routing failures (no chain at all) */
+} rt_sim_result;
+
+/* Discrete-event simulation of requests over `sw` routed by rt_route. Model: each server is a
+ * FIFO processor that runs a job of w tokens in w / tput(k) seconds; each hop costs
+ * latency + w * bytes / bandwidth (tok to/from the coordinator, tok + act between servers);
+ * a request runs its prompt (w = prompt_len) then output_len decode steps (w = 1) on its path;
+ * requests whose KV cannot be admitted wait for a release. */
+int rt_sim_run(const rt_swarm *sw, const rt_sim_opts *opts, rt_sim_result *res);
+
+#endif

@@ -1,0 +1,531 @@
+/* test_router.c -- router core: max flow on hand-checked graphs, the swarm's flow network,
+ * placement invariants, IWRR proportions and KV admission, join/leave coverage, loaders, sim. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "router-impl.h"
+#include "router.h"
+#include "status.h"
+
+#define NEAR(a, b, tol) assert_true(fabs((double)(a) - (double)(b)) <= (tol))
+
+/* --- max flow ----------------------------------------------------------------------------- */
+
+/* s=0 a=1 b=2 t=3: greedy s-a-b-t first gets 1; the optimum 2 needs the reverse edge b->a. */
+static void test_maxflow_greedy_trap(void **st) {
+    (void)st;
+    rt_graph *g;
+    assert_int_equal(rt_graph_init(&g, 4), FU_OK);
+    int sa = rt_graph_add_edge(g, 0, 1, 1), sb = rt_graph_add_edge(g, 0, 2, 1);
+    int ab = rt_graph_add_edge(g, 1, 2, 1), at = rt_graph_add_edge(g, 1, 3, 1);
+    int bt = rt_graph_add_edge(g, 2, 3, 1);
+    NEAR(rt_graph_max_flow(g, 0, 3), 2.0, 1e-12);
+    NEAR(rt_graph_edge_flow(g, sa), 1, 1e-12);
+    NEAR(rt_graph_edge_flow(g, sb), 1, 1e-12);
+    NEAR(rt_graph_edge_flow(g, ab), 0, 1e-12); /* the trap edge ends unused */
+    NEAR(rt_graph_edge_flow(g, at) + rt_graph_edge_flow(g, bt), 2, 1e-12);
+    /* recomputation resets the previous flow */
+    NEAR(rt_graph_max_flow(g, 0, 3), 2.0, 1e-12);
+    NEAR(rt_graph_max_flow(g, 3, 0), 0.0, 1e-12);
+    assert_true(rt_graph_max_flow(g, 0, 9) < 0);
+    assert_true(rt_graph_add_edge(g, 0, 7, 1) < 0);
+    assert_true(rt_graph_add_edge(g, 0, 1, -1) < 0);
+    assert_true(rt_graph_add_edge(g, 0, 1, NAN) < 0);
+    rt_graph_free(g);
+    rt_graph_free(NULL);
+}
+
+/* CLRS figure 26.1 (max flow 23) with fractional scaling, plus flow conservation. */
+static void test_maxflow_clrs(void **st) {
+    (void)st;
+    rt_graph *g;
+    assert_int_equal(rt_graph_init(&g, 6), FU_OK);
+    static const int e[][2] = {{0, 1}, {0, 2}, {1, 3}, {2, 1}, {2, 4}, {3, 2}, {3, 5}, {4, 3}, {4, 5}};
+    static const double c[] = {16, 13, 12, 4, 14, 9, 20, 7, 4};
+    int id[9];
+    for (int i = 0; i < 9; i++) id[i] = rt_graph_add_edge(g, e[i][0], e[i][1], c[i] * 0.37);
+    NEAR(rt_graph_max_flow(g, 0, 5), 23 * 0.37, 1e-9);
+    double bal[6] = {0};
+    for (int i = 0; i < 9; i++) {
+        double f = rt_graph_edge_flow(g, id[i]);
+        assert_true(f >= -1e-12 && f <= c[i] * 0.37 + 1e-9);
+        bal[e[i][0]] -= f;
+        bal[e[i][1]] += f;
+    }
+    for (int v = 1; v < 5; v++) NEAR(bal[v], 0, 1e-9);
+    rt_graph_free(g);
+}
+
+/* --- tiny swarm helpers -------------------------------------------------------------------- */
+
+static rt_model tiny_model(int L) {
+    rt_model m;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "tiny");
+    m.n_layers = L;
+    m.token_bytes = 2;
+    m.act_bytes = 8;
+    m.layer_bytes = 1e9;
+    m.weight_vram_fraction = 0.5;
+    return m;
+}
+
+/* Adds a server whose throughput holding k blocks is tputs[k-1]. */
+static int add(rt_swarm *sw, const char *name, int n, const double *tputs, int first, int last) {
+    rt_server d;
+    memset(&d, 0, sizeof d);
+    snprintf(d.name, sizeof d.name, "%s", name);
+    d.n_tput = n;
+    d.tput = (double *)tputs;
+    d.first = first;
+    d.last = last;
+    int id = rt_swarm_add_server(sw, &d);
+    assert_true(id >= 0);
+    return id;
+}
+
+static void link_all(rt_swarm *sw, double bw) {
+    for (int i = 0; i < sw->n_servers; i++) {
+        assert_int_equal(rt_swarm_set_link(sw, RT_SOURCE, i, bw, 0.001), FU_OK);
+        assert_int_equal(rt_swarm_set_link(sw, i, RT_SINK, bw, 0.001), FU_OK);
+        for (int j = 0; j < sw->n_servers; j++)
+            if (i != j) assert_int_equal(rt_swarm_set_link(sw, i, j, bw, 0.001), FU_OK);
+    }
+}
+
+/*
+ * L = 4, tok = 2, act = 8. A [0,2) 100 tok/s; B [2,4) 60; C [2,4) 30; D [0,4) 10 with
+ * inbound NIC 10 B/s. Links: A->B 500 B/s, A->C 400 B/s, others 1e6.
+ * Runtime convention: A->B 500/10 = 50, A->C 400/10 = 40 -> 50 + 30 = 80 through A; D is
+ * capped by its NIC at 10/2 = 5 (its only predecessor is the source) -> 85.
+ * MILP convention: A->B 500/8 = 62.5 -> 60, A->C 50 -> 30, A carries 90 <= 100; D's node
+ * capacity is min(10, min(NIC)/act) = 10/8 = 1.25 -> 91.25.
+ */
+static void test_flow_network_tiny(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double ta[] = {200, 100}, tb[] = {120, 60}, tc[] = {60, 30}, td[] = {40, 30, 20, 10};
+    int a = add(&sw, "A", 2, ta, 0, 2), b = add(&sw, "B", 2, tb, 2, 4), c = add(&sw, "C", 2, tc, 2, 4);
+    int d = add(&sw, "D", 4, td, 0, 4);
+    link_all(&sw, 1e6);
+    sw.servers[d].nic_in = 10;
+    rt_swarm_set_link(&sw, a, b, 500, 0.001);
+    rt_swarm_set_link(&sw, a, c, 400, 0.001);
+    rt_flow_opts rto = {RT_CONV_RUNTIME, 0}, ilp = {RT_CONV_ILP, 0};
+    rt_flow fl = {0};
+    double v;
+    assert_int_equal(rt_flow_compute(&sw, &rto, &fl, &v), FU_OK);
+    NEAR(v, 85, 1e-9);
+    NEAR(fl.server_flow[a], 80, 1e-9);
+    NEAR(fl.server_flow[b], 50, 1e-9);
+    NEAR(fl.server_flow[c], 30, 1e-9);
+    NEAR(fl.server_flow[d], 5, 1e-9);
+    int n2 = fl.n + 2;
+    NEAR(fl.hop_flow[a * n2 + b], 50, 1e-9);
+    NEAR(fl.hop_flow[fl.n * n2 + a], 80, 1e-9);     /* source -> A */
+    NEAR(fl.hop_flow[d * n2 + fl.n + 1], 5, 1e-9);  /* D -> sink */
+    NEAR(rt_max_flow(&sw, &ilp), 91.25, 1e-9);
+    /* exact boundaries only: no B -> C hop, and partial execution adds none here */
+    assert_false(rt__hop_valid(&sw, b, c, 1));
+    assert_true(rt__hop_valid(&sw, a, b, 0));
+    /* partial execution: E [1,3) can take over from A (ends at 2, inside E's span) */
+    double te[] = {500, 500};
+    int e = add(&sw, "E", 2, te, 1, 3);
+    assert_false(rt__hop_valid(&sw, a, e, 0));
+    assert_true(rt__hop_valid(&sw, a, e, 1));
+    assert_true(rt__hop_valid(&sw, e, d, 0) == 0);
+    /* removing a server removes its flow */
+    assert_int_equal(rt_swarm_remove_server(&sw, c), FU_OK);
+    NEAR(rt_max_flow(&sw, &rto), 55, 1e-9);
+    rt_flow_free(&fl);
+    rt_flow_free(&fl);
+    rt_swarm_free(&sw);
+}
+
+/* --- placement ------------------------------------------------------------------------------ */
+
+/* A heterogeneous swarm: 12 servers of 3 kinds, VRAM limiting one kind below its table. */
+static void make_hetero(rt_swarm *sw, int L) {
+    rt_model m = tiny_model(L);
+    assert_int_equal(rt_swarm_init(sw, &m), FU_OK);
+    double big[12], mid[8], small[6];
+    for (int k = 1; k <= 12; k++) big[k - 1] = 9000.0 / (k + 0.5);
+    for (int k = 1; k <= 8; k++) mid[k - 1] = 3000.0 / (k + 0.3);
+    for (int k = 1; k <= 6; k++) small[k - 1] = 2000.0 / (k + 1);
+    for (int i = 0; i < 12; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "s%d", i);
+        int id = i % 3 == 0 ? add(sw, name, 12, big, 0, 0)
+                            : i % 3 == 1 ? add(sw, name, 8, mid, 0, 0) : add(sw, name, 6, small, 0, 0);
+        if (i % 3 == 0) sw->servers[id].vram_bytes = 20e9; /* 0.5 * 20e9 / 1e9 = 10 blocks */
+    }
+    link_all(sw, 1e9);
+}
+
+static void check_valid(const rt_swarm *sw) {
+    assert_int_equal(rt_swarm_uncovered(sw, NULL), 0);
+    for (int i = 0; i < sw->n_servers; i++) {
+        const rt_server *s = &sw->servers[i];
+        if (!rt_swarm_serving(sw, i)) continue;
+        assert_true(s->first >= 0 && s->last <= sw->model.n_layers && s->last > s->first);
+        assert_true(s->last - s->first <= rt_swarm_max_layers(sw, i));
+    }
+}
+
+static void test_vram_limit(void **st) {
+    (void)st;
+    rt_swarm sw;
+    make_hetero(&sw, 40);
+    assert_int_equal(rt_swarm_max_layers(&sw, 0), 10);
+    assert_int_equal(rt_swarm_max_layers(&sw, 1), 8);
+    assert_int_equal(rt_swarm_set_span(&sw, 0, 0, 11), FU_ERR_RANGE);
+    assert_int_equal(rt_swarm_set_span(&sw, 0, 35, 45), FU_ERR_RANGE);
+    assert_int_equal(rt_swarm_set_span(&sw, 0, 30, 40), FU_OK);
+    assert_int_equal(rt_swarm_set_span(&sw, 99, 0, 1), FU_ERR_INVALID);
+    rt_swarm_free(&sw);
+}
+
+static void test_placements(void **st) {
+    (void)st;
+    rt_swarm sw;
+    make_hetero(&sw, 40);
+    rt_flow_opts fo = {RT_CONV_RUNTIME, 0}, fp = {RT_CONV_RUNTIME, 1};
+    assert_int_equal(rt_place_petals(&sw), FU_OK);
+    check_valid(&sw);
+    double petals = rt_max_flow(&sw, &fp), petals_exact = rt_max_flow(&sw, &fo);
+    assert_true(petals > 0);
+    assert_int_equal(rt_place_swarm(&sw), FU_OK);
+    check_valid(&sw);
+    double swarm = rt_max_flow(&sw, &fo);
+    rt_search_opts so = {0.5, 7, fo, 0};
+    rt_search_stats ss;
+    assert_int_equal(rt_place_search(&sw, &so, &ss), FU_OK);
+    check_valid(&sw);
+    double search = rt_max_flow(&sw, &fo);
+    NEAR(ss.flow, search, 1e-6);
+    assert_true(search >= swarm - 1e-9);
+    assert_true(search >= petals_exact - 1e-9);
+    assert_true(search >= petals * 0.999);
+    assert_true(ss.evaluations > 0 && ss.seconds < 5);
+    /* the flow cannot beat the per-block capacity bound sum_i max_k k tput_i(k) / L */
+    double bound = 0;
+    for (int i = 0; i < sw.n_servers; i++) {
+        double b = 0;
+        for (int k = 1; k <= rt_swarm_max_layers(&sw, i); k++)
+            if (k * rt_swarm_tput(&sw, i, k) > b) b = k * rt_swarm_tput(&sw, i, k);
+        bound += b / 40;
+    }
+    assert_true(search <= bound + 1e-6);
+    /* too little capacity to cover the model: a clear error, not a crash */
+    rt_swarm few;
+    rt_model m = tiny_model(40);
+    assert_int_equal(rt_swarm_init(&few, &m), FU_OK);
+    double t[3] = {10, 5, 3};
+    add(&few, "x", 3, t, 0, 0);
+    assert_int_equal(rt_place_petals(&few), FU_ERR_EXHAUSTED);
+    assert_int_equal(rt_place_search(&few, &so, NULL), FU_ERR_EXHAUSTED);
+    rt_swarm_free(&few);
+    rt_swarm_free(&sw);
+}
+
+/* Join a spare, then a server leaves; rebalancing restores coverage, and replaying its moves
+ * one by one on the pre-rebalance swarm never uncovers a block that was covered. */
+static void test_join_leave(void **st) {
+    (void)st;
+    rt_swarm sw;
+    make_hetero(&sw, 40);
+    rt_flow_opts fo = {RT_CONV_RUNTIME, 0};
+    assert_int_equal(rt_place_swarm(&sw), FU_OK);
+    double before = rt_max_flow(&sw, &fo);
+    double tn[6];
+    for (int k = 1; k <= 6; k++) tn[k - 1] = 5000.0 / k;
+    int nid = add(&sw, "new", 6, tn, 0, 0);
+    for (int i = 0; i < sw.n_servers; i++) {
+        rt_swarm_set_link(&sw, i, nid, 1e9, 0.001);
+        rt_swarm_set_link(&sw, nid, i, 1e9, 0.001);
+    }
+    rt_swarm_set_link(&sw, RT_SOURCE, nid, 1e9, 0.001);
+    rt_swarm_set_link(&sw, nid, RT_SINK, 1e9, 0.001);
+    int f, l;
+    double gain;
+    assert_int_equal(rt_place_join(&sw, nid, &fo, &f, &l, &gain), FU_OK);
+    assert_true(f >= 0 && l > f && l - f <= 6 && l <= 40);
+    assert_int_equal(rt_swarm_set_span(&sw, nid, f, l), FU_OK);
+    double after = rt_max_flow(&sw, &fo);
+    NEAR(after - before, gain, 1e-6);
+    assert_true(after >= before - 1e-9);
+    /* a server leaves: its stage may lose coverage */
+    int victim = -1;
+    for (int i = 0; i < sw.n_servers && victim < 0; i++) {
+        rt_swarm probe;
+        assert_int_equal(rt_swarm_clone(&probe, &sw), FU_OK);
+        rt_swarm_remove_server(&probe, i);
+        if (rt_swarm_uncovered(&probe, NULL)) victim = i;
+        rt_swarm_free(&probe);
+    }
+    assert_true(victim >= 0);
+    rt_swarm_remove_server(&sw, victim);
+    assert_true(rt_swarm_uncovered(&sw, NULL) > 0);
+    assert_true(rt_max_flow(&sw, &fo) == 0);
+    rt_swarm pre;
+    assert_int_equal(rt_swarm_clone(&pre, &sw), FU_OK);
+    rt_move mv[64];
+    int nm = 0;
+    assert_int_equal(rt_place_rebalance(&sw, &fo, 0.02, 64, mv, &nm), FU_OK);
+    assert_true(nm > 0);
+    check_valid(&sw);
+    assert_true(rt_max_flow(&sw, &fo) > 0);
+    int unc = rt_swarm_uncovered(&pre, NULL);
+    for (int i = 0; i < nm; i++) {
+        assert_int_equal(pre.servers[mv[i].server].first, mv[i].old_first);
+        assert_int_equal(rt_swarm_set_span(&pre, mv[i].server, mv[i].new_first, mv[i].new_last), FU_OK);
+        int u = rt_swarm_uncovered(&pre, NULL);
+        assert_true(u <= unc);
+        unc = u;
+    }
+    assert_int_equal(unc, 0);
+    rt_swarm_free(&pre);
+    rt_swarm_free(&sw);
+}
+
+/* --- routing ------------------------------------------------------------------------------ */
+
+/* A [0,2) 300 and B [0,2) 100 feed C [2,4) 1000; W [0,2) carries 1% of the flow (skipped). */
+static void test_iwrr(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double ta[] = {600, 300}, tb[] = {200, 100}, tw[] = {8, 4}, tc[] = {2000, 1000};
+    double kvc[] = {1e9, 1e9};
+    int a = add(&sw, "A", 2, ta, 0, 2), b = add(&sw, "B", 2, tb, 0, 2), w = add(&sw, "W", 2, tw, 0, 2);
+    int c = add(&sw, "C", 2, tc, 2, 4);
+    memcpy(sw.servers[c].kv_tokens, kvc, sizeof kvc); /* the swarm's own copy of the table */
+    link_all(&sw, 1e9);
+    rt_router *r;
+    rt_route_opts ro = {{RT_CONV_RUNTIME, 0}, 0};
+    assert_int_equal(rt_router_init(&r, &sw, &ro), FU_OK);
+    NEAR(rt_router_flow(r)->value, 404, 1e-9);
+    rt_path *paths[400];
+    int cnt[4] = {0};
+    for (int i = 0; i < 400; i++) {
+        assert_int_equal(rt_route(r, 10, &paths[i]), FU_OK);
+        assert_int_equal(paths[i]->n_hops, 2);
+        assert_int_equal(paths[i]->servers[1], c);
+        assert_int_equal(paths[i]->first[0], 0);
+        assert_int_equal(paths[i]->last[0], 2);
+        assert_int_equal(paths[i]->first[1], 2);
+        assert_int_equal(paths[i]->last[1], 4);
+        cnt[paths[i]->servers[0]]++;
+        if (i == 39) { /* interleaved: proportions hold early too */
+            assert_true(abs(cnt[a] - 30) <= 1 && abs(cnt[b] - 10) <= 1);
+        }
+    }
+    assert_int_equal(cnt[w], 0);
+    assert_true(abs(cnt[a] - 300) <= 1);
+    assert_true(abs(cnt[b] - 100) <= 1);
+    NEAR(rt_router_load(r, c), 4000, 1e-9);
+    for (int i = 0; i < 400; i++) rt_release(paths[i]);
+    NEAR(rt_router_load(r, c), 0, 1e-9);
+    NEAR(rt_router_load(r, a), 0, 1e-9);
+    rt_release(NULL);
+    /* KV admission: C admits 25 requests of 40 tokens, then the swarm is full */
+    sw.servers[c].kv_tokens[1] = 1000;
+    for (int i = 0; i < 25; i++) assert_int_equal(rt_route(r, 40, &paths[i]), FU_OK);
+    rt_path *extra = NULL;
+    assert_int_equal(rt_route(r, 40, &extra), FU_ERR_EXHAUSTED);
+    assert_null(extra);
+    rt_release(paths[3]);
+    assert_int_equal(rt_route(r, 40, &paths[3]), FU_OK);
+    for (int i = 0; i < 25; i++) rt_release(paths[i]);
+    /* no chain: the only last-stage server leaves */
+    rt_swarm_remove_server(&sw, c);
+    assert_int_equal(rt_router_update(r), FU_OK);
+    assert_int_equal(rt_route(r, 10, &extra), FU_ERR_NOT_FOUND);
+    assert_int_equal(rt_route(r, 0, &extra), FU_ERR_INVALID);
+    rt_router_free(r);
+    rt_router_free(NULL);
+    rt_swarm_free(&sw);
+}
+
+/* --- simulator ---------------------------------------------------------------------------- */
+
+static void test_sim(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double ta[] = {600, 300}, tc[] = {800, 400};
+    add(&sw, "A", 2, ta, 0, 2);
+    add(&sw, "C", 2, tc, 2, 4);
+    link_all(&sw, 1e9);
+    rt_sim_opts so;
+    memset(&so, 0, sizeof so);
+    so.duration_s = 200;
+    so.warmup_s = 20;
+    so.concurrency = 64;
+    so.prompt_len = 30;
+    so.output_len = 10;
+    rt_sim_result res;
+    assert_int_equal(rt_sim_run(&sw, &so, &res), FU_OK);
+    NEAR(res.max_flow, 300, 1e-9);
+    /* saturated: tokens processed = prompt + decode ~ the bottleneck's 300 tokens/s */
+    double total = res.decode_tps + res.prompt_tps;
+    assert_true(total <= 300 * 1.02 && total >= 300 * 0.9);
+    NEAR(res.decode_tps / total, 10.0 / 40.0, 0.03);
+    assert_true(res.completed > 0 && res.rejected == 0);
+    /* open loop at a light rate: throughput follows the arrivals */
+    so.concurrency = 0;
+    so.arrival_rate = 2; /* 2 requests/s x 10 decode tokens */
+    assert_int_equal(rt_sim_run(&sw, &so, &res), FU_OK);
+    NEAR(res.decode_tps, 20, 3);
+    assert_true(res.mean_decode_latency_s < 0.05);
+    rt_swarm_free(&sw);
+}
+
+/* --- loaders ------------------------------------------------------------------------------ */
+
+static void test_ini_and_exprs(void **st) {
+    (void)st;
+    double v;
+    assert_int_equal(rt__eval_expr("12.5 * mbps", &v), FU_OK);
+    NEAR(v, 12.5e6, 1e-6);
+    assert_int_equal(rt__eval_expr("1 * MilliSec", &v), FU_OK);
+    NEAR(v, 1e-3, 1e-15);
+    assert_int_equal(rt__eval_expr("16*GB", &v), FU_OK);
+    NEAR(v, 16e9, 1);
+    assert_int_equal(rt__eval_expr("3 * parsecs", &v), FU_ERR_FORMAT);
+    assert_int_equal(rt__eval_expr("", &v), FU_ERR_FORMAT);
+    assert_int_equal(rt__eval_expr("1 *", &v), FU_ERR_FORMAT);
+    int *l, n;
+    assert_int_equal(rt__parse_int_list("['source', 1, 22, 'sink']", &l, &n), FU_OK);
+    assert_int_equal(n, 4);
+    assert_int_equal(l[0], RT_SOURCE);
+    assert_int_equal(l[2], 22);
+    assert_int_equal(l[3], RT_SINK);
+    free(l);
+    assert_int_equal(rt__parse_int_list("[1, 2", &l, &n), FU_ERR_FORMAT);
+    assert_int_equal(rt__parse_int_list("[1, 'x']", &l, &n), FU_ERR_FORMAT);
+    assert_int_equal(rt__parse_int_list("1, 2]", &l, &n), FU_ERR_FORMAT);
+    rt_ini ini;
+    const char *t = "# c\n[A]\nx = 1 * gbps\n[B]\ny=2\n";
+    assert_int_equal(rt__ini_parse(&ini, t, strlen(t)), FU_OK);
+    assert_string_equal(rt__ini_get(&ini, "A", "x"), "1 * gbps");
+    assert_null(rt__ini_get(&ini, "A", "y"));
+    rt__ini_free(&ini);
+    const char *bad = "[A\nx=1\n";
+    assert_int_equal(rt__ini_parse(&ini, bad, strlen(bad)), FU_ERR_FORMAT);
+    const char *bad2 = "[A]\nnovalue\n";
+    assert_int_equal(rt__ini_parse(&ini, bad2, strlen(bad2)), FU_ERR_FORMAT);
+}
+
+static void test_json_format(void **st) {
+    (void)st;
+    const char *ok =
+        "{\"model\": {\"name\": \"m\", \"n_layers\": 4, \"token_bytes\": 2, \"activation_bytes\": 8},"
+        " \"default_link\": {\"bandwidth\": 1e9, \"latency\": 0.001},"
+        " \"servers\": [{\"name\": \"a\", \"layer_tokens_per_s\": 400, \"max_layers\": 4, \"span\": [0, 2]},"
+        "               {\"name\": \"b\", \"tokens_per_s_by_layers\": [500, 250], \"span\": [2, 4],"
+        "                \"kv_tokens_by_layers\": [100, 50]},"
+        "               {\"name\": \"c\", \"tokens_per_s_by_layers\": [1], \"state\": \"spare\"}],"
+        " \"links\": [{\"from\": \"a\", \"to\": \"b\", \"bandwidth\": 1000, \"latency\": 0.01,"
+        "              \"bidirectional\": false}]}";
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_parse_json(&sw, ok, strlen(ok)), FU_OK);
+    assert_int_equal(sw.n_servers, 3);
+    assert_int_equal(sw.servers[2].state, RT_SERVER_SPARE);
+    NEAR(rt_swarm_tput(&sw, 0, 2), 200, 1e-9);
+    NEAR(rt_swarm_kv_tokens(&sw, 1, 2), 50, 1e-9);
+    /* a (200) -> b (250) over a 1000 B/s link: 1000 / 10 = 100 tokens/s */
+    NEAR(rt_max_flow(&sw, NULL), 100, 1e-9);
+    NEAR(rt_swarm_link(&sw, 1, 0).bandwidth, 1e9, 1); /* not bidirectional: default stays */
+    char path[] = "/tmp/test_router_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(rt_swarm_save_json(&sw, path), FU_OK);
+    rt_swarm back;
+    assert_int_equal(rt_swarm_load_json(&back, path), FU_OK);
+    unlink(path);
+    NEAR(rt_max_flow(&back, NULL), 100, 1e-9);
+    assert_int_equal(back.servers[1].last, 4);
+    rt_swarm_free(&back);
+    rt_swarm_free(&sw);
+    static const char *bad[] = {
+        "", "[]", "{\"model\": {}}", "{\"model\": {\"n_layers\": 4}, \"servers\": []}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"servers\": [{\"name\": \"a\"}]}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"servers\": [{\"name\": \"a\","
+        " \"layer_tokens_per_s\": 1, \"max_layers\": 2, \"span\": [0, 3]}]}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"servers\": [{\"name\": \"a\","
+        " \"tokens_per_s_by_layers\": [1, -2]}]}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"servers\": [{\"name\": \"a\","
+        " \"tokens_per_s_by_layers\": [1]}], \"links\": [{\"from\": \"a\", \"to\": \"zz\"}]}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"servers\": [{\"name\": \"a\","
+        " \"tokens_per_s_by_layers\": [1]}, {\"name\": \"a\", \"tokens_per_s_by_layers\": [1]}]}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"servers\": [{\"name\": \"a\","
+        " \"tokens_per_s_by_layers\": [1], \"state\": \"zombie\"}]}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = rt_swarm_parse_json(&sw, bad[i], strlen(bad[i]));
+        assert_true(rc == FU_ERR_FORMAT || rc == FU_ERR_RANGE || rc == FU_ERR_INVALID);
+        rt_swarm_free(&sw);
+    }
+}
+
+/* Helix's single-region cluster and its published MILP placement (1289.6 tokens/s). */
+static void test_helix_files(void **st) {
+    (void)st;
+    const char *H = "/work/shared/anchors/helix";
+    if (access(H, R_OK)) skip();
+    char a[512], b[512], c[512], d[512], e[512];
+    snprintf(a, sizeof a, "%s/derived/model_constants.json", H);
+    snprintf(b, sizeof b, "%s/artifact_evaluation/single_cluster/config/cluster24.ini", H);
+    snprintf(c, sizeof c, "%s/simulator/model_manager/google_machine_profiles.ini", H);
+    snprintf(d, sizeof d, "%s/derived/node_capacity_by_layers.csv", H);
+    snprintf(e, sizeof e, "%s/artifact_evaluation/single_cluster/layout_llama70b/ilp/ilp_sol.ini", H);
+    rt_model m;
+    assert_int_equal(rt_helix_load_model(&m, a, "llama2_70b"), FU_OK);
+    assert_int_equal(m.n_layers, 80);
+    NEAR(m.act_bytes, 16384, 0);
+    NEAR(m.layer_bytes, 1.53e9, 1);
+    NEAR(m.kv_bytes_per_token_layer, 4096, 0);
+    assert_int_equal(rt_helix_load_model(&m, a, "gpt5"), FU_ERR_NOT_FOUND);
+    assert_int_equal(rt_helix_load_model(&m, a, "llama2_70b"), FU_OK);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    assert_int_equal(rt_helix_load_cluster(&sw, b, c, d), FU_OK);
+    assert_int_equal(sw.n_servers, 24);
+    assert_string_equal(sw.servers[6].kind, "A100");
+    assert_int_equal(rt_swarm_max_layers(&sw, 6), 12);
+    assert_int_equal(rt_swarm_max_layers(&sw, 1), 4); /* T4 */
+    NEAR(rt_swarm_tput(&sw, 1, 4), 757.853, 1e-3);
+    NEAR(rt_swarm_kv_tokens(&sw, 6, 11), 3795264.0 / 11, 1e-6);
+    assert_int_equal(rt_helix_load_placement(&sw, e), FU_OK);
+    rt_flow_opts ilp = {RT_CONV_ILP, 0};
+    NEAR(rt_max_flow(&sw, &ilp), 1289.6, 0.05);
+    NEAR(rt_max_flow(&sw, NULL), 1289.6, 0.05);
+    assert_int_equal(rt_helix_load_placement(&sw, "/nonexistent.ini"), FU_ERR_IO);
+    rt_swarm_free(&sw);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_maxflow_greedy_trap), cmocka_unit_test(test_maxflow_clrs),
+        cmocka_unit_test(test_flow_network_tiny),   cmocka_unit_test(test_vram_limit),
+        cmocka_unit_test(test_placements),          cmocka_unit_test(test_join_leave),
+        cmocka_unit_test(test_iwrr),                cmocka_unit_test(test_sim),
+        cmocka_unit_test(test_ini_and_exprs),       cmocka_unit_test(test_json_format),
+        cmocka_unit_test(test_helix_files),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
