@@ -1,0 +1,65 @@
+/* kv-store.cu -- row t of src (T, C) f32 into its cache row, converting to f16 where the cache is F16. */
+#include "kv-store.cuh"
+
+/* Where token t goes, worked out on the host. */
+typedef struct kv_row {
+    uint8_t *row; /* device: cache row (C elements) */
+    int32_t f16;  /* 1: F16 cache, 0: F32 */
+    int32_t pad;
+} kv_row;
+
+typedef struct kv_store_args {
+    const float *src;   /* (T, C) */
+    const kv_row *rows; /* (T) device */
+    int64_t nt, cols;
+} kv_store_args;
+
+CU_DEV void kv_store_body(const cu_ctx *c, const kv_store_args *a) {
+    const int64_t n = a->nt * a->cols;
+    for (int64_t g = cu_gid(c); g < n; g += cu_gstride(c)) {
+        const int64_t t = g / a->cols, i = g % a->cols;
+        kv_row r = a->rows[t];
+        if (r.f16)
+            ((uint16_t *)r.row)[i] = cu_f32_to_f16(a->src[g]);
+        else
+            ((float *)r.row)[i] = a->src[g];
+    }
+}
+CU_KERNEL(kv_store, kv_store_args)
+
+CU_INTERNAL int cuda_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, const int32_t *seq,
+                              const int32_t *pos) {
+    cuda_backend *cb = cuda_be(be);
+    if (!cuda_f32_contig(src)) return fu_errorf(FU_ERR_INVALID, "kv_store: src must be contiguous f32");
+    const int64_t nt = src->ne[1] * src->ne[2] * src->ne[3], cols = src->ne[0];
+    if (nt == 0 || cols == 0) return FU_OK;
+    kv_row *rows = (kv_row *)cuda_meta_host(cb, (size_t)nt * sizeof(kv_row));
+    if (!rows) return FU_ERR_NOMEM;
+    for (int64_t t = 0; t < nt; t++) {
+        if (seq[t] < 0) return fu_errorf(FU_ERR_RANGE, "kv_store: negative sequence %d", seq[t]);
+        const op_tensor *d = dst[seq[t]];
+        int last = d->ndim > 1 ? d->ndim - 1 : 1;
+        int64_t len = d->ne[last];
+        size_t es = d->type == OP_TYPE_F16 ? 2 : 4;
+        if ((d->type != OP_TYPE_F32 && d->type != OP_TYPE_F16) || op_tensor_nelems(d) != len * cols ||
+            d->nb[0] != es || !d->data || d->nb[last] % es || (uintptr_t)d->data % es)
+            return fu_errorf(FU_ERR_INVALID, "kv_store: cache %d must be F32/F16 rows of %lld", seq[t],
+                             (long long)cols);
+        if (pos[t] < 0 || pos[t] >= len)
+            return fu_errorf(FU_ERR_RANGE, "kv_store: position %d outside cache of %lld", pos[t],
+                             (long long)len);
+        rows[t].row = (uint8_t *)d->data + (size_t)pos[t] * d->nb[last];
+        rows[t].f16 = d->type == OP_TYPE_F16;
+        rows[t].pad = 0;
+    }
+    int rc = cu_rt_enter(cb);
+    if (rc) return rc;
+    kv_store_args a;
+    void *dev;
+    if ((rc = cuda_meta_upload(cb, (size_t)nt * sizeof(kv_row), &dev))) return rc;
+    a.src = (const float *)src->data;
+    a.rows = (const kv_row *)dev;
+    a.nt = nt;
+    a.cols = cols;
+    return CU_LAUNCH(cb, kv_store, cu_dim(cu_blocks_for(nt * cols, 256), 1, 1), cu_dim(256, 1, 1), 0, a);
+}
