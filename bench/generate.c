@@ -123,7 +123,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     t_load = bench_now() - t_load;
-    op_cpu_options co = {threads, isa};
+    op_cpu_options co = {.n_threads = threads, .isa = isa};
     op_backend *be = op_backend_cpu_new(&co);
     if (!be) {
         fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());

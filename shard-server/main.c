@@ -301,7 +301,7 @@ int main(int argc, char **argv) {
         mo.head = a.last < 0 || a.last == L;
     }
     if ((rc = mdl_open(path, &mo, &m))) goto done;
-    op_cpu_options co = {a.threads, OP_CPU_ISA_AUTO};
+    op_cpu_options co = {.n_threads = a.threads, .isa = OP_CPU_ISA_AUTO};
     if (!(be = op_backend_cpu_new(&co))) {
         rc = FU_ERR_INTERNAL;
         goto done;

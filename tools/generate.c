@@ -259,7 +259,7 @@ int main(int argc, char **argv) {
         goto done;
     }
 
-    op_cpu_options co = {a.threads, a.isa};
+    op_cpu_options co = {.n_threads = a.threads, .isa = a.isa};
     if (!(be = op_backend_cpu_new(&co))) {
         rc = FU_ERR_INTERNAL;
         goto done;

@@ -105,7 +105,7 @@ static void test_real_backend_absent(void **state) {
 
 static int setup(void **state) {
     (void)state;
-    op_cpu_options o = {1, OP_CPU_ISA_PORTABLE, false};
+    op_cpu_options o = {.n_threads = 1, .isa = OP_CPU_ISA_PORTABLE};
     cmp_cpu = op_backend_cpu_new(&o);
     assert_non_null(cmp_cpu);
     /* small GEMM chunks: the prefill path then dequantizes weights in several pieces */

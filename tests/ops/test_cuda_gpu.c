@@ -11,7 +11,7 @@
 
 static int setup(void **state) {
     (void)state;
-    op_cpu_options o = {1, OP_CPU_ISA_PORTABLE, false};
+    op_cpu_options o = {.n_threads = 1, .isa = OP_CPU_ISA_PORTABLE};
     cmp_cpu = op_backend_cpu_new(&o);
     assert_non_null(cmp_cpu);
     cmp_dev = op_backend_cuda_new(0);

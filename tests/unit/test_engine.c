@@ -43,7 +43,7 @@ static void fixture_open(fixture *f, mdl_arch arch, op_type wt, int max_batch) {
     mdl_config c = small_config(arch);
     mdl_open_options o = mdl_open_options_all();
     assert_int_equal(mdl_random(&c, wt, 42, &o, &f->m), FU_OK);
-    op_cpu_options co = {2, OP_CPU_ISA_AUTO};
+    op_cpu_options co = {.n_threads = 2, .isa = OP_CPU_ISA_AUTO};
     f->be = op_backend_cpu_new(&co);
     assert_non_null(f->be);
     eng_options eo = {max_batch, OP_TYPE_F32};
@@ -156,7 +156,7 @@ static void test_span_without_embeddings_takes_hidden_states(void **state) {
     mdl_model *mw, *m1, *m2;
     assert_int_equal(mdl_random(&c, OP_TYPE_F32, 7, &all, &mw), FU_OK);
     assert_int_equal(mdl_random(&c, OP_TYPE_F32, 7, &first, &m1), FU_OK);
-    op_cpu_options co = {1, OP_CPU_ISA_AUTO};
+    op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
     op_backend *be = op_backend_cpu_new(&co);
     eng_engine *ew, *e1;
     assert_int_equal(eng_new(mw, be, NULL, &ew), FU_OK);

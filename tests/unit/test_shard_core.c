@@ -102,7 +102,7 @@ static void test_concurrent_sessions_batch_and_match(void **state) {
     mdl_config cfg = test_config();
     mdl_model *m;
     assert_int_equal(mdl_random(&cfg, OP_TYPE_BF16, 11, NULL, &m), FU_OK);
-    op_cpu_options co = {2, OP_CPU_ISA_AUTO};
+    op_cpu_options co = {.n_threads = 2, .isa = OP_CPU_ISA_AUTO};
     op_backend *be = op_backend_cpu_new(&co);
     shard_core *core;
     shard_core_options o = {64u << 20, 64, OP_TYPE_F32};
@@ -143,7 +143,7 @@ static void test_chained_spans_equal_whole(void **state) {
     assert_int_equal(mdl_random(&cfg, OP_TYPE_F16, 5, NULL, &whole), FU_OK);
     assert_int_equal(mdl_random(&cfg, OP_TYPE_F16, 5, &oa, &a), FU_OK);
     assert_int_equal(mdl_random(&cfg, OP_TYPE_F16, 5, &ob, &b), FU_OK);
-    op_cpu_options co = {1, OP_CPU_ISA_AUTO};
+    op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
     op_backend *be = op_backend_cpu_new(&co);
     shard_core *cw, *ca, *cb;
     assert_int_equal(shard_core_new(whole, be, NULL, &cw), FU_OK);
@@ -189,7 +189,7 @@ static void test_admission_and_bad_steps(void **state) {
     mdl_config cfg = test_config();
     mdl_model *m;
     assert_int_equal(mdl_random(&cfg, OP_TYPE_F32, 3, NULL, &m), FU_OK);
-    op_cpu_options co = {1, OP_CPU_ISA_AUTO};
+    op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
     op_backend *be = op_backend_cpu_new(&co);
     shard_core *core;
     /* 3 layers x 2 (K, V) x 32 floats x 4 bytes = 768 bytes per position: room for 100 */

@@ -52,7 +52,7 @@ static void start(fixture *f, int first, int last, bool embed, bool head) {
     mdl_config c = cfg_small();
     mdl_open_options o = {first, last, embed, head};
     assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &o, &f->m), FU_OK);
-    op_cpu_options co = {1, OP_CPU_ISA_AUTO};
+    op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
     f->be = op_backend_cpu_new(&co);
     shard_core_options so = {1u << 20, 64, OP_TYPE_F32};
     assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
