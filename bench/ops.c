@@ -4,7 +4,9 @@
  * thread count) and the clock (a chain of dependent adds), then prints for each
  * ISA path and weight type:
  *   decode:  T=1 matvec at Llama-3.2-1B shapes, GB/s of weights streamed and the
- *            fraction of the bandwidth bound. Weights rotate through >= 1 GiB of
+ *            fraction of the bandwidth bound, on the default (exact, f32
+ *            activations) path; for Q8_0/Q4_0/Q4_1 on the SIMD ISAs also a
+ *            second line "int8-x" for the opt-in quantized_activations path. Weights rotate through >= 1 GiB of
  *            copies so that they never sit in the last-level cache, and the bound
  *            is a plain streaming sum over the same copies with the same threads,
  *            alternated with the matvec passes (the machine's bandwidth varies
@@ -332,14 +334,17 @@ int main(int argc, char **argv) {
     static const int64_t dshapes[][2] = {{8192, 2048}, {2048, 8192}, {128256, 2048}}; /* (N, K) */
     for (size_t ii = 0; ii < sizeof isas / sizeof isas[0]; ii++) {
         if (strcmp(isa_arg, "all") && strcmp(isa_arg, isas[ii].name)) continue;
-        op_backend *be = op_backend_cpu_new(&(op_cpu_options){nth, isas[ii].isa});
-        if (!be) {
+        op_backend *be = op_backend_cpu_new(&(op_cpu_options){.n_threads = nth, .isa = isas[ii].isa});
+        op_backend *beq = op_backend_cpu_new(
+            &(op_cpu_options){.n_threads = nth, .isa = isas[ii].isa, .quantized_activations = true});
+        if (!be || !beq) {
             fprintf(stderr, "backend: %s\n", fu_last_error());
             return 1;
         }
         if (strcmp(op_backend_isa(be), isas[ii].name)) {
             printf("[%s] not available on this CPU\n", isas[ii].name);
             op_backend_free(be);
+            op_backend_free(beq);
             continue;
         }
         bool portable = isas[ii].isa == OP_CPU_ISA_PORTABLE;
@@ -364,6 +369,14 @@ int main(int argc, char **argv) {
                            isas[ii].name, op_type_name(type), (long long)n, (long long)k, sec * 1e3,
                            bytes / sec * 1e-9, sum_s / sec, bytes / 1048576.0, w.copies, bytes / sum_s * 1e-9);
                     fflush(stdout);
+                    if (!portable && (type == OP_TYPE_Q8_0 || type == OP_TYPE_Q4_0 || type == OP_TYPE_Q4_1)) {
+                        sec = bench_decode(beq, &w, quick ? 3 : 6, &sum_s);
+                        printf("[%-8s] decode  %-5s N=%-6lld K=%-5lld T=1   %8.3f ms  %6.1f GB/s  %5.2f of bandwidth"
+                               " (int8-x: opt-in quantized_activations; stream-read %.1f GB/s)\n",
+                               isas[ii].name, op_type_name(type), (long long)n, (long long)k, sec * 1e3,
+                               bytes / sec * 1e-9, sum_s / sec, bytes / sum_s * 1e-9);
+                        fflush(stdout);
+                    }
                     bench_weight_free(be, &w);
                 }
             }
@@ -386,6 +399,7 @@ int main(int argc, char **argv) {
             }
         }
         op_backend_free(be);
+        op_backend_free(beq);
     }
     return 0;
 }

@@ -114,6 +114,14 @@ typedef enum op_cpu_isa {
 typedef struct op_cpu_options {
     int n_threads;  /* 0: number of online CPUs */
     op_cpu_isa isa; /* forced level; one the CPU lacks falls back to the best it has */
+    /* false (the default, also for zero-initialised or positional {n_threads, isa}
+     * options): every matmul is f32 math on the dequantized weights, whatever T.
+     * true (opt-in, llama.cpp style): decode matmuls (T <= 8) with Q8_0/Q4_0/Q4_1
+     * weights and K % 64 == 0 on the AVX2/AVX-512 paths first round each token's
+     * activations to int8 per block of 32 (d = amax/127) and use integer dot
+     * products: results then depend on T and differ from the f32 ones by up to
+     * ~d/2 * sum|w| per block. */
+    bool quantized_activations;
 } op_cpu_options;
 
 /* Creates the CPU backend; returns NULL on failure (fu_last_error() says why).

@@ -1,9 +1,11 @@
 /* opcheck.c -- fusion-opcheck: runs one op of the CPU backend on raw arrays, for oracle tests.
  *
- * Usage: fusion-opcheck [--isa auto|portable|avx2|avx512] [--threads N] OP ARGS...
+ * Usage: fusion-opcheck [--isa auto|portable|avx2|avx512] [--threads N] [--int8-x] OP ARGS...
+ * (--int8-x: the opt-in op_cpu_options.quantized_activations)
  * Reads the op's inputs as raw little-endian arrays, concatenated, from stdin
  * and writes its f32 output to stdout:
- *   matmul TYPE T N K        W (N rows of TYPE: f32|f16|bf16), x (T,K) f32  -> y (T,N)
+ *   matmul TYPE T N K        W (N rows of TYPE: f32|f16|bf16|q8_0|q4_0|q4_1, the Q types
+ *                            as GGUF blocks), x (T,K) f32                 -> y (T,N)
  *   rmsnorm R D EPS          x (R,D), w (D)                               -> y (R,D)
  *   rope neox|norm T H HD ROT  x (T,H,HD), pos (T) i32, inv_freq (ROT/2)  -> x rotated
  *   attention f32|f16 T H KVH HD  q (T,H,HD), k (T,KVH,HD), v (T,KVH,HD): one
@@ -43,7 +45,7 @@ static bool oc_int(const char *s, long long *out) {
 }
 
 static int oc_usage(void) {
-    fprintf(stderr, "usage: fusion-opcheck [--isa auto|portable|avx2|avx512] [--threads N] OP ARGS... "
+    fprintf(stderr, "usage: fusion-opcheck [--isa auto|portable|avx2|avx512] [--threads N] [--int8-x] OP ARGS... "
                     "(see the header of tools/opcheck.c)\n");
     return 2;
 }
@@ -54,10 +56,13 @@ static int oc_fail(const char *what) {
 }
 
 int main(int argc, char **argv) {
-    op_cpu_options opts = {0, OP_CPU_ISA_AUTO};
+    op_cpu_options opts = {.n_threads = 0, .isa = OP_CPU_ISA_AUTO};
     int i = 1;
     for (; i + 1 < argc && !strncmp(argv[i], "--", 2); i += 2) {
-        if (!strcmp(argv[i], "--threads")) {
+        if (!strcmp(argv[i], "--int8-x")) { /* opt-in quantized_activations; takes no value */
+            opts.quantized_activations = true;
+            i--;
+        } else if (!strcmp(argv[i], "--threads")) {
             long long n;
             if (!oc_int(argv[i + 1], &n)) return oc_usage();
             opts.n_threads = (int)n;
@@ -81,10 +86,13 @@ int main(int argc, char **argv) {
     int rc = 2;
     if (!strcmp(op, "matmul") && nargs == 4 && oc_int(argv[i + 1], &a[0]) && oc_int(argv[i + 2], &a[1]) &&
         oc_int(argv[i + 3], &a[2])) {
-        const char *tn = argv[i];
-        op_type type = !strcmp(tn, "f32") ? OP_TYPE_F32 : !strcmp(tn, "f16") ? OP_TYPE_F16 : OP_TYPE_BF16;
-        if (strcmp(tn, "f32") && strcmp(tn, "f16") && strcmp(tn, "bf16")) goto out;
+        static const op_type mm_types[] = {OP_TYPE_F32, OP_TYPE_F16, OP_TYPE_BF16, OP_TYPE_Q8_0, OP_TYPE_Q4_0,
+                                           OP_TYPE_Q4_1};
+        op_type type = OP_TYPE_COUNT;
+        for (size_t ti = 0; ti < sizeof mm_types / sizeof mm_types[0]; ti++)
+            if (!strcmp(argv[i], op_type_name(mm_types[ti]))) type = mm_types[ti];
         int64_t t = a[0], n = a[1], k = a[2];
+        if (type == OP_TYPE_COUNT || k % op_type_block_elems(type)) goto out;
         void *w = oc_read(op_row_bytes(type, k) * (size_t)n);
         float *x = oc_read((size_t)(t * k) * 4), *y = malloc((size_t)(t * n) * 4 + 4);
         if (w && x && y) {

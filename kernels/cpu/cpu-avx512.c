@@ -157,7 +157,235 @@ CPU_INLINE void cpu_avx512_matvec_any(op_type type, const cpu_mm *m, int64_t r0,
     }
 }
 
-/* ---- integer matvec (VNNI) for Q4_0 / Q4_1 -------------------------------------------
+/* ---- exact matvec for the block types (Q8_0, Q4_0, Q4_1, I8) -----------------------
+ *
+ * f32 activations, f32 accumulation, weights dequantized in registers to exactly
+ * op_dequantize_row's values: Q8_0 d * q (exact in f32: 11 x 8 significant
+ * bits); Q4_0 / Q4_1 by a 16-entry table per block, tbl[j] = d * (j - 8) or
+ * d * j + m (d * j is exact, so the FMA rounds once like the reference's add),
+ * looked up with vpermps by the nibbles (vpmovzxbd, and a shift for the high
+ * ones); I8 as q, the row scale applied to the sum. Each dequantized block is
+ * used for R rows x NT tokens of accumulators. The f16 scales of 8 blocks are
+ * picked out of the block bytes with word permutes (no scalar moves) and
+ * converted at once. The weights are prefetched 2 KiB (into L1) and 16 KiB
+ * (into L2) ahead in the order the kernel reads them. */
+
+CPU_INLINE size_t cpu_qblock_bytes(op_type type) {
+    return type == OP_TYPE_Q8_0   ? sizeof(op_block_q8_0)
+           : type == OP_TYPE_Q4_0 ? sizeof(op_block_q4_0)
+           : type == OP_TYPE_Q4_1 ? sizeof(op_block_q4_1)
+                                  : 32; /* I8: 32 int8 */
+}
+
+/* dm[j] = d of block j < 8 starting at p (8 whole blocks of `type`), and for
+ * Q4_1 dm[8 + j] = m. Reads only those 8 blocks. */
+CPU_INLINE void cpu_avx512_scales8(op_type type, const uint8_t *p, float *dm) {
+    const __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64);
+    if (type == OP_TYPE_Q4_0) { /* d at word 9j */
+        const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                             0, 0, 0, 0, 63, 54, 45, 36, 27, 18, 9, 0);
+        __m512i h = _mm512_permutex2var_epi16(a, idx, b);
+        _mm256_storeu_ps(dm, _mm256_cvtph_ps(_mm512_castsi512_si128(h)));
+    } else if (type == OP_TYPE_Q4_1) { /* d, m at words 10j, 10j + 1; block 7 from bytes 96.. */
+        const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 61, 51, 41,
+                                             31, 21, 11, 1, 0, 60, 50, 40, 30, 20, 10, 0);
+        const __m512i idx7 = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 23, 0, 0, 0,
+                                              0, 0, 0, 0, 22, 0, 0, 0, 0, 0, 0, 0);
+        __m512i h = _mm512_permutex2var_epi16(a, idx, b);
+        h = _mm512_mask_permutexvar_epi16(h, (__mmask32)0x8080, idx7, _mm512_loadu_si512(p + 96));
+        _mm512_storeu_ps(dm, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    } else { /* Q8_0: d at word 17j; blocks 4..7 from bytes 136.. */
+        const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                             0, 0, 0, 0, 51, 34, 17, 0, 51, 34, 17, 0);
+        __m512i h0 = _mm512_permutex2var_epi16(a, idx, b);
+        __m512i h1 = _mm512_permutex2var_epi16(_mm512_loadu_si512(p + 136), idx, _mm512_loadu_si512(p + 200));
+        __m512i h = _mm512_mask_blend_epi16((__mmask32)0xf0, h0, h1);
+        _mm256_storeu_ps(dm, _mm256_cvtph_ps(_mm512_castsi512_si128(h)));
+    }
+}
+
+/* Block b of the row at blk (already offset to the block) dequantized: w0 =
+ * elements 0..15, w1 = 16..31; d, m its scale and minimum (unused for I8). */
+CPU_INLINE void cpu_avx512_qdeq(op_type type, const uint8_t *blk, float d, float m, __m512 base, __m512 *w0,
+                                __m512 *w1) {
+    if (type == OP_TYPE_Q8_0) {
+        __m512 dv = _mm512_set1_ps(d);
+        *w0 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
+        *w1 = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
+    } else if (type == OP_TYPE_I8) {
+        *w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)blk)));
+        *w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16))));
+    } else {
+        __m512 tbl = type == OP_TYPE_Q4_1 ? _mm512_fmadd_ps(_mm512_set1_ps(d), base, _mm512_set1_ps(m))
+                                          : _mm512_mul_ps(_mm512_set1_ps(d), base);
+        __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (type == OP_TYPE_Q4_1 ? 4 : 2))));
+        *w0 = _mm512_permutexvar_ps(q, tbl);                       /* low nibbles: elements 0..15 */
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tbl); /* high nibbles: 16..31 */
+    }
+}
+
+/* Software prefetch of a group of R weight rows: the position CPU_QMV_PF_*
+ * bytes ahead in the order the kernel reads the rows (8 blocks of each of
+ * the R rows, then the next 8, then the next group of rows), as row i = 0 of
+ * group `at` at block pb. Near (into L1) and far (into L2): the L2 requests
+ * run ahead without holding L1 fill buffers. */
+#define CPU_QMV_PF_L1 2048
+#define CPU_QMV_PF_L2 16384
+
+typedef struct cpu_qpf {
+    const uint8_t *at; /* row 0 of the target group, at block pb */
+    int64_t pb;
+} cpu_qpf;
+
+CPU_INLINE void cpu_qpf_init(cpu_qpf *p, const uint8_t *w, size_t ws, size_t bs, int64_t nb, int R, int64_t ahead) {
+    const int64_t steps = ahead / (int64_t)((size_t)R * bs); /* blocks ahead in each row */
+    p->pb = steps % nb;
+    p->at = w + (size_t)(steps / nb) * (size_t)R * ws + (size_t)p->pb * bs;
+}
+
+CPU_INLINE void cpu_qpf_line(const char *a, bool l1) {
+    if (l1)
+        _mm_prefetch(a, _MM_HINT_T0);
+    else
+        _mm_prefetch(a, _MM_HINT_T1);
+}
+
+/* Prefetches (into L1, or L2) 8 blocks of each of the R rows at the position
+ * (every line they touch), and moves it on. */
+CPU_INLINE void cpu_qpf_step(cpu_qpf *p, size_t ws, size_t bs, int64_t nb, const int R, bool l1) {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+        const char *a = (const char *)p->at + (size_t)i * ws;
+        cpu_qpf_line(a, l1);
+        cpu_qpf_line(a + 64, l1);
+        if (8 * bs > 128) cpu_qpf_line(a + 128, l1);
+        if (8 * bs > 192) cpu_qpf_line(a + 192, l1);
+        cpu_qpf_line(a + 8 * bs - 1, l1);
+    }
+    p->at += 8 * bs;
+    p->pb += 8;
+    if (p->pb >= nb) {
+        p->pb -= nb;
+        p->at += (size_t)R * ws - (size_t)nb * bs;
+    }
+}
+
+/* Block b of rows w + i * ws (i < R), scales dm[i][j] / dm[i][8 + j], into
+ * acc[i][t] for NT tokens of x (ldx floats apart). */
+CPU_INLINE void cpu_avx512_qblock(op_type type, const uint8_t *w, size_t ws, int64_t b, const int R,
+                                  float (*dm)[16], int j, const float *x, size_t ldx, const int NT, __m512 base,
+                                  __m512 (*acc)[CPU_QMV_T][2]) {
+    const size_t bs = cpu_qblock_bytes(type);
+    const float *xb = x + b * 32;
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+        __m512 w0, w1;
+        cpu_avx512_qdeq(type, w + (size_t)i * ws + (size_t)b * bs, dm[i][j], dm[i][8 + j], base, &w0, &w1);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            acc[i][t][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + t * ldx), acc[i][t][0]);
+            acc[i][t][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + t * ldx + 16), acc[i][t][1]);
+        }
+    }
+}
+
+/* sums[i * NT + t] = W[r + i] . x[t0 + t] for i < R, t < NT, over the m->k / 32
+ * full blocks (the I8 row scale not applied). Steps of 8 blocks: prefetches,
+ * their scales, then the blocks. */
+CPU_INLINE void cpu_avx512_qmv(op_type type, const cpu_mm *m, int64_t r, const int R, int64_t t0, const int NT,
+                               float *sums) {
+    const size_t bs = cpu_qblock_bytes(type), ws = m->w_stride, ldx = m->ldx;
+    const int64_t nb = m->k / 32;
+    const uint8_t *w = m->w + (size_t)r * ws;
+    const float *x = m->x + (size_t)t0 * ldx;
+    const __m512 base = type == OP_TYPE_Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 acc[4][CPU_QMV_T][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[i][t][0] = acc[i][t][1] = _mm512_setzero_ps();
+    float dm[4][16];
+    cpu_qpf near, far;
+    cpu_qpf_init(&near, w, ws, bs, nb, R, CPU_QMV_PF_L1);
+    cpu_qpf_init(&far, w, ws, bs, nb, R, CPU_QMV_PF_L2);
+    int64_t b0 = 0;
+    for (; b0 + 8 <= nb; b0 += 8) {
+        cpu_qpf_step(&near, ws, bs, nb, R, true);
+        cpu_qpf_step(&far, ws, bs, nb, R, false);
+        float(*d8)[16] = dm;
+        if (type != OP_TYPE_I8) {
+#pragma GCC unroll 8
+            for (int i = 0; i < R; i++) cpu_avx512_scales8(type, w + (size_t)i * ws + (size_t)b0 * bs, dm[i]);
+            /* read the scales back through an opaque pointer: broadcasts from
+             * memory (load ports) instead of lane shuffles (port 5) */
+            __asm__("" : "+r"(d8));
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) cpu_avx512_qblock(type, w, ws, b0 + j, R, d8, j, x, ldx, NT, base, acc);
+    }
+    if (b0 < nb) { /* the last nb % 8 blocks */
+        const int n = (int)(nb - b0);
+        if (type != OP_TYPE_I8) {
+            for (int i = 0; i < R; i++)
+                for (int j = 0; j < n; j++) {
+                    const uint8_t *p = w + (size_t)i * ws + (size_t)(b0 + j) * bs;
+                    dm[i][j] = cpu_h2f(p);
+                    dm[i][8 + j] = type == OP_TYPE_Q4_1 ? cpu_h2f(p + 2) : 0.0f;
+                }
+        }
+        for (int j = 0; j < n; j++) cpu_avx512_qblock(type, w, ws, b0 + j, R, dm, j, x, ldx, NT, base, acc);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) sums[i * NT + t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][t][0], acc[i][t][1]));
+}
+
+/* Rows [r, r + R) x tokens [t0, t0 + NT): the sums, the I8 tail (K % 32) and scale, stored to y. */
+CPU_INLINE void cpu_avx512_qmv_store(op_type type, const cpu_mm *m, int64_t r, const int R, int64_t t0,
+                                     const int NT) {
+    float sums[4 * CPU_QMV_T];
+    cpu_avx512_qmv(type, m, r, R, t0, NT, sums);
+    for (int i = 0; i < R; i++) {
+        if (type == OP_TYPE_I8 && m->k % 32) cpu_portable_matvec_tail(m, r + i, m->k / 32 * 32, (int)t0, NT, sums + i * NT);
+        float s = type == OP_TYPE_I8 ? m->row_scale[r + i] : 1.0f;
+        for (int t = 0; t < NT; t++) m->y[(size_t)(t0 + t) * m->ldy + r + i] = s * sums[i * NT + t];
+    }
+}
+
+/* Rows per group for NT tokens: about 8..16 zmm accumulators. */
+#define CPU_AVX512_QMV_ROWS(nt) ((nt) <= 2 ? 4 : (nt) <= 4 ? 2 : 1)
+
+CPU_INLINE void cpu_avx512_matvec_exact(op_type type, const cpu_mm *m, int64_t r0, int64_t r1) {
+    for (int64_t t0 = 0; t0 < m->t; t0 += CPU_QMV_T) {
+        const int nt = (int)(m->t - t0 < CPU_QMV_T ? m->t - t0 : CPU_QMV_T);
+        const int R = CPU_AVX512_QMV_ROWS(nt);
+        int64_t r = r0;
+        for (; r + R <= r1; r += R) {
+            switch (nt) {
+            case 1: cpu_avx512_qmv_store(type, m, r, CPU_AVX512_QMV_ROWS(1), t0, 1); break;
+            case 2: cpu_avx512_qmv_store(type, m, r, CPU_AVX512_QMV_ROWS(2), t0, 2); break;
+            case 3: cpu_avx512_qmv_store(type, m, r, CPU_AVX512_QMV_ROWS(3), t0, 3); break;
+            case 4: cpu_avx512_qmv_store(type, m, r, CPU_AVX512_QMV_ROWS(4), t0, 4); break;
+            case 5: cpu_avx512_qmv_store(type, m, r, 1, t0, 5); break;
+            case 6: cpu_avx512_qmv_store(type, m, r, 1, t0, 6); break;
+            case 7: cpu_avx512_qmv_store(type, m, r, 1, t0, 7); break;
+            default: cpu_avx512_qmv_store(type, m, r, 1, t0, 8); break;
+            }
+        }
+        for (; r < r1; r++) { /* rows left over when R > 1, so nt <= 4 */
+            switch (nt) {
+            case 1: cpu_avx512_qmv_store(type, m, r, 1, t0, 1); break;
+            case 2: cpu_avx512_qmv_store(type, m, r, 1, t0, 2); break;
+            case 3: cpu_avx512_qmv_store(type, m, r, 1, t0, 3); break;
+            default: cpu_avx512_qmv_store(type, m, r, 1, t0, 4); break;
+            }
+        }
+    }
+}
+
+/* ---- integer matvec (VNNI, opt-in) for Q4_0 / Q4_1 -------------------------------------------
  *
  * Activations: per pair of blocks (b, b+1) of a token, CPU_XQ_PAIR bytes:
  *   q[64]   int8 in the order x_b[0..15], x_b1[0..15], x_b[16..31], x_b1[16..31],
@@ -360,6 +588,9 @@ CPU_INLINE void cpu_avx512_dequant_any(op_type type, const uint8_t *row, int64_t
     static void cpu_avx512_matvec_##name(const cpu_mm *m, int64_t r0, int64_t r1) {              \
         if ((type == OP_TYPE_Q8_0 || type == OP_TYPE_Q4_0 || type == OP_TYPE_Q4_1) && m->xq)     \
             cpu_avx512_matvec_q(type, m, r0, r1);                                                 \
+        else if (type == OP_TYPE_Q8_0 || type == OP_TYPE_Q4_0 || type == OP_TYPE_Q4_1 ||         \
+                 type == OP_TYPE_I8)                                                              \
+            cpu_avx512_matvec_exact(type, m, r0, r1);                                             \
         else                                                                                      \
             cpu_avx512_matvec_any(type, m, r0, r1);                                               \
     }                                                                                             \

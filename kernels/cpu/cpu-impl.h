@@ -14,7 +14,12 @@
  *
  * Decode (T <= CPU_DECODE_MAX_T): threads take chunks of consecutive weight
  * rows and stream them once; for each row the kernel dots it with up to
- * CPU_MV_T tokens at a time (further tokens re-read the row from L1).
+ * CPU_MV_T tokens at a time (further tokens re-read the row from L1). The
+ * block types (Q8_0/Q4_0/Q4_1, and I8) have their own SIMD matvecs: each
+ * 32-weight block is dequantized exactly in registers (the same f32 values as
+ * op_dequantize_row) and FMA'd with the f32 activations of up to
+ * CPU_QMV_T tokens, over a few rows at a time (cpu-avx512.c; the AVX2 and
+ * portable tables use their generic matvec, also f32).
  *
  * Prefill (larger T): the activations are first transposed into xT blocks of
  * CPU_TB tokens, xt[tb][k][j] = x[tb*CPU_TB + j][k] (zero past T). Threads
@@ -26,6 +31,7 @@
 #define CPU_DECODE_MAX_T 8 /* largest T that takes the matvec path */
 #define CPU_PF_DIST 4096   /* bytes a matvec prefetches ahead of the weight it reads */
 #define CPU_MV_T 4    /* tokens per pass of a matvec kernel */
+#define CPU_QMV_T 8   /* tokens per pass of a block-type matvec kernel */
 #define CPU_TB 32     /* tokens per xT block (lanes of the micro-kernel) */
 #define CPU_TC 256    /* tokens per outer GEMM block (multiple of CPU_TB) */
 #define CPU_KC 512    /* K per GEMM slice (multiple of OP_QK) */
@@ -40,8 +46,8 @@
 /* Positions scored per chunk of the attention kernel (online softmax). */
 #define CPU_ATTN_CHUNK 64
 
-/* Integer decode path (Q8_0/Q4_0/Q4_1 weights, K % 64 == 0, AVX2 maddubs or
- * AVX-512 VNNI): each token row is quantized to int8 per 32-block
+/* Integer decode path, only with op_cpu_options.quantized_activations (Q8_0/
+ * Q4_0/Q4_1 weights, K % 64 == 0, AVX2 maddubs or AVX-512 VNNI): each token row is quantized to int8 per 32-block
  * (d = amax / 127, q = rint(x / d)) and laid out per pair of blocks as 64 int8
  * values plus per-block scales and sums, CPU_XQ_PAIR bytes per 64 inputs (the
  * layouts: cpu_quant_x_natural below, cpu_avx512_quant_x_q4 in cpu-avx512.c). Results then match the f32 computation over the rounded x. */
@@ -60,7 +66,8 @@ typedef struct cpu_mm {
     float *y;               /* (T, N) outputs */
     size_t ldy;             /* floats between rows of y */
     const float *xt;        /* (ceil(T/CPU_TB), K, CPU_TB) transposed activations (prefill) */
-    const uint8_t *xq;      /* (T, CPU_XQ_BYTES(K)) quantized activations, or NULL (decode) */
+    const uint8_t *xq;      /* (T, CPU_XQ_BYTES(K)) quantized activations (decode, opt-in),
+                               or NULL: f32 activations */
 } cpu_mm;
 
 /* Decode kernel: y[t][r] = W[r] . x[t] for r in [r0, r1) and every t < m->t. */
@@ -101,7 +108,8 @@ typedef struct cpu_kernels {
     cpu_scores_fn scores;
     cpu_accum_fn accum;
     cpu_to_f16_fn to_f16;
-    cpu_quant_x_fn quant_x[OP_TYPE_COUNT]; /* NULL: the type's matvec uses f32 activations */
+    cpu_quant_x_fn quant_x[OP_TYPE_COUNT]; /* opt-in integer decode path (quantized_activations);
+                                              NULL: the type has none */
 } cpu_kernels;
 
 extern const cpu_kernels cpu_kernels_portable;

@@ -24,9 +24,10 @@ def have_isa(isa):
 ISAS = [i for i in ("portable", "avx2", "avx512") if os.path.exists(TOOL) and have_isa(i)]
 
 
-def run(isa, args, *arrays, n_out):
+def run(isa, args, *arrays, n_out, opts=()):
     data = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-    r = subprocess.run([TOOL, "--isa", isa, "--threads", "2", *map(str, args)], input=data, capture_output=True)
+    r = subprocess.run([TOOL, "--isa", isa, "--threads", "2", *opts, *map(str, args)], input=data,
+                       capture_output=True)
     assert r.returncode == 0, r.stderr.decode()
     out = np.frombuffer(r.stdout, dtype=np.float32)
     assert out.size == n_out, (out.size, n_out)
@@ -64,6 +65,47 @@ def test_matmul_vs_torch_linear(isa, wtype, t):
     ref = F.linear(torch.from_numpy(x).double(), w.double()).numpy()
     mag = (np.abs(x).astype(np.float64) @ np.abs(w.double().numpy()).T)
     assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6)  # f32 accumulation
+
+
+def quantize_rows(w, wtype):
+    """GGUF blocks of w (n, k) via the gguf package, and their dequantized values."""
+    import gguf
+    from gguf import quants
+
+    qt = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
+          "q4_1": gguf.GGMLQuantizationType.Q4_1}[wtype]
+    raw = quants.quantize(w, qt)
+    return raw, quants.dequantize(raw, qt).astype(np.float64)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 37])
+def test_quantized_matmul_vs_gguf_dequantize(isa, wtype, t):
+    # decode (T <= 8) and prefill (T > 8) both compute in f32 over the weights as
+    # gguf dequantizes them: same tolerance as the plain types, at a long K
+    n, k = 45, 2048
+    raw, wd = quantize_rows(randn(n, k), wtype)
+    x = randn(t, k) + 0.5
+    y = run(isa, ["matmul", wtype, t, n, k], raw, x, n_out=t * n).reshape(t, n)
+    ref = x.astype(np.float64) @ wd.T
+    mag = np.abs(x).astype(np.float64) @ np.abs(wd).T
+    assert np.all(np.abs(y - ref) <= 1e-5 * mag + 1e-6), np.max(np.abs(y - ref) / (1e-5 * mag + 1e-6))
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "portable"])
+@pytest.mark.parametrize("wtype", ["q8_0", "q4_0", "q4_1"])
+def test_int8_activation_opt_in_is_not_exact(isa, wtype):
+    # the opt-in llama.cpp-style path (x rounded to int8 per block of 32) misses
+    # the tolerance above at T <= 8, which the exact default meets
+    n, k, t = 45, 2048, 3
+    raw, wd = quantize_rows(randn(n, k), wtype)
+    x = randn(t, k) + 0.5
+    y = run(isa, ["matmul", wtype, t, n, k], raw, x, n_out=t * n, opts=["--int8-x"]).reshape(t, n)
+    ref = x.astype(np.float64) @ wd.T
+    mag = np.abs(x).astype(np.float64) @ np.abs(wd).T
+    assert np.max(np.abs(y - ref) / (1e-5 * mag + 1e-6)) > 2
+    assert np.all(np.abs(y - ref) <= 2e-2 * mag)  # but close: ~1/254 of |x| per element
 
 
 @pytest.mark.parametrize("isa", ISAS)
