@@ -2,7 +2,13 @@
 """fusion-shard benchmark: continuous batching (aggregate decode tokens/s at 1, 4 and 16
 concurrent sessions), peak RSS next to the KV budget, per-hop overhead per decode step on
 loopback (client-driven vs server-to-server forwarding) and a 2-shard chain against the
-single process. Usage: bench/shard.py [--model PATH] [--build DIR] [--tokens N]"""
+single process. Usage: bench/shard.py [--model PATH | --synthetic] [--build DIR] [--tokens N]
+
+--synthetic writes a random-weight bf16 checkpoint with Llama-3.2-1B's block dimensions
+(16 blocks, hidden 2048, MLP 8192, 32/8 heads; 32k vocabulary) in the Hugging Face layout:
+a model whose decode is bound by memory bandwidth, as larger models are, where batching
+pays the most. The default is the real SmolLM2-135M (Q4_1), whose batched decode is
+bound by compute on a small CPU."""
 import argparse
 import json
 import os
@@ -15,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "integration"))
 import shard_cluster  # noqa: E402
 
-PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411]
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 3451, 28, 7018, 411]
 
 
 def chain(shards, tokens, sessions, forward=False, wire="bf16"):
@@ -29,6 +35,57 @@ def chain(shards, tokens, sessions, forward=False, wire="bf16"):
     return out, sum(rates), wall
 
 
+def synthetic_checkpoint(path):
+    """A random bf16 Llama checkpoint with Llama-3.2-1B's block shapes (numpy + safetensors)."""
+    import numpy as np
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+           "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True,
+           "hidden_act": "silu", "torch_dtype": "bfloat16"}
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return cfg["num_hidden_layers"]
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(0)
+
+    def bf16(*shape, scale=0.02):
+        x = (rng.standard_normal(shape, dtype=np.float32) * scale).view(np.uint32)
+        return (x >> 16).astype(np.uint16)
+
+    D, F, H, KV, L, V = 2048, 8192, 32, 8, 16, 32000
+    hd = D // H
+    t = {"model.embed_tokens.weight": bf16(V, D, scale=0.5), "model.norm.weight": bf16(D, scale=0) + 0x3F80}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = bf16(D, scale=0) + 0x3F80
+        t[p + "post_attention_layernorm.weight"] = bf16(D, scale=0) + 0x3F80
+        t[p + "self_attn.q_proj.weight"] = bf16(H * hd, D)
+        t[p + "self_attn.k_proj.weight"] = bf16(KV * hd, D)
+        t[p + "self_attn.v_proj.weight"] = bf16(KV * hd, D)
+        t[p + "self_attn.o_proj.weight"] = bf16(D, H * hd)
+        t[p + "mlp.gate_proj.weight"] = bf16(F, D)
+        t[p + "mlp.up_proj.weight"] = bf16(F, D)
+        t[p + "mlp.down_proj.weight"] = bf16(D, F)
+    # numpy has no bfloat16: write the safetensors layout directly (8-byte header
+    # length, JSON header, then the tensors' bytes in order)
+    header, offset = {}, 0
+    for name, arr in t.items():
+        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = os.path.join(path, "model.safetensors.tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for arr in t.values():
+            f.write(arr.tobytes())
+    os.replace(tmp, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return L
+
+
 def peak_rss_mib(pid):
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -37,17 +94,29 @@ def peak_rss_mib(pid):
     return 0.0
 
 
+def weights_mib(model):
+    if os.path.isdir(model):
+        return sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model)
+                   if f.endswith(".safetensors")) / 2**20
+    return os.path.getsize(model) / 2**20
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model")
+    ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--build", default=os.path.join(HERE, "..", "build"))
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--kv-budget-mib", type=int, default=256)
     a = ap.parse_args()
     shard_cluster.BUILD = os.path.abspath(a.build)
-    model = a.model or subprocess.run([os.path.join(HERE, "..", "scripts", "fetch-default-model.sh")],
-                                      capture_output=True, text=True, check=True).stdout.strip()
-    n_layers = 30
+    if a.synthetic:
+        model = os.path.join(tempfile.gettempdir(), "fusion-bench-llama1b-bf16")
+        n_layers = synthetic_checkpoint(model)
+    else:
+        model = a.model or subprocess.run([os.path.join(HERE, "..", "scripts", "fetch-default-model.sh")],
+                                          capture_output=True, text=True, check=True).stdout.strip()
+        n_layers = 30
     kv = ["--kv-budget-mib", str(a.kv_budget_mib), "--threads", "2"]
 
     print(f"model {model}, {a.tokens} tokens per session, KV budget {a.kv_budget_mib} MiB per shard")
@@ -64,7 +133,7 @@ def main():
             print(f"{n:>8} {agg:>17.1f} {agg / base:>7.2f} {wall:>7.2f}")
         rss = peak_rss_mib(whole.proc.pid)
         print(f"peak RSS of the shard after 16 sessions: {rss:.0f} MiB "
-              f"(model file {os.path.getsize(model) / 2**20:.0f} MiB + KV budget {a.kv_budget_mib} MiB)")
+              f"(weights {weights_mib(model):.0f} MiB + KV budget {a.kv_budget_mib} MiB)")
     finally:
         whole.stop()
 
