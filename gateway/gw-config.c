@@ -26,6 +26,7 @@ void gw_config_free(gw_config *c) {
     free(c->listen);
     free(c->port_file);
     for (int i = 0; i < c->n_hops; i++) free(c->hops[i].address);
+    for (int i = 0; i < c->n_shards; i++) free(c->shards[i]);
     free(c->secret);
     free(c->tls_ca);
     for (int i = 0; i < c->n_api_keys; i++) free(c->api_keys[i]);
@@ -91,6 +92,20 @@ static int parse_hop(gw_config *c, const char *v) {
     return FU_OK;
 }
 
+/* A swarm member: "host:port" (its span comes from its Info). */
+static int add_shard(gw_config *c, const char *v) {
+    if (c->n_shards == GW_MAX_SHARDS) return fu_errorf(FU_ERR_INVALID, "shard: at most %d shards", GW_MAX_SHARDS);
+    const char *colon = strrchr(v, ':');
+    if (!colon || colon == v || !colon[1] || strlen(v) >= 128)
+        return fu_errorf(FU_ERR_INVALID, "shard: expected HOST:PORT, got '%.200s'", v);
+    long port;
+    if (parse_long("shard port", colon + 1, 1, 65535, &port)) return FU_ERR_INVALID;
+    char *a = strdup(v);
+    if (!a) return fu_errorf(FU_ERR_NOMEM, "shard");
+    c->shards[c->n_shards++] = a;
+    return FU_OK;
+}
+
 static int add_key(gw_config *c, const char *k) {
     if (!k[0]) return FU_OK;
     if (c->n_api_keys == GW_MAX_KEYS) return fu_errorf(FU_ERR_INVALID, "api-key: at most %d keys", GW_MAX_KEYS);
@@ -139,6 +154,7 @@ int gw_config_set(gw_config *c, const char *name_in, const char *v) {
     if (!strcmp(name, "listen")) return set_str(&c->listen, v);
     if (!strcmp(name, "port-file")) return set_str(&c->port_file, v);
     if (!strcmp(name, "hop") || !strcmp(name, "hops") || !strcmp(name, "chain")) return parse_hop(c, v);
+    if (!strcmp(name, "shard") || !strcmp(name, "shards")) return add_shard(c, v);
     if (!strcmp(name, "secret")) return set_str(&c->secret, v);
     if (!strcmp(name, "secret-file")) {
         char *s = read_small_file(v, 4096);
@@ -234,8 +250,10 @@ int gw_config_load(gw_config *c, const char *path) {
 
 int gw_config_check(const gw_config *c) {
     if (!c->model) return fu_errorf(FU_ERR_INVALID, "no model: give --model (path or repo id)");
-    if (c->n_hops == 0) return fu_errorf(FU_ERR_INVALID, "no shard chain: give --hop HOST:PORT:FIRST:LAST");
-    if (c->hops[0].first != 0) return fu_errorf(FU_ERR_INVALID, "the first hop must start at block 0");
+    if (c->n_hops == 0 && c->n_shards == 0)
+        return fu_errorf(FU_ERR_INVALID, "no shards: give --hop HOST:PORT:FIRST:LAST (a chain) or --shard HOST:PORT");
+    if (c->n_hops && c->n_shards) return fu_errorf(FU_ERR_INVALID, "give either --hop (a static chain) or --shard");
+    if (c->n_hops && c->hops[0].first != 0) return fu_errorf(FU_ERR_INVALID, "the first hop must start at block 0");
     for (int i = 1; i < c->n_hops; i++)
         if (c->hops[i].first != c->hops[i - 1].last)
             return fu_errorf(FU_ERR_INVALID, "hop %d starts at block %d, the previous ends at %d", i, c->hops[i].first,

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "chain.h"
+#include "gw-swarm.h"
 #include "log.h"
 #include "sampler.h"
 #include "status.h"
@@ -39,6 +40,7 @@ struct gw_engine {
     chain_client *chain;
     chain_hop hops[GW_MAX_HOPS];
     int n_hops;
+    gw_swarm *swarm;    /* routed mode (cfg->shards); NULL: the static chain above */
     pthread_t *threads;
     int n_threads;
     pthread_mutex_t mu;
@@ -464,6 +466,59 @@ static void gw_chain_error(gw_error *err, int rc) {
                      fu_last_error());
 }
 
+/* Failovers one choice may make (each a dead hop, a failed open or a failed replay). */
+#define GW_MAX_FAILOVERS 3
+
+/* Whether a chain failure may be cured by another path (the request itself is fine). */
+static bool gw_retryable(int rc) {
+    return rc != FU_ERR_INVALID && rc != FU_ERR_NOMEM && rc != FU_ERR_AUTH && rc != FU_ERR_RANGE &&
+           rc != FU_ERR_UNSUPPORTED;
+}
+
+/* Opens the choice's chain session. Static chain: one try. Swarm: routes a path
+ * (into *lease), opens a session on it and, when n_replay > 0, replays
+ * hist[0..n_replay) as one prefill step without output so that every hop's cache
+ * holds those positions from 0; a dead hop is retired and another path tried,
+ * each retry counting in *failovers (at most GW_MAX_FAILOVERS). On failure *err
+ * is a 503 and nothing is held. */
+static int gw_choice_open(gw_engine *e, const char *sid, int max_length, int request_len, const int32_t *hist,
+                          int n_replay, gw_lease *lease, chain_session **out, int *failovers, gw_error *err) {
+    *out = NULL;
+    if (!e->swarm) {
+        int rc = chain_session_open(e->chain, e->hops, e->n_hops, sid, max_length, out);
+        if (rc) gw_chain_error(err, rc);
+        return rc;
+    }
+    for (;;) {
+        int rc = gw_swarm_route(e->swarm, request_len, lease, err);
+        if (rc) return rc;
+        char id[128];
+        snprintf(id, sizeof id, "%s.%d", sid, *failovers);
+        chain_session *s = NULL;
+        rc = chain_session_open(e->chain, lease->hops, lease->n_hops, id, max_length, &s);
+        if (!rc && n_replay > 0) {
+            chain_spec none = {0};
+            const chain_result *r = NULL;
+            rc = chain_session_step(s, hist, n_replay, -1, &none, &r);
+        }
+        if (!rc) {
+            *out = s;
+            return FU_OK;
+        }
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", fu_last_error());
+        chain_session_close(s);
+        FU_LOG(FU_LOG_LEVEL_WARN, sid, "opening a session on a routed chain failed: %s", msg);
+        gw_swarm_report_failure(e->swarm, lease, msg);
+        gw_swarm_release(e->swarm, lease);
+        if (!gw_retryable(rc) || ++*failovers > GW_MAX_FAILOVERS) {
+            fu_errorf(rc, "%s", msg);
+            gw_chain_error(err, rc);
+            return rc;
+        }
+    }
+}
+
 /* Emits text (and streamed logprobs) for a choice: streaming sends a chunk, otherwise it accumulates. */
 static void gw_choice_output(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
                              const char *finish) {
@@ -508,6 +563,9 @@ static void gw_run_choice(gw_job *j, int ci) {
     gw_choice *c = &j->choices[ci];
     gw_error err = {0};
     chain_session *s = NULL;
+    gw_lease lease = {0};
+    int32_t *hist = NULL; /* prompt + generated tokens: replayed on failover */
+    int n_hist = 0, failovers = 0;
     tok_decoder *dec = NULL;
     gw_stop stop = {0};
     gw_buf piece = {0};
@@ -523,9 +581,16 @@ static void gw_run_choice(gw_job *j, int ci) {
     }
     char sid[96];
     snprintf(sid, sizeof sid, "%s-%d", j->id, ci);
-    int rc = chain_session_open(e->chain, e->hops, e->n_hops, sid, (int)n_prompt + j->max_tokens + 1, &s);
+    const int max_length = (int)n_prompt + j->max_tokens + 1, request_len = (int)n_prompt + j->max_tokens;
+    hist = malloc((size_t)max_length * sizeof *hist);
+    if (!hist) {
+        gw_error_set(&err, 500, NULL, NULL, "out of memory");
+        goto done;
+    }
+    memcpy(hist, prompt, n_prompt * sizeof *hist);
+    n_hist = (int)n_prompt;
+    int rc = gw_choice_open(e, sid, max_length, request_len, hist, 0, &lease, &s, &failovers, &err);
     if (rc) {
-        gw_chain_error(&err, rc);
         FU_LOG(FU_LOG_LEVEL_WARN, sid, "session open failed: %s", err.message);
         gw_job_report_error(j, &err);
         err.http = 0;
@@ -580,7 +645,7 @@ static void gw_run_choice(gw_job *j, int ci) {
 
     chain_spec spec = {.sample = true, .sampling = j->req.sampling, .penalty_start = (int64_t)n_prompt,
                        .top_logprobs = j->req.logprobs ? j->req.top_logprobs : 0};
-    const int32_t *in = prompt;
+    const int32_t *in = hist;
     int n_in = (int)n_prompt;
     int32_t last = 0;
     double t_prev = 0;
@@ -597,7 +662,29 @@ static void gw_run_choice(gw_job *j, int ci) {
         /* with all positions the last shard adds the row index to the seed */
         spec.sampling.seed = spec.all_positions ? seed - (uint64_t)(n_in - 1) : seed;
         const chain_result *r = NULL;
-        if ((rc = chain_session_step(s, in, n_in, -1, &spec, &r))) {
+        while ((rc = chain_session_step(s, in, n_in, -1, &spec, &r)) && e->swarm && gw_retryable(rc) &&
+               failovers < GW_MAX_FAILOVERS && !atomic_load(&j->cancelled)) {
+            /* failover: retire the dead hop, reopen on a new path, replay the history
+             * before this step's input, then retry the step (same seed) */
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", fu_last_error());
+            failovers++;
+            FU_LOG(FU_LOG_LEVEL_WARN, sid, "step failed (%s), failing over (%d of %d)", msg, failovers,
+                   GW_MAX_FAILOVERS);
+            chain_session_close(s);
+            s = NULL;
+            gw_swarm_report_failure(e->swarm, &lease, msg);
+            gw_swarm_release(e->swarm, &lease);
+            if ((rc = gw_choice_open(e, sid, max_length, request_len, hist, n_hist - n_in, &lease, &s, &failovers,
+                                     &err)))
+                break;
+        }
+        if (rc && !s) {
+            gw_metrics_sessions(e->metrics, -1); /* counted when first opened */
+            c->finish = NULL;
+            break;
+        }
+        if (rc) {
             gw_chain_error(&err, rc);
             FU_LOG(FU_LOG_LEVEL_WARN, sid, "step failed: %s", err.message);
             c->finish = NULL;
@@ -665,7 +752,8 @@ static void gw_run_choice(gw_job *j, int ci) {
             lp_chunk = NULL;
         }
         piece.len = 0;
-        in = &last;
+        hist[n_hist++] = last;
+        in = &hist[n_hist - 1];
         n_in = 1;
     }
     /* the end: held-back bytes and text, then the finish */
@@ -698,6 +786,8 @@ done:
         chain_session_close(s);
         gw_metrics_sessions(e->metrics, -1);
     }
+    if (e->swarm) gw_swarm_release(e->swarm, &lease);
+    free(hist);
     gw_choice_done(j, c, &err);
 }
 
@@ -767,6 +857,7 @@ int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metri
     chain_options co = {.secret = cfg->secret, .tls_ca = cfg->tls_ca, .insecure = cfg->insecure,
                         .forward = cfg->forward, .timeout_ms = cfg->step_timeout_ms};
     int rc = chain_client_new(&co, &e->chain);
+    if (!rc && cfg->n_shards > 0) rc = gw_swarm_new(cfg, model->n_layers, &e->swarm);
     if (rc) {
         gw_engine_free(e);
         return rc;
@@ -796,10 +887,20 @@ void gw_engine_free(gw_engine *e) {
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
     for (int i = 0; i < e->n_threads; i++) pthread_join(e->threads[i], NULL);
+    gw_swarm_free(e->swarm);
     chain_client_free(e->chain);
     free(e->threads);
     free(e->q);
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
     free(e);
+}
+
+json_t *gw_engine_swarm_json(gw_engine *e) {
+    if (e->swarm) return gw_swarm_json(e->swarm);
+    json_t *servers = json_array();
+    for (int i = 0; i < e->n_hops; i++)
+        json_array_append_new(servers, json_pack("{s:s, s:[i, i], s:s}", "address", e->hops[i].address, "span",
+                                                 e->hops[i].first_block, e->hops[i].last_block, "state", "static"));
+    return json_pack("{s:s, s:s, s:o}", "object", "swarm", "mode", "static", "servers", servers);
 }

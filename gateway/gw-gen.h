@@ -24,6 +24,7 @@ typedef struct gw_model {
     const char *name;   /* the served model id */
     int vocab;          /* V */
     int ctx;            /* the model's context length */
+    int n_layers;       /* transformer blocks (routing over a swarm); 0: unknown */
 } gw_model;
 
 typedef struct gw_engine gw_engine;
@@ -36,12 +37,17 @@ typedef enum gw_job_phase {
     GW_JOB_FAILED,      /* an error before any response: gw_job_error() */
 } gw_job_phase;
 
-/* Starts the workers. cfg, model and metrics are borrowed and must outlive the engine. */
+/* Starts the workers. cfg, model and metrics are borrowed and must outlive the engine.
+ * With cfg->shards the engine routes each choice over the swarm (gw-swarm.h) and
+ * fails over to another path when a shard dies mid-generation. */
 int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metrics, gw_engine **out);
 /* Waits for queued and running choices (cancel their jobs first for a quick exit),
  * joins the workers and frees the engine. NULL is a no-op. */
 void gw_engine_free(gw_engine *e);
 int gw_engine_queue_depth(gw_engine *e);
+/* The /v1/swarm document (new reference): the routed swarm's servers and flow,
+ * or the static chain's hops. NULL on allocation failure. */
+json_t *gw_engine_swarm_json(gw_engine *e);
 
 /* Creates a job for a parsed request, taking ownership of *req (zeroed). The
  * caller holds one reference. */

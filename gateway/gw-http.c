@@ -105,7 +105,7 @@ static gw_route gw_route_of(const char *url, bool *post_expected) {
         {"/detokenize", GW_ROUTE_DETOKENIZE, true},     {"/apply-template", GW_ROUTE_APPLY_TEMPLATE, true},
         {"/health", GW_ROUTE_HEALTH, false},            {"/metrics", GW_ROUTE_METRICS, false},
         {"/chat/completions", GW_ROUTE_CHAT, true},     {"/completions", GW_ROUTE_COMPLETIONS, true},
-        {"/v1/health", GW_ROUTE_HEALTH, false},
+        {"/v1/health", GW_ROUTE_HEALTH, false},         {"/v1/swarm", GW_ROUTE_SWARM, false},
     };
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
         if (!strcmp(url, routes[i].path)) {
@@ -164,6 +164,12 @@ static enum MHD_Result gw_route_metrics(gw_conn *c) {
         return gw_fail(c, 500, NULL, NULL, "out of memory");
     }
     return gw_respond(c, 200, "text/plain; version=0.0.4", b.data, b.len);
+}
+
+static enum MHD_Result gw_route_swarm(gw_conn *c) {
+    json_t *o = gw_engine_swarm_json(c->srv->engine);
+    if (!o) return gw_fail(c, 500, NULL, NULL, "out of memory");
+    return gw_respond_json(c, 200, o);
 }
 
 static bool gw_opt_bool(const json_t *o, const char *key, bool dflt) {
@@ -358,6 +364,7 @@ static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
     case GW_ROUTE_HEALTH: return gw_respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
     case GW_ROUTE_MODELS: return gw_route_models(c, url);
     case GW_ROUTE_METRICS: return gw_route_metrics(c);
+    case GW_ROUTE_SWARM: return gw_route_swarm(c);
     default: break;
     }
     if (c->too_large)

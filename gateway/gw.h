@@ -161,6 +161,7 @@ int gw_sse_done(gw_buf *out);
 
 #define GW_MAX_HOPS 32
 #define GW_MAX_KEYS 64
+#define GW_MAX_SHARDS 64
 
 typedef struct gw_hop_cfg {
     char *address;
@@ -173,7 +174,9 @@ typedef struct gw_config {
     char *listen;           /* "127.0.0.1:8080" */
     char *port_file;
     gw_hop_cfg hops[GW_MAX_HOPS];
-    int n_hops;
+    int n_hops;             /* a static chain ... */
+    char *shards[GW_MAX_SHARDS]; /* ... or a routed swarm: shard addresses ("host:port"), spans from Info */
+    int n_shards;
     char *secret;           /* swarm secret for the shards */
     char *tls_ca;           /* CA for TLS shards */
     bool insecure;          /* plaintext to loopback shards */
@@ -197,7 +200,7 @@ void gw_config_free(gw_config *c);
  * '-' are the same). Returns FU_OK or FU_ERR_INVALID (fu_last_error() says why). */
 int gw_config_set(gw_config *c, const char *name, const char *value);
 /* Loads a JSON object whose keys are option names; arrays apply each element
- * (e.g. "hops": ["127.0.0.1:7001:0:15", ...], "api_keys": [...]). */
+ * (e.g. "hops": ["127.0.0.1:7001:0:15", ...], "shards": ["127.0.0.1:7001", ...], "api_keys": [...]). */
 int gw_config_load(gw_config *c, const char *path);
 /* Reads API keys, one per line ('#' comments), from a file. */
 int gw_config_load_keys(gw_config *c, const char *path);
@@ -215,6 +218,7 @@ typedef enum gw_route {
     GW_ROUTE_APPLY_TEMPLATE,
     GW_ROUTE_HEALTH,
     GW_ROUTE_METRICS,
+    GW_ROUTE_SWARM,
     GW_ROUTE_OTHER,
     GW_ROUTE_COUNT
 } gw_route;

@@ -17,13 +17,15 @@
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: fusion-gateway --model PATH|ORG/NAME --hop HOST:PORT:FIRST:LAST [--hop ...] [options]\n"
+            "usage: fusion-gateway --model PATH|ORG/NAME (--hop HOST:PORT:FIRST:LAST ... | --shard HOST:PORT ...) [options]\n"
             "  --config FILE             JSON config (keys as the long options; see config/gateway.example.json)\n"
             "  --model PATH|REPO         model for the tokenizer, chat template and context length\n"
             "  --model-name NAME         id served in /v1/models (default: the model file's name)\n"
             "  --listen HOST:PORT        (default 127.0.0.1:8080; port 0 picks one)\n"
             "  --port-file F             write the bound port to F once serving\n"
-            "  --hop HOST:PORT:A:B       a shard serving blocks [A, B); in chain order\n"
+            "  --hop HOST:PORT:A:B       a shard serving blocks [A, B); in chain order (a static chain)\n"
+            "  --shard HOST:PORT         a swarm member (repeatable; spans may overlap): each request is\n"
+            "                            routed over the live shards, with failover; GET /v1/swarm\n"
             "  --secret S | --secret-file F   swarm secret (or env FUSION_SECRET)\n"
             "  --insecure | --tls-ca F   plaintext to loopback shards, or the shards' CA\n"
             "  --forward                 server-to-server forwarding along the chain\n"
@@ -143,7 +145,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fusion-gateway: %s: %s\n", cfg.model, fu_last_error());
         goto done;
     }
-    if (cfg.hops[cfg.n_hops - 1].last != m->cfg.n_layers) {
+    if (cfg.n_hops && cfg.hops[cfg.n_hops - 1].last != m->cfg.n_layers) {
         fprintf(stderr, "fusion-gateway: the chain ends at block %d but the model has %d blocks\n",
                 cfg.hops[cfg.n_hops - 1].last, m->cfg.n_layers);
         goto done;
@@ -157,7 +159,7 @@ int main(int argc, char **argv) {
         if (dot && !strcmp(dot, ".gguf")) *dot = '\0';
     }
     /* token ids are checked against the model's vocabulary (the LM head's rows) */
-    gw_model model = {tok, tpl, name, m->cfg.vocab_size, m->cfg.max_seq_len};
+    gw_model model = {tok, tpl, name, m->cfg.vocab_size, m->cfg.max_seq_len, m->cfg.n_layers};
 
     signal(SIGPIPE, SIG_IGN);
     sigset_t set;
@@ -172,8 +174,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
         goto done;
     }
-    FU_INFO("serving %s on %s (port %d), %d hops, %d workers, %d API keys", name, cfg.listen ? cfg.listen : "127.0.0.1:8080",
-            port, cfg.n_hops, cfg.workers, cfg.n_api_keys);
+    FU_INFO("serving %s on %s (port %d), %d hops, %d swarm shards, %d workers, %d API keys", name,
+            cfg.listen ? cfg.listen : "127.0.0.1:8080", port, cfg.n_hops, cfg.n_shards, cfg.workers, cfg.n_api_keys);
     if (cfg.port_file) {
         char tmp[4096];
         snprintf(tmp, sizeof tmp, "%s.tmp", cfg.port_file);

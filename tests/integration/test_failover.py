@@ -1,0 +1,265 @@
+"""fusion-gateway routing over a swarm and failover: 4 fusion-shard processes on the real default model
+(SmolLM2-135M-Instruct Q4_1, 30 blocks) with overlapping spans A=[0,15), B=[15,30), C=[0,30), D=[15,30),
+given to the gateway as --shard addresses (spans learnt from Info heartbeats).
+
+Checks: /v1/swarm lists every server with its span, state and flow; a greedy streaming completion equals
+fusion-generate token for token; SIGKILL of the shard holding block 0 on the request's path mid-stream
+(the replacement always covers a different sub-span: C=[0,30) replaces A=[0,15), or A=[0,15) + B/D replace
+C=[0,30)) leaves the stream complete with exactly the reference tokens; killing every server of [0, 15)
+gives a quick 503 "no server covers blocks [0, 15)"; a shard restarted on the same address rejoins.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from shard_cluster import SECRET, Shard, program  # noqa: E402
+
+SOURCE = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+KEY = "sk-test-failover-key"
+PROMPT = [504, 1552, 3732, 3434, 359]  # any ids; the reference is computed from them
+MAX_TOKENS = 64
+
+
+def default_model():
+    out = subprocess.run([os.path.join(SOURCE, "scripts", "fetch-default-model.sh")], capture_output=True,
+                         text=True, timeout=600)
+    path = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    if out.returncode or not os.path.exists(path):
+        pytest.skip(f"default model unavailable: {out.stderr[-300:]}")
+    return path
+
+
+class Gateway:
+    def __init__(self, model, addresses):
+        self.dir = tempfile.mkdtemp(prefix="gateway-")
+        port_file = os.path.join(self.dir, "port")
+        cmd = [program("gateway"), "--model", model, "--listen", "127.0.0.1:0", "--port-file", port_file,
+               "--secret", SECRET, "--insecure", "--api-key", KEY, "--connection-timeout-s", "5",
+               "--step-timeout-ms", "20000"]
+        for a in addresses:
+            cmd += ["--shard", a]
+        self.log = open(os.path.join(self.dir, "log"), "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("fusion-gateway did not start: " + self.output())
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{int(open(port_file).read())}"
+
+    def output(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def request(gw, method, path, body=None, key=KEY, timeout=60):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(gw.url + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def swarm(gw):
+    st, doc = request(gw, "GET", "/v1/swarm")
+    assert st == 200, doc
+    return doc
+
+
+def by_address(doc):
+    return {s["address"]: s for s in doc["servers"]}
+
+
+def wait_for(pred, what, timeout=15):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+MODEL_ID = []
+
+
+def completion_body(stream):
+    return {"model": MODEL_ID[0], "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": stream, "logprobs": 1, "return_tokens_as_token_ids": True}
+
+
+def stream_tokens(gw, on_chunk=None):
+    """Runs a streaming greedy completion; returns (token ids, error events). on_chunk(n_tokens) after each."""
+    req = urllib.request.Request(gw.url + "/v1/completions", data=json.dumps(completion_body(True)).encode(),
+                                 method="POST")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {KEY}")
+    tokens, errors, done = [], [], False
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                errors.append(ev["error"])
+                continue
+            for ch in ev["choices"]:
+                if ch.get("logprobs"):
+                    tokens += [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]]
+            if on_chunk:
+                on_chunk(len(tokens))
+    assert done, "the stream ended without [DONE]"
+    return tokens, errors
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    model = default_model()
+    shards = {}
+    gw = None
+    try:
+        for name, (a, b) in {"A": (0, 15), "B": (15, 30), "C": (0, 30), "D": (15, 30)}.items():
+            shards[name] = Shard(model, a, b)
+        gw = Gateway(model, [s.address for s in shards.values()])
+        st, models = request(gw, "GET", "/v1/models")
+        assert st == 200, models
+        MODEL_ID[:] = [models["data"][0]["id"]]
+        yield {"model": model, "shards": shards, "gw": gw}
+    finally:
+        if gw:
+            gw.stop()
+        for s in shards.values():
+            s.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    res = subprocess.run([program("generate"), "--model", cluster["model"], "--prompt-ids",
+                          ",".join(map(str, PROMPT)), "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json",
+                          "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    ref = json.loads(res.stdout)["tokens"]
+    assert len(ref) == MAX_TOKENS
+    return ref
+
+
+def test_swarm_route_failover_and_503(cluster, reference):
+    gw, shards = cluster["gw"], cluster["shards"]
+    addr = {n: s.address for n, s in shards.items()}
+
+    # /v1/swarm: auth like the other routes; every server active with its span and a share of the flow
+    assert request(gw, "GET", "/v1/swarm", key=None)[0] == 401
+    doc = swarm(gw)
+    assert doc["n_layers"] == 30 and doc["uncovered_blocks"] == 0 and doc["max_flow"] > 0
+    servers = by_address(doc)
+    spans = {"A": [0, 15], "B": [15, 30], "C": [0, 30], "D": [15, 30]}
+    for n, a in addr.items():
+        assert servers[a]["state"] == "active", servers[a]
+        assert servers[a]["span"] == spans[n]
+        assert servers[a]["tokens_per_s"] > 0 and servers[a]["last_heartbeat"] is not None
+        assert servers[a]["total_kv_bytes"] > 0
+    assert abs(sum(servers[addr[n]]["flow"] for n in ("A", "C")) - doc["max_flow"]) < 1e-6 * doc["max_flow"] + 1e-9
+
+    # undisturbed: streaming greedy equals the single-process engine
+    tokens, errors = stream_tokens(gw)
+    assert not errors and tokens == reference
+
+    # failover: kill the block-0 server of the request's path after a few tokens
+    killed = {}
+
+    def on_chunk(n):
+        if n < 4 or killed:
+            return
+        live = [s for s in swarm(gw)["servers"] if s["load"] > 0]
+        first = [s for s in live if s["span"][0] == 0]
+        assert len(first) == 1, live
+        name = next(k for k, v in addr.items() if v == first[0]["address"])
+        shards[name].proc.send_signal(signal.SIGKILL)
+        killed[name] = n
+
+    tokens, errors = stream_tokens(gw, on_chunk)
+    assert killed, "the request finished before a shard could be killed"
+    dead = next(iter(killed))
+    assert killed[dead] < MAX_TOKENS
+    assert not errors, errors
+    assert tokens == reference, f"after killing {dead} at token {killed[dead]}"
+    assert "failing over" in gw.output()
+    print(f"killed {dead} at token {killed[dead]}")
+    wait_for(lambda: by_address(swarm(gw))[addr[dead]]["state"] == "gone", f"{dead} gone in /v1/swarm")
+
+    # a shard restarted on its address rejoins
+    port = addr[dead].rsplit(":", 1)[1]
+    span = spans[dead]
+    shards[dead] = Shard(cluster["model"], span[0], span[1], extra=["--listen", f"127.0.0.1:{port}"])
+    assert shards[dead].address == addr[dead]
+    wait_for(lambda: by_address(swarm(gw))[addr[dead]]["state"] == "active", f"{dead} rejoining", timeout=30)
+
+    # five concurrent streams spread over both kinds of path (IWRR by load over the flow: A's path carries
+    # ~3x C's, so the 4th or 5th goes over C); kill C=[0,30) on one of them:
+    # its replacement is A=[0,15) + B or D, a different split whose caches are rebuilt from position 0
+    n_streams = 5
+    progress, results = [0] * n_streams, [None] * n_streams
+
+    def run(i):
+        def note(n):
+            progress[i] = n
+        results[i] = stream_tokens(gw, note)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_streams)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: min(progress) >= 4 or not all(t.is_alive() for t in threads), "the streams under way")
+    loads = by_address(swarm(gw))
+    victim = "C" if loads[addr["C"]]["load"] > 0 else None
+    if victim:
+        shards["C"].proc.send_signal(signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert victim == "C", f"no stream was routed over C: {loads}"
+    for toks, errs in results:
+        assert not errs and toks == reference
+    wait_for(lambda: by_address(swarm(gw))[addr["C"]]["state"] == "gone", "C gone in /v1/swarm")
+
+    # every server of [0, 15) gone: a quick 503 naming the blocks
+    shards["A"].proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: swarm(gw)["uncovered_blocks"] == 15, "blocks [0, 15) uncovered")
+    t0 = time.time()
+    st, body = request(gw, "POST", "/v1/completions", completion_body(False), timeout=20)
+    assert st == 503, body
+    assert "no server covers blocks [0, 15)" in body["error"]["message"]
+    assert time.time() - t0 < 5
+    doc = swarm(gw)
+    states = {n: by_address(doc)[a]["state"] for n, a in addr.items()}
+    assert states == {"A": "gone", "B": "active", "C": "gone", "D": "active"}, states
