@@ -25,14 +25,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench-util.h"
 #include "ops.h"
 #include "status.h"
-
-static double bench_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static uint64_t bench_rng = 0x9e3779b97f4a7c15ull;
 
@@ -45,40 +40,6 @@ static float bench_randf(void) { /* uniform in [-1, 1) */
 
 /* ---- machine limits -------------------------------------------------------- */
 
-typedef struct bench_bw_arg {
-    const uint8_t *buf;
-    size_t n;
-    double sum;
-} bench_bw_arg;
-
-__attribute__((target("avx2"))) static double bench_sum_avx2(const uint8_t *p, size_t n) {
-    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (size_t i = 0; i + 128 <= n; i += 128) {
-        a0 = _mm256_add_epi64(a0, _mm256_load_si256((const __m256i *)(p + i)));
-        a1 = _mm256_add_epi64(a1, _mm256_load_si256((const __m256i *)(p + i + 32)));
-        a2 = _mm256_add_epi64(a2, _mm256_load_si256((const __m256i *)(p + i + 64)));
-        a3 = _mm256_add_epi64(a3, _mm256_load_si256((const __m256i *)(p + i + 96)));
-    }
-    a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
-    int64_t v[4];
-    _mm256_storeu_si256((__m256i *)v, a0);
-    return (double)(v[0] + v[1] + v[2] + v[3]);
-}
-
-static double bench_sum_plain(const uint8_t *p, size_t n) {
-    const uint64_t *q = (const uint64_t *)p;
-    uint64_t s[8] = {0};
-    for (size_t i = 0; i + 8 <= n / 8; i += 8)
-        for (int j = 0; j < 8; j++) s[j] += q[i + j];
-    return (double)(s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7]);
-}
-
-static void *bench_bw_thread(void *p) {
-    bench_bw_arg *a = p;
-    a->sum = __builtin_cpu_supports("avx2") ? bench_sum_avx2(a->buf, a->n) : bench_sum_plain(a->buf, a->n);
-    return NULL;
-}
-
 typedef struct bench_sum_list {
     const op_tensor *t;
     int copies, ith, nth;
@@ -88,13 +49,12 @@ typedef struct bench_sum_list {
 /* Thread ith of nth sums its share of the rows of every copy (like the matvec split). */
 static void *bench_sum_list_thread(void *p) {
     bench_sum_list *a = p;
-    bool avx2 = __builtin_cpu_supports("avx2");
     for (int c = 0; c < a->copies; c++) {
         size_t bytes = op_tensor_nbytes(&a->t[c]);
         size_t lo = bytes * (size_t)a->ith / (size_t)a->nth / 128 * 128;
         size_t hi = bytes * (size_t)(a->ith + 1) / (size_t)a->nth / 128 * 128;
         const uint8_t *base = (const uint8_t *)a->t[c].data + lo;
-        a->sum += avx2 ? bench_sum_avx2(base, hi - lo) : bench_sum_plain(base, hi - lo);
+        a->sum += bench_sum(base, hi - lo);
     }
     return NULL;
 }
@@ -111,31 +71,6 @@ static double bench_sum_pass(const op_tensor *t, int copies, int nth) {
     }
     for (int i = 0; i < nth; i++) pthread_join(th[i], NULL);
     return bench_now() - t0;
-}
-
-/* Best-of-5 streaming read bandwidth in GB/s over `bytes` with n threads. */
-static double bench_bandwidth(int nth, size_t bytes) {
-    uint8_t *buf = aligned_alloc(64, bytes);
-    if (!buf) return 0;
-    memset(buf, 1, bytes);
-    double best = 0;
-    pthread_t th[64];
-    bench_bw_arg args[64];
-    if (nth > 64) nth = 64;
-    for (int rep = 0; rep < 5; rep++) {
-        size_t part = bytes / (size_t)nth / 128 * 128;
-        double t0 = bench_now();
-        for (int i = 0; i < nth; i++) {
-            args[i] = (bench_bw_arg){buf + part * (size_t)i, part, 0};
-            pthread_create(&th[i], NULL, bench_bw_thread, &args[i]);
-        }
-        for (int i = 0; i < nth; i++) pthread_join(th[i], NULL);
-        double dt = bench_now() - t0;
-        double gbs = (double)(part * (size_t)nth) / dt * 1e-9;
-        if (gbs > best) best = gbs;
-    }
-    free(buf);
-    return best;
 }
 
 static double bench_thread_cpu_now(void) {
@@ -314,7 +249,7 @@ int main(int argc, char **argv) {
         }
     }
     if (nth < 1) nth = 1;
-    double bw = bench_bandwidth(nth, (size_t)1 << 30);
+    double bw = bench_read_bandwidth(nth, (size_t)1 << 30, 5);
     double ghz = bench_clock_ghz();
     double peak = nth * 2.0 * 8 * 2 * ghz; /* AVX2 FMA peak, GFLOP/s */
     double load[3] = {0};
