@@ -9,6 +9,7 @@
 
 #include "fusion.pb-c.h"
 #include "rpc.h"
+#include "grow.h"
 #include "status.h"
 #include "wire.h"
 
@@ -269,16 +270,6 @@ static int chain_link_step(chain_session *s, int i, const Fusion__StepRequest *s
     return FU_OK;
 }
 
-static int grow(void **p, size_t *cap, size_t n, size_t size) {
-    if (n <= *cap) return 0;
-    size_t c = *cap ? *cap : 64;
-    while (c < n) c *= 2;
-    void *q = realloc(*p, c * size);
-    if (!q) return -1;
-    *p = q;
-    *cap = c;
-    return 0;
-}
 
 /* Copies the last hop's output into the session's result. */
 static int chain_take_output(chain_session *s, const Fusion__StepReply *rep, const chain_spec *spec, int n) {
@@ -293,7 +284,7 @@ static int chain_take_output(chain_session *s, const Fusion__StepReply *rep, con
             t->shape[1] <= 0 || t->shape[1] > (1 << 24))
             return fu_errorf(FU_ERR_FORMAT, "chain: the last hop returned no logits of the expected shape");
         size_t cnt = (size_t)t->shape[0] * (size_t)t->shape[1];
-        if (grow((void **)&s->logits, &s->cap_logits, cnt, sizeof(float)))
+        if (fu_grow((void **)&s->logits, &s->cap_logits, cnt, sizeof(float)))
             return fu_errorf(FU_ERR_NOMEM, "logits");
         int rc = wire_decode(t->data.data, t->data.len, NULL, 0, WIRE_F32, 0, cnt, s->logits, "logits");
         if (rc) return rc;
@@ -306,10 +297,10 @@ static int chain_take_output(chain_session *s, const Fusion__StepReply *rep, con
                              o->n_tokens, expect);
         int k = spec->top_logprobs;
         size_t n_top = (size_t)expect * (size_t)k + 1;
-        if (grow((void **)&s->tokens, &s->cap_tokens, (size_t)expect, sizeof(int32_t)) ||
-            grow((void **)&s->logprobs, &s->cap_lp, (size_t)expect, sizeof(float)) ||
-            grow((void **)&s->top_ids, &s->cap_top_ids, n_top, sizeof(int32_t)) ||
-            grow((void **)&s->top_lp, &s->cap_top_lp, n_top, sizeof(float)))
+        if (fu_grow((void **)&s->tokens, &s->cap_tokens, (size_t)expect, sizeof(int32_t)) ||
+            fu_grow((void **)&s->logprobs, &s->cap_lp, (size_t)expect, sizeof(float)) ||
+            fu_grow((void **)&s->top_ids, &s->cap_top_ids, n_top, sizeof(int32_t)) ||
+            fu_grow((void **)&s->top_lp, &s->cap_top_lp, n_top, sizeof(float)))
             return fu_errorf(FU_ERR_NOMEM, "tokens");
         memcpy(s->tokens, o->tokens, (size_t)expect * sizeof(int32_t));
         memcpy(s->logprobs, o->logprobs, (size_t)expect * sizeof(float));

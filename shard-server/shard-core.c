@@ -10,6 +10,7 @@
 
 #include "engine.h"
 #include "log.h"
+#include "grow.h"
 #include "status.h"
 
 #define SHARD_MAX_TOP_LOGPROBS 20
@@ -76,17 +77,6 @@ static int64_t now_us(void) {
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-/* Grows *p (elements of `size` bytes) to hold n; returns 0 or -1. */
-static int grow(void **p, size_t *cap, size_t n, size_t size) {
-    if (n <= *cap) return 0;
-    size_t c = *cap ? *cap : 16;
-    while (c < n) c *= 2;
-    void *q = realloc(*p, c * size);
-    if (!q) return -1;
-    *p = q;
-    *cap = c;
-    return 0;
-}
 
 /* ---- the batcher -------------------------------------------------------------- */
 
@@ -152,11 +142,11 @@ static void shard_run_batch(shard_core *c, int n) {
         n_want += (size_t)step_n_out(c, c->b_sess[i]->step);
     }
     int rc = FU_OK;
-    if (grow((void **)&c->b_tokens, &c->cap_tok, T, sizeof *c->b_tokens) ||
-        grow((void **)&c->b_seqs, &c->cap_seqs, T, sizeof *c->b_seqs) ||
-        grow((void **)&c->b_want, &c->cap_want, T, sizeof *c->b_want) ||
-        (!m->has_embed && grow((void **)&c->b_hidden, &c->cap_hidden, T * (size_t)D, sizeof(float))) ||
-        grow((void **)&c->b_out, &c->cap_out, (n_want ? n_want : 1) * row, sizeof(float)))
+    if (fu_grow((void **)&c->b_tokens, &c->cap_tok, T, sizeof *c->b_tokens) ||
+        fu_grow((void **)&c->b_seqs, &c->cap_seqs, T, sizeof *c->b_seqs) ||
+        fu_grow((void **)&c->b_want, &c->cap_want, T, sizeof *c->b_want) ||
+        (!m->has_embed && fu_grow((void **)&c->b_hidden, &c->cap_hidden, T * (size_t)D, sizeof(float))) ||
+        fu_grow((void **)&c->b_out, &c->cap_out, (n_want ? n_want : 1) * row, sizeof(float)))
         rc = fu_errorf(FU_ERR_NOMEM, "batch of %zu tokens", T);
     int64_t t0 = now_us();
     if (!rc) {
@@ -239,7 +229,7 @@ static void *shard_batcher(void *arg) {
         while (c->pend_head) {
             shard_session *s = c->pend_head;
             if (n > 0 && tokens + s->step->n > c->o.max_batch_tokens) break;
-            if (grow((void **)&c->b_sess, &c->cap_steps, (size_t)n + 1, sizeof *c->b_sess)) break;
+            if (fu_grow((void **)&c->b_sess, &c->cap_steps, (size_t)n + 1, sizeof *c->b_sess)) break;
             c->pend_head = s->next_pending;
             if (!c->pend_head) c->pend_tail = NULL;
             c->n_pending--;
@@ -474,11 +464,11 @@ static int shard_step_prepare(shard_core *c, shard_session *s, shard_step *st) {
                           (st->sample ? (size_t)m->cfg.vocab_size : 0)
                     : (size_t)st->n * (size_t)m->cfg.dim;
     size_t n_top = (size_t)st->n_out * (size_t)st->top_logprobs + 1;
-    if (grow((void **)&s->out_f, &s->cap_f, nf ? nf : 1, sizeof(float)) ||
-        grow((void **)&s->out_tok, &s->cap_tok, (size_t)st->n_out + 1, sizeof(int32_t)) ||
-        grow((void **)&s->out_lp, &s->cap_lp, (size_t)st->n_out + 1, sizeof(float)) ||
-        grow((void **)&s->out_top_ids, &s->cap_top_ids, n_top, sizeof(int32_t)) ||
-        grow((void **)&s->out_top_lp, &s->cap_top_lp, n_top, sizeof(float)))
+    if (fu_grow((void **)&s->out_f, &s->cap_f, nf ? nf : 1, sizeof(float)) ||
+        fu_grow((void **)&s->out_tok, &s->cap_tok, (size_t)st->n_out + 1, sizeof(int32_t)) ||
+        fu_grow((void **)&s->out_lp, &s->cap_lp, (size_t)st->n_out + 1, sizeof(float)) ||
+        fu_grow((void **)&s->out_top_ids, &s->cap_top_ids, n_top, sizeof(int32_t)) ||
+        fu_grow((void **)&s->out_top_lp, &s->cap_top_lp, n_top, sizeof(float)))
         return fu_errorf(FU_ERR_NOMEM, "step outputs");
     st->out_hidden = st->out_logits = st->out_logprobs = st->out_top_lp = NULL;
     st->out_tokens = st->out_top_ids = NULL;
