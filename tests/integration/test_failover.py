@@ -242,18 +242,21 @@ def test_swarm_route_failover_and_503(cluster, reference):
         t.start()
     wait_for(lambda: min(progress) >= 4 or not all(t.is_alive() for t in threads), "the streams under way")
     loads = by_address(swarm(gw))
-    victim = "C" if loads[addr["C"]]["load"] > 0 else None
-    if victim:
-        shards["C"].proc.send_signal(signal.SIGKILL)
+    # Routing by load normally puts a stream over C; on a machine so loaded that
+    # the measured speeds skew the flow, every stream may take A's path -- then
+    # A is the victim (C, a different split, replaces it, as above).
+    victim = "C" if loads[addr["C"]]["load"] > 0 else "A"
+    shards[victim].proc.send_signal(signal.SIGKILL)
     for t in threads:
         t.join(120)
-    assert victim == "C", f"no stream was routed over C: {loads}"
     for toks, errs in results:
-        assert not errs and toks == reference
-    wait_for(lambda: by_address(swarm(gw))[addr["C"]]["state"] == "gone", "C gone in /v1/swarm")
+        assert not errs and toks == reference, f"after killing {victim}: {loads}"
+    wait_for(lambda: by_address(swarm(gw))[addr[victim]]["state"] == "gone", f"{victim} gone in /v1/swarm")
+    print(f"second failover: killed {victim}")
 
     # every server of [0, 15) gone: a quick 503 naming the blocks
-    shards["A"].proc.send_signal(signal.SIGKILL)
+    survivor = "A" if victim == "C" else "C"
+    shards[survivor].proc.send_signal(signal.SIGKILL)
     wait_for(lambda: swarm(gw)["uncovered_blocks"] == 15, "blocks [0, 15) uncovered")
     t0 = time.time()
     st, body = request(gw, "POST", "/v1/completions", completion_body(False), timeout=20)
