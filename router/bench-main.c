@@ -99,7 +99,7 @@ static int run_cluster(const char *hdir, const char *title, const char *cluster,
 }
 
 int main(int argc, char **argv) {
-    const char *hdir = "/work/shared/anchors/helix";
+    const char *hdir = FUSION_HELIX_DIR;
     double tlimit = 5, sim_dur = 300;
     uint64_t seed = 1;
     for (int i = 1; i < argc; i++) {

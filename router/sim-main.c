@@ -66,7 +66,7 @@ static double num_arg(const char *s, const char *name) {
 }
 
 int main(int argc, char **argv) {
-    const char *json = NULL, *cluster = NULL, *hdir = "/work/shared/anchors/helix";
+    const char *json = NULL, *cluster = NULL, *hdir = FUSION_HELIX_DIR;
     const char *model_name = "llama2_70b", *profiles = NULL, *capacity = NULL, *constants = NULL;
     const char *placement = NULL, *place = NULL, *trace = NULL, *save = NULL;
     rt_sim_opts so = {0};

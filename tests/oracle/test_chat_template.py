@@ -26,8 +26,6 @@ SRC = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__)
 BUILD = os.environ.get("FUSION_BUILD_DIR", os.path.join(SRC, "build"))
 TOOL = os.path.join(BUILD, "fusion-chat-template")
 TOKENIZERS = os.path.join(SRC, "..", "shared", "tokenizers")
-if not os.path.isdir(TOKENIZERS):
-    TOKENIZERS = "/work/shared/tokenizers"
 
 from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: E402
 

@@ -14,9 +14,10 @@ import zlib
 import networkx as nx
 import pytest
 
-HELIX = "/work/shared/anchors/helix"
+SRC = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+HELIX = os.path.join(SRC, "..", "shared", "anchors", "helix")
 AE = os.path.join(HELIX, "artifact_evaluation")
-BUILD = os.environ.get("FUSION_BUILD_DIR", "/work/main/build")
+BUILD = os.environ.get("FUSION_BUILD_DIR", os.path.join(SRC, "build"))
 SIM = os.path.join(BUILD, "fusion-sim")
 UNITS = {"kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9, "Byte": 1,
          "MilliSec": 1e-3}

@@ -1,7 +1,7 @@
 """test_tokenizer.py -- fusion-tokenize against Hugging Face `tokenizers` (ids and decoded text).
 
 Tokenizers under test:
-  * /work/shared/tokenizers/{llama2,llama3,qwen3}/tokenizer.json -- reference: tokenizers.Tokenizer.from_file
+  * shared/tokenizers/{llama2,llama3,qwen3}/tokenizer.json (beside the checkout) -- reference: tokenizers.Tokenizer.from_file
   * SmolLM2's tokenizer read from the default model's GGUF -- reference: a tokenizers BPE built
     from the same GGUF vocabulary/merges with SmolLM2's pre-tokenizer (Digits(individual) +
     ByteLevel), itself checked against transformers' GGUF conversion and known ids
@@ -20,7 +20,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 SRC = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 BUILD = os.environ.get("FUSION_BUILD_DIR", os.path.join(SRC, "build"))
 TOOL = os.path.join(BUILD, "fusion-tokenize")
-SHARED = "/work/shared/tokenizers"
+SHARED = os.path.join(SRC, "..", "shared", "tokenizers")
 
 # ---- corpus ---------------------------------------------------------------------------------
 
