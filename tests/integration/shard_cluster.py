@@ -6,6 +6,7 @@ import tempfile
 import time
 
 BUILD = os.environ.get("FUSION_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
+SOURCE = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 SECRET = "integration-secret"
 
 
@@ -55,6 +56,56 @@ class Shard:
             self.proc.send_signal(sig)
             try:
                 self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def default_model():
+    """The default model's path (fetched into the cache if needed); skips the test if unavailable."""
+    import pytest
+    out = subprocess.run([os.path.join(SOURCE, "scripts", "fetch-default-model.sh")], capture_output=True,
+                         text=True, timeout=600)
+    path = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    if out.returncode or not os.path.exists(path):
+        pytest.skip(f"default model unavailable: {out.stderr[-300:]}")
+    return path
+
+
+class Gateway:
+    """A fusion-gateway process on 127.0.0.1 with a port file. `route` are the flags naming
+    its shards (["--hop", "addr:a:b", ...] or ["--shard", "addr", ...]); `extra` more flags."""
+
+    def __init__(self, model, route, key, *extra, secret=SECRET):
+        self.dir = tempfile.mkdtemp(prefix="gateway-")
+        port_file = os.path.join(self.dir, "port")
+        cmd = [program("gateway"), "--model", model, "--listen", "127.0.0.1:0", "--port-file", port_file,
+               "--secret", secret, "--insecure", "--api-key", key] + list(route) + list(extra)
+        self.log = open(os.path.join(self.dir, "log"), "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("fusion-gateway did not start: " + self.output())
+            time.sleep(0.05)
+        self.port = int(open(port_file).read())
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def output(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -22,56 +21,11 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import SECRET, Shard, program  # noqa: E402
+from shard_cluster import SECRET, Gateway, Shard, default_model, program  # noqa: E402
 
-SOURCE = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 KEY = "sk-test-failover-key"
 PROMPT = [504, 1552, 3732, 3434, 359]  # any ids; the reference is computed from them
 MAX_TOKENS = 64
-
-
-def default_model():
-    out = subprocess.run([os.path.join(SOURCE, "scripts", "fetch-default-model.sh")], capture_output=True,
-                         text=True, timeout=600)
-    path = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-    if out.returncode or not os.path.exists(path):
-        pytest.skip(f"default model unavailable: {out.stderr[-300:]}")
-    return path
-
-
-class Gateway:
-    def __init__(self, model, addresses):
-        self.dir = tempfile.mkdtemp(prefix="gateway-")
-        port_file = os.path.join(self.dir, "port")
-        cmd = [program("gateway"), "--model", model, "--listen", "127.0.0.1:0", "--port-file", port_file,
-               "--secret", SECRET, "--insecure", "--api-key", KEY, "--connection-timeout-s", "5",
-               "--step-timeout-ms", "20000"]
-        for a in addresses:
-            cmd += ["--shard", a]
-        self.log = open(os.path.join(self.dir, "log"), "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while not os.path.exists(port_file):
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError("fusion-gateway did not start: " + self.output())
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{int(open(port_file).read())}"
-
-    def output(self):
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
 
 
 def request(gw, method, path, body=None, key=KEY, timeout=60):
@@ -152,7 +106,8 @@ def cluster():
     try:
         for name, (a, b) in {"A": (0, 15), "B": (15, 30), "C": (0, 30), "D": (15, 30)}.items():
             shards[name] = Shard(model, a, b)
-        gw = Gateway(model, [s.address for s in shards.values()])
+        gw = Gateway(model, [flag for s in shards.values() for flag in ("--shard", s.address)], KEY,
+                     "--connection-timeout-s", "5", "--step-timeout-ms", "20000")
         st, models = request(gw, "GET", "/v1/models")
         assert st == 200, models
         MODEL_ID[:] = [models["data"][0]["id"]]

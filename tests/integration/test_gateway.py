@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -19,63 +18,16 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import SECRET, Shard, program  # noqa: E402
+from shard_cluster import SECRET, Gateway, Shard, default_model, program  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
-SOURCE = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
 KEY = "sk-test-gateway-key"
 QUESTION = "What is the capital of France?"
 
 
-def default_model():
-    out = subprocess.run([os.path.join(SOURCE, "scripts", "fetch-default-model.sh")], capture_output=True,
-                         text=True, timeout=600)
-    path = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
-    if out.returncode or not os.path.exists(path):
-        pytest.skip(f"default model unavailable: {out.stderr[-300:]}")
-    return path
-
-
-class Gateway:
-    """A fusion-gateway process on 127.0.0.1 with a port file."""
-
-    def __init__(self, model, shards, *extra):
-        self.dir = tempfile.mkdtemp(prefix="gateway-")
-        port_file = os.path.join(self.dir, "port")
-        cmd = [program("gateway"), "--model", model, "--listen", "127.0.0.1:0", "--port-file", port_file,
-               "--secret", SECRET, "--insecure", "--api-key", KEY, "--connection-timeout-s", "3"]
-        for s in shards:
-            cmd += ["--hop", s.hop()]
-        cmd += list(extra)
-        self.log = open(os.path.join(self.dir, "log"), "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while not os.path.exists(port_file):
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError("fusion-gateway did not start: " + self.output())
-            time.sleep(0.05)
-        self.port = int(open(port_file).read())
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def output(self):
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def alive(self):
-        return self.proc.poll() is None
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+def hop_flags(shards):
+    return [flag for s in shards for flag in ("--hop", s.hop())]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +36,7 @@ def cluster():
     shards = [Shard(model, 0, 15), Shard(model, 15, 30)]
     gw = None
     try:
-        gw = Gateway(model, shards)
+        gw = Gateway(model, hop_flags(shards), KEY, "--connection-timeout-s", "3")
         yield {"model": model, "shards": shards, "gw": gw}
     finally:
         if gw:
@@ -520,7 +472,8 @@ def test_concurrent_streams(cluster, client):
 
 def test_overload_429(cluster):
     """One worker and no queue: a second generation while the first runs gets 429; the first completes."""
-    gw = Gateway(cluster["model"], cluster["shards"], "--workers", "1", "--max-queue", "0")
+    gw = Gateway(cluster["model"], hop_flags(cluster["shards"]), KEY, "--connection-timeout-s", "3",
+                 "--workers", "1", "--max-queue", "0")
     try:
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         m = c.models.list().data[0].id
