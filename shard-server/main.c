@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "hub.h"
 #include "log.h"
 #include "model.h"
@@ -86,15 +87,6 @@ static int parse_blocks(const char *s, int *a, int *b) {
     return 0;
 }
 
-static int parse_long(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
 /* Applies one option (from the command line or the config file). */
 static int apply_option(shard_args *a, const char *name, const char *val) {
     long v;
@@ -129,7 +121,7 @@ static int apply_option(shard_args *a, const char *name, const char *val) {
     }
 #define SHARD_INT_OPT_(opt, alt, field, lo, hi)                     \
     if (!strcmp(name, opt) || !strcmp(name, alt)) {                \
-        if (parse_long(val, lo, hi, &v)) return -1;                 \
+        if (fu_parse_long(val, lo, hi, &v)) return -1;                 \
         a->field = (int)v;                                          \
         return 0;                                                   \
     }
@@ -139,7 +131,7 @@ static int apply_option(shard_args *a, const char *name, const char *val) {
     SHARD_INT_OPT_("drain-ms", "drain_ms", drain_ms, 0, 3600000)
 #undef SHARD_INT_OPT_
     if (!strcmp(name, "kv-budget-mib") || !strcmp(name, "kv_budget_mib")) {
-        if (parse_long(val, 1, 1L << 24, &v)) return -1;
+        if (fu_parse_long(val, 1, 1L << 24, &v)) return -1;
         a->kv_budget_mib = v;
         return 0;
     }

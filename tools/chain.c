@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "chain.h"
+#include "cli.h"
 #include "status.h"
 #include "wire.h"
 
@@ -65,31 +66,6 @@ static void *run_job(void *arg) {
     chain_session_close(s);
     j->rc = rc;
     return NULL;
-}
-
-static int parse_ids(const char *s, int32_t **ids, int *n) {
-    int cap = 16, count = 0;
-    int32_t *v = malloc((size_t)cap * sizeof *v);
-    while (v && *s) {
-        char *end;
-        long x = strtol(s, &end, 10);
-        if (end == s || x < 0 || x > INT32_MAX) break;
-        if (count == cap) {
-            int32_t *nv = realloc(v, (size_t)(cap *= 2) * sizeof *v);
-            if (!nv) break;
-            v = nv;
-        }
-        v[count++] = (int32_t)x;
-        s = *end == ',' ? end + 1 : end;
-        if (*end && *end != ',') break;
-    }
-    if (!v || *s || !count) {
-        free(v);
-        return -1;
-    }
-    *ids = v;
-    *n = count;
-    return 0;
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -157,10 +133,12 @@ int main(int argc, char **argv) {
         }
     }
     int32_t *prompt = NULL;
-    int n_prompt = 0;
-    if (!n_hops || !prompt_ids || parse_ids(prompt_ids, &prompt, &n_prompt) || max_tokens < 1 ||
+    size_t n_prompt_z = 0;
+    if (!n_hops || !prompt_ids || fu_parse_ids(prompt_ids, &prompt, &n_prompt_z) || n_prompt_z > 1000000 ||
+        max_tokens < 1 ||
         sessions < 1 || sessions > MAX_SESSIONS)
         goto bad;
+    int n_prompt = (int)n_prompt_z;
     chain_client *client;
     if (chain_client_new(&co, &client)) {
         fprintf(stderr, "fusion-chain: %s\n", fu_last_error());

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "chat-template.h"
+#include "cli.h"
 #include "engine.h"
 #include "gguf.h"
 #include "hub.h"
@@ -53,53 +54,6 @@ static void usage(FILE *f) {
             "  --recompute           recompute the whole sequence each step (no KV reuse)\n"
             "  --logits-out FILE     write f32 logits of every position (prompt and generated)\n"
             "  --json                print the result as JSON\n");
-}
-
-static int parse_int(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
-static int parse_float(const char *s, float *out) {
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end) return -1;
-    *out = v;
-    return 0;
-}
-
-/* Parses "1,2,3" into a malloc'd array. */
-static int parse_ids(const char *s, int32_t **ids, size_t *n) {
-    size_t cap = 16, count = 0;
-    int32_t *v = malloc(cap * sizeof *v);
-    if (!v) return -1;
-    while (*s) {
-        char *end;
-        errno = 0;
-        long x = strtol(s, &end, 10);
-        if (errno || end == s || x < 0 || x > INT32_MAX) goto bad;
-        if (count == cap) {
-            cap *= 2;
-            int32_t *nv = realloc(v, cap * sizeof *v);
-            if (!nv) goto bad;
-            v = nv;
-        }
-        v[count++] = (int32_t)x;
-        s = end;
-        if (*s == ',') s++;
-        else if (*s) goto bad;
-    }
-    *ids = v;
-    *n = count;
-    return 0;
-bad:
-    free(v);
-    return -1;
 }
 
 static double now_s(void) {
@@ -158,22 +112,22 @@ int main(int argc, char **argv) {
         case 'S': a.system = optarg; break;
         case 'E': a.ignore_eos = 1; break;
         case 'n':
-            if (parse_int(optarg, 0, 1 << 20, &v)) goto bad;
+            if (fu_parse_long(optarg, 0, 1 << 20, &v)) goto bad;
             a.max_tokens = (int)v;
             break;
-        case 't': if (parse_float(optarg, &a.sp.temperature)) goto bad; break;
+        case 't': if (fu_parse_float(optarg, &a.sp.temperature)) goto bad; break;
         case 'k':
-            if (parse_int(optarg, 0, INT32_MAX, &v)) goto bad;
+            if (fu_parse_long(optarg, 0, INT32_MAX, &v)) goto bad;
             a.sp.top_k = (int)v;
             break;
-        case 'p': if (parse_float(optarg, &a.sp.top_p)) goto bad; break;
-        case 'M': if (parse_float(optarg, &a.sp.min_p)) goto bad; break;
+        case 'p': if (fu_parse_float(optarg, &a.sp.top_p)) goto bad; break;
+        case 'M': if (fu_parse_float(optarg, &a.sp.min_p)) goto bad; break;
         case 's':
-            if (parse_int(optarg, 0, LONG_MAX, &v)) goto bad;
+            if (fu_parse_long(optarg, 0, LONG_MAX, &v)) goto bad;
             a.sp.seed = (uint64_t)v;
             break;
         case 'T':
-            if (parse_int(optarg, 0, 1024, &v)) goto bad;
+            if (fu_parse_long(optarg, 0, 1024, &v)) goto bad;
             a.threads = (int)v;
             break;
         case 'I':
@@ -189,7 +143,7 @@ int main(int argc, char **argv) {
             else goto bad;
             break;
         case 'b':
-            if (parse_int(optarg, 1, 1 << 16, &v)) goto bad;
+            if (fu_parse_long(optarg, 1, 1 << 16, &v)) goto bad;
             a.batch = (int)v;
             break;
         case 'r': a.recompute = 1; break;
@@ -238,7 +192,7 @@ int main(int argc, char **argv) {
     if (rc && !a.prompt_ids) goto done;
     if (rc) FU_WARN("no tokenizer (%s): printing token ids only", fu_last_error());
     if (a.prompt_ids) {
-        if (parse_ids(a.prompt_ids, &prompt, &n_prompt) || n_prompt == 0) {
+        if (fu_parse_ids(a.prompt_ids, &prompt, &n_prompt)) {
             rc = fu_errorf(FU_ERR_INVALID, "--prompt-ids must be a comma-separated list of token ids");
             goto done;
         }
