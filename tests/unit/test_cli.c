@@ -1,0 +1,60 @@
+/* test_cli.c -- strict parsing of numbers and token-id lists. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "status.h"
+
+static void test_long(void **state) {
+    long v;
+    assert_int_equal(fu_parse_long("42", 0, 100, &v), FU_OK);
+    assert_int_equal(v, 42);
+    assert_int_equal(fu_parse_long("-3", -5, 5, &v), FU_OK);
+    assert_int_equal(v, -3);
+    const char *bad[] = {"", "4x", "x", "101", "-1", "99999999999999999999999", " "};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_int_equal(fu_parse_long(bad[i], 0, 100, &v), FU_ERR_INVALID);
+}
+
+static void test_float(void **state) {
+    float f;
+    assert_int_equal(fu_parse_float("0.5", &f), FU_OK);
+    assert_true(f == 0.5f);
+    assert_int_equal(fu_parse_float("0.5x", &f), FU_ERR_INVALID);
+    assert_int_equal(fu_parse_float("", &f), FU_ERR_INVALID);
+    assert_int_equal(fu_parse_float("1e999", &f), FU_ERR_INVALID);
+}
+
+static void test_ids(void **state) {
+    int32_t *ids;
+    size_t n;
+    assert_int_equal(fu_parse_ids("1,20,300", &ids, &n), FU_OK);
+    assert_int_equal(n, 3);
+    assert_int_equal(ids[2], 300);
+    free(ids);
+    /* more than the initial capacity */
+    char buf[200] = "0";
+    for (int i = 1; i < 40; i++) snprintf(buf + strlen(buf), sizeof buf - strlen(buf), ",%d", i);
+    assert_int_equal(fu_parse_ids(buf, &ids, &n), FU_OK);
+    assert_int_equal(n, 40);
+    assert_int_equal(ids[39], 39);
+    free(ids);
+    const char *bad[] = {"", "1,,2", "1,x", "-1", "1;2", "2147483648", ","};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_int_equal(fu_parse_ids(bad[i], &ids, &n), FU_ERR_INVALID);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_long),
+        cmocka_unit_test(test_float),
+        cmocka_unit_test(test_ids),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
