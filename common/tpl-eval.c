@@ -392,19 +392,23 @@ int tpl_binop(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
         return tpl_undef_fail(R, b);
     bool nums = tpl_is_num(a) && tpl_is_num(b);
     bool ints = nums && a.kind != TPL_FLOAT && b.kind != TPL_FLOAT;
-    int64_t r;
+    if (nums && (op == OP_ADD || op == OP_SUB || op == OP_MUL)) {
+        if (!ints) {
+            double x = num_f(a), y = num_f(b);
+            *out = tpl_float(op == OP_ADD ? x + y : op == OP_SUB ? x - y : x * y);
+            return FU_OK;
+        }
+        int64_t r;
+        bool over = op == OP_ADD   ? __builtin_add_overflow(a.i, b.i, &r)
+                    : op == OP_SUB ? __builtin_sub_overflow(a.i, b.i, &r)
+                                   : __builtin_mul_overflow(a.i, b.i, &r);
+        if (over)
+            return tpl_type_error(R, "integer overflow");
+        *out = tpl_int(r);
+        return FU_OK;
+    }
     switch (op) {
     case OP_ADD:
-        if (ints) {
-            if (__builtin_add_overflow(a.i, b.i, &r))
-                return tpl_type_error(R, "integer overflow");
-            *out = tpl_int(r);
-            return FU_OK;
-        }
-        if (nums) {
-            *out = tpl_float(num_f(a) + num_f(b));
-            return FU_OK;
-        }
         if (a.kind == TPL_STR && b.kind == TPL_STR)
             return tpl_str_cat(R, tpl_as_str(a)->s, tpl_as_str(a)->len, tpl_as_str(b)->s, tpl_as_str(b)->len, out);
         if (a.kind == TPL_LIST && b.kind == TPL_LIST && tpl_as_list(a)->tuple == tpl_as_list(b)->tuple) {
@@ -428,28 +432,8 @@ int tpl_binop(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
                                   tpl_type_name(b), tpl_type_name(a));
         return unsupported(R, op, a, b);
     case OP_SUB:
-        if (ints) {
-            if (__builtin_sub_overflow(a.i, b.i, &r))
-                return tpl_type_error(R, "integer overflow");
-            *out = tpl_int(r);
-            return FU_OK;
-        }
-        if (nums) {
-            *out = tpl_float(num_f(a) - num_f(b));
-            return FU_OK;
-        }
         return unsupported(R, op, a, b);
     case OP_MUL:
-        if (ints) {
-            if (__builtin_mul_overflow(a.i, b.i, &r))
-                return tpl_type_error(R, "integer overflow");
-            *out = tpl_int(r);
-            return FU_OK;
-        }
-        if (nums) {
-            *out = tpl_float(num_f(a) * num_f(b));
-            return FU_OK;
-        }
         if ((a.kind == TPL_STR || a.kind == TPL_LIST) && (b.kind == TPL_INT || b.kind == TPL_BOOL))
             return repeat_seq(R, a, b.i, out);
         if ((b.kind == TPL_STR || b.kind == TPL_LIST) && (a.kind == TPL_INT || a.kind == TPL_BOOL))

@@ -601,13 +601,10 @@ static tpl_node *parse_unary(parser *P, bool with_filter) {
     return n;
 }
 
-static tpl_node *binop(parser *P, int op, tpl_node *a, tpl_node *b, int line) {
-    if (!a || !b) {
-        tpl_node_free(a);
-        tpl_node_free(b);
-        return NULL;
-    }
-    tpl_node *n = node_new(P, ND_BINOP, line);
+/* A node of `type` (ND_BINOP with `op`, ND_AND, ND_OR) over a and b; frees
+ * both and returns NULL when either is missing or allocation fails. */
+static tpl_node *pair_node(parser *P, int type, int op, tpl_node *a, tpl_node *b, int line) {
+    tpl_node *n = a && b ? node_new(P, type, line) : NULL;
     if (!n) {
         tpl_node_free(a);
         tpl_node_free(b);
@@ -617,6 +614,10 @@ static tpl_node *binop(parser *P, int op, tpl_node *a, tpl_node *b, int line) {
     n->a = a;
     n->b = b;
     return n;
+}
+
+static tpl_node *binop(parser *P, int op, tpl_node *a, tpl_node *b, int line) {
+    return pair_node(P, ND_BINOP, op, a, b, line);
 }
 
 static tpl_node *parse_pow(parser *P) {
@@ -731,50 +732,25 @@ static tpl_node *parse_not(parser *P) {
     return parse_compare(P);
 }
 
-static tpl_node *parse_and(parser *P) {
-    tpl_node *n = parse_not(P);
-    while (n && is_name(cur(P), "and")) {
+/* `a and b` (or_level false) or `a or b` (true), left-associative. */
+static tpl_node *parse_logic(parser *P, bool or_level) {
+    const char *word = or_level ? "or" : "and";
+    tpl_node *n = or_level ? parse_logic(P, false) : parse_not(P);
+    while (n && is_name(cur(P), word)) {
         int line = cur(P)->line;
         advance(P);
-        tpl_node *b = parse_not(P);
-        tpl_node *x = b ? node_new(P, ND_AND, line) : NULL;
-        if (!x) {
-            tpl_node_free(n);
-            tpl_node_free(b);
-            return NULL;
-        }
-        x->a = n;
-        x->b = b;
-        n = x;
-    }
-    return n;
-}
-
-static tpl_node *parse_or(parser *P) {
-    tpl_node *n = parse_and(P);
-    while (n && is_name(cur(P), "or")) {
-        int line = cur(P)->line;
-        advance(P);
-        tpl_node *b = parse_and(P);
-        tpl_node *x = b ? node_new(P, ND_OR, line) : NULL;
-        if (!x) {
-            tpl_node_free(n);
-            tpl_node_free(b);
-            return NULL;
-        }
-        x->a = n;
-        x->b = b;
-        n = x;
+        tpl_node *b = or_level ? parse_logic(P, false) : parse_not(P);
+        n = pair_node(P, or_level ? ND_OR : ND_AND, 0, n, b, line);
     }
     return n;
 }
 
 static tpl_node *parse_condexpr(parser *P) {
     int line = cur(P)->line;
-    tpl_node *n = parse_or(P);
+    tpl_node *n = parse_logic(P, true);
     while (n && is_name(cur(P), "if")) {
         advance(P);
-        tpl_node *test = parse_or(P);
+        tpl_node *test = parse_logic(P, true);
         tpl_node *other = NULL;
         if (test && is_name(cur(P), "else")) {
             advance(P);
@@ -809,7 +785,7 @@ static tpl_node *parse_condexpr(parser *P) {
 static tpl_node *parse_expression(parser *P, bool with_condexpr) {
     if (enter(P))
         return NULL;
-    tpl_node *n = with_condexpr ? parse_condexpr(P) : parse_or(P);
+    tpl_node *n = with_condexpr ? parse_condexpr(P) : parse_logic(P, true);
     P->depth--;
     return n;
 }

@@ -803,6 +803,19 @@ static bool py_printable(int32_t cp) {
     }
 }
 
+/* String quoting: when esc holds an escape for the adv bytes at s + i, writes
+ * the verbatim run s[*run, i) and the escape, and starts the next run after
+ * them; otherwise the bytes stay in the run. */
+static int put_escaped(tpl_rt *R, tpl_buf *b, const char *s, size_t *run, size_t i, size_t adv, const char *esc) {
+    if (!esc[0])
+        return FU_OK;
+    int rc = tpl_buf_put(R, b, s + *run, i - *run);
+    if (!rc)
+        rc = buf_cstr(R, b, esc);
+    *run = i + adv;
+    return rc;
+}
+
 static int repr_str(tpl_rt *R, tpl_buf *b, const char *s, size_t n) {
     bool has_sq = memchr(s, '\'', n) != NULL, has_dq = memchr(s, '"', n) != NULL;
     char q = (has_sq && !has_dq) ? '"' : '\'';
@@ -831,12 +844,7 @@ static int repr_str(tpl_rt *R, tpl_buf *b, const char *s, size_t n) {
             else
                 snprintf(esc, sizeof esc, "\\U%08x", (unsigned)cp);
         }
-        if (esc[0]) {
-            rc = tpl_buf_put(R, b, s + run, i - run);
-            if (!rc)
-                rc = buf_cstr(R, b, esc);
-            run = i + adv;
-        }
+        rc = put_escaped(R, b, s, &run, i, adv, esc);
         i += adv;
     }
     if (!rc)
@@ -980,12 +988,7 @@ static int json_str(tpl_rt *R, tpl_buf *b, const char *s, size_t n, bool ensure_
                 }
             }
         }
-        if (esc[0]) {
-            rc = tpl_buf_put(R, b, s + run, i - run);
-            if (!rc)
-                rc = buf_cstr(R, b, esc);
-            run = i + adv;
-        }
+        rc = put_escaped(R, b, s, &run, i, adv, esc);
         i += adv;
     }
     if (!rc)
