@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "gguf.h"
+#include "test-files.h"
 #include "status.h"
 
 /* ---- byte builder ---------------------------------------------------------- */
@@ -237,33 +238,6 @@ static void build(gb *b, const opts *o, layout *L) {
 }
 
 /* ---- files -------------------------------------------------------------------- */
-
-static char tmpdir[256];
-
-static int setup(void **state) {
-    (void)state;
-    const char *base = getenv("TMPDIR");
-    snprintf(tmpdir, sizeof tmpdir, "%s/fusion-gguf-XXXXXX", base && *base ? base : "/tmp");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    return system(cmd) == 0 ? 0 : -1;
-}
-
-static void write_file(const char *path, const void *p, size_t n) {
-    FILE *fp = fopen(path, "wb");
-    assert_non_null(fp);
-    if (n) assert_int_equal(fwrite(p, 1, n, fp), n);
-    assert_int_equal(fclose(fp), 0);
-}
-
-static void tmp_path(char *out, size_t cap, const char *name) {
-    snprintf(out, cap, "%s/%s", tmpdir, name);
-}
 
 /* Opens n bytes of p from an exactly-sized heap copy (so ASan catches overreads). */
 static int open_mem(const uint8_t *p, size_t n, const char *name, gguf_file **f, uint8_t **copy) {
@@ -803,5 +777,5 @@ int main(void) {
         cmocka_unit_test(test_io_errors),
         cmocka_unit_test(test_open_does_not_touch_data),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tf_setup, tf_teardown);
 }

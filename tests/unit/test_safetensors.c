@@ -17,41 +17,14 @@
 #include "ops.h"
 #include "safetensors.h"
 #include "status.h"
+#include "test-files.h"
 
 /* ---- helpers --------------------------------------------------------------------- */
-
-static char tmpdir[256];
-
-static int setup(void **state) {
-    (void)state;
-    const char *base = getenv("TMPDIR");
-    snprintf(tmpdir, sizeof tmpdir, "%s/fusion-st-XXXXXX", base && *base ? base : "/tmp");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    char cmd[300];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
-    return system(cmd) == 0 ? 0 : -1;
-}
-
-/* out = tmpdir/rel */
-static void tmp_path(char *out, size_t cap, const char *rel) {
-    snprintf(out, cap, "%s/%s", tmpdir, rel);
-}
 
 static void make_dir(const char *rel) {
     char p[512];
     tmp_path(p, sizeof p, rel);
     assert_int_equal(mkdir(p, 0755), 0);
-}
-
-static void write_raw(const char *path, const void *p, size_t n) {
-    FILE *fp = fopen(path, "wb");
-    assert_non_null(fp);
-    if (n) assert_int_equal(fwrite(p, 1, n, fp), n);
-    assert_int_equal(fclose(fp), 0);
 }
 
 /* Serialises a safetensors file (8-byte length, header, data) into a malloc'd
@@ -75,7 +48,7 @@ static void st_write(const char *rel, const char *header, const void *data, size
     tmp_path(path, sizeof path, rel);
     size_t len;
     uint8_t *p = st_bytes(header, data, n, &len);
-    write_raw(path, p, len);
+    write_file(path, p, len);
     free(p);
 }
 
@@ -212,7 +185,7 @@ static void test_truncated_every_byte(void **state) {
     char path[512];
     tmp_path(path, sizeof path, "trunc.safetensors");
     for (size_t n = 0; n < len; n++) {
-        write_raw(path, p, n);
+        write_file(path, p, n);
         st_model *m = (st_model *)1;
         int rc = st_model_open(path, &m);
         if (rc >= 0) fail_msg("prefix of %zu of %zu bytes was accepted", n, len);
@@ -283,7 +256,7 @@ static void test_bad_headers(void **state) {
     for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
         uint8_t buf[24] = "........{}              ";
         memcpy(buf, &lens[i], 8);
-        write_raw(path, buf, sizeof buf);
+        write_file(path, buf, sizeof buf);
         st_model *m;
         int rc = st_model_open(path, &m);
         EXPECT_FAIL(rc, FU_ERR_FORMAT, path, lens[i] ? "header length" : "not a JSON object");
@@ -317,7 +290,7 @@ static void test_byte_flips(void **state) {
         for (size_t v = 0; v < sizeof vals; v++) {
             if (pos >= 8 && v < 4 && pos % 3) continue; /* keep the run short */
             p[pos] = vals[v];
-            write_raw(path, p, len);
+            write_file(path, p, len);
             st_model *m;
             int rc = st_model_open(path, &m);
             if (rc) {
@@ -369,7 +342,7 @@ static void make_sharded(const char *dir, const char *wm) {
     char path[512];
     snprintf(rel, sizeof rel, "%s/model.safetensors.index.json", dir);
     tmp_path(path, sizeof path, rel);
-    write_raw(path, index, strlen(index));
+    write_file(path, index, strlen(index));
 }
 
 static const char good_wm[] =
@@ -490,7 +463,7 @@ static void test_sharded_errors(void **state) {
     make_dir("idx");
     tmp_path(path, sizeof path, "idx/model.safetensors.index.json");
     for (size_t i = 0; i < sizeof idx / sizeof idx[0]; i++) {
-        write_raw(path, idx[i].json, strlen(idx[i].json));
+        write_file(path, idx[i].json, strlen(idx[i].json));
         rc = st_model_open(path, &m);
         EXPECT_FAIL(rc, idx[i].want, path, idx[i].sub);
     }
@@ -504,7 +477,7 @@ static void test_sharded_errors(void **state) {
     rc = st_model_open(path, &m);
     EXPECT_FAIL(rc, FU_ERR_IO, path, "cannot open");
     tmp_path(path, sizeof path, "zero.safetensors");
-    write_raw(path, "", 0);
+    write_file(path, "", 0);
     rc = st_model_open(path, &m);
     EXPECT_FAIL(rc, FU_ERR_FORMAT, path, "too small");
 }
@@ -560,5 +533,5 @@ int main(void) {
         cmocka_unit_test(test_sharded_errors),
         cmocka_unit_test(test_open_does_not_touch_data),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, tf_setup, tf_teardown);
 }
