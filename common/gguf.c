@@ -382,19 +382,27 @@ static bool gguf_kv_int(const gguf_kv *kv, bool *neg, int64_t *s, uint64_t *u) {
     return true;
 }
 
+/* Reads the name of item i (what: "metadata key" or "tensor") and copies it
+ * into the names arena at *off; a name with a NUL byte is an error. */
+static int gguf_rd_name(gguf_file *f, gguf_rd *r, gguf_arena *names, const char *what, int64_t i,
+                        const char **name, uint64_t *len, size_t *off) {
+    gguf_rd_what(r, "%s %" PRId64, what, i);
+    int rc = gguf_rd_str(r, name, len, "name");
+    if (rc) return rc;
+    if (memchr(*name, '\0', (size_t)*len))
+        return fu_errorf(FU_ERR_FORMAT, "%s: %s %" PRId64 " has a NUL byte in its name", f->path, what, i);
+    if (gguf_arena_add(names, *name, (size_t)*len, off))
+        return fu_errorf(FU_ERR_NOMEM, "%s: out of memory", f->path);
+    return FU_OK;
+}
+
 static int gguf_parse_kvs(gguf_file *f, gguf_rd *r, gguf_arena *names, size_t *key_off) {
     for (int64_t i = 0; i < f->n_kv; i++) {
         gguf_kv *kv = &f->kv[i];
-        const char *key;
-        uint64_t key_len;
-        gguf_rd_what(r, "metadata key %" PRId64, i);
-        int rc = gguf_rd_str(r, &key, &key_len, "name");
+        const char *key = NULL;
+        uint64_t key_len = 0;
+        int rc = gguf_rd_name(f, r, names, "metadata key", i, &key, &key_len, &key_off[i]);
         if (rc) return rc;
-        if (memchr(key, '\0', (size_t)key_len))
-            return fu_errorf(FU_ERR_FORMAT, "%s: metadata key %" PRId64 " has a NUL byte in its name",
-                             f->path, i);
-        if (gguf_arena_add(names, key, (size_t)key_len, &key_off[i]))
-            return fu_errorf(FU_ERR_NOMEM, "%s: out of memory", f->path);
         gguf_rd_what(r, "metadata key %" PRId64 " ('%.*s')", i,
                      (int)(key_len > 96 ? 96 : key_len), key);
         uint32_t t;
@@ -415,18 +423,12 @@ static int gguf_parse_kvs(gguf_file *f, gguf_rd *r, gguf_arena *names, size_t *k
 static int gguf_parse_tensor_infos(gguf_file *f, gguf_rd *r, gguf_arena *names, size_t *name_off) {
     for (int64_t i = 0; i < f->n_tensors; i++) {
         gguf_tensor_info *ti = &f->tensors[i];
-        const char *name;
-        uint64_t len;
-        gguf_rd_what(r, "tensor %" PRId64, i);
-        int rc = gguf_rd_str(r, &name, &len, "name");
+        const char *name = NULL;
+        uint64_t len = 0;
+        int rc = gguf_rd_name(f, r, names, "tensor", i, &name, &len, &name_off[i]);
         if (rc) return rc;
         if (len == 0)
             return fu_errorf(FU_ERR_FORMAT, "%s: tensor %" PRId64 " has an empty name", f->path, i);
-        if (memchr(name, '\0', (size_t)len))
-            return fu_errorf(FU_ERR_FORMAT, "%s: tensor %" PRId64 " has a NUL byte in its name",
-                             f->path, i);
-        if (gguf_arena_add(names, name, (size_t)len, &name_off[i]))
-            return fu_errorf(FU_ERR_NOMEM, "%s: out of memory", f->path);
         const int nshow = (int)(len > 96 ? 96 : len);
         gguf_rd_what(r, "tensor '%.*s'", nshow, name);
         uint32_t n_dims;
@@ -483,7 +485,7 @@ static int gguf_parse_alignment(gguf_file *f) {
     f->alignment = GGUF_DEFAULT_ALIGNMENT;
     int64_t i = gguf_find_key(f, "general.alignment");
     if (i < 0) return FU_OK;
-    bool neg;
+    bool neg = false;
     int64_t s;
     uint64_t u = 0;
     if (!gguf_kv_int(&f->kv[i], &neg, &s, &u))
@@ -731,7 +733,7 @@ static int gguf_range_error(const gguf_file *f, const char *key, bool neg, int64
 }
 
 int gguf_get_u32(const gguf_file *f, const char *key, uint32_t *out) {
-    bool neg;
+    bool neg = false;
     int64_t s = 0;
     uint64_t u = 0;
     int rc = gguf_get_int(f, key, &neg, &s, &u);
@@ -742,7 +744,7 @@ int gguf_get_u32(const gguf_file *f, const char *key, uint32_t *out) {
 }
 
 int gguf_get_u64(const gguf_file *f, const char *key, uint64_t *out) {
-    bool neg;
+    bool neg = false;
     int64_t s = 0;
     uint64_t u = 0;
     int rc = gguf_get_int(f, key, &neg, &s, &u);
@@ -753,7 +755,7 @@ int gguf_get_u64(const gguf_file *f, const char *key, uint64_t *out) {
 }
 
 int gguf_get_i32(const gguf_file *f, const char *key, int32_t *out) {
-    bool neg;
+    bool neg = false;
     int64_t s = 0;
     uint64_t u = 0;
     int rc = gguf_get_int(f, key, &neg, &s, &u);
@@ -764,7 +766,7 @@ int gguf_get_i32(const gguf_file *f, const char *key, int32_t *out) {
 }
 
 int gguf_get_i64(const gguf_file *f, const char *key, int64_t *out) {
-    bool neg;
+    bool neg = false;
     int64_t s = 0;
     uint64_t u = 0;
     int rc = gguf_get_int(f, key, &neg, &s, &u);
@@ -823,8 +825,8 @@ int gguf_get_str(const gguf_file *f, const char *key, const char **s, size_t *le
 }
 
 int gguf_get_str_dup(const gguf_file *f, const char *key, char **out) {
-    const char *s;
-    size_t len;
+    const char *s = NULL;
+    size_t len = 0;
     int rc = gguf_get_str(f, key, &s, &len);
     if (rc) return rc;
     char *p = malloc(len + 1);
