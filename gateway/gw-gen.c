@@ -12,6 +12,7 @@
 
 #include "chain.h"
 #include "gw-swarm.h"
+#include "gw-tools.h"
 #include "log.h"
 #include "sampler.h"
 #include "status.h"
@@ -26,6 +27,7 @@ typedef struct gw_choice {
     gw_buf text;       /* non-streaming: the whole text */
     json_t *lp;        /* non-streaming logprobs: chat array / completions object */
     size_t text_off;   /* completions text_offset of the next token */
+    gw_tool_stream tools; /* streaming chat with tools: calls split from the content */
 } gw_choice;
 
 typedef struct gw_task {
@@ -59,6 +61,9 @@ struct gw_job {
     long long created;          /* unix seconds */
     double t_arrival;           /* monotonic seconds */
     uint64_t seed;              /* request seed, or a random one */
+    bool tools_on;              /* chat with tools: calls are parsed out of the output */
+    gw_tool_format tool_format;
+    uint64_t call_salt;         /* random: tool call ids */
     pthread_mutex_t mu;         /* everything below the prep fields */
     int refs;
     /* prepared once, by the first worker (prep_mu) */
@@ -124,6 +129,7 @@ static void gw_job_free(gw_job *j) {
     for (int i = 0; i < j->n_choices; i++) {
         gw_buf_free(&j->choices[i].text);
         json_decref(j->choices[i].lp);
+        gw_tool_stream_free(&j->choices[i].tools);
     }
     free(j->choices);
     if (j->pids)
@@ -172,6 +178,9 @@ int gw_job_new(gw_engine *e, gw_request *req, gw_job **out) {
     j->created = (long long)time(NULL);
     j->t_arrival = now_s();
     j->seed = j->req.has_seed ? j->req.seed : random_seed();
+    j->tools_on = j->req.kind == GW_KIND_CHAT && gw_tools_active(j->req.tools, j->req.tool_choice);
+    j->tool_format = gw_tool_format_detect(tok_chat_template(e->model->tok));
+    j->call_salt = random_seed();
     int n_prompts = j->req.kind == GW_KIND_CHAT ? 1 : j->req.n_prompts;
     j->n_prompts = n_prompts;
     j->n_choices = n_prompts * j->req.n;
@@ -185,6 +194,7 @@ int gw_job_new(gw_engine *e, gw_request *req, gw_job **out) {
     for (int i = 0; i < j->n_choices; i++) {
         j->choices[i].index = i;
         j->choices[i].prompt = i / j->req.n;
+        gw_tool_stream_init(&j->choices[i].tools, j->tool_format, j->call_salt + (uint64_t)i * 0x9E3779B97F4A7C15ull);
     }
     *out = j;
     return FU_OK;
@@ -203,21 +213,27 @@ static void gw_job_fail(gw_job *j, const gw_error *err) {
     pthread_mutex_unlock(&j->mu);
 }
 
+int gw_render_chat(const gw_model *m, gw_request *r, char **out, gw_error *err) {
+    *out = NULL;
+    if (!m->tpl)
+        return gw_error_set(err, 400, "messages", NULL, "the model has no chat template: use /v1/completions");
+    const char *src = tok_chat_template(m->tok);
+    if (gw_tools_prepare_chat(r->messages, r->tools, gw_tool_format_detect(src), src, err)) return err->http;
+    if (tpl_apply_chat(m->tpl, r->messages, r->tools, 1, tok_bos_str(m->tok), tok_eos_str(m->tok), NULL, out))
+        return gw_error_set(err, 400, "messages", NULL, "chat template: %s", fu_last_error());
+    return 0;
+}
+
 static int gw_job_prepare_locked(gw_job *j, gw_error *err) {
     const gw_model *m = j->e->model;
-    const gw_request *r = &j->req;
+    gw_request *r = &j->req;
     int n_prompts = r->kind == GW_KIND_CHAT ? 1 : r->n_prompts;
     const char *param = r->kind == GW_KIND_CHAT ? "messages" : "prompt";
     for (int p = 0; p < n_prompts; p++) {
         if (r->kind == GW_KIND_CHAT) {
-            if (!m->tpl)
-                return gw_error_set(err, 400, "messages", NULL,
-                                    "the model has no chat template: use /v1/completions");
             char *text = NULL;
-            int rc = tpl_apply_chat(m->tpl, r->messages, r->tools, 1, tok_bos_str(m->tok), tok_eos_str(m->tok),
-                                    NULL, &text);
-            if (rc) return gw_error_set(err, 400, "messages", NULL, "chat template: %s", fu_last_error());
-            rc = tok_encode(m->tok, text, strlen(text), false, true, &j->pids[p], &j->pn[p]);
+            if (gw_render_chat(m, r, &text, err)) return err->http;
+            int rc = tok_encode(m->tok, text, strlen(text), false, true, &j->pids[p], &j->pn[p]);
             free(text);
             if (rc) return gw_error_set(err, 400, "messages", NULL, "tokenizer: %s", fu_last_error());
         } else if (r->prompts[p].ids) {
@@ -391,15 +407,23 @@ static void gw_job_build_body(gw_job *j) {
         gw_choice *c = &j->choices[i];
         json_t *ch = json_object();
         json_object_set_new(ch, "index", json_integer(i));
-        json_t *text = gw_json_string_lossy(c->text.data ? c->text.data : "", c->text.len);
-        if (chat)
-            json_object_set_new(ch, "message", json_pack("{s:s, s:o}", "role", "assistant", "content", text));
-        else
+        json_t *text = NULL, *calls = NULL;
+        const char *finish = c->finish ? c->finish : "length";
+        if (j->tools_on && gw_tool_parse(j->tool_format, j->choices[i].tools.id_salt, c->text.data ? c->text.data : "",
+                                         c->text.len, &calls, &text) > 0)
+            finish = "tool_calls";
+        if (!text) text = gw_json_string_lossy(c->text.data ? c->text.data : "", c->text.len);
+        if (chat) {
+            json_t *msg = json_pack("{s:s, s:o}", "role", "assistant", "content", text);
+            if (calls) json_object_set_new(msg, "tool_calls", calls);
+            json_object_set_new(ch, "message", msg);
+        } else {
             json_object_set_new(ch, "text", text);
+        }
         json_t *lp = json_null();
         if (c->lp) lp = chat ? json_pack("{s:O, s:n}", "content", c->lp, "refusal") : json_incref(c->lp);
         json_object_set_new(ch, "logprobs", lp);
-        json_object_set_new(ch, "finish_reason", json_string(c->finish ? c->finish : "length"));
+        json_object_set_new(ch, "finish_reason", json_string(finish));
         json_array_append_new(choices, ch);
     }
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o, s:n}", "id", j->id, "object",
@@ -519,12 +543,42 @@ static int gw_choice_open(gw_engine *e, const char *sid, int max_length, int req
     }
 }
 
+/* Streaming chat with tools: the text goes through the choice's tool stream; content
+ * and tool_calls deltas go out as chunks, and the finish says "tool_calls" when
+ * the model called any. */
+static void gw_choice_output_tools(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
+                                   const char *finish) {
+    gw_buf content = {0};
+    json_t *deltas = json_array();
+    int rc = deltas ? gw_tool_stream_feed(&c->tools, text ? text : "", len, &content, deltas) : FU_ERR_NOMEM;
+    if (!rc && finish) rc = gw_tool_stream_flush(&c->tools, &content, deltas);
+    if (rc) FU_LOG(FU_LOG_LEVEL_WARN, j->id, "tool call parsing: out of memory");
+    if (content.len || lp_chunk) {
+        json_t *d = json_object();
+        json_object_set_new(d, "content", gw_json_string_lossy(content.data ? content.data : "", content.len));
+        gw_job_emit(j, gw_chunk(j, c->index, d, lp_chunk, NULL));
+    }
+    size_t i;
+    json_t *delta;
+    json_array_foreach(deltas, i, delta) {
+        gw_job_emit(j, gw_chunk(j, c->index, json_pack("{s:[O]}", "tool_calls", delta), NULL, NULL));
+    }
+    if (finish)
+        gw_job_emit(j, gw_chunk(j, c->index, json_object(), NULL, c->tools.n_calls ? "tool_calls" : finish));
+    json_decref(deltas);
+    gw_buf_free(&content);
+}
+
 /* Emits text (and streamed logprobs) for a choice: streaming sends a chunk, otherwise it accumulates. */
 static void gw_choice_output(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
                              const char *finish) {
     if (!j->req.stream) {
         gw_buf_append(&c->text, text, len);
         json_decref(lp_chunk);
+        return;
+    }
+    if (j->tools_on) {
+        gw_choice_output_tools(j, c, text, len, lp_chunk, finish);
         return;
     }
     if (!len && !lp_chunk && !finish) return;
@@ -857,7 +911,7 @@ int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metri
     chain_options co = {.secret = cfg->secret, .tls_ca = cfg->tls_ca, .insecure = cfg->insecure,
                         .forward = cfg->forward, .timeout_ms = cfg->step_timeout_ms};
     int rc = chain_client_new(&co, &e->chain);
-    if (!rc && cfg->n_shards > 0) rc = gw_swarm_new(cfg, model->n_layers, &e->swarm);
+    if (!rc && (cfg->n_shards > 0 || cfg->swarm_listen)) rc = gw_swarm_new(cfg, model->n_layers, &e->swarm);
     if (rc) {
         gw_engine_free(e);
         return rc;

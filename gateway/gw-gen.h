@@ -49,6 +49,12 @@ int gw_engine_queue_depth(gw_engine *e);
  * or the static chain's hops. NULL on allocation failure. */
 json_t *gw_engine_swarm_json(gw_engine *e);
 
+/* Renders a chat request's messages (and tools) through the model's chat template:
+ * tool calls in the history are prepared for the template first (gw-tools.h; this
+ * changes r->messages). On success *out is a malloc'd string the caller frees;
+ * on failure returns the HTTP status with *err filled. */
+int gw_render_chat(const gw_model *m, gw_request *r, char **out, gw_error *err);
+
 /* Creates a job for a parsed request, taking ownership of *req (zeroed). The
  * caller holds one reference. */
 int gw_job_new(gw_engine *e, gw_request *req, gw_job **out);

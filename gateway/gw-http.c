@@ -1,10 +1,15 @@
-/* gw-http.c -- fusion-gateway's HTTP side: libmicrohttpd with epoll and suspend/resume, OpenAI routes, SSE. */
+/* gw-http.c -- fusion-gateway's HTTP side: libmicrohttpd (epoll, suspend/resume), OpenAI routes, SSE.
+ *
+ * Request bodies are parsed, and their routes run, on body threads while the
+ * connection waits suspended; a watchdog cancels the generations of clients
+ * that leave while suspended (libmicrohttpd does not watch those sockets). */
 #include "gw-http.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <microhttpd.h>
 #include <netdb.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -19,7 +24,22 @@
 #include "log.h"
 #include "status.h"
 
+/* Threads that parse request bodies and run the tokenizer routes. */
+#define GW_BODY_THREADS 2
+
+/* How often the watchdog looks at suspended connections. */
+#define GW_WATCH_INTERVAL_MS 100
+
 typedef struct gw_conn gw_conn;
+
+/* A response prepared off the event loop, queued when the connection resumes. */
+typedef struct gw_reply {
+    bool ready;
+    int status;
+    const char *ctype;
+    char *body; /* malloc'd */
+    size_t len;
+} gw_reply;
 
 struct gw_server {
     const gw_config *cfg;
@@ -33,6 +53,20 @@ struct gw_server {
     pthread_mutex_t mu; /* the connection list */
     gw_conn *conns;
     long long started;
+    /* the watchdog: libmicrohttpd does not watch suspended connections, so this
+     * thread polls their sockets and cancels the generation of a client that left */
+    pthread_t watch;
+    bool watch_started;
+    pthread_mutex_t watch_mu;
+    pthread_cond_t watch_cv;
+    /* body threads: parsing request bodies and the CPU-bound routes (/tokenize on a
+     * megabyte takes hundreds of milliseconds) run here, off the event loop */
+    pthread_t body_threads[GW_BODY_THREADS];
+    int n_body_threads;
+    pthread_mutex_t body_mu;
+    pthread_cond_t body_cv;
+    gw_conn *body_head, *body_tail; /* the queue (gw_conn.body_next) */
+    bool body_stopping;
 };
 
 struct gw_conn {
@@ -46,12 +80,17 @@ struct gw_conn {
     bool responded;
     gw_job *job;
     bool suspended; /* under the job's lock */
+    /* body work: the connection stays suspended while a body thread has it */
+    gw_conn *body_next;
+    bool deferred;  /* responses go to `reply` (set by the body thread while it runs the route) */
+    bool body_failed; /* the route could not answer at all: close the connection */
+    gw_reply reply;
 };
 
 /* ---- responses --------------------------------------------------------------------------- */
 
-/* Queues a response with body[0..len) (malloc'd, taken). */
-static enum MHD_Result gw_respond(gw_conn *c, int status, const char *ctype, char *body, size_t len) {
+/* Hands body[0..len) (malloc'd, taken) to libmicrohttpd (event loop only). */
+static enum MHD_Result gw_queue(gw_conn *c, int status, const char *ctype, char *body, size_t len) {
     struct MHD_Response *r = MHD_create_response_from_buffer(len, body ? body : (char *)"",
                                                              body ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
     if (!r) {
@@ -62,9 +101,22 @@ static enum MHD_Result gw_respond(gw_conn *c, int status, const char *ctype, cha
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     enum MHD_Result ret = MHD_queue_response(c->mc, (unsigned)status, r);
     MHD_destroy_response(r);
+    return ret;
+}
+
+/* Queues a response with body[0..len) (malloc'd, taken); on a body thread it is
+ * kept in c->reply and queued when the connection resumes. */
+static enum MHD_Result gw_respond(gw_conn *c, int status, const char *ctype, char *body, size_t len) {
+    if (c->deferred) {
+        free(c->reply.body);
+        c->reply = (gw_reply){true, status, ctype, body, len};
+        c->responded = true;
+        gw_metrics_request(c->srv->metrics, c->route, status);
+        return MHD_YES;
+    }
     c->responded = true;
     gw_metrics_request(c->srv->metrics, c->route, status);
-    return ret;
+    return gw_queue(c, status, ctype, body, len);
 }
 
 static enum MHD_Result gw_respond_json(gw_conn *c, int status, json_t *o) {
@@ -240,14 +292,10 @@ static enum MHD_Result gw_route_apply_template(gw_conn *c, const json_t *body) {
     gw_request r;
     gw_error err;
     if (gw_request_parse(body, GW_KIND_CHAT, &c->srv->cfg->limits, m->vocab, &r, &err)) return gw_respond_error(c, &err);
-    if (!m->tpl) {
-        gw_request_free(&r);
-        return gw_fail(c, 400, "messages", NULL, "the model has no chat template");
-    }
     char *text = NULL;
-    int rc = tpl_apply_chat(m->tpl, r.messages, r.tools, 1, tok_bos_str(m->tok), tok_eos_str(m->tok), NULL, &text);
+    int rc = gw_render_chat(m, &r, &text, &err);
     gw_request_free(&r);
-    if (rc) return gw_fail(c, 400, "messages", NULL, "chat template: %s", fu_last_error());
+    if (rc) return gw_respond_error(c, &err);
     json_t *o = json_pack("{s:s}", "prompt", text);
     free(text);
     return gw_respond_json(c, 200, o);
@@ -327,6 +375,7 @@ static enum MHD_Result gw_job_progress(gw_conn *c) {
 static enum MHD_Result gw_route_generate(gw_conn *c, const json_t *body) {
     gw_server *s = c->srv;
     gw_kind kind = c->route == GW_ROUTE_CHAT ? GW_KIND_CHAT : GW_KIND_COMPLETION;
+    if (atomic_load(&s->stopping)) return gw_fail(c, 503, NULL, "shutting_down", "the server is shutting down");
     gw_request r;
     gw_error err;
     if (gw_request_parse(body, kind, &s->cfg->limits, s->model->vocab, &r, &err)) return gw_respond_error(c, &err);
@@ -345,7 +394,9 @@ static enum MHD_Result gw_route_generate(gw_conn *c, const json_t *body) {
     gw_job_lock(j);
     gw_job_set_wake(j, gw_wake, c);
     gw_job_unlock(j);
+    pthread_mutex_lock(&s->mu); /* the watchdog and gw_server_stop read c->job */
     c->job = j;
+    pthread_mutex_unlock(&s->mu);
     if (gw_job_submit(j)) {
         gw_job_lock(j);
         gw_job_set_wake(j, NULL, NULL);
@@ -353,7 +404,7 @@ static enum MHD_Result gw_route_generate(gw_conn *c, const json_t *body) {
         return gw_fail(c, 429, NULL, "rate_limit_exceeded",
                        "the server is overloaded: too many requests are waiting, retry later");
     }
-    return gw_job_progress(c);
+    return MHD_YES; /* gw_handle follows the job once the connection resumes */
 }
 
 /* ---- the access handler ------------------------------------------------------------------------------ */
@@ -369,20 +420,56 @@ static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
     }
     if (c->too_large)
         return gw_fail(c, 413, NULL, "request_too_large", "the request body exceeds %zu bytes", s->cfg->max_body_bytes);
+    /* the body is parsed and the route run on a body thread; the connection waits suspended */
+    MHD_suspend_connection(c->mc);
+    pthread_mutex_lock(&s->body_mu);
+    c->body_next = NULL;
+    if (s->body_tail) s->body_tail->body_next = c;
+    else s->body_head = c;
+    s->body_tail = c;
+    pthread_cond_signal(&s->body_cv);
+    pthread_mutex_unlock(&s->body_mu);
+    return MHD_YES;
+}
+
+/* Runs a POST route on a body thread: its response, or its job, is taken up by
+ * gw_handle when the connection resumes. */
+static void gw_body_run(gw_conn *c) {
+    c->deferred = true;
     json_error_t jerr;
     json_t *body = json_loadb(c->body.data ? c->body.data : "", c->body.len, 0, &jerr);
-    if (!body)
-        return gw_fail(c, 400, NULL, "invalid_json",
-                       "We could not parse the JSON body of your request: %s (at byte %d)", jerr.text, jerr.position);
     enum MHD_Result ret;
-    if (!json_is_object(body)) ret = gw_fail(c, 400, NULL, "invalid_type", "the request body must be a JSON object");
+    if (!body)
+        ret = gw_fail(c, 400, NULL, "invalid_json", "We could not parse the JSON body of your request: %s (at byte %d)",
+                      jerr.text, jerr.position);
+    else if (!json_is_object(body))
+        ret = gw_fail(c, 400, NULL, "invalid_type", "the request body must be a JSON object");
     else if (c->route == GW_ROUTE_TOKENIZE) ret = gw_route_tokenize(c, body);
     else if (c->route == GW_ROUTE_DETOKENIZE) ret = gw_route_detokenize(c, body);
     else if (c->route == GW_ROUTE_APPLY_TEMPLATE) ret = gw_route_apply_template(c, body);
     else ret = gw_route_generate(c, body);
     json_decref(body);
     gw_buf_free(&c->body);
-    return ret;
+    c->deferred = false;
+    c->body_failed = ret == MHD_NO && !c->reply.ready;
+    MHD_resume_connection(c->mc);
+}
+
+static void *gw_body_main(void *arg) {
+    gw_server *s = arg;
+    pthread_mutex_lock(&s->body_mu);
+    for (;;) {
+        while (!s->body_head && !s->body_stopping) pthread_cond_wait(&s->body_cv, &s->body_mu);
+        gw_conn *c = s->body_head;
+        if (!c) break;
+        s->body_head = c->body_next;
+        if (!s->body_head) s->body_tail = NULL;
+        pthread_mutex_unlock(&s->body_mu);
+        gw_body_run(c);
+        pthread_mutex_lock(&s->body_mu);
+    }
+    pthread_mutex_unlock(&s->body_mu);
+    return NULL;
 }
 
 static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const char *url, const char *method,
@@ -420,6 +507,12 @@ static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const cha
         }
         return MHD_YES;
     }
+    if (c->reply.ready) { /* prepared by a body thread */
+        gw_reply r = c->reply;
+        c->reply = (gw_reply){0};
+        return gw_queue(c, r.status, r.ctype, r.body, r.len);
+    }
+    if (c->body_failed) return MHD_NO;
     if (c->responded) { /* an early answer: discard the body */
         *upload_size = 0;
         return MHD_YES;
@@ -461,6 +554,7 @@ static void gw_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     if (c->next) c->next->prev = c->prev;
     pthread_mutex_unlock(&s->mu);
     gw_buf_free(&c->body);
+    free(c->reply.body);
     free(c);
 }
 
@@ -471,6 +565,64 @@ static void gw_mhd_log(void *cls, const char *fmt, va_list ap) {
     size_t n = strlen(buf);
     while (n && buf[n - 1] == '\n') buf[--n] = '\0';
     FU_DEBUG("microhttpd: %s", buf);
+}
+
+/* ---- the disconnect watchdog ------------------------------------------------------------------------ */
+
+/* Cancels the generation of each suspended connection whose client has closed
+ * or reset its socket: the watched events are the peer's FIN (POLLRDHUP), a hang-up
+ * and a socket error; a client sending more bytes (a pipelined request, a TLS
+ * alert) is not a disconnect. Holding s->mu keeps every listed connection, and so
+ * its socket, open: gw_completed unlinks a connection under s->mu before
+ * libmicrohttpd closes its socket. */
+static void gw_watch_once(gw_server *s) {
+    enum { BATCH = 256 };
+    struct pollfd fds[BATCH];
+    gw_conn *owner[BATCH];
+    pthread_mutex_lock(&s->mu);
+    gw_conn *c = s->conns;
+    while (c) {
+        int n = 0;
+        for (; c && n < BATCH; c = c->next) {
+            if (!c->job) continue;
+            gw_job_lock(c->job);
+            bool watch = c->suspended && !gw_job_cancelled(c->job);
+            gw_job_unlock(c->job);
+            if (!watch) continue;
+            const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c->mc, MHD_CONNECTION_INFO_CONNECTION_FD);
+            if (!ci || ci->connect_fd == MHD_INVALID_SOCKET) continue;
+            fds[n] = (struct pollfd){.fd = ci->connect_fd, .events = POLLRDHUP};
+            owner[n++] = c;
+        }
+        if (n == 0 || poll(fds, (nfds_t)n, 0) <= 0) continue;
+        for (int i = 0; i < n; i++)
+            if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) {
+                FU_DEBUG("client went away while its request was suspended: cancelling its generation");
+                gw_job_cancel(owner[i]->job);
+            }
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void *gw_watch_main(void *arg) {
+    gw_server *s = arg;
+    pthread_mutex_lock(&s->watch_mu);
+    while (!atomic_load(&s->stopping)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_nsec += GW_WATCH_INTERVAL_MS * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->watch_cv, &s->watch_mu, &ts);
+        if (atomic_load(&s->stopping)) break;
+        pthread_mutex_unlock(&s->watch_mu);
+        gw_watch_once(s);
+        pthread_mutex_lock(&s->watch_mu);
+    }
+    pthread_mutex_unlock(&s->watch_mu);
+    return NULL;
 }
 
 /* ---- start and stop ---------------------------------------------------------------------------------- */
@@ -535,6 +687,19 @@ static char *gw_read_file(const char *path) {
     return b.data;
 }
 
+/* Frees a server that is not (or no longer) running; closes the listening socket when not yet handed over. */
+static void gw_server_destroy(gw_server *s, bool close_listen) {
+    if (close_listen && s->listen_fd >= 0) close(s->listen_fd);
+    free(s->https_cert);
+    free(s->https_key);
+    pthread_cond_destroy(&s->watch_cv);
+    pthread_mutex_destroy(&s->watch_mu);
+    pthread_cond_destroy(&s->body_cv);
+    pthread_mutex_destroy(&s->body_mu);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
 int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engine, gw_metrics *metrics,
                     gw_server **out, int *port) {
     *out = NULL;
@@ -546,23 +711,29 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
     s->metrics = metrics;
     s->started = (long long)time(NULL);
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->watch_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->watch_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    pthread_mutex_init(&s->body_mu, NULL);
+    pthread_cond_init(&s->body_cv, NULL);
     s->listen_fd = gw_listen(cfg->listen ? cfg->listen : "127.0.0.1:8080", port);
     if (s->listen_fd < 0) {
-        int rc = FU_ERR_NETWORK;
-        pthread_mutex_destroy(&s->mu);
-        free(s);
-        return rc;
+        gw_server_destroy(s, false);
+        return FU_ERR_NETWORK;
     }
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     if (cfg->https_cert) {
+        if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {
+            gw_server_destroy(s, true);
+            return fu_errorf(FU_ERR_UNSUPPORTED, "this libmicrohttpd is built without TLS: HTTPS is unavailable");
+        }
         s->https_cert = gw_read_file(cfg->https_cert);
         s->https_key = gw_read_file(cfg->https_key);
         if (!s->https_cert || !s->https_key) {
-            close(s->listen_fd);
-            free(s->https_cert);
-            free(s->https_key);
-            pthread_mutex_destroy(&s->mu);
-            free(s);
+            gw_server_destroy(s, true);
             return fu_errorf(FU_ERR_IO, "cannot read the HTTPS certificate or key");
         }
         flags |= MHD_USE_TLS;
@@ -579,12 +750,17 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
                             MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL, MHD_OPTION_ARRAY,
                             cfg->https_cert ? tls_opts : tls_opts + 2, MHD_OPTION_END);
     if (!s->d) {
-        close(s->listen_fd);
-        free(s->https_cert);
-        free(s->https_key);
-        pthread_mutex_destroy(&s->mu);
-        free(s);
-        return fu_errorf(FU_ERR_NETWORK, "cannot start the HTTP server (libmicrohttpd)");
+        gw_server_destroy(s, true);
+        return fu_errorf(FU_ERR_NETWORK, "cannot start the HTTP server (libmicrohttpd%s)",
+                         cfg->https_cert ? ": check the HTTPS certificate and key" : "");
+    }
+    s->watch_started = !pthread_create(&s->watch, NULL, gw_watch_main, s);
+    while (s->watch_started && s->n_body_threads < GW_BODY_THREADS &&
+           !pthread_create(&s->body_threads[s->n_body_threads], NULL, gw_body_main, s))
+        s->n_body_threads++;
+    if (s->n_body_threads < GW_BODY_THREADS) {
+        gw_server_stop(s);
+        return fu_errorf(FU_ERR_INTERNAL, "cannot start the HTTP server's threads");
     }
     *out = s;
     return FU_OK;
@@ -592,7 +768,17 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
 
 void gw_server_stop(gw_server *s) {
     if (!s) return;
+    pthread_mutex_lock(&s->watch_mu);
     atomic_store(&s->stopping, true);
+    pthread_cond_broadcast(&s->watch_cv);
+    pthread_mutex_unlock(&s->watch_mu);
+    if (s->watch_started) pthread_join(s->watch, NULL);
+    /* finish the bodies being parsed: their connections resume and see `stopping` */
+    pthread_mutex_lock(&s->body_mu);
+    s->body_stopping = true;
+    pthread_cond_broadcast(&s->body_cv);
+    pthread_mutex_unlock(&s->body_mu);
+    for (int i = 0; i < s->n_body_threads; i++) pthread_join(s->body_threads[i], NULL);
     /* cancel every generation and wake every waiting connection so that it can finish */
     for (int round = 0; round < 50; round++) {
         int waiting = 0;
@@ -614,8 +800,5 @@ void gw_server_stop(gw_server *s) {
         nanosleep(&ts, NULL);
     }
     MHD_stop_daemon(s->d); /* closes the listening socket too */
-    free(s->https_cert);
-    free(s->https_key);
-    pthread_mutex_destroy(&s->mu);
-    free(s);
+    gw_server_destroy(s, false);
 }

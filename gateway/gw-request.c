@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,6 +24,7 @@ void gw_request_free(gw_request *r) {
     free(r->model);
     json_decref(r->messages);
     json_decref(r->tools);
+    json_decref(r->tool_choice);
     for (int i = 0; i < r->n_prompts; i++) {
         free(r->prompts[i].text);
         free(r->prompts[i].ids);
@@ -142,6 +144,49 @@ static int normalize_content(json_t *msg, int idx, gw_error *err) {
     return 0;
 }
 
+/* tools: [{"type": "function", "function": {"name", "description", "parameters"}}, ...];
+ * tool_choice: "none", "auto", "required" or {"type": "function", "function": {"name"}}. */
+static int parse_tools(const json_t *body, gw_request *r, gw_error *err) {
+    const json_t *tools = json_object_get(body, "tools");
+    if (tools && !json_is_null(tools)) {
+        if (!json_is_array(tools)) return gw_error_set(err, 400, "tools", "invalid_type", "'tools' must be an array");
+        size_t i;
+        const json_t *t;
+        json_array_foreach(tools, i, t) {
+            const json_t *type = json_object_get(t, "type"), *fn = json_object_get(t, "function");
+            const json_t *name = json_object_get(fn, "name");
+            if (!json_is_object(t) || !json_is_string(type) || strcmp(json_string_value(type), "function") ||
+                !json_is_object(fn) || !json_is_string(name) || json_string_length(name) == 0) {
+                char param[32];
+                snprintf(param, sizeof param, "tools[%zu]", i);
+                return gw_error_set(err, 400, param, "invalid_value",
+                                    "'%s' must be {\"type\": \"function\", \"function\": {\"name\": ...}}", param);
+            }
+        }
+        if (json_array_size(tools) && !(r->tools = json_deep_copy(tools)))
+            return gw_error_set(err, 500, NULL, NULL, "out of memory");
+    }
+    const json_t *tc = json_object_get(body, "tool_choice");
+    if (!tc || json_is_null(tc)) return 0;
+    const char *bad = "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                      "{\"type\": \"function\", \"function\": {\"name\": ...}}";
+    bool is_auto_or_none = false;
+    if (json_is_string(tc)) {
+        const char *v = json_string_value(tc);
+        is_auto_or_none = !strcmp(v, "none") || !strcmp(v, "auto");
+        if (!is_auto_or_none && strcmp(v, "required"))
+            return gw_error_set(err, 400, "tool_choice", "invalid_value", "%s", bad);
+    } else {
+        const json_t *name = json_object_get(json_object_get(tc, "function"), "name");
+        if (!json_is_object(tc) || !json_is_string(name))
+            return gw_error_set(err, 400, "tool_choice", "invalid_value", "%s", bad);
+    }
+    if (!is_auto_or_none && !r->tools)
+        return gw_error_set(err, 400, "tool_choice", "invalid_value", "'tool_choice' requires 'tools'");
+    r->tool_choice = json_deep_copy(tc);
+    return r->tool_choice ? 0 : gw_error_set(err, 500, NULL, NULL, "out of memory");
+}
+
 static int parse_messages(const json_t *body, const gw_limits *lim, gw_request *r, gw_error *err) {
     const json_t *m = json_object_get(body, "messages");
     if (!m) return gw_error_set(err, 400, "messages", "missing_required_parameter",
@@ -166,12 +211,7 @@ static int parse_messages(const json_t *body, const gw_limits *lim, gw_request *
         }
         if (normalize_content(msg, (int)i, err)) return err->http;
     }
-    const json_t *tools = json_object_get(body, "tools");
-    if (tools && !json_is_null(tools)) {
-        if (!json_is_array(tools)) return gw_error_set(err, 400, "tools", "invalid_type", "'tools' must be an array");
-        r->tools = json_deep_copy(tools);
-    }
-    return 0;
+    return parse_tools(body, r, err);
 }
 
 /* ---- completions prompts ------------------------------------------------------------ */

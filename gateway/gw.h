@@ -98,6 +98,7 @@ typedef struct gw_request {
     char *model;             /* NULL: the default model */
     json_t *messages;        /* chat: normalized array of messages (content as strings) */
     json_t *tools;           /* chat: tools array or NULL */
+    json_t *tool_choice;     /* chat: "none", "auto", "required" or {"type": "function", ...}; NULL: unset */
     gw_prompt *prompts;      /* completions */
     int n_prompts;
     int max_tokens;          /* -1: unset */
@@ -168,6 +169,16 @@ typedef struct gw_hop_cfg {
     int first, last;
 } gw_hop_cfg;
 
+/* A link figure given in the configuration (for simulation, or where measuring is not wanted):
+ * from/to are member addresses or "gateway". */
+typedef struct gw_link_cfg {
+    char *from, *to;
+    double bandwidth;       /* bytes/s */
+    double latency;         /* seconds */
+} gw_link_cfg;
+
+#define GW_MAX_LINKS 256
+
 typedef struct gw_config {
     char *model;            /* path or repo id: tokenizer, template, context length */
     char *model_name;       /* id served in /v1/models; NULL: the model's name */
@@ -192,6 +203,19 @@ typedef struct gw_config {
     int default_max_tokens;
     int step_timeout_ms;    /* per chain step */
     gw_limits limits;
+    /* swarm membership (fusion.Swarm): shards join, heartbeat, get spans or wait as spares */
+    char *swarm_listen;     /* "host:port" of the membership service; NULL: none */
+    char *swarm_tls_cert, *swarm_tls_key; /* its TLS (default: the HTTPS pair); plaintext: --insecure, loopback */
+    char *swarm_port_file;  /* write its bound port here */
+    int spares;             /* spares kept waiting once every block is covered (default 1) */
+    int min_gain_percent;   /* a surplus spare serves when that raises the max flow by this much (5) */
+    int heartbeat_ms;       /* interval asked of members (500) */
+    int heartbeat_timeout_ms; /* retire a member silent this long (3000) */
+    int route_wait_ms;      /* a request waits this long for a spare loading an uncovered span (5000) */
+    bool measure_links;     /* RTT + bandwidth to every member, refreshed (default true) */
+    int measure_interval_ms; /* (5000) */
+    gw_link_cfg links[GW_MAX_LINKS]; /* given figures; they override measurements */
+    int n_links;
 } gw_config;
 
 void gw_config_init(gw_config *c);

@@ -3,8 +3,8 @@ Q4_1, blocks 0:15 and 15:30) plus the gateway on loopback, driven by curl and th
 
 Checks: chat and completions (streaming and not), n > 1, stop strings, seed determinism, logprobs, usage,
 greedy output equal to the single-process engine (fusion-generate) token for token, errors as the SDK's
-error classes, the context-length error, client disconnects freeing sessions on every shard, concurrency,
-overload (429), and hostile requests that must never crash or hang the server.
+error classes, the context-length error, client disconnects (streaming or not) freeing sessions on every shard,
+tool calls, concurrency, overload (429), and hostile requests that must never crash or hang the server.
 """
 import json
 import os
@@ -439,6 +439,135 @@ def test_disconnect_frees_sessions(cluster):
     assert [shard_sessions(sh) for sh in cluster["shards"]] == [0, 0]
     # the stream stopped early: far fewer than 4000 tokens were generated
     assert metric(cluster, "fusion_gateway_generation_tokens_total") < 3000
+
+
+def wait_sessions_freed(cluster, seconds=10):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if metric(cluster, "fusion_gateway_active_sessions") == 0 and \
+                [shard_sessions(sh) for sh in cluster["shards"]] == [0, 0]:
+            return
+        time.sleep(0.1)
+    assert metric(cluster, "fusion_gateway_active_sessions") == 0
+    assert [shard_sessions(sh) for sh in cluster["shards"]] == [0, 0]
+
+
+def test_disconnect_non_streaming_frees_sessions(cluster, client):
+    """A client that closes its socket while a non-streaming generation runs cancels it at once."""
+    tokens_before = metric(cluster, "fusion_gateway_generation_tokens_total")
+    body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "ignore_eos": True, "temperature": 0})
+    s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
+    s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    deadline = time.time() + 30
+    while [shard_sessions(sh) for sh in cluster["shards"]] != [1, 1]:
+        assert time.time() < deadline, "the generation did not start"
+        time.sleep(0.05)
+    time.sleep(0.5)  # a few steps into the generation
+    s.close()
+    wait_sessions_freed(cluster)
+    # the generation stopped early: far fewer than 4000 tokens were generated
+    assert metric(cluster, "fusion_gateway_generation_tokens_total") - tokens_before < 3000
+    # the gateway keeps serving
+    r = client.completions.create(model=model_id(client), prompt="The capital of France is", max_tokens=3,
+                                  temperature=0)
+    assert "Paris" in r.choices[0].text
+
+
+# ---- tool calls --------------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# SmolLM2 greedily repeats this text, which is a Hermes tool call
+REPEAT_CALL = 'Repeat after me: <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tool_calls(cluster, client):
+    m = model_id(client)
+    msgs = [{"role": "user", "content": REPEAT_CALL}]
+    r = client.chat.completions.create(model=m, messages=msgs, tools=[WEATHER_TOOL], temperature=0, max_tokens=60)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and len(call.id) == 29
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    # streaming: a delta with index, id, type and name, then the arguments; the finish says tool_calls
+    chunks = list(client.chat.completions.create(model=m, messages=msgs, tools=[WEATHER_TOOL], temperature=0,
+                                                 max_tokens=60, stream=True))
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas and all(d.index == 0 for d in deltas)
+    assert deltas[0].id.startswith("call_") and deltas[0].type == "function"
+    assert deltas[0].function.name == "get_weather"
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ""
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+        ["tool_calls"]
+
+    # tool_choice "none": the same text comes back as content
+    r = client.chat.completions.create(model=m, messages=msgs, tools=[WEATHER_TOOL], tool_choice="none",
+                                       temperature=0, max_tokens=60)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert "<tool_call>" in r.choices[0].message.content
+
+    # a history with the call and its result renders through the template (which knows no tools:
+    # the call is written in the model's format, the tools described in a system message)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": call.id, "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": call.id, "content": "22 C, sunny"}]
+    st, tpl = http(cluster, "POST", "/apply-template", {"messages": history, "tools": [WEATHER_TOOL]})
+    assert st == 200, tpl
+    assert tpl["prompt"].startswith("<|im_start|>system\nYou are a function calling AI model.")
+    assert '"name":"get_weather"' in tpl["prompt"]
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n' \
+           '</tool_call><|im_end|>' in tpl["prompt"]
+    assert "<|im_start|>tool\n22 C, sunny<|im_end|>" in tpl["prompt"]
+    r = client.chat.completions.create(model=m, messages=history, tools=[WEATHER_TOOL], tool_choice="auto",
+                                       temperature=0, max_tokens=24)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.choices[0].message.content or r.choices[0].message.tool_calls
+
+    # an ordinary question with tools: a well-formed answer either way
+    r = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                       tools=[WEATHER_TOOL], temperature=0, max_tokens=40)
+    ch = r.choices[0]
+    assert (ch.finish_reason == "tool_calls") == bool(ch.message.tool_calls)
+    assert ch.message.content or ch.message.tool_calls
+    # streamed, the same answer: content held back while it might start a call comes out in the end
+    chunks = list(client.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER_TOOL],
+        temperature=0, max_tokens=40, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (ch.message.content or "")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [ch.finish_reason]
+    # bad tools are 400s naming the parameter
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=m, messages=msgs, tools=[{"type": "function"}], max_tokens=2)
+    assert e.value.param == "tools[0]"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=m, messages=msgs, tool_choice="required", max_tokens=2)
+    assert e.value.param == "tool_choice"
+
+
+def test_body_work_off_the_event_loop(cluster):
+    """A multi-megabyte /tokenize runs off the event loop: /health answers while it is being tokenized."""
+    text = "".join("abcdefghijklmnopqrstuvwxyz"[(i * 7919) % 26] for i in range(4_000_000))
+    done = []
+    t = threading.Thread(target=lambda: done.append(http(cluster, "POST", "/tokenize", {"content": text}, timeout=120)))
+    t.start()
+    answered_during = 0
+    while t.is_alive():
+        assert http(cluster, "GET", "/health", key=None)[0] == 200
+        answered_during += not done
+        time.sleep(0.01)
+    t.join()
+    assert done[0][0] == 200 and len(done[0][1]["tokens"]) > 100000
+    assert answered_during >= 20  # a blocked event loop answers none until the tokenizer is done
 
 
 def test_concurrent_streams(cluster, client):

@@ -1,4 +1,4 @@
-/* test_gateway_core.c -- the gateway's pure parts: request validation, stop strings, SSE, error JSON, config, metrics. */
+/* test_gateway_core.c -- the gateway's pure parts: request validation, stop strings, tool calls, SSE, error JSON, config, metrics. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -9,6 +9,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "chat-template.h"
+#include "gw-tools.h"
 #include "gw.h"
 #include "status.h"
 
@@ -435,6 +437,284 @@ static void test_metrics(void **state) {
     gw_metrics_free(NULL);
 }
 
+/* ---- tool calls ------------------------------------------------------------------------------------ */
+
+/* The name and arguments of call i in an OpenAI tool_calls array. */
+static void expect_call(const json_t *calls, size_t i, const char *name, const char *args) {
+    const json_t *c = json_array_get(calls, i);
+    assert_non_null(c);
+    const char *id = json_string_value(json_object_get(c, "id"));
+    assert_non_null(id);
+    assert_int_equal(strlen(id), 29);
+    assert_memory_equal(id, "call_", 5);
+    assert_string_equal(json_string_value(json_object_get(c, "type")), "function");
+    const json_t *fn = json_object_get(c, "function");
+    assert_string_equal(json_string_value(json_object_get(fn, "name")), name);
+    assert_string_equal(json_string_value(json_object_get(fn, "arguments")), args);
+}
+
+static int tool_parse(gw_tool_format f, const char *text, json_t **calls, json_t **content) {
+    return gw_tool_parse(f, 42, text, strlen(text), calls, content);
+}
+
+static void test_tool_parse_whole(void **state) {
+    (void)state;
+    json_t *calls, *content;
+    /* Hermes: two calls, text before them */
+    const char *two = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
+                      "</tool_call>\n<tool_call>{\"name\": \"get_time\", \"arguments\": {}}</tool_call>\n";
+    assert_int_equal(tool_parse(GW_TOOL_FORMAT_HERMES, two, &calls, &content), 2);
+    expect_call(calls, 0, "get_weather", "{\"city\":\"Paris\"}");
+    expect_call(calls, 1, "get_time", "{}");
+    assert_string_not_equal(json_string_value(json_object_get(json_array_get(calls, 0), "id")),
+                            json_string_value(json_object_get(json_array_get(calls, 1), "id")));
+    assert_string_equal(json_string_value(content), "Let me check.\n");
+    json_decref(calls);
+    json_decref(content);
+    /* only calls: content is null */
+    assert_int_equal(tool_parse(GW_TOOL_FORMAT_HERMES, "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": [1, 2]}}</tool_call>",
+                                &calls, &content), 1);
+    expect_call(calls, 0, "f", "{\"a\":[1,2]}");
+    assert_true(json_is_null(content));
+    json_decref(calls);
+    json_decref(content);
+    /* unterminated but complete JSON (the model stopped before the closing tag) */
+    assert_int_equal(tool_parse(GW_TOOL_FORMAT_HERMES, "<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n", &calls, &content), 1);
+    json_decref(calls);
+    json_decref(content);
+    /* malformed JSON, a call without a name, an unterminated broken call, plain text: no calls */
+    const char *plain[] = {
+        "<tool_call>{\"name\": \"f\", \"arguments\": {</tool_call>",
+        "<tool_call>{\"arguments\": {}}</tool_call>",
+        "<tool_call>{\"name\": \"f\", \"argu",
+        "<tool_call>{\"name\": \"f\", \"arguments\": 5}</tool_call>",
+        "The weather is <b>nice</b> <tool_",
+        "",
+    };
+    for (size_t i = 0; i < sizeof plain / sizeof plain[0]; i++) {
+        assert_int_equal(tool_parse(GW_TOOL_FORMAT_HERMES, plain[i], &calls, &content), 0);
+        assert_null(calls);
+        assert_null(content);
+    }
+    /* a malformed call next to a good one stays in the content verbatim */
+    assert_int_equal(tool_parse(GW_TOOL_FORMAT_HERMES,
+                                "<tool_call>{bad}</tool_call><tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>",
+                                &calls, &content), 1);
+    expect_call(calls, 0, "g", "{}");
+    assert_string_equal(json_string_value(content), "<tool_call>{bad}</tool_call>");
+    json_decref(calls);
+    json_decref(content);
+
+    /* Llama 3 JSON: "parameters", an optional <|python_tag|>, several calls separated by ';' */
+    assert_int_equal(tool_parse(GW_TOOL_FORMAT_LLAMA3, " {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Oslo\"}}",
+                                &calls, &content), 1);
+    expect_call(calls, 0, "get_weather", "{\"city\":\"Oslo\"}");
+    assert_true(json_is_null(content));
+    json_decref(calls);
+    json_decref(content);
+    assert_int_equal(tool_parse(GW_TOOL_FORMAT_LLAMA3,
+                                "<|python_tag|>{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"x\": 1}}",
+                                &calls, &content), 2);
+    expect_call(calls, 0, "a", "{}");
+    expect_call(calls, 1, "b", "{\"x\":1}");
+    json_decref(calls);
+    json_decref(content);
+    const char *llama_plain[] = {"Hello {\"name\": \"a\", \"parameters\": {}}", "{\"name\": \"a\", \"param",
+                                 "{\"answer\": 42}", "{not json}", "  "};
+    for (size_t i = 0; i < sizeof llama_plain / sizeof llama_plain[0]; i++)
+        assert_int_equal(tool_parse(GW_TOOL_FORMAT_LLAMA3, llama_plain[i], &calls, &content), 0);
+
+    /* the format from the template's text */
+    assert_int_equal(gw_tool_format_detect("{% if tools %}<tool_call>{% endif %}"), GW_TOOL_FORMAT_HERMES);
+    assert_int_equal(gw_tool_format_detect("<|start_header_id|>ipython{% if tools %}<|python_tag|>{% endif %}"),
+                     GW_TOOL_FORMAT_LLAMA3);
+    assert_int_equal(gw_tool_format_detect(NULL), GW_TOOL_FORMAT_HERMES);
+    json_t *tools = json_loads("[{\"type\": \"function\", \"function\": {\"name\": \"f\"}}]", 0, NULL);
+    json_t *none = json_string("none"), *required = json_string("required");
+    assert_true(gw_tools_active(tools, NULL));
+    assert_true(gw_tools_active(tools, required));
+    assert_false(gw_tools_active(tools, none));
+    assert_false(gw_tools_active(NULL, required));
+    json_decref(tools);
+    json_decref(none);
+    json_decref(required);
+}
+
+/* Feeds text in pieces of `step` bytes; returns the content and the deltas. */
+static json_t *stream_pieces(gw_tool_format f, const char *text, size_t step, gw_buf *content, int *n_calls) {
+    gw_tool_stream t;
+    gw_tool_stream_init(&t, f, 7);
+    json_t *deltas = json_array();
+    size_t len = strlen(text);
+    for (size_t i = 0; i < len; i += step) {
+        size_t n = len - i < step ? len - i : step;
+        assert_int_equal(gw_tool_stream_feed(&t, text + i, n, content, deltas), FU_OK);
+    }
+    assert_int_equal(gw_tool_stream_flush(&t, content, deltas), FU_OK);
+    *n_calls = t.n_calls;
+    gw_tool_stream_free(&t);
+    return deltas;
+}
+
+static void test_tool_stream(void **state) {
+    (void)state;
+    const char *text = "Sure<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": \"<tool_call>\"}}</tool_call>\n"
+                       "<tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>";
+    for (size_t step = 1; step <= strlen(text); step++) {
+        gw_buf content = {0};
+        int n = 0;
+        json_t *d = stream_pieces(GW_TOOL_FORMAT_HERMES, text, step, &content, &n);
+        assert_int_equal(n, 2);
+        assert_string_equal(content.data, "Sure");
+        /* per call: index, id, type and name with empty arguments, then the arguments */
+        assert_int_equal(json_array_size(d), 4);
+        for (int i = 0; i < 2; i++) {
+            const json_t *first = json_array_get(d, (size_t)(2 * i)), *second = json_array_get(d, (size_t)(2 * i + 1));
+            assert_int_equal(json_integer_value(json_object_get(first, "index")), i);
+            assert_int_equal(json_integer_value(json_object_get(second, "index")), i);
+            assert_non_null(json_object_get(first, "id"));
+            assert_null(json_object_get(second, "id"));
+            assert_string_equal(json_string_value(json_object_get(first, "type")), "function");
+            assert_string_equal(json_string_value(json_object_get(json_object_get(first, "function"), "name")),
+                                i ? "g" : "f");
+            assert_string_equal(json_string_value(json_object_get(json_object_get(first, "function"), "arguments")), "");
+        }
+        assert_string_equal(json_string_value(json_object_get(json_object_get(json_array_get(d, 1), "function"),
+                                                              "arguments")),
+                            "{\"q\":\"<tool_call>\"}");
+        json_decref(d);
+        gw_buf_free(&content);
+    }
+    /* a partial tag is held back, then released once it cannot be a call */
+    gw_tool_stream t;
+    gw_tool_stream_init(&t, GW_TOOL_FORMAT_HERMES, 1);
+    gw_buf content = {0};
+    json_t *d = json_array();
+    assert_int_equal(gw_tool_stream_feed(&t, "a <tool", 7, &content, d), FU_OK);
+    assert_string_equal(content.data, "a ");
+    assert_int_equal(gw_tool_stream_feed(&t, "box>", 4, &content, d), FU_OK);
+    assert_string_equal(content.data, "a <toolbox>");
+    assert_int_equal(gw_tool_stream_feed(&t, " <tool_call>{\"name\"", 20, &content, d), FU_OK);
+    assert_string_equal(content.data, "a <toolbox>");
+    assert_int_equal(json_array_size(d), 0);
+    /* the output ends inside a broken call: it comes out as text */
+    assert_int_equal(gw_tool_stream_flush(&t, &content, d), FU_OK);
+    assert_string_equal(content.data, "a <toolbox> <tool_call>{\"name\"");
+    assert_int_equal(json_array_size(d), 0);
+    gw_tool_stream_free(&t);
+    gw_buf_free(&content);
+    json_decref(d);
+
+    /* Llama 3: plain text streams through at once; a JSON call is held and parsed */
+    gw_tool_stream_init(&t, GW_TOOL_FORMAT_LLAMA3, 1);
+    d = json_array();
+    assert_int_equal(gw_tool_stream_feed(&t, "  ", 2, &content, d), FU_OK);
+    assert_int_equal(content.len, 0);
+    assert_int_equal(gw_tool_stream_feed(&t, "Hi {", 4, &content, d), FU_OK);
+    assert_string_equal(content.data, "  Hi {");
+    gw_tool_stream_free(&t);
+    gw_buf_free(&content);
+    for (size_t step = 1; step < 12; step++) {
+        int n = 0;
+        json_t *dd = stream_pieces(GW_TOOL_FORMAT_LLAMA3, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"a\": {\"b\": 1}}}",
+                                   step, &content, &n);
+        assert_int_equal(n, 1);
+        assert_int_equal(content.len, 0);
+        json_decref(dd);
+        gw_buf_free(&content);
+    }
+    json_decref(d);
+}
+
+static void test_tool_requests(void **state) {
+    (void)state;
+    gw_request r;
+    gw_error e;
+    const char *ok = "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tools\": [{\"type\": \"function\", "
+                     "\"function\": {\"name\": \"f\", \"parameters\": {}}}], \"tool_choice\": \"required\"}";
+    assert_int_equal(parse(ok, GW_KIND_CHAT, 1000, &r, &e), 0);
+    assert_int_equal(json_array_size(r.tools), 1);
+    assert_string_equal(json_string_value(r.tool_choice), "required");
+    gw_request_free(&r);
+    expect_bad("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tools\": {}}", GW_KIND_CHAT, "tools");
+    expect_bad("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tools\": [{\"type\": \"x\"}]}", GW_KIND_CHAT,
+               "tools[0]");
+    expect_bad("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tool_choice\": \"maybe\"}", GW_KIND_CHAT,
+               "tool_choice");
+    expect_bad("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tool_choice\": \"required\"}", GW_KIND_CHAT,
+               "tool_choice");
+
+    /* history: string arguments become objects; a template without tool support gets
+     * the calls inline and a system prompt with the tools */
+    json_t *msgs = json_loads("[{\"role\": \"user\", \"content\": \"weather?\"},"
+                              " {\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"call_1\", "
+                              "\"type\": \"function\", \"function\": {\"name\": \"w\", \"arguments\": \"{\\\"c\\\": 1}\"}}]},"
+                              " {\"role\": \"tool\", \"tool_call_id\": \"call_1\", \"content\": \"sunny\"}]",
+                              0, NULL);
+    json_t *tools = json_loads("[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", 0, NULL);
+    assert_non_null(msgs);
+    json_t *copy = json_deep_copy(msgs);
+    assert_int_equal(gw_tools_prepare_chat(copy, tools, GW_TOOL_FORMAT_HERMES, "{{ tools }} {{ m.tool_calls }}", &e), 0);
+    assert_int_equal(json_array_size(copy), 3);
+    const json_t *args = json_object_get(json_object_get(json_array_get(json_object_get(json_array_get(copy, 1),
+                                                                                        "tool_calls"), 0), "function"),
+                                         "arguments");
+    assert_true(json_is_object(args));
+    assert_int_equal(json_integer_value(json_object_get(args, "c")), 1);
+    json_decref(copy);
+    copy = json_deep_copy(msgs);
+    assert_int_equal(gw_tools_prepare_chat(copy, tools, GW_TOOL_FORMAT_HERMES, "{{ messages }}", &e), 0);
+    assert_int_equal(json_array_size(copy), 4);
+    assert_string_equal(json_string_value(json_object_get(json_array_get(copy, 0), "role")), "system");
+    assert_non_null(strstr(json_string_value(json_object_get(json_array_get(copy, 0), "content")), "\"name\":\"w\""));
+    const json_t *asst = json_array_get(copy, 2);
+    assert_null(json_object_get(asst, "tool_calls"));
+    assert_string_equal(json_string_value(json_object_get(asst, "content")),
+                        "<tool_call>\n{\"name\": \"w\", \"arguments\": {\"c\":1}}\n</tool_call>");
+    json_decref(copy);
+    /* a malformed tool_calls entry is a 400 naming it */
+    json_object_set_new(json_array_get(msgs, 1), "tool_calls", json_loads("[{\"function\": 3}]", 0, NULL));
+    assert_int_equal(gw_tools_prepare_chat(msgs, tools, GW_TOOL_FORMAT_HERMES, "", &e), 400);
+    assert_string_equal(e.param, "messages[1].tool_calls");
+    json_decref(msgs);
+    json_decref(tools);
+}
+
+/* A tool-call history through Qwen3's own template (which handles tools and tool_calls). */
+static void test_tool_history_qwen3_template(void **state) {
+    (void)state;
+    const char *src = getenv("FUSION_SOURCE_DIR");
+    char path[512];
+    snprintf(path, sizeof path, "%s/../shared/tokenizers/qwen3/tokenizer_config.json", src ? src : ".");
+    json_t *cfg = json_load_file(path, 0, NULL);
+    if (!cfg) skip();
+    const char *text = json_string_value(json_object_get(cfg, "chat_template"));
+    assert_non_null(text);
+    assert_int_equal(gw_tool_format_detect(text), GW_TOOL_FORMAT_HERMES);
+    tpl_template *tpl = NULL;
+    assert_int_equal(tpl_compile(text, &tpl), FU_OK);
+    json_t *msgs = json_loads("[{\"role\": \"user\", \"content\": \"weather?\"},"
+                              " {\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"call_1\", "
+                              "\"type\": \"function\", \"function\": {\"name\": \"w\", \"arguments\": \"{\\\"c\\\": 1}\"}}]},"
+                              " {\"role\": \"tool\", \"tool_call_id\": \"call_1\", \"content\": \"sunny\"}]",
+                              0, NULL);
+    json_t *tools = json_loads("[{\"type\": \"function\", \"function\": {\"name\": \"w\"}}]", 0, NULL);
+    gw_error e;
+    assert_int_equal(gw_tools_prepare_chat(msgs, tools, GW_TOOL_FORMAT_HERMES, text, &e), 0);
+    assert_int_equal(json_array_size(msgs), 3); /* the template describes the tools itself */
+    char *out = NULL;
+    assert_int_equal(tpl_apply_chat(tpl, msgs, tools, 1, NULL, "<|im_end|>", NULL, &out), FU_OK);
+    if (!strstr(out, "<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"w\"}}\n</tools>") ||
+        !strstr(out, "<|im_start|>assistant\n<tool_call>\n{\"name\": \"w\", \"arguments\": {\"c\": 1}}\n</tool_call><|im_end|>") ||
+        !strstr(out, "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>"))
+        fail_msg("unexpected rendering:\n%s", out);
+    free(out);
+    json_decref(msgs);
+    json_decref(tools);
+    json_decref(cfg);
+    tpl_free(tpl);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chat_request_full),
@@ -447,6 +727,10 @@ int main(void) {
         cmocka_unit_test(test_step_seeds),
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_metrics),
+        cmocka_unit_test(test_tool_parse_whole),
+        cmocka_unit_test(test_tool_stream),
+        cmocka_unit_test(test_tool_requests),
+        cmocka_unit_test(test_tool_history_qwen3_template),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
