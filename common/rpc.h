@@ -52,6 +52,11 @@
 #define RPC_SHARD_FORWARD "/fusion.Shard/Forward" /* ForwardRequest -> ForwardReply */
 #define RPC_SHARD_INFO "/fusion.Shard/Info"       /* InfoRequest -> InfoReply */
 #define RPC_SHARD_HEALTH "/fusion.Shard/Health"   /* HealthRequest -> HealthReply */
+#define RPC_SHARD_ECHO "/fusion.Shard/Echo"       /* EchoRequest -> EchoReply */
+
+/* Method paths of service fusion.Swarm (hosted by the gateway). */
+#define RPC_SWARM_JOIN "/fusion.Swarm/Join"           /* JoinRequest -> JoinReply */
+#define RPC_SWARM_HEARTBEAT "/fusion.Swarm/Heartbeat" /* HeartbeatRequest -> HeartbeatReply */
 
 /* Metadata key that carries the swarm secret. */
 #define RPC_SECRET_KEY "x-fusion-secret"

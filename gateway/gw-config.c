@@ -17,6 +17,13 @@ void gw_config_init(gw_config *c) {
     c->max_connections = 1024;
     c->default_max_tokens = 512;
     c->step_timeout_ms = 60000;
+    c->spares = 1;
+    c->min_gain_percent = 5;
+    c->heartbeat_ms = 500;
+    c->heartbeat_timeout_ms = 3000;
+    c->route_wait_ms = 5000;
+    c->measure_links = true;
+    c->measure_interval_ms = 5000;
     gw_limits_default(&c->limits);
 }
 
@@ -32,6 +39,14 @@ void gw_config_free(gw_config *c) {
     for (int i = 0; i < c->n_api_keys; i++) free(c->api_keys[i]);
     free(c->https_cert);
     free(c->https_key);
+    free(c->swarm_listen);
+    free(c->swarm_tls_cert);
+    free(c->swarm_tls_key);
+    free(c->swarm_port_file);
+    for (int i = 0; i < c->n_links; i++) {
+        free(c->links[i].from);
+        free(c->links[i].to);
+    }
     memset(c, 0, sizeof *c);
 }
 
@@ -78,7 +93,7 @@ static int parse_hop(gw_config *c, const char *v) {
     if (!b || !a || a == v || *a != ':')
         return fu_errorf(FU_ERR_INVALID, "hop: expected HOST:PORT:FIRST:LAST, got '%s'", v);
     char num[32];
-    long first, last;
+    long first = 0, last = 0;
     size_t fl = (size_t)(b - a - 1);
     if (fl == 0 || fl >= sizeof num) return fu_errorf(FU_ERR_INVALID, "hop '%s': bad first block", v);
     memcpy(num, a + 1, fl);
@@ -103,6 +118,46 @@ static int add_shard(gw_config *c, const char *v) {
     char *a = strdup(v);
     if (!a) return fu_errorf(FU_ERR_NOMEM, "shard");
     c->shards[c->n_shards++] = a;
+    return FU_OK;
+}
+
+/* "FROM,TO,BANDWIDTH,LATENCY": FROM/TO a member address or "gateway", bandwidth in bytes/s,
+ * latency in seconds. */
+static int add_link(gw_config *c, const char *v) {
+    if (c->n_links == GW_MAX_LINKS) return fu_errorf(FU_ERR_INVALID, "link: at most %d links", GW_MAX_LINKS);
+    char buf[400];
+    if (strlen(v) >= sizeof buf) return fu_errorf(FU_ERR_INVALID, "link: too long");
+    snprintf(buf, sizeof buf, "%s", v);
+    char *parts[4];
+    int n = 0;
+    for (char *p = buf; n < 4; n++) {
+        parts[n] = p;
+        char *comma = strchr(p, ',');
+        if (!comma) {
+            n++;
+            break;
+        }
+        *comma = '\0';
+        p = comma + 1;
+    }
+    char *end1, *end2;
+    double bw = n == 4 ? strtod(parts[2], &end1) : 0, lat = n == 4 ? strtod(parts[3], &end2) : 0;
+    if (n != 4 || !parts[0][0] || !parts[1][0] || strlen(parts[0]) >= 128 || strlen(parts[1]) >= 128 ||
+        end1 == parts[2] || *end1 || end2 == parts[3] || *end2 || !(bw > 0) || !(lat >= 0) || bw > 1e15 || lat > 60)
+        return fu_errorf(FU_ERR_INVALID,
+                         "link: expected FROM,TO,BANDWIDTH_BYTES_PER_S,LATENCY_S (FROM/TO: HOST:PORT or gateway), "
+                         "got '%.200s'", v);
+    gw_link_cfg *l = &c->links[c->n_links];
+    l->from = strdup(parts[0]);
+    l->to = strdup(parts[1]);
+    if (!l->from || !l->to) {
+        free(l->from);
+        free(l->to);
+        return fu_errorf(FU_ERR_NOMEM, "link");
+    }
+    l->bandwidth = bw;
+    l->latency = lat;
+    c->n_links++;
     return FU_OK;
 }
 
@@ -172,6 +227,12 @@ int gw_config_set(gw_config *c, const char *name_in, const char *v) {
     if (!strcmp(name, "api-key-file")) return gw_config_load_keys(c, v);
     if (!strcmp(name, "https-cert") || !strcmp(name, "tls-cert")) return set_str(&c->https_cert, v);
     if (!strcmp(name, "https-key") || !strcmp(name, "tls-key")) return set_str(&c->https_key, v);
+    if (!strcmp(name, "swarm-listen")) return set_str(&c->swarm_listen, v);
+    if (!strcmp(name, "swarm-tls-cert")) return set_str(&c->swarm_tls_cert, v);
+    if (!strcmp(name, "swarm-tls-key")) return set_str(&c->swarm_tls_key, v);
+    if (!strcmp(name, "swarm-port-file")) return set_str(&c->swarm_port_file, v);
+    if (!strcmp(name, "measure-links")) return parse_bool(name, v, &c->measure_links);
+    if (!strcmp(name, "link") || !strcmp(name, "links")) return add_link(c, v);
     struct {
         const char *name;
         int *dst;
@@ -183,6 +244,12 @@ int gw_config_set(gw_config *c, const char *name_in, const char *v) {
         {"max-connections", &c->max_connections, 1, 1000000},
         {"default-max-tokens", &c->default_max_tokens, 1, 1 << 24},
         {"step-timeout-ms", &c->step_timeout_ms, 1, 3600000},
+        {"spares", &c->spares, 0, 1024},
+        {"min-gain-percent", &c->min_gain_percent, 0, 1000},
+        {"heartbeat-ms", &c->heartbeat_ms, 50, 60000},
+        {"heartbeat-timeout-ms", &c->heartbeat_timeout_ms, 100, 600000},
+        {"route-wait-ms", &c->route_wait_ms, 0, 600000},
+        {"measure-interval-ms", &c->measure_interval_ms, 100, 3600000},
         {"max-n", &c->limits.max_n, 1, 1024},
         {"max-choices", &c->limits.max_choices, 1, 4096},
         {"max-prompts", &c->limits.max_prompts, 1, 4096},
@@ -250,9 +317,18 @@ int gw_config_load(gw_config *c, const char *path) {
 
 int gw_config_check(const gw_config *c) {
     if (!c->model) return fu_errorf(FU_ERR_INVALID, "no model: give --model (path or repo id)");
-    if (c->n_hops == 0 && c->n_shards == 0)
-        return fu_errorf(FU_ERR_INVALID, "no shards: give --hop HOST:PORT:FIRST:LAST (a chain) or --shard HOST:PORT");
-    if (c->n_hops && c->n_shards) return fu_errorf(FU_ERR_INVALID, "give either --hop (a static chain) or --shard");
+    if (c->n_hops == 0 && c->n_shards == 0 && !c->swarm_listen)
+        return fu_errorf(FU_ERR_INVALID, "no shards: give --hop HOST:PORT:FIRST:LAST (a chain), --shard HOST:PORT "
+                                         "or --swarm-listen HOST:PORT (shards join)");
+    if (c->n_hops && (c->n_shards || c->swarm_listen))
+        return fu_errorf(FU_ERR_INVALID, "give either --hop (a static chain) or --shard / --swarm-listen");
+    if (!!c->swarm_tls_cert != !!c->swarm_tls_key)
+        return fu_errorf(FU_ERR_INVALID, "the swarm service needs both --swarm-tls-cert and --swarm-tls-key");
+    if (c->swarm_listen && !c->swarm_tls_cert && !c->https_cert && !c->insecure)
+        return fu_errorf(FU_ERR_INVALID, "--swarm-listen needs TLS (--swarm-tls-cert/--swarm-tls-key or the HTTPS "
+                                         "pair) or --insecure on a loopback address");
+    if (c->heartbeat_timeout_ms <= c->heartbeat_ms)
+        return fu_errorf(FU_ERR_INVALID, "--heartbeat-timeout-ms must exceed --heartbeat-ms");
     if (c->n_hops && c->hops[0].first != 0) return fu_errorf(FU_ERR_INVALID, "the first hop must start at block 0");
     for (int i = 1; i < c->n_hops; i++)
         if (c->hops[i].first != c->hops[i - 1].last)

@@ -1,6 +1,9 @@
-/* gw-swarm.c -- shard membership by Info heartbeats, an rt_swarm + rt_router kept current, routed leases. */
+/* gw-swarm.c -- membership (Info polls, fusion.Swarm joins and heartbeats), span placement and spares, link
+ * measurements, an rt_swarm + rt_router kept current, routed leases. */
 #include "gw-swarm.h"
 
+#include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,37 +11,63 @@
 #include <time.h>
 
 #include "fusion.pb-c.h"
+#include "grow.h"
 #include "log.h"
 #include "router.h"
 #include "rpc.h"
 #include "status.h"
 
-#define GW_HEARTBEAT_MS 1000
+#define GW_TICK_MS 200
+#define GW_INFO_EVERY_S 1.0
 #define GW_POLL_TIMEOUT_MS 1000
+#define GW_ECHO_BYTES (256 << 10)
+#define GW_DEFAULT_BANDWIDTH 1e12 /* an unmeasured link: loopback-class, so compute bounds the flow */
+#define GW_DEFAULT_LATENCY 1e-4
 
 typedef struct gw_member {
     char address[128];
-    rpc_channel *ch;
-    int id;                 /* router id while ACTIVE; -1 when retired or never seen */
-    int first, last;        /* span from the last good Info */
-    double tps;
+    rpc_channel *ch;        /* NULL in manual mode */
+    bool joined;            /* registered over fusion.Swarm (else a static --shard) */
+    bool live;              /* counted in the swarm (a good poll / a join, and no retirement since) */
+    uint64_t member_id;     /* joined: the id its heartbeats carry; 0 once retired */
+    int id;                 /* router id; -1: not in the router */
+    int first, last;        /* span served; equal: none (a spare) */
+    int as_first, as_last;  /* joined: span assigned and being loaded; equal: none */
+    bool fixed;             /* joined with a span of its own */
+    char device[96], dtype[16];
+    double tps, block_tps;
+    int max_blocks;
     int64_t free_kv, total_kv, kv_per_pos;
     int sessions;
-    double last_ok;         /* unix seconds of the last good heartbeat; 0: never */
+    double last_ok;         /* unix seconds of the last good report; 0: never */
+    double last_hb;         /* joined: monotonic seconds of the last heartbeat */
+    double info_at;         /* static: monotonic seconds of the last poll */
     double retired_at;      /* monotonic seconds of the last retirement */
     char error[200];        /* why it was retired */
+    double rtt_s, bw;       /* gateway -> member, measured; 0: not yet */
+    double measured_at;     /* monotonic; 0: never */
+    int n_links;            /* member -> peers, as reported */
+    gw_peer_link links[GW_MAX_PEER_LINKS];
+    /* the figures it was added to the router with (re-added when they change) */
+    int r_first, r_last;
+    double r_tps, r_block_tps;
+    int64_t r_total_kv;
 } gw_member;
 
 struct gw_swarm {
     const gw_config *cfg;
     int n_layers;
-    pthread_mutex_t mu;     /* guards everything below */
-    pthread_cond_t cv;
+    bool manual;
+    pthread_mutex_t mu;      /* guards everything below */
+    pthread_cond_t cv;       /* the thread's sleep */
+    pthread_cond_t changed;  /* broadcast whenever the router or an assignment changes */
     bool stopping;
     rt_swarm sw;
     rt_router *router;
-    gw_member *m;
-    int n;
+    gw_member **m;           /* members never move or go away before gw_swarm_free */
+    size_t n, cap;
+    uint64_t next_member_id;
+    rpc_server *rpc;         /* the fusion.Swarm service; NULL: none */
     pthread_t thread;
     bool started;
 };
@@ -55,75 +84,412 @@ static double wall_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-/* Recomputes the router's flow (locked). */
+static double min_gain(const gw_swarm *s) { return s->cfg->min_gain_percent / 100.0; }
+
+/* ---- placement rule (pure) -------------------------------------------------------------- */
+
+int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_target, double min_gain, int *first,
+                  int *last) {
+    if (n <= 0) return -1;
+    int L = sw->model.n_layers, best = -1, best_f = 0, best_l = 0, best_cov = 0;
+    double best_gain = -1;
+    if (rt_swarm_uncovered(sw, NULL) > 0) {
+        char *covered = calloc((size_t)L, 1);
+        if (!covered) return -1;
+        for (int i = 0; i < sw->n_servers; i++)
+            if (rt_swarm_serving(sw, i))
+                for (int b = sw->servers[i].first; b < sw->servers[i].last; b++) covered[b] = 1;
+        for (int k = 0; k < n; k++) {
+            int f, l;
+            double gain = 0;
+            if (rt_place_join(sw, spares[k], NULL, &f, &l, &gain)) continue;
+            int cov = 0;
+            for (int b = f; b < l; b++) cov += !covered[b];
+            if (cov > best_cov || (cov == best_cov && cov > 0 && gain > best_gain))
+                best = k, best_f = f, best_l = l, best_cov = cov, best_gain = gain;
+        }
+        free(covered);
+    } else if (n > spares_target) {
+        double flow = rt_max_flow(sw, NULL);
+        for (int k = 0; k < n; k++) {
+            int f, l;
+            double gain = 0;
+            if (rt_place_join(sw, spares[k], NULL, &f, &l, &gain)) continue;
+            if (gain > best_gain) best = k, best_f = f, best_l = l, best_gain = gain;
+        }
+        if (best >= 0 && !(best_gain > 1e-9 && best_gain >= min_gain * flow)) best = -1;
+    }
+    if (best >= 0) *first = best_f, *last = best_l;
+    return best;
+}
+
+/* ---- the router's view -------------------------------------------------------------------- */
+
+/* Recomputes the router's flow and wakes requests waiting for a span (locked). */
 static void gw_swarm_changed_locked(gw_swarm *s) {
     if (rt_router_update(s->router)) FU_WARN("router update failed: %s", fu_last_error());
+    pthread_cond_broadcast(&s->changed);
 }
 
-/* Retires member i (locked). */
-static void gw_member_retire_locked(gw_swarm *s, int i, const char *why) {
-    gw_member *mb = &s->m[i];
-    mb->retired_at = mono_s();
-    snprintf(mb->error, sizeof mb->error, "%s", why);
+/* The configured figure for from -> to ("gateway" for the gateway), if any. */
+static const gw_link_cfg *gw_link_given(const gw_swarm *s, const char *from, const char *to) {
+    for (int i = 0; i < s->cfg->n_links; i++)
+        if (!strcmp(s->cfg->links[i].from, from) && !strcmp(s->cfg->links[i].to, to)) return &s->cfg->links[i];
+    return NULL;
+}
+
+/* The figure member a reported for its link to b, if any. */
+static const gw_peer_link *gw_link_reported(const gw_member *a, const gw_member *b) {
+    for (int i = 0; i < a->n_links; i++)
+        if (a->links[i].bandwidth > 0 && !strcmp(a->links[i].address, b->address)) return &a->links[i];
+    return NULL;
+}
+
+/* Sets every link of the router's live servers from the given, measured or default figures (locked). */
+static void gw_links_apply_locked(gw_swarm *s) {
+    for (size_t i = 0; i < s->n; i++) {
+        const gw_member *a = s->m[i];
+        if (a->id < 0) continue;
+        const gw_link_cfg *in = gw_link_given(s, "gateway", a->address), *out = gw_link_given(s, a->address, "gateway");
+        double bw = a->bw > 0 ? a->bw : GW_DEFAULT_BANDWIDTH, lat = a->rtt_s > 0 ? a->rtt_s / 2 : GW_DEFAULT_LATENCY;
+        rt_swarm_set_link(&s->sw, RT_SOURCE, a->id, in ? in->bandwidth : bw, in ? in->latency : lat);
+        rt_swarm_set_link(&s->sw, a->id, RT_SINK, out ? out->bandwidth : bw, out ? out->latency : lat);
+        for (size_t j = 0; j < s->n; j++) {
+            const gw_member *b = s->m[j];
+            if (j == i || b->id < 0) continue;
+            const gw_link_cfg *g = gw_link_given(s, a->address, b->address);
+            const gw_peer_link *r = gw_link_reported(a, b);
+            if (!r) r = gw_link_reported(b, a);
+            if (g) rt_swarm_set_link(&s->sw, a->id, b->id, g->bandwidth, g->latency);
+            else if (r) rt_swarm_set_link(&s->sw, a->id, b->id, r->bandwidth, r->rtt_s / 2);
+            else rt_swarm_set_link(&s->sw, a->id, b->id, GW_DEFAULT_BANDWIDTH, GW_DEFAULT_LATENCY);
+        }
+    }
+}
+
+/* Takes member mb out of the router (locked; the caller recomputes). */
+static void gw_member_unroute_locked(gw_swarm *s, gw_member *mb) {
     if (mb->id < 0) return;
-    FU_WARN("swarm: retiring shard %s [%d, %d): %s", mb->address, mb->first, mb->last, why);
     rt_swarm_remove_server(&s->sw, mb->id);
     mb->id = -1;
-    gw_swarm_changed_locked(s);
 }
 
-/* Adds member i to the router with its current figures (locked). */
-static void gw_member_join_locked(gw_swarm *s, int i) {
-    gw_member *mb = &s->m[i];
+/* Puts member mb into the router with its current figures (locked; the caller recomputes). */
+static void gw_member_route_locked(gw_swarm *s, gw_member *mb) {
     int L = s->n_layers;
-    double tput[1024], kv[1024];
-    int n_tput = L < 1024 ? L : 1024;
-    double kv_tokens = mb->kv_per_pos > 0 ? (double)mb->total_kv / (double)mb->kv_per_pos : 0;
-    for (int k = 0; k < n_tput; k++) {
-        tput[k] = mb->tps > 0 ? mb->tps : 1.0;
-        kv[k] = kv_tokens;
+    int maxk = mb->joined && mb->max_blocks > 0 && mb->max_blocks < L ? mb->max_blocks : L;
+    if (mb->last - mb->first > maxk) maxk = mb->last - mb->first;
+    double *tput = calloc((size_t)maxk, sizeof *tput), *kv = calloc((size_t)maxk, sizeof *kv);
+    if (!tput || !kv) {
+        free(tput);
+        free(kv);
+        FU_WARN("swarm: out of memory adding %s", mb->address);
+        return;
     }
+    double kv_tokens = mb->kv_per_pos > 0 ? (double)mb->total_kv / (double)mb->kv_per_pos : 0;
+    for (int k = 1; k <= maxk; k++) {
+        tput[k - 1] = mb->block_tps > 0 ? mb->block_tps / k : mb->tps > 0 ? mb->tps : 1.0;
+        kv[k - 1] = kv_tokens;
+    }
+    if (mb->tps > 0 && mb->last > mb->first) tput[mb->last - mb->first - 1] = mb->tps; /* measured on the span */
     rt_server d = {0};
     snprintf(d.name, sizeof d.name, "%.63s", mb->address);
     snprintf(d.address, sizeof d.address, "%s", mb->address);
-    snprintf(d.kind, sizeof d.kind, "shard");
-    d.state = RT_SERVER_ACTIVE;
-    d.first = d.last = 0;
-    d.n_tput = n_tput;
+    snprintf(d.kind, sizeof d.kind, "%.31s", mb->device[0] ? mb->device : "shard");
+    d.state = mb->last > mb->first ? RT_SERVER_ACTIVE : RT_SERVER_SPARE;
+    d.first = mb->first;
+    d.last = mb->last;
+    d.n_tput = maxk;
     d.tput = tput;
     d.kv_tokens = kv;
     int id = rt_swarm_add_server(&s->sw, &d);
+    free(tput);
+    free(kv);
     if (id < 0) {
-        FU_WARN("swarm: cannot add %s: %s", mb->address, fu_last_error());
+        FU_WARN("swarm: cannot add %s [%d, %d): %s", mb->address, mb->first, mb->last, fu_last_error());
         return;
     }
-    if (rt_swarm_set_span(&s->sw, id, mb->first, mb->last)) {
-        FU_WARN("swarm: %s: bad span [%d, %d): %s", mb->address, mb->first, mb->last, fu_last_error());
-        rt_swarm_remove_server(&s->sw, id);
-        return;
-    }
-    /* links: loopback-class figures; the flow is then bounded by compute */
-    rt_swarm_set_link(&s->sw, RT_SOURCE, id, 1e12, 1e-4);
-    rt_swarm_set_link(&s->sw, id, RT_SINK, 1e12, 1e-4);
-    for (int j = 0; j < s->sw.n_servers; j++)
-        if (j != id && s->sw.servers[j].state != RT_SERVER_GONE) {
-            rt_swarm_set_link(&s->sw, id, j, 1e12, 1e-4);
-            rt_swarm_set_link(&s->sw, j, id, 1e12, 1e-4);
-        }
     mb->id = id;
-    mb->error[0] = '\0';
-    FU_INFO("swarm: shard %s joined with blocks [%d, %d), %.1f tokens/s", mb->address, mb->first, mb->last,
-            mb->tps);
-    gw_swarm_changed_locked(s);
+    mb->r_first = mb->first;
+    mb->r_last = mb->last;
+    mb->r_tps = mb->tps;
+    mb->r_block_tps = mb->block_tps;
+    mb->r_total_kv = mb->total_kv;
 }
 
-/* One Info call to member i (unlocked; the channel is fixed after creation). */
-static int gw_member_info(gw_swarm *s, int i, Fusion__InfoReply **out, char *why, size_t why_len) {
+/* Brings the router in line with member mb (locked). Returns true if the router changed. */
+static bool gw_member_sync_locked(gw_swarm *s, gw_member *mb) {
+    if (!mb->live) {
+        if (mb->id < 0) return false;
+        gw_member_unroute_locked(s, mb);
+    } else {
+        if (mb->id >= 0 && mb->r_first == mb->first && mb->r_last == mb->last && mb->r_tps == mb->tps &&
+            mb->r_block_tps == mb->block_tps && mb->r_total_kv == mb->total_kv)
+            return false;
+        gw_member_unroute_locked(s, mb);
+        gw_member_route_locked(s, mb);
+        if (mb->id >= 0) {
+            if (mb->last > mb->first)
+                FU_INFO("swarm: %s serves blocks [%d, %d), %.1f tokens/s", mb->address, mb->first, mb->last, mb->tps);
+            else
+                FU_INFO("swarm: %s waits as a spare (%.1f tokens/s for one block)", mb->address, mb->block_tps);
+        }
+    }
+    gw_links_apply_locked(s);
+    gw_swarm_changed_locked(s);
+    return true;
+}
+
+/* Gives spares their spans by the placement rule (locked). */
+static void gw_swarm_rebalance_locked(gw_swarm *s) {
+    for (size_t iter = 0; iter <= s->n; iter++) {
+        rt_swarm view;
+        if (rt_swarm_clone(&view, &s->sw)) return;
+        int *spares = calloc(s->n + 1, sizeof *spares);
+        gw_member **who = calloc(s->n + 1, sizeof *who);
+        int n = 0;
+        for (size_t i = 0; spares && who && i < s->n; i++) {
+            gw_member *mb = s->m[i];
+            if (mb->id < 0 || !mb->live) continue;
+            if (mb->as_last > mb->as_first) {
+                rt_swarm_set_span(&view, mb->id, mb->as_first, mb->as_last);
+            } else if (mb->joined && !mb->fixed && mb->last == mb->first) {
+                spares[n] = mb->id;
+                who[n++] = mb;
+            }
+        }
+        int f = 0, l = 0;
+        int k = spares && who ? gw_pick_spare(&view, spares, n, s->cfg->spares, min_gain(s), &f, &l) : -1;
+        rt_swarm_free(&view);
+        if (k >= 0) {
+            who[k]->as_first = f;
+            who[k]->as_last = l;
+            FU_INFO("swarm: asking %s to load blocks [%d, %d)", who[k]->address, f, l);
+            pthread_cond_broadcast(&s->changed);
+        }
+        free(spares);
+        free(who);
+        if (k < 0) break;
+    }
+}
+
+/* Retires member mb (locked). */
+static void gw_member_retire_locked(gw_swarm *s, gw_member *mb, const char *why) {
+    mb->retired_at = mono_s();
+    snprintf(mb->error, sizeof mb->error, "%s", why);
+    if (!mb->live) return;
+    FU_WARN("swarm: retiring %s%s [%d, %d): %s", mb->joined ? "member " : "shard ", mb->address, mb->first, mb->last,
+            why);
+    mb->live = false;
+    mb->member_id = 0;
+    mb->as_first = mb->as_last = 0;
+    gw_member_sync_locked(s, mb);
+    gw_swarm_rebalance_locked(s);
+}
+
+static bool gw_pending_locked(const gw_swarm *s) {
+    for (size_t i = 0; i < s->n; i++)
+        if (s->m[i]->live && s->m[i]->as_last > s->m[i]->as_first) return true;
+    return false;
+}
+
+/* ---- members ---------------------------------------------------------------------------- */
+
+/* A new member (locked). */
+static gw_member *gw_member_add_locked(gw_swarm *s, const char *address) {
+    if (fu_grow((void **)&s->m, &s->cap, s->n + 1, sizeof *s->m)) return NULL;
+    gw_member *mb = calloc(1, sizeof *mb);
+    if (!mb) return NULL;
+    mb->id = -1;
+    snprintf(mb->address, sizeof mb->address, "%s", address);
+    snprintf(mb->error, sizeof mb->error, "not heard from yet");
+    if (!s->manual) {
+        rpc_channel_options co = {s->cfg->tls_ca, s->cfg->insecure, s->cfg->secret, 0, NULL};
+        if (rpc_channel_new(mb->address, &co, &mb->ch)) {
+            free(mb);
+            return NULL;
+        }
+    }
+    s->m[s->n++] = mb;
+    return mb;
+}
+
+static gw_member *gw_member_find_address_locked(gw_swarm *s, const char *address) {
+    for (size_t i = 0; i < s->n; i++)
+        if (!strcmp(s->m[i]->address, address)) return s->m[i];
+    return NULL;
+}
+
+static int gw_report_check(const gw_swarm *s, const gw_member_report *r) {
+    if (!r->address[0] || !strchr(r->address, ':'))
+        return fu_errorf(FU_ERR_INVALID, "status.address: HOST:PORT required, got '%.100s'", r->address);
+    if (r->n_layers != s->n_layers)
+        return fu_errorf(FU_ERR_INVALID, "status.n_layers: the gateway's model has %d blocks, the member's %d",
+                         s->n_layers, r->n_layers);
+    if (r->first != r->last && (r->first < 0 || r->last <= r->first || r->last > s->n_layers))
+        return fu_errorf(FU_ERR_INVALID, "status: span [%d, %d) does not fit %d blocks", r->first, r->last,
+                         s->n_layers);
+    if (r->max_blocks < 0 || !isfinite(r->tokens_per_s) || r->tokens_per_s < 0 || !isfinite(r->block_tokens_per_s) ||
+        r->block_tokens_per_s < 0 || r->n_links < 0 || r->n_links > GW_MAX_PEER_LINKS)
+        return fu_errorf(FU_ERR_INVALID, "status: bad figures");
+    for (int i = 0; i < r->n_links; i++)
+        if (!isfinite(r->links[i].rtt_s) || r->links[i].rtt_s < 0 || r->links[i].rtt_s > 60 ||
+            !isfinite(r->links[i].bandwidth) || r->links[i].bandwidth < 0)
+            return fu_errorf(FU_ERR_INVALID, "status.links[%d]: bad figures", i);
+    return FU_OK;
+}
+
+/* Copies a report's figures into mb (locked). */
+static void gw_member_take_report(gw_member *mb, const gw_member_report *r, double now) {
+    mb->first = r->first;
+    mb->last = r->last;
+    snprintf(mb->device, sizeof mb->device, "%s", r->device);
+    snprintf(mb->dtype, sizeof mb->dtype, "%s", r->dtype);
+    mb->tps = r->tokens_per_s;
+    mb->block_tps = r->block_tokens_per_s;
+    mb->max_blocks = r->max_blocks;
+    mb->free_kv = r->free_kv;
+    mb->total_kv = r->total_kv;
+    mb->kv_per_pos = r->kv_per_pos;
+    mb->sessions = r->sessions;
+    mb->fixed = r->fixed_span;
+    mb->n_links = r->n_links;
+    memcpy(mb->links, r->links, (size_t)r->n_links * sizeof *r->links);
+    mb->last_hb = now;
+    mb->last_ok = wall_s();
+}
+
+static void gw_member_reply_fill_locked(gw_swarm *s, const gw_member *mb, gw_member_reply *out, bool peers) {
+    memset(out, 0, sizeof *out);
+    out->member_id = mb->member_id;
+    out->first = mb->as_first;
+    out->last = mb->as_last;
+    for (size_t i = 0; peers && i < s->n && out->n_peers < GW_MAX_PEER_LINKS; i++) {
+        const gw_member *p = s->m[i];
+        if (p != mb && p->id >= 0 && p->last > p->first)
+            snprintf(out->peers[out->n_peers++], sizeof out->peers[0], "%s", p->address);
+    }
+}
+
+int gw_swarm_member_join(gw_swarm *s, const gw_member_report *r, double now, gw_member_reply *out) {
+    memset(out, 0, sizeof *out);
+    int rc = gw_report_check(s, r);
+    if (rc) return rc;
+    pthread_mutex_lock(&s->mu);
+    gw_member *mb = gw_member_find_address_locked(s, r->address);
+    if (mb && !mb->joined) {
+        pthread_mutex_unlock(&s->mu);
+        return fu_errorf(FU_ERR_INVALID, "%s is a static --shard of this gateway", r->address);
+    }
+    if (mb && mb->live) gw_member_retire_locked(s, mb, "joined again");
+    if (!mb && !(mb = gw_member_add_locked(s, r->address))) {
+        pthread_mutex_unlock(&s->mu);
+        return fu_errorf(FU_ERR_NOMEM, "swarm: cannot add a member");
+    }
+    mb->joined = true;
+    gw_member_take_report(mb, r, now);
+    mb->member_id = ++s->next_member_id;
+    mb->live = true;
+    mb->as_first = mb->as_last = 0;
+    mb->rtt_s = mb->bw = mb->measured_at = 0;
+    mb->error[0] = '\0';
+    FU_INFO("swarm: %s joined as member %llu (%s, %s, max %d blocks)", mb->address, (unsigned long long)mb->member_id,
+            mb->device, mb->dtype, mb->max_blocks);
+    gw_member_sync_locked(s, mb);
+    if (mb->id < 0) {
+        mb->live = false;
+        mb->member_id = 0;
+        snprintf(mb->error, sizeof mb->error, "cannot add it to the router");
+        pthread_mutex_unlock(&s->mu);
+        return fu_errorf(FU_ERR_INVALID, "swarm: cannot place %s", r->address);
+    }
+    gw_swarm_rebalance_locked(s);
+    gw_member_reply_fill_locked(s, mb, out, false);
+    pthread_mutex_unlock(&s->mu);
+    return FU_OK;
+}
+
+static gw_member *gw_member_find_id_locked(gw_swarm *s, uint64_t member_id) {
+    for (size_t i = 0; member_id && i < s->n; i++)
+        if (s->m[i]->joined && s->m[i]->live && s->m[i]->member_id == member_id) return s->m[i];
+    return NULL;
+}
+
+int gw_swarm_member_heartbeat(gw_swarm *s, uint64_t member_id, const gw_member_report *r, bool leaving, double now,
+                              gw_member_reply *out) {
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&s->mu);
+    gw_member *mb = gw_member_find_id_locked(s, member_id);
+    if (!mb) {
+        pthread_mutex_unlock(&s->mu);
+        return fu_errorf(FU_ERR_NOT_FOUND, "no member %llu: join again", (unsigned long long)member_id);
+    }
+    if (leaving) {
+        gw_member_retire_locked(s, mb, "left the swarm");
+        pthread_mutex_unlock(&s->mu);
+        return FU_OK;
+    }
+    int rc = gw_report_check(s, r);
+    if (!rc && strcmp(r->address, mb->address))
+        rc = fu_errorf(FU_ERR_INVALID, "status.address: member %llu joined as %s", (unsigned long long)member_id,
+                       mb->address);
+    if (rc) {
+        pthread_mutex_unlock(&s->mu);
+        return rc;
+    }
+    gw_member_take_report(mb, r, now);
+    if (mb->last > mb->first && mb->as_last > mb->as_first) {
+        if (mb->first != mb->as_first || mb->last != mb->as_last)
+            FU_WARN("swarm: %s was asked for [%d, %d) and serves [%d, %d)", mb->address, mb->as_first, mb->as_last,
+                    mb->first, mb->last);
+        mb->as_first = mb->as_last = 0;
+    }
+    if (gw_member_sync_locked(s, mb)) gw_swarm_rebalance_locked(s);
+    gw_member_reply_fill_locked(s, mb, out, true);
+    pthread_mutex_unlock(&s->mu);
+    return FU_OK;
+}
+
+void gw_swarm_tick(gw_swarm *s, double now) {
+    pthread_mutex_lock(&s->mu);
+    double timeout = s->cfg->heartbeat_timeout_ms / 1000.0;
+    for (size_t i = 0; i < s->n; i++) {
+        gw_member *mb = s->m[i];
+        if (mb->joined && mb->live && now - mb->last_hb > timeout) {
+            char why[100];
+            snprintf(why, sizeof why, "no heartbeat for %.1f s", now - mb->last_hb);
+            gw_member_retire_locked(s, mb, why);
+        }
+    }
+    gw_swarm_rebalance_locked(s);
+    pthread_mutex_unlock(&s->mu);
+}
+
+int gw_swarm_member_link(gw_swarm *s, uint64_t member_id, double rtt_s, double bandwidth) {
+    if (!isfinite(rtt_s) || rtt_s < 0 || !isfinite(bandwidth) || bandwidth < 0)
+        return fu_errorf(FU_ERR_INVALID, "swarm: bad link figures");
+    pthread_mutex_lock(&s->mu);
+    gw_member *mb = gw_member_find_id_locked(s, member_id);
+    if (mb) {
+        mb->rtt_s = rtt_s;
+        mb->bw = bandwidth;
+        mb->measured_at = mono_s();
+        gw_links_apply_locked(s);
+        gw_swarm_changed_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return mb ? FU_OK : fu_errorf(FU_ERR_NOT_FOUND, "no member %llu", (unsigned long long)member_id);
+}
+
+/* ---- static members: Info polls ---------------------------------------------------------- */
+
+/* One Info call over channel ch (unlocked). */
+static int gw_info_call(gw_swarm *s, rpc_channel *ch, Fusion__InfoReply **out, char *why, size_t why_len) {
     *out = NULL;
     Fusion__InfoRequest req = FUSION__INFO_REQUEST__INIT;
     ProtobufCMessage *rep = NULL;
     rpc_status st = {0};
-    int code = rpc_call_unary(s->m[i].ch, RPC_SHARD_INFO, &req.base, &fusion__info_reply__descriptor, &rep,
+    int code = rpc_call_unary(ch, RPC_SHARD_INFO, &req.base, &fusion__info_reply__descriptor, &rep,
                               GW_POLL_TIMEOUT_MS, &st);
     if (code) {
         snprintf(why, why_len, "Info: %s%s%.150s", rpc_code_str(code), st.message[0] ? ": " : "", st.message);
@@ -141,33 +507,101 @@ static int gw_member_info(gw_swarm *s, int i, Fusion__InfoReply **out, char *why
     return FU_OK;
 }
 
-/* Polls every member once and applies the results. */
-static void gw_swarm_poll(gw_swarm *s) {
-    for (int i = 0; i < s->n; i++) {
-        double t0 = mono_s();
-        Fusion__InfoReply *r = NULL;
-        char why[200] = "";
-        int rc = gw_member_info(s, i, &r, why, sizeof why);
-        pthread_mutex_lock(&s->mu);
-        gw_member *mb = &s->m[i];
-        if (rc) {
-            gw_member_retire_locked(s, i, why);
-        } else if (mb->retired_at <= t0) { /* a failure reported during the poll wins */
-            bool span_changed = mb->first != r->first_block || mb->last != r->last_block;
-            bool tps_changed = mb->tps != r->tokens_per_s;
-            mb->first = r->first_block;
-            mb->last = r->last_block;
-            mb->tps = r->tokens_per_s;
-            mb->free_kv = r->free_kv_bytes;
-            mb->total_kv = r->total_kv_bytes;
-            mb->kv_per_pos = r->kv_bytes_per_position;
-            mb->sessions = r->active_sessions;
-            mb->last_ok = wall_s();
-            if (mb->id >= 0 && (span_changed || tps_changed)) gw_member_retire_locked(s, i, "span or speed changed");
-            if (mb->id < 0) gw_member_join_locked(s, i);
+/* The member at index i, or NULL past the end (locks briefly: the array may grow). */
+static gw_member *gw_member_at(gw_swarm *s, size_t i) {
+    pthread_mutex_lock(&s->mu);
+    gw_member *mb = i < s->n ? s->m[i] : NULL;
+    pthread_mutex_unlock(&s->mu);
+    return mb;
+}
+
+/* Polls static member mb once and applies the result. */
+static void gw_member_poll(gw_swarm *s, gw_member *mb) {
+    double t0 = mono_s();
+    Fusion__InfoReply *r = NULL;
+    char why[200] = "";
+    int rc = gw_info_call(s, mb->ch, &r, why, sizeof why);
+    pthread_mutex_lock(&s->mu);
+    mb->info_at = t0;
+    if (rc) {
+        gw_member_retire_locked(s, mb, why);
+    } else if (mb->retired_at <= t0) { /* a failure reported during the poll wins */
+        mb->first = r->first_block;
+        mb->last = r->last_block;
+        mb->tps = r->tokens_per_s;
+        mb->free_kv = r->free_kv_bytes;
+        mb->total_kv = r->total_kv_bytes;
+        mb->kv_per_pos = r->kv_bytes_per_position;
+        mb->sessions = r->active_sessions;
+        snprintf(mb->device, sizeof mb->device, "%s", r->device ? r->device : "");
+        snprintf(mb->dtype, sizeof mb->dtype, "%s", r->dtype ? r->dtype : "");
+        mb->last_ok = wall_s();
+        if (!mb->live) {
+            mb->live = true;
+            mb->error[0] = '\0';
         }
+        if (gw_member_sync_locked(s, mb)) gw_swarm_rebalance_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+    rpc_msg_free((ProtobufCMessage *)r);
+}
+
+/* ---- link measurements ------------------------------------------------------------------- */
+
+/* One Echo asking reply_bytes back; seconds taken, or -1 (why filled). */
+static double gw_echo(rpc_channel *ch, int reply_bytes, char *why, size_t why_len) {
+    Fusion__EchoRequest req = FUSION__ECHO_REQUEST__INIT;
+    req.reply_bytes = reply_bytes;
+    ProtobufCMessage *rep = NULL;
+    rpc_status st = {0};
+    double t0 = mono_s();
+    int code = rpc_call_unary(ch, RPC_SHARD_ECHO, &req.base, &fusion__echo_reply__descriptor, &rep,
+                              GW_POLL_TIMEOUT_MS * 2, &st);
+    double t = mono_s() - t0;
+    rpc_msg_free(rep);
+    if (code) {
+        snprintf(why, why_len, "Echo: %s%s%.150s", rpc_code_str(code), st.message[0] ? ": " : "", st.message);
+        return -1;
+    }
+    return t;
+}
+
+/* Measures the link to member mb (unlocked calls); a failed call retires it. */
+static void gw_member_measure(gw_swarm *s, gw_member *mb) {
+    char why[200] = "";
+    double a = gw_echo(mb->ch, 0, why, sizeof why);
+    double b = a >= 0 ? gw_echo(mb->ch, 0, why, sizeof why) : -1;
+    double big = b >= 0 ? gw_echo(mb->ch, GW_ECHO_BYTES, why, sizeof why) : -1;
+    pthread_mutex_lock(&s->mu);
+    mb->measured_at = mono_s();
+    if (big < 0) {
+        gw_member_retire_locked(s, mb, why);
+    } else {
+        double rtt = a < b ? a : b, t = big - rtt;
+        mb->rtt_s = rtt;
+        mb->bw = GW_ECHO_BYTES / (t > 1e-6 ? t : 1e-6);
+        gw_links_apply_locked(s);
+        gw_swarm_changed_locked(s);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- the background thread ---------------------------------------------------------------- */
+
+static void gw_swarm_round(gw_swarm *s) {
+    double now = mono_s();
+    gw_swarm_tick(s, now);
+    gw_member *mb;
+    for (size_t i = 0; (mb = gw_member_at(s, i)); i++) {
+        pthread_mutex_lock(&s->mu);
+        bool poll = !mb->joined && now - mb->info_at >= GW_INFO_EVERY_S;
+        bool measure = s->cfg->measure_links && mb->live &&
+                       (mb->measured_at <= 0 || now - mb->measured_at >= s->cfg->measure_interval_ms / 1000.0);
+        bool stopping = s->stopping;
         pthread_mutex_unlock(&s->mu);
-        rpc_msg_free((ProtobufCMessage *)r);
+        if (stopping) return;
+        if (poll) gw_member_poll(s, mb);
+        if (measure) gw_member_measure(s, mb);
     }
 }
 
@@ -177,8 +611,7 @@ static void *gw_swarm_main(void *arg) {
     while (!s->stopping) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_sec += GW_HEARTBEAT_MS / 1000;
-        ts.tv_nsec += (long)(GW_HEARTBEAT_MS % 1000) * 1000000L;
+        ts.tv_nsec += (long)GW_TICK_MS * 1000000L;
         if (ts.tv_nsec >= 1000000000L) {
             ts.tv_sec++;
             ts.tv_nsec -= 1000000000L;
@@ -187,23 +620,169 @@ static void *gw_swarm_main(void *arg) {
         }
         if (s->stopping) break;
         pthread_mutex_unlock(&s->mu);
-        gw_swarm_poll(s);
+        gw_swarm_round(s);
         pthread_mutex_lock(&s->mu);
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
 }
 
-int gw_swarm_new(const gw_config *cfg, int n_layers, gw_swarm **out) {
+/* ---- the fusion.Swarm service ------------------------------------------------------------- */
+
+static void gw_report_from_msg(const Fusion__MemberStatus *ms, gw_member_report *r) {
+    memset(r, 0, sizeof *r);
+    if (!ms) return;
+    snprintf(r->address, sizeof r->address, "%s", ms->address ? ms->address : "");
+    if (ms->address && strlen(ms->address) >= sizeof r->address) r->address[0] = '\0';
+    r->n_layers = ms->n_layers;
+    r->first = ms->first_block;
+    r->last = ms->last_block;
+    snprintf(r->device, sizeof r->device, "%s", ms->device ? ms->device : "");
+    snprintf(r->dtype, sizeof r->dtype, "%s", ms->dtype ? ms->dtype : "");
+    r->tokens_per_s = ms->tokens_per_s;
+    r->block_tokens_per_s = ms->block_tokens_per_s;
+    r->max_blocks = ms->max_blocks;
+    r->free_kv = ms->free_kv_bytes;
+    r->total_kv = ms->total_kv_bytes;
+    r->kv_per_pos = ms->kv_bytes_per_position;
+    r->sessions = ms->active_sessions;
+    r->fixed_span = ms->fixed_span;
+    for (size_t i = 0; i < ms->n_links && r->n_links < GW_MAX_PEER_LINKS; i++) {
+        const Fusion__LinkFigure *lf = ms->links[i];
+        if (!lf || !lf->address || strlen(lf->address) >= sizeof r->links[0].address) continue;
+        gw_peer_link *pl = &r->links[r->n_links++];
+        snprintf(pl->address, sizeof pl->address, "%s", lf->address);
+        pl->rtt_s = lf->rtt_s;
+        pl->bandwidth = lf->bandwidth_bytes_per_s;
+    }
+}
+
+typedef struct gw_join_msg {
+    Fusion__JoinReply rep;
+    Fusion__SpanAssignment span;
+} gw_join_msg;
+
+typedef struct gw_hb_msg {
+    Fusion__HeartbeatReply rep;
+    Fusion__SpanAssignment span;
+    gw_member_reply out;
+    char *peers[GW_MAX_PEER_LINKS];
+} gw_hb_msg;
+
+static void gw_msg_free(void *ctx, ProtobufCMessage *msg) {
+    (void)ctx;
+    free(msg);
+}
+
+static int gw_status_fail(rpc_status *st, int rc) {
+    if (rc == FU_ERR_NOT_FOUND) return rpc_status_setf(st, RPC_NOT_FOUND, "%s", fu_last_error());
+    return rpc_status_from_fu(st, rc);
+}
+
+static int gw_join_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+    gw_swarm *s = ctx;
+    const Fusion__JoinRequest *req = (const Fusion__JoinRequest *)req_msg;
+    if (!req->status) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "status: required");
+    gw_member_report *r = malloc(sizeof *r);
+    gw_join_msg *m = calloc(1, sizeof *m);
+    if (!r || !m) {
+        free(r);
+        free(m);
+        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    gw_report_from_msg(req->status, r);
+    gw_member_reply out;
+    int rc = gw_swarm_member_join(s, r, mono_s(), &out);
+    free(r);
+    if (rc) {
+        free(m);
+        return gw_status_fail(st, rc);
+    }
+    fusion__join_reply__init(&m->rep);
+    fusion__span_assignment__init(&m->span);
+    m->rep.member_id = out.member_id;
+    m->rep.heartbeat_ms = s->cfg->heartbeat_ms;
+    if (out.last > out.first) {
+        m->span.first_block = out.first;
+        m->span.last_block = out.last;
+        m->rep.span = &m->span;
+    }
+    *reply = &m->rep.base;
+    return RPC_OK;
+}
+
+static int gw_heartbeat_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply,
+                                rpc_status *st) {
+    gw_swarm *s = ctx;
+    const Fusion__HeartbeatRequest *req = (const Fusion__HeartbeatRequest *)req_msg;
+    if (!req->status && !req->leaving) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "status: required");
+    gw_member_report *r = malloc(sizeof *r);
+    gw_hb_msg *m = calloc(1, sizeof *m);
+    if (!r || !m) {
+        free(r);
+        free(m);
+        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    }
+    gw_report_from_msg(req->status, r);
+    int rc = gw_swarm_member_heartbeat(s, req->member_id, r, req->leaving, mono_s(), &m->out);
+    free(r);
+    if (rc) {
+        free(m);
+        return gw_status_fail(st, rc);
+    }
+    fusion__heartbeat_reply__init(&m->rep);
+    fusion__span_assignment__init(&m->span);
+    if (m->out.last > m->out.first) {
+        m->span.first_block = m->out.first;
+        m->span.last_block = m->out.last;
+        m->rep.span = &m->span;
+    }
+    for (int i = 0; i < m->out.n_peers; i++) m->peers[i] = m->out.peers[i];
+    m->rep.n_peers = (size_t)m->out.n_peers;
+    m->rep.peers = m->out.n_peers ? m->peers : NULL;
+    *reply = &m->rep.base;
+    return RPC_OK;
+}
+
+static int gw_swarm_serve(gw_swarm *s) {
+    const gw_config *c = s->cfg;
+    const char *cert = c->swarm_tls_cert ? c->swarm_tls_cert : c->https_cert;
+    const char *key = c->swarm_tls_cert ? c->swarm_tls_key : c->https_key;
+    rpc_server_options o = {c->swarm_listen, cert, key, c->insecure, c->secret, 0, 4};
+    int rc = rpc_server_new(&o, &s->rpc);
+    if (!rc) rc = rpc_server_add_unary(s->rpc, RPC_SWARM_JOIN, &fusion__join_request__descriptor, gw_join_handler,
+                                       gw_msg_free, s);
+    if (!rc) rc = rpc_server_add_unary(s->rpc, RPC_SWARM_HEARTBEAT, &fusion__heartbeat_request__descriptor,
+                                       gw_heartbeat_handler, gw_msg_free, s);
+    if (!rc) rc = rpc_server_start(s->rpc);
+    if (rc) return fu_errorf(rc, "swarm service on %s: %s", c->swarm_listen, fu_last_error());
+    int port = rpc_server_port(s->rpc);
+    FU_INFO("swarm: members join at %s (port %d)%s", c->swarm_listen, port, cert ? ", TLS" : "");
+    if (c->swarm_port_file) {
+        char tmp[4096];
+        snprintf(tmp, sizeof tmp, "%s.tmp", c->swarm_port_file);
+        FILE *f = fopen(tmp, "w");
+        if (!f || fprintf(f, "%d\n", port) < 0 || fclose(f) || rename(tmp, c->swarm_port_file))
+            return fu_errorf(FU_ERR_IO, "cannot write %s: %s", c->swarm_port_file, strerror(errno));
+    }
+    return FU_OK;
+}
+
+/* ---- life cycle --------------------------------------------------------------------------- */
+
+static int gw_swarm_create(const gw_config *cfg, int n_layers, bool manual, gw_swarm **out) {
     *out = NULL;
-    if (cfg->n_shards <= 0) return fu_errorf(FU_ERR_INVALID, "swarm: no shard addresses");
+    if (cfg->n_shards <= 0 && !cfg->swarm_listen && !manual)
+        return fu_errorf(FU_ERR_INVALID, "swarm: no shard addresses and no --swarm-listen");
     if (n_layers <= 0) return fu_errorf(FU_ERR_INVALID, "swarm: the model has no blocks");
     gw_swarm *s = calloc(1, sizeof *s);
     if (!s) return fu_errorf(FU_ERR_NOMEM, "swarm");
     s->cfg = cfg;
     s->n_layers = n_layers;
+    s->manual = manual;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
+    pthread_cond_init(&s->changed, NULL);
     rt_model model = {0};
     snprintf(model.name, sizeof model.name, "gateway");
     model.n_layers = n_layers;
@@ -211,34 +790,44 @@ int gw_swarm_new(const gw_config *cfg, int n_layers, gw_swarm **out) {
     model.act_bytes = 2;
     int rc = rt_swarm_init(&s->sw, &model);
     if (rc) {
+        pthread_cond_destroy(&s->changed);
         pthread_cond_destroy(&s->cv);
         pthread_mutex_destroy(&s->mu);
         free(s);
         return rc;
-    }
-    s->m = calloc((size_t)cfg->n_shards, sizeof *s->m);
-    if (!s->m) {
-        gw_swarm_free(s);
-        return fu_errorf(FU_ERR_NOMEM, "swarm");
-    }
-    rpc_channel_options co = {cfg->tls_ca, cfg->insecure, cfg->secret, 0, NULL};
-    for (int i = 0; i < cfg->n_shards; i++) {
-        gw_member *mb = &s->m[i];
-        mb->id = -1;
-        snprintf(mb->address, sizeof mb->address, "%s", cfg->shards[i]);
-        snprintf(mb->error, sizeof mb->error, "not polled yet");
-        if ((rc = rpc_channel_new(mb->address, &co, &mb->ch))) {
-            gw_swarm_free(s);
-            return rc;
-        }
-        s->n++;
     }
     rt_route_opts ro = {0};
     if ((rc = rt_router_init(&s->router, &s->sw, &ro))) {
         gw_swarm_free(s);
         return rc;
     }
-    gw_swarm_poll(s);
+    for (int i = 0; i < cfg->n_shards; i++) {
+        pthread_mutex_lock(&s->mu);
+        gw_member *mb = gw_member_add_locked(s, cfg->shards[i]);
+        pthread_mutex_unlock(&s->mu);
+        if (!mb) {
+            gw_swarm_free(s);
+            return fu_errorf(FU_ERR_NOMEM, "swarm: %s: %s", cfg->shards[i], fu_last_error());
+        }
+    }
+    *out = s;
+    return FU_OK;
+}
+
+int gw_swarm_new_manual(const gw_config *cfg, int n_layers, gw_swarm **out) {
+    return gw_swarm_create(cfg, n_layers, true, out);
+}
+
+int gw_swarm_new(const gw_config *cfg, int n_layers, gw_swarm **out) {
+    gw_swarm *s;
+    int rc = gw_swarm_create(cfg, n_layers, false, &s);
+    if (rc) return rc;
+    gw_member *mb;
+    for (size_t i = 0; (mb = gw_member_at(s, i)); i++) gw_member_poll(s, mb);
+    if (cfg->swarm_listen && (rc = gw_swarm_serve(s))) {
+        gw_swarm_free(s);
+        return rc;
+    }
     if (pthread_create(&s->thread, NULL, gw_swarm_main, s)) {
         gw_swarm_free(s);
         return fu_errorf(FU_ERR_INTERNAL, "swarm: cannot start the heartbeat thread");
@@ -248,8 +837,11 @@ int gw_swarm_new(const gw_config *cfg, int n_layers, gw_swarm **out) {
     return FU_OK;
 }
 
+int gw_swarm_port(const gw_swarm *s) { return s->rpc ? rpc_server_port(s->rpc) : 0; }
+
 void gw_swarm_free(gw_swarm *s) {
     if (!s) return;
+    rpc_server_free(s->rpc); /* no handler runs past this */
     if (s->started) {
         pthread_mutex_lock(&s->mu);
         s->stopping = true;
@@ -259,12 +851,18 @@ void gw_swarm_free(gw_swarm *s) {
     }
     rt_router_free(s->router);
     rt_swarm_free(&s->sw);
-    for (int i = 0; i < s->n; i++) rpc_channel_free(s->m[i].ch);
+    for (size_t i = 0; i < s->n; i++) {
+        rpc_channel_free(s->m[i]->ch);
+        free(s->m[i]);
+    }
     free(s->m);
+    pthread_cond_destroy(&s->changed);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
+
+/* ---- routing ------------------------------------------------------------------------------ */
 
 /* Fills *err for a routing failure (locked). */
 static void gw_swarm_route_error(gw_swarm *s, int rc, gw_error *err) {
@@ -289,13 +887,28 @@ static void gw_swarm_route_error(gw_swarm *s, int rc, gw_error *err) {
 
 int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err) {
     memset(l, 0, sizeof *l);
+    double deadline = mono_s() + s->cfg->route_wait_ms / 1000.0;
     pthread_mutex_lock(&s->mu);
     rt_path *p = NULL;
-    int rc = rt_route(s->router, request_len > 0 ? request_len : 1, &p);
-    if (!rc && p->n_hops > GW_MAX_HOPS) {
-        rt_release(p);
-        p = NULL;
-        rc = fu_errorf(FU_ERR_UNSUPPORTED, "the route has more than %d hops", GW_MAX_HOPS);
+    int rc;
+    for (;;) {
+        rc = rt_route(s->router, request_len > 0 ? request_len : 1, &p);
+        if (!rc && p->n_hops > GW_MAX_HOPS) {
+            rt_release(p);
+            p = NULL;
+            rc = fu_errorf(FU_ERR_UNSUPPORTED, "the route has more than %d hops", GW_MAX_HOPS);
+            break;
+        }
+        /* a spare loading an uncovered span is worth waiting for */
+        double now = mono_s();
+        if (!rc || !gw_pending_locked(s) || rt_swarm_uncovered(&s->sw, NULL) == 0 || now >= deadline) break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        double wait = deadline - now < 0.1 ? deadline - now : 0.1;
+        long ns = ts.tv_nsec + (long)(wait * 1e9);
+        ts.tv_sec += ns / 1000000000L;
+        ts.tv_nsec = ns % 1000000000L;
+        pthread_cond_timedwait(&s->changed, &s->mu, &ts);
     }
     if (rc) {
         gw_swarm_route_error(s, rc, err);
@@ -323,10 +936,11 @@ void gw_swarm_release(gw_swarm *s, gw_lease *l) {
     l->n_hops = 0;
 }
 
-/* Retires the member whose router id is `id`, if still current (locked). */
-static void gw_swarm_retire_id_locked(gw_swarm *s, int id, const char *why) {
-    for (int i = 0; i < s->n; i++)
-        if (s->m[i].id == id) gw_member_retire_locked(s, i, why);
+/* The member whose router id is `id` (locked). */
+static gw_member *gw_member_by_router_id_locked(gw_swarm *s, int id) {
+    for (size_t i = 0; id >= 0 && i < s->n; i++)
+        if (s->m[i]->id == id) return s->m[i];
+    return NULL;
 }
 
 void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message) {
@@ -343,57 +957,118 @@ void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message
     }
     if (named >= 0) {
         pthread_mutex_lock(&s->mu);
-        gw_swarm_retire_id_locked(s, l->ids[named], why);
+        gw_member *mb = gw_member_by_router_id_locked(s, l->ids[named]);
+        if (mb) gw_member_retire_locked(s, mb, why);
         pthread_mutex_unlock(&s->mu);
         return;
     }
     /* unnamed: probe each hop */
     for (int h = 0; h < l->n_hops; h++) {
-        int mi = -1;
         pthread_mutex_lock(&s->mu);
-        for (int i = 0; i < s->n; i++)
-            if (s->m[i].id == l->ids[h]) mi = i;
+        gw_member *mb = gw_member_by_router_id_locked(s, l->ids[h]);
         pthread_mutex_unlock(&s->mu);
-        if (mi < 0) continue;
-        Fusion__InfoReply *r = NULL;
+        if (!mb || !mb->ch) continue;
         char pwhy[200];
-        if (gw_member_info(s, mi, &r, pwhy, sizeof pwhy)) {
+        double t = gw_echo(mb->ch, 0, pwhy, sizeof pwhy);
+        if (t < 0) {
             pthread_mutex_lock(&s->mu);
-            gw_swarm_retire_id_locked(s, l->ids[h], pwhy);
+            if (mb->id == l->ids[h]) gw_member_retire_locked(s, mb, pwhy);
             pthread_mutex_unlock(&s->mu);
         }
-        rpc_msg_free((ProtobufCMessage *)r);
     }
 }
 
+/* ---- /v1/swarm ---------------------------------------------------------------------------- */
+
+static const char *gw_member_state(const gw_member *mb) {
+    if (!mb->live) return mb->last_ok > 0 ? "gone" : "unreachable";
+    if (mb->last > mb->first) return "active";
+    return mb->as_last > mb->as_first ? "loading" : "spare";
+}
+
+static json_t *gw_member_json(gw_swarm *s, const gw_member *mb, const rt_flow *f, double now_wall, double now) {
+    int id = mb->id;
+    json_t *o = json_object();
+    if (!o) return NULL;
+    json_object_set_new(o, "address", json_string(mb->address));
+    json_object_set_new(o, "kind", json_string(mb->joined ? "joined" : "static"));
+    json_object_set_new(o, "id", json_integer(id));
+    if (mb->joined) json_object_set_new(o, "member_id", json_integer((json_int_t)mb->member_id));
+    json_object_set_new(o, "span", mb->last > mb->first ? json_pack("[i, i]", mb->first, mb->last)
+                                   : mb->joined       ? json_string("spare")
+                                                      : json_null());
+    json_object_set_new(o, "assigned", mb->as_last > mb->as_first ? json_pack("[i, i]", mb->as_first, mb->as_last)
+                                                                   : json_null());
+    json_object_set_new(o, "state", json_string(gw_member_state(mb)));
+    json_object_set_new(o, "device", json_string(mb->device));
+    json_object_set_new(o, "dtype", json_string(mb->dtype));
+    json_object_set_new(o, "tokens_per_s", json_real(mb->tps));
+    if (mb->joined) {
+        json_object_set_new(o, "block_tokens_per_s", json_real(mb->block_tps));
+        json_object_set_new(o, "max_blocks", json_integer(mb->max_blocks));
+    }
+    json_object_set_new(o, "free_kv_bytes", json_integer((json_int_t)mb->free_kv));
+    json_object_set_new(o, "total_kv_bytes", json_integer((json_int_t)mb->total_kv));
+    json_object_set_new(o, "sessions", json_integer(mb->sessions));
+    json_object_set_new(o, "flow", json_real(id >= 0 && f && id < f->n ? f->server_flow[id] : 0.0));
+    json_object_set_new(o, "load", json_real(id >= 0 ? rt_router_load(s->router, id) : 0.0));
+    /* the link from the gateway as the flow network uses it */
+    const gw_link_cfg *g = gw_link_given(s, "gateway", mb->address);
+    json_t *link = json_object();
+    json_object_set_new(link, "rtt_s",
+                        g ? json_real(2 * g->latency) : mb->rtt_s > 0 ? json_real(mb->rtt_s) : json_null());
+    json_object_set_new(link, "bandwidth_bytes_per_s",
+                        g ? json_real(g->bandwidth) : mb->bw > 0 ? json_real(mb->bw) : json_null());
+    json_object_set_new(link, "source", json_string(g ? "config" : mb->measured_at > 0 ? "measured" : "default"));
+    json_object_set_new(link, "age_s", mb->measured_at > 0 ? json_real(now - mb->measured_at) : json_null());
+    json_object_set_new(o, "link", link);
+    json_t *peers = json_array();
+    for (int i = 0; i < mb->n_links; i++)
+        json_array_append_new(peers, json_pack("{s:s, s:f, s:f}", "address", mb->links[i].address, "rtt_s",
+                                               mb->links[i].rtt_s, "bandwidth_bytes_per_s", mb->links[i].bandwidth));
+    json_object_set_new(o, "peer_links", peers);
+    json_object_set_new(o, "last_heartbeat", mb->last_ok > 0 ? json_real(mb->last_ok) : json_null());
+    json_object_set_new(o, "heartbeat_age_s", mb->last_ok > 0 ? json_real(now_wall - mb->last_ok) : json_null());
+    json_object_set_new(o, "error", mb->error[0] ? json_string(mb->error) : json_null());
+    return o;
+}
+
 json_t *gw_swarm_json(gw_swarm *s) {
-    json_t *servers = json_array();
-    if (!servers) return NULL;
+    json_t *servers = json_array(), *hops = json_array();
+    if (!servers || !hops) {
+        json_decref(servers);
+        json_decref(hops);
+        return NULL;
+    }
     pthread_mutex_lock(&s->mu);
     const rt_flow *f = rt_router_flow(s->router);
-    double now = wall_s();
-    for (int i = 0; i < s->n; i++) {
-        const gw_member *mb = &s->m[i];
-        int id = mb->id;
-        const char *state = id >= 0 ? (s->sw.servers[id].state == RT_SERVER_SPARE ? "spare" : "active")
-                                    : (mb->last_ok > 0 ? "gone" : "unreachable");
-        double flow = id >= 0 && f && id < f->n ? f->server_flow[id] : 0;
-        json_t *o = json_pack("{s:s, s:i, s:[i, i], s:s, s:f, s:I, s:I, s:i, s:f, s:f}", "address", mb->address,
-                              "id", id, "span", mb->first, mb->last, "state", state, "tokens_per_s", mb->tps,
-                              "free_kv_bytes", (json_int_t)mb->free_kv, "total_kv_bytes", (json_int_t)mb->total_kv,
-                              "sessions", mb->sessions, "flow", flow, "load",
-                              id >= 0 ? rt_router_load(s->router, id) : 0.0);
-        if (!o) continue;
-        json_object_set_new(o, "last_heartbeat", mb->last_ok > 0 ? json_real(mb->last_ok) : json_null());
-        json_object_set_new(o, "heartbeat_age_s", mb->last_ok > 0 ? json_real(now - mb->last_ok) : json_null());
-        json_object_set_new(o, "error", mb->error[0] ? json_string(mb->error) : json_null());
-        json_array_append_new(servers, o);
+    double now_wall = wall_s(), now = mono_s();
+    int n_spares = 0, n_active = 0;
+    for (size_t i = 0; i < s->n; i++) {
+        const gw_member *mb = s->m[i];
+        json_t *o = gw_member_json(s, mb, f, now_wall, now);
+        if (o) json_array_append_new(servers, o);
+        if (mb->live && mb->last > mb->first) n_active++;
+        else if (mb->live) n_spares++;
     }
-    int gap = -1;
-    int uncovered = rt_swarm_uncovered(&s->sw, &gap);
-    json_t *doc = json_pack("{s:s, s:i, s:f, s:i, s:i, s:o}", "object", "swarm", "n_layers", s->n_layers,
-                            "max_flow", f ? f->value : 0.0, "uncovered_blocks", uncovered, "live",
-                            rt_swarm_live(&s->sw), "servers", servers);
+    /* the flow on each hop (the gateway at both ends) */
+    if (f && f->hop_flow) {
+        int n = f->n, N = n + 2;
+        for (int u = 0; u < N; u++)
+            for (int v = 0; v < N; v++) {
+                double x = f->hop_flow[u * N + v];
+                if (!(x > 1e-9) || (u < n && !rt_swarm_serving(&s->sw, u)) || (v < n && !rt_swarm_serving(&s->sw, v)))
+                    continue;
+                const char *from = u < n ? s->sw.servers[u].address : "gateway";
+                const char *to = v < n ? s->sw.servers[v].address : "gateway";
+                json_array_append_new(hops, json_pack("{s:s, s:s, s:f}", "from", from, "to", to, "tokens_per_s", x));
+            }
+    }
+    int uncovered = rt_swarm_uncovered(&s->sw, NULL);
+    json_t *doc = json_pack("{s:s, s:i, s:f, s:i, s:i, s:i, s:i, s:i, s:o, s:o}", "object", "swarm", "n_layers",
+                            s->n_layers, "max_flow", f ? f->value : 0.0, "uncovered_blocks", uncovered, "live",
+                            rt_swarm_live(&s->sw), "active", n_active, "spares", n_spares, "spares_target",
+                            s->cfg->spares, "servers", servers, "flow", hops);
     pthread_mutex_unlock(&s->mu);
     return doc;
 }

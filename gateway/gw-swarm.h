@@ -1,11 +1,30 @@
-/* gw-swarm.h -- the gateway's live view of a swarm of shards: Info heartbeats, the router, leases, /v1/swarm.
+/* gw-swarm.h -- the gateway's live view of a swarm of shards: membership, placement, spares, links, the router, leases.
  *
- * A gw_swarm polls every configured shard address for its Info about once a
- * second. Each reply (span, measured tokens/s, KV memory) updates an rt_swarm;
- * a failed poll, or a failed call reported by a generation, retires the server
- * (GONE) and a later good poll brings it back under a new router id. Every
- * change recomputes the router's max flow. All functions are thread-safe (one
- * mutex guards the swarm and the router, which are not).
+ * Members come two ways. Static ones (cfg->shards) are polled for their Info
+ * about once a second. Joined ones register over the fusion.Swarm service the
+ * gateway hosts on cfg->swarm_listen (Join), then heartbeat with their figures;
+ * a member silent for cfg->heartbeat_timeout_ms, or one a call from the gateway
+ * fails on, is retired (GONE in the router); a joined member then joins again.
+ *
+ * Placement (joined members without a span of their own), one rule:
+ *   1. while some block is uncovered, a spare (a joining member counts as one)
+ *      is told to load the span rt_place_join picks for it (the one covering the
+ *      most uncovered blocks, then the most flow); among several spares the one
+ *      covering the most uncovered blocks, then adding the most flow, goes first;
+ *   2. once every block is covered, up to cfg->spares members wait as spares;
+ *   3. a spare beyond that loads its rt_place_join span if that raises the max
+ *      flow by at least cfg->min_gain_percent; otherwise it waits too.
+ * Spans being loaded count as covered when deciding, so one gap is given to one
+ * spare. Rebalancing is done with spares only: a member holding a span keeps
+ * it, so no block is ever uncovered by a move. A request that finds a block
+ * uncovered while a spare loads it waits up to cfg->route_wait_ms.
+ *
+ * Links: the gateway times a small Echo (RTT) and a 256 KiB one (bandwidth) to
+ * every member each cfg->measure_interval_ms; members report the same figures
+ * to the peers the gateway names in heartbeat replies. Both feed the flow
+ * network's link capacities; cfg->links override them. Every change recomputes
+ * the router's max flow. All functions are thread-safe (one mutex guards the
+ * swarm and the router, which are not).
  */
 #ifndef FU_GW_SWARM_H
 #define FU_GW_SWARM_H
@@ -15,9 +34,9 @@
 
 #include "chain.h"
 #include "gw.h"
+#include "router.h"
 
 typedef struct gw_swarm gw_swarm;
-struct rt_path;
 
 /* A routed chain held by one generation: hops for chain_session_open. */
 typedef struct gw_lease {
@@ -28,9 +47,16 @@ typedef struct gw_lease {
     int ids[GW_MAX_HOPS];       /* router server ids */
 } gw_lease;
 
-/* Starts polling cfg->shards[] (borrowed cfg) for a model of n_layers blocks;
- * the first round of polls is done before it returns. Free with gw_swarm_free. */
+/* Starts polling cfg->shards[] (borrowed cfg) for a model of n_layers blocks and,
+ * with cfg->swarm_listen, the membership service; the first round of polls is
+ * done before it returns. Free with gw_swarm_free. */
 int gw_swarm_new(const gw_config *cfg, int n_layers, gw_swarm **out);
+/* The same without the background thread, the membership service or any call to
+ * a member: the caller drives membership with gw_swarm_member_* and time with
+ * gw_swarm_tick (tests of the gateway's decisions). */
+int gw_swarm_new_manual(const gw_config *cfg, int n_layers, gw_swarm **out);
+/* The bound port of the membership service (0: none). */
+int gw_swarm_port(const gw_swarm *s);
 /* Stops the heartbeat thread and frees; every lease must be released. NULL is a no-op. */
 void gw_swarm_free(gw_swarm *s);
 
@@ -47,5 +73,57 @@ void gw_swarm_release(gw_swarm *s, gw_lease *l);
 void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message);
 /* The /v1/swarm document (new reference; NULL on allocation failure). */
 json_t *gw_swarm_json(gw_swarm *s);
+
+/* ---- membership (the fusion.Swarm handlers call these) ---------------------------------- */
+
+#define GW_MAX_PEER_LINKS 32
+
+typedef struct gw_peer_link {
+    char address[128];
+    double rtt_s, bandwidth; /* bandwidth 0: not measured */
+} gw_peer_link;
+
+/* What a member reports (MemberStatus). */
+typedef struct gw_member_report {
+    char address[128];
+    int n_layers;
+    int first, last;            /* served span; equal: none */
+    char device[96], dtype[16];
+    double tokens_per_s, block_tokens_per_s;
+    int max_blocks;             /* 0: all */
+    int64_t free_kv, total_kv, kv_per_pos;
+    int sessions;
+    bool fixed_span;
+    int n_links;
+    gw_peer_link links[GW_MAX_PEER_LINKS];
+} gw_member_report;
+
+/* What the gateway answers: the member id and the span to load (first == last: none). */
+typedef struct gw_member_reply {
+    uint64_t member_id;
+    int first, last;
+    int n_peers;                /* heartbeat replies: addresses to measure */
+    char peers[GW_MAX_PEER_LINKS][128];
+} gw_member_reply;
+
+/* Registers a member at monotonic time `now` (seconds). FU_ERR_INVALID: a bad
+ * report (the model's block count differs, a bad span or address, a static
+ * member's address). */
+int gw_swarm_member_join(gw_swarm *s, const gw_member_report *r, double now, gw_member_reply *out);
+/* A heartbeat of member `member_id`; `leaving` retires it at once.
+ * FU_ERR_NOT_FOUND: no such member (retired or never joined): it must join again. */
+int gw_swarm_member_heartbeat(gw_swarm *s, uint64_t member_id, const gw_member_report *r, bool leaving, double now,
+                              gw_member_reply *out);
+/* Retires joined members silent since before now - heartbeat timeout and gives
+ * spares their spans (the background thread calls it a few times a second). */
+void gw_swarm_tick(gw_swarm *s, double now);
+/* Sets the measured gateway -> member link (for tests; the thread measures it). */
+int gw_swarm_member_link(gw_swarm *s, uint64_t member_id, double rtt_s, double bandwidth);
+
+/* The placement rule (above) over `sw`, with the spans being loaded already
+ * applied: which of the spares spares[0..n) should load which span now.
+ * Returns its index in spares[] (and *first, *last), or -1: they all wait. */
+int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_target, double min_gain,
+                  int *first, int *last);
 
 #endif

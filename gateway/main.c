@@ -26,6 +26,16 @@ static void usage(FILE *f) {
             "  --hop HOST:PORT:A:B       a shard serving blocks [A, B); in chain order (a static chain)\n"
             "  --shard HOST:PORT         a swarm member (repeatable; spans may overlap): each request is\n"
             "                            routed over the live shards, with failover; GET /v1/swarm\n"
+            "  --swarm-listen HOST:PORT  host fusion.Swarm: shards started with --join register and heartbeat\n"
+            "                            here; the gateway assigns spans, keeps spares, GET /v1/swarm\n"
+            "  --swarm-tls-cert F --swarm-tls-key F   its TLS (default: the HTTPS pair; --insecure: loopback)\n"
+            "  --swarm-port-file F       write the membership service's bound port to F\n"
+            "  --spares N                spares kept waiting once every block is covered (default 1)\n"
+            "  --min-gain-percent P      a surplus spare serves if that raises the max flow by P%% (default 5)\n"
+            "  --heartbeat-ms N --heartbeat-timeout-ms N   member heartbeats (default 500 / 3000)\n"
+            "  --route-wait-ms N         wait for a spare loading an uncovered span (default 5000)\n"
+            "  --measure-links true|false --measure-interval-ms N   RTT/bandwidth probes (true, 5000)\n"
+            "  --link FROM,TO,BW,LAT     given link figures (bytes/s, s; FROM/TO: HOST:PORT or gateway)\n"
             "  --secret S | --secret-file F   swarm secret (or env FUSION_SECRET)\n"
             "  --insecure | --tls-ca F   plaintext to loopback shards, or the shards' CA\n"
             "  --forward                 server-to-server forwarding along the chain\n"
@@ -174,8 +184,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
         goto done;
     }
-    FU_INFO("serving %s on %s (port %d), %d hops, %d swarm shards, %d workers, %d API keys", name,
-            cfg.listen ? cfg.listen : "127.0.0.1:8080", port, cfg.n_hops, cfg.n_shards, cfg.workers, cfg.n_api_keys);
+    FU_INFO("serving %s on %s (port %d), %d hops, %d swarm shards%s%s, %d workers, %d API keys", name,
+            cfg.listen ? cfg.listen : "127.0.0.1:8080", port, cfg.n_hops, cfg.n_shards,
+            cfg.swarm_listen ? ", members join at " : "", cfg.swarm_listen ? cfg.swarm_listen : "", cfg.workers,
+            cfg.n_api_keys);
     if (cfg.port_file) {
         char tmp[4096];
         snprintf(tmp, sizeof tmp, "%s.tmp", cfg.port_file);

@@ -15,6 +15,7 @@
 #include "model.h"
 #include "ops.h"
 #include "shard-core.h"
+#include "shard-join.h"
 #include "shard-rpc.h"
 #include "status.h"
 
@@ -34,11 +35,13 @@ typedef struct shard_args {
     int idle_timeout_ms;
     int drain_ms;
     char *port_file;
+    char *join;          /* gateway's swarm address */
+    int max_blocks;      /* most blocks to load when the gateway places it (0: all) */
 } shard_args;
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: fusion-shard --model PATH|ORG/NAME[@REV] --blocks A:B [options]\n"
+            "usage: fusion-shard --model PATH|ORG/NAME[@REV] (--blocks A:B | --join HOST:PORT) [options]\n"
             "  --config FILE         JSON config (keys as the long options, e.g. \"kv_budget_mib\")\n"
             "  --listen HOST:PORT    (default 127.0.0.1:7001; port 0 picks one)\n"
             "  --advertise NAME      name reported in timings (default: the listen address)\n"
@@ -55,7 +58,10 @@ static void usage(FILE *f) {
             "  --threads N           CPU threads (default: all)\n"
             "  --idle-timeout-ms N   expire idle sessions (default 120000)\n"
             "  --drain-ms N          on SIGTERM, let sessions finish this long (default 10000)\n"
-            "  --port-file F         write the bound port to F (atomically)\n");
+            "  --port-file F         write the bound port to F (atomically)\n"
+            "  --join HOST:PORT      register with a gateway's --swarm-listen and heartbeat; without\n"
+            "                        --blocks the gateway assigns the span (or keeps it as a spare)\n"
+            "  --max-blocks N        most blocks the gateway may assign (default: the whole model)\n");
 }
 
 static char *read_file_trim(const char *path) {
@@ -113,6 +119,7 @@ static int apply_option(shard_args *a, const char *name, const char *val) {
     if (!strcmp(name, "tls-key") || !strcmp(name, "tls_key")) return set_str(&a->tls_key, val);
     if (!strcmp(name, "tls-ca") || !strcmp(name, "tls_ca")) return set_str(&a->tls_ca, val);
     if (!strcmp(name, "port-file") || !strcmp(name, "port_file")) return set_str(&a->port_file, val);
+    if (!strcmp(name, "join")) return set_str(&a->join, val);
     if (!strcmp(name, "kv")) {
         if (!strcmp(val, "f16")) a->kv_f16 = 1;
         else if (!strcmp(val, "f32")) a->kv_f16 = 0;
@@ -129,6 +136,7 @@ static int apply_option(shard_args *a, const char *name, const char *val) {
     SHARD_INT_OPT_("threads", "threads", threads, 0, 1024)
     SHARD_INT_OPT_("idle-timeout-ms", "idle_timeout_ms", idle_timeout_ms, 1, 86400000)
     SHARD_INT_OPT_("drain-ms", "drain_ms", drain_ms, 0, 3600000)
+    SHARD_INT_OPT_("max-blocks", "max_blocks", max_blocks, 1, 100000)
 #undef SHARD_INT_OPT_
     if (!strcmp(name, "kv-budget-mib") || !strcmp(name, "kv_budget_mib")) {
         if (fu_parse_long(val, 1, 1L << 24, &v)) return -1;
@@ -206,6 +214,79 @@ static void free_args(shard_args *a) {
     free(a->tls_key);
     free(a->tls_ca);
     free(a->port_file);
+    free(a->join);
+}
+
+/* The span this process serves: opened at start-up (--blocks) or when the gateway assigns one. */
+typedef struct shard_span {
+    pthread_mutex_t mu;  /* guards m, core, tps against the membership thread's reads */
+    char *path;
+    op_backend *be;
+    int n_layers;
+    char name[128], dtype[16], device[64];
+    uint64_t kv_budget;
+    int max_batch;
+    bool kv_f16;
+    double block_tps;    /* measured with one block */
+    mdl_model *m;        /* NULL while a spare */
+    shard_core *core;
+    double tps;
+    shard_server *srv;
+} shard_span;
+
+/* Opens [first, last) (embed/head: -1 for the default) and its core; measures it. */
+static int shard_span_open(shard_span *sp, int first, int last, int embed, int head) {
+    mdl_open_options mo = {first, last, embed >= 0 ? embed != 0 : first == 0,
+                           head >= 0 ? head != 0 : last == sp->n_layers};
+    mdl_model *m = NULL;
+    shard_core *core = NULL;
+    int rc = mdl_open(sp->path, &mo, &m);
+    shard_core_options so = {sp->kv_budget, sp->max_batch, sp->kv_f16 ? OP_TYPE_F16 : OP_TYPE_F32};
+    if (!rc) rc = shard_core_new(m, sp->be, &so, &core);
+    if (rc) {
+        mdl_free(m);
+        return rc;
+    }
+    double tps = shard_core_measure(core, 1, 0.3);
+    pthread_mutex_lock(&sp->mu);
+    sp->m = m;
+    sp->core = core;
+    sp->tps = tps > 0 ? tps : 0;
+    if (m->last > m->first) snprintf(sp->dtype, sizeof sp->dtype, "%s", op_type_name(m->layers[0].wq.type));
+    pthread_mutex_unlock(&sp->mu);
+    return FU_OK;
+}
+
+/* shard_join_config.load: a spare loads the span the gateway assigned and starts serving it. */
+static int shard_span_load(void *ctx, int first, int last) {
+    shard_span *sp = ctx;
+    if (sp->core) return fu_errorf(FU_ERR_INVALID, "a span is loaded already");
+    int rc = shard_span_open(sp, first, last, -1, -1);
+    if (rc) return rc;
+    if ((rc = shard_server_set_core(sp->srv, sp->core, sp->tps))) return rc;
+    FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s at %s, %.1f tokens/s measured", first, last, sp->name,
+            sp->m->has_embed ? " +embeddings" : "", sp->m->has_head ? " +head" : "", shard_server_address(sp->srv),
+            sp->tps);
+    return FU_OK;
+}
+
+/* shard_join_config.status */
+static void shard_span_status(void *ctx, shard_join_status *st) {
+    shard_span *sp = ctx;
+    pthread_mutex_lock(&sp->mu);
+    snprintf(st->dtype, sizeof st->dtype, "%s", sp->dtype);
+    if (sp->core) {
+        shard_core_stats cs;
+        shard_core_get_stats(sp->core, &cs);
+        st->first = sp->m->first;
+        st->last = sp->m->last;
+        st->tokens_per_s = sp->tps;
+        st->free_kv_bytes = (int64_t)cs.kv_free_bytes;
+        st->total_kv_bytes = (int64_t)cs.kv_total_bytes;
+        st->kv_bytes_per_position = (int64_t)cs.kv_bytes_per_pos;
+        st->active_sessions = cs.active_sessions;
+    }
+    pthread_mutex_unlock(&sp->mu);
 }
 
 int main(int argc, char **argv) {
@@ -221,6 +302,7 @@ int main(int argc, char **argv) {
         {"max-batch", required_argument, 0, 1},  {"threads", required_argument, 0, 1},
         {"idle-timeout-ms", required_argument, 0, 1}, {"drain-ms", required_argument, 0, 1},
         {"port-file", required_argument, 0, 1},  {"insecure", no_argument, 0, 'i'},
+        {"join", required_argument, 0, 1},       {"max-blocks", required_argument, 0, 1},
         {"embed", no_argument, 0, 'e'},          {"no-embed", no_argument, 0, 'E'},
         {"head", no_argument, 0, 'H'},           {"no-head", no_argument, 0, 'N'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
@@ -271,62 +353,88 @@ int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
 
     int rc, status = 1;
-    char *path = NULL;
-    mdl_model *m = NULL;
-    op_backend *be = NULL;
-    shard_core *core = NULL;
+    shard_span sp = {0};
+    pthread_mutex_init(&sp.mu, NULL);
     shard_server *srv = NULL;
+    shard_join *join = NULL;
     hub_options ho;
     hub_options_init(&ho);
-    if ((rc = hub_resolve(a.model, &ho, &path))) goto done;
-    /* learn the block count first when the span is left open-ended */
-    mdl_open_options mo = {a.first < 0 ? 0 : a.first, a.last, false, false};
-    mo.embed = a.embed >= 0 ? a.embed : mo.first == 0;
-    if (a.head >= 0) {
-        mo.head = a.head;
-    } else {
-        mdl_open_options probe = {0, 0, false, false};
-        if ((rc = mdl_open(path, &probe, &m))) goto done;
-        int L = m->cfg.n_layers;
-        mdl_free(m);
-        m = NULL;
-        mo.head = a.last < 0 || a.last == L;
-    }
-    if ((rc = mdl_open(path, &mo, &m))) goto done;
+    if ((rc = hub_resolve(a.model, &ho, &sp.path))) goto done;
+    sp.kv_budget = (uint64_t)a.kv_budget_mib << 20;
+    sp.max_batch = a.max_batch;
+    sp.kv_f16 = a.kv_f16 != 0;
     op_cpu_options co = {.n_threads = a.threads, .isa = OP_CPU_ISA_AUTO};
-    if (!(be = op_backend_cpu_new(&co))) {
-        rc = FU_ERR_INTERNAL;
+    if (!(sp.be = op_backend_cpu_new(&co))) {
+        rc = fu_errorf(FU_ERR_INTERNAL, "no CPU backend");
         goto done;
     }
-    shard_core_options so = {(uint64_t)a.kv_budget_mib << 20, a.max_batch, a.kv_f16 ? OP_TYPE_F16 : OP_TYPE_F32};
-    if ((rc = shard_core_new(m, be, &so, &core))) goto done;
-    double tps = shard_core_measure(core, 1, 0.3);
-    if (tps < 0) tps = 0;
-    char device[64];
-    snprintf(device, sizeof device, "cpu (%s, %d threads)", op_backend_isa(be), op_backend_n_threads(be));
+    /* the block count, name and weight type first */
+    {
+        mdl_model *probe = NULL;
+        mdl_open_options po = {0, a.join && a.first < 0 ? 1 : 0, false, false};
+        if ((rc = mdl_open(sp.path, &po, &probe))) goto done;
+        sp.n_layers = probe->cfg.n_layers;
+        snprintf(sp.name, sizeof sp.name, "%s", probe->name);
+        if (probe->last > probe->first) {
+            snprintf(sp.dtype, sizeof sp.dtype, "%s", op_type_name(probe->layers[0].wq.type));
+            /* joining without a span: measure one block, so the gateway can model any span */
+            shard_core *c1 = NULL;
+            shard_core_options so = {64u << 20, a.max_batch, OP_TYPE_F32};
+            if (!(rc = shard_core_new(probe, sp.be, &so, &c1))) sp.block_tps = shard_core_measure(c1, 1, 0.2);
+            shard_core_free(c1);
+            if (sp.block_tps < 0) sp.block_tps = 0;
+        }
+        mdl_free(probe);
+        if (rc) goto done;
+    }
+    if (a.join && a.first < 0) {
+        if (a.embed >= 0 || a.head >= 0) {
+            rc = fu_errorf(FU_ERR_INVALID, "--embed/--head need --blocks (a joining shard takes them with its span)");
+            goto done;
+        }
+    } else {
+        int first = a.first < 0 ? 0 : a.first, last = a.last < 0 ? sp.n_layers : a.last;
+        if ((rc = shard_span_open(&sp, first, last, a.embed, a.head))) goto done;
+    }
+    snprintf(sp.device, sizeof sp.device, "cpu (%s, %d threads)", op_backend_isa(sp.be), op_backend_n_threads(sp.be));
     shard_server_config cfg = {a.listen, a.advertise, a.tls_cert, a.tls_key, a.tls_ca, a.insecure != 0,
-                               a.secret, 0, a.idle_timeout_ms, 4, m->name, device, tps};
-    if ((rc = shard_server_new(core, &cfg, &srv)) || (rc = shard_server_start(srv))) goto done;
+                               a.secret, 0, a.idle_timeout_ms, 4, sp.name, sp.device, sp.tps};
+    if ((rc = shard_server_new(sp.core, &cfg, &srv)) || (rc = shard_server_start(srv))) goto done;
+    sp.srv = srv;
     int port = shard_server_port(srv);
-    FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s on %s (port %d), %.1f tokens/s measured",
-            m->first, m->last, m->name, m->has_embed ? " +embeddings" : "", m->has_head ? " +head" : "",
-            a.listen, port, tps);
+    if (sp.m)
+        FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s on %s (port %d), %.1f tokens/s measured",
+                sp.m->first, sp.m->last, sp.name, sp.m->has_embed ? " +embeddings" : "",
+                sp.m->has_head ? " +head" : "", a.listen, port, sp.tps);
+    else
+        FU_INFO("fusion-shard on %s (port %d) holds no span yet: joining %s (%.1f tokens/s for one block)", a.listen,
+                port, a.join, sp.block_tps);
     if (a.port_file && write_port_file(a.port_file, port)) {
         rc = fu_errorf(FU_ERR_IO, "%s: %s", a.port_file, strerror(errno));
         goto done;
     }
+    if (a.join) {
+        shard_join_config jc = {a.join, a.tls_ca, a.insecure != 0, a.secret, shard_server_address(srv), sp.name,
+                                sp.n_layers, sp.device, sp.block_tps, a.max_blocks, sp.m != NULL,
+                                shard_span_load, shard_span_status, &sp};
+        if ((rc = shard_join_start(&jc, &join))) goto done;
+    }
     int sig = 0;
     sigwait(&sigs, &sig);
     FU_INFO("%s: draining (up to %d ms)", sig == SIGTERM ? "SIGTERM" : "SIGINT", a.drain_ms);
+    shard_join_stop(join);
+    join = NULL;
     shard_server_drain(srv, a.drain_ms);
     status = 0;
 done:
     if (status) fprintf(stderr, "fusion-shard: %s: %s\n", fu_status_str(rc), fu_last_error());
+    shard_join_stop(join);
     shard_server_free(srv);
-    shard_core_free(core);
-    op_backend_free(be);
-    mdl_free(m);
-    free(path);
+    shard_core_free(sp.core);
+    op_backend_free(sp.be);
+    mdl_free(sp.m);
+    free(sp.path);
+    pthread_mutex_destroy(&sp.mu);
     free_args(&a);
     return status;
 }

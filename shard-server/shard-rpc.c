@@ -19,7 +19,7 @@
 #define SHARD_MAX_CHAIN 64
 
 struct shard_server {
-    shard_core *core;
+    shard_core *_Atomic core; /* NULL while a spare: set once by shard_server_set_core */
     shard_server_config cfg;
     char *advertise;
     rpc_server *rpc;
@@ -317,8 +317,14 @@ static int check_open(shard_core *core, const Fusion__OpenSession *o, rpc_status
     return RPC_OK;
 }
 
+/* The refusal of a server that holds no span yet (a spare waiting for the gateway). */
+static int no_span(rpc_status *st) {
+    return rpc_status_setf(st, RPC_UNAVAILABLE, "this server holds no span yet (a spare)");
+}
+
 static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
     shard_server *srv = ctx;
+    if (!srv->core) return no_span(st);
     const mdl_model *m = shard_core_model(srv->core);
     ProtobufCMessage *msg = NULL;
     shard_session *sess = NULL;
@@ -509,6 +515,7 @@ static void forward_reply_free(void *ctx, ProtobufCMessage *msg) {
 static int forward_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply,
                            rpc_status *st) {
     shard_server *srv = ctx;
+    if (!srv->core) return no_span(st);
     const mdl_model *m = shard_core_model(srv->core);
     const Fusion__ForwardRequest *req = (const Fusion__ForwardRequest *)req_msg;
     if (req->n_sequences == 0 || req->n_sequences > 256)
@@ -596,6 +603,7 @@ static void info_reply_free(void *ctx, ProtobufCMessage *msg) { free(msg); }
 
 static int info_handler(void *ctx, const ProtobufCMessage *req, ProtobufCMessage **reply, rpc_status *st) {
     shard_server *srv = ctx;
+    if (!srv->core) return no_span(st);
     const mdl_model *m = shard_core_model(srv->core);
     info_reply *r = calloc(1, sizeof *r);
     if (!r) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
@@ -645,6 +653,35 @@ static int health_handler(void *ctx, const ProtobufCMessage *req, ProtobufCMessa
     return RPC_OK;
 }
 
+#define SHARD_ECHO_MAX (4 << 20)
+
+static void echo_reply_free(void *ctx, ProtobufCMessage *msg) {
+    (void)ctx;
+    Fusion__EchoReply *r = (Fusion__EchoReply *)msg;
+    free(r->payload.data);
+    free(r);
+}
+
+static int echo_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+    (void)ctx;
+    const Fusion__EchoRequest *req = (const Fusion__EchoRequest *)req_msg;
+    if (req->reply_bytes < 0 || req->reply_bytes > SHARD_ECHO_MAX)
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "reply_bytes: 0..%d required, got %d", SHARD_ECHO_MAX,
+                               req->reply_bytes);
+    Fusion__EchoReply *r = malloc(sizeof *r);
+    if (!r) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    fusion__echo_reply__init(r);
+    if (req->reply_bytes > 0) {
+        if (!(r->payload.data = calloc(1, (size_t)req->reply_bytes))) {
+            free(r);
+            return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        }
+        r->payload.len = (size_t)req->reply_bytes;
+    }
+    *reply = &r->base;
+    return RPC_OK;
+}
+
 /* ---- server ---------------------------------------------------------------------------- */
 
 int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_server **out) {
@@ -677,6 +714,8 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
                                        info_handler, info_reply_free, s);
     if (!rc) rc = rpc_server_add_unary(s->rpc, RPC_SHARD_HEALTH, &fusion__health_request__descriptor,
                                        health_handler, health_reply_free, s);
+    if (!rc) rc = rpc_server_add_unary(s->rpc, RPC_SHARD_ECHO, &fusion__echo_request__descriptor, echo_handler,
+                                       echo_reply_free, s);
     if (rc) {
         shard_server_free(s);
         return rc;
@@ -686,6 +725,16 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
 }
 
 int shard_server_start(shard_server *s) { return rpc_server_start(s->rpc); }
+
+int shard_server_set_core(shard_server *s, shard_core *core, double tokens_per_s) {
+    if (!core) return fu_errorf(FU_ERR_INVALID, "server: no core");
+    if (s->core) return fu_errorf(FU_ERR_INVALID, "server: already serving a span");
+    s->cfg.tokens_per_s = tokens_per_s;
+    s->core = core;
+    return FU_OK;
+}
+
+const char *shard_server_address(const shard_server *s) { return s->advertise; }
 
 int shard_server_port(const shard_server *s) { return rpc_server_port(s->rpc); }
 

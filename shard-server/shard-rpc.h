@@ -25,10 +25,17 @@ typedef struct shard_server_config {
     double tokens_per_s;         /* measured at start-up */
 } shard_server_config;
 
-/* Creates the server for `core` (borrowed) and binds its port. */
+/* Creates the server for `core` (borrowed) and binds its port. core NULL: a spare that
+ * holds no span yet: sessions, Forward and Info are refused with UNAVAILABLE (Health and
+ * Echo answer) until shard_server_set_core. */
 int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_server **out);
 int shard_server_start(shard_server *s);
 int shard_server_port(const shard_server *s);
+/* Gives a spare server (created with core NULL) its core (borrowed) and the span's measured
+ * tokens/s; once only. */
+int shard_server_set_core(shard_server *s, shard_core *core, double tokens_per_s);
+/* "host:port" the server reports itself as (--advertise, or the listen host and bound port). */
+const char *shard_server_address(const shard_server *s);
 /* Stops accepting sessions (they are refused with UNAVAILABLE), lets running
  * ones go on for up to grace_ms, then cancels the rest and waits. */
 int shard_server_drain(shard_server *s, int grace_ms);

@@ -1,0 +1,300 @@
+/* shard-join.c -- the shard side of fusion.Swarm: join the gateway, heartbeat, load assigned spans, measure peers. */
+#include "shard-join.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "fusion.pb-c.h"
+#include "log.h"
+#include "rpc.h"
+#include "status.h"
+
+#define JOIN_DEFAULT_INTERVAL_MS 500
+#define JOIN_CALL_TIMEOUT_MS 2000
+#define JOIN_PEER_TIMEOUT_MS 500
+#define JOIN_MAX_PEERS 32
+#define JOIN_PEER_REFRESH_S 5.0
+#define JOIN_BW_BYTES (256 << 10)
+
+typedef struct join_peer {
+    char address[128];
+    rpc_channel *ch;
+    double rtt_s, bw;  /* 0: not measured (yet) */
+    double measured_at; /* monotonic seconds; 0: never */
+    bool named;         /* in the gateway's latest list */
+} join_peer;
+
+struct shard_join {
+    shard_join_config cfg;
+    rpc_channel *gw;
+    rpc_channel_options peer_opts;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stopping;
+    uint64_t member_id; /* 0: not joined */
+    double warned_at;   /* monotonic seconds of the last warning about the gateway; 0: none since success */
+    int interval_ms;
+    join_peer peers[JOIN_MAX_PEERS];
+    int n_peers;
+};
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* The member status message; strings point into *st, cfg and figs (alive while the message is). */
+static void fill_status(shard_join *j, shard_join_status *st, Fusion__MemberStatus *ms, Fusion__LinkFigure *figs,
+                        Fusion__LinkFigure **fig_ptrs) {
+    memset(st, 0, sizeof *st);
+    j->cfg.status(j->cfg.ctx, st);
+    fusion__member_status__init(ms);
+    ms->address = (char *)j->cfg.address;
+    ms->model_name = (char *)(j->cfg.model_name ? j->cfg.model_name : "");
+    ms->n_layers = j->cfg.n_layers;
+    ms->first_block = st->first;
+    ms->last_block = st->last;
+    ms->device = (char *)(j->cfg.device ? j->cfg.device : "cpu");
+    ms->dtype = st->dtype;
+    ms->tokens_per_s = st->tokens_per_s;
+    ms->block_tokens_per_s = j->cfg.block_tokens_per_s;
+    ms->max_blocks = j->cfg.max_blocks;
+    ms->free_kv_bytes = st->free_kv_bytes;
+    ms->total_kv_bytes = st->total_kv_bytes;
+    ms->kv_bytes_per_position = st->kv_bytes_per_position;
+    ms->active_sessions = st->active_sessions;
+    ms->fixed_span = j->cfg.fixed_span;
+    size_t n = 0;
+    for (int i = 0; i < j->n_peers; i++) {
+        const join_peer *p = &j->peers[i];
+        if (!p->named || p->bw <= 0) continue;
+        fusion__link_figure__init(&figs[n]);
+        figs[n].address = (char *)p->address;
+        figs[n].rtt_s = p->rtt_s;
+        figs[n].bandwidth_bytes_per_s = p->bw;
+        fig_ptrs[n] = &figs[n];
+        n++;
+    }
+    ms->n_links = n;
+    ms->links = n ? fig_ptrs : NULL;
+}
+
+/* One Echo call to a peer asking reply_bytes back; seconds taken, or -1 on failure. */
+static double echo_time(rpc_channel *ch, int reply_bytes) {
+    Fusion__EchoRequest req = FUSION__ECHO_REQUEST__INIT;
+    req.reply_bytes = reply_bytes;
+    ProtobufCMessage *rep = NULL;
+    double t0 = mono_s();
+    int code = rpc_call_unary(ch, RPC_SHARD_ECHO, &req.base, &fusion__echo_reply__descriptor, &rep,
+                              JOIN_PEER_TIMEOUT_MS, NULL);
+    double t = mono_s() - t0;
+    rpc_msg_free(rep);
+    return code ? -1 : t;
+}
+
+/* Measures the named peer whose figures are the oldest, if older than the refresh interval (one per
+ * round, so that a dead peer cannot delay the heartbeats much). */
+static void measure_peers(shard_join *j) {
+    double now = mono_s();
+    int oldest = -1;
+    for (int i = 0; i < j->n_peers; i++) {
+        join_peer *p = &j->peers[i];
+        if (p->named && (p->measured_at <= 0 || now - p->measured_at >= JOIN_PEER_REFRESH_S) &&
+            (oldest < 0 || p->measured_at < j->peers[oldest].measured_at))
+            oldest = i;
+    }
+    if (oldest < 0) return;
+    join_peer *p = &j->peers[oldest];
+    p->measured_at = now;
+    p->rtt_s = p->bw = 0;
+    if (!p->ch && rpc_channel_new(p->address, &j->peer_opts, &p->ch)) {
+        FU_DEBUG("join: no channel to peer %s: %s", p->address, fu_last_error());
+        return;
+    }
+    double a = echo_time(p->ch, 0), b = a >= 0 ? echo_time(p->ch, 0) : -1;
+    double rtt = b < 0 ? -1 : a < b ? a : b;
+    double big = rtt >= 0 ? echo_time(p->ch, JOIN_BW_BYTES) : -1;
+    if (big < 0) return;
+    p->rtt_s = rtt;
+    double t = big - rtt;
+    p->bw = JOIN_BW_BYTES / (t > 1e-6 ? t : 1e-6);
+}
+
+/* Takes the gateway's list of peers (the shard's own address excluded). */
+static void set_peers(shard_join *j, char **peers, size_t n) {
+    for (int i = 0; i < j->n_peers; i++) j->peers[i].named = false;
+    for (size_t k = 0; k < n; k++) {
+        const char *a = peers[k];
+        if (!a || !a[0] || strlen(a) >= sizeof j->peers[0].address || !strcmp(a, j->cfg.address)) continue;
+        int i = 0;
+        while (i < j->n_peers && strcmp(j->peers[i].address, a)) i++;
+        if (i == j->n_peers) {
+            /* reuse an unnamed slot when full */
+            if (j->n_peers == JOIN_MAX_PEERS) {
+                for (i = 0; i < j->n_peers && j->peers[i].named; i++) {
+                }
+                if (i == j->n_peers) continue;
+                rpc_channel_free(j->peers[i].ch);
+            } else {
+                j->n_peers++;
+            }
+            memset(&j->peers[i], 0, sizeof j->peers[i]);
+            snprintf(j->peers[i].address, sizeof j->peers[i].address, "%s", a);
+        }
+        j->peers[i].named = true;
+    }
+}
+
+/* Loads an assigned span unless one is served already or the span is fixed. Returns true if it loaded. */
+static bool maybe_load(shard_join *j, const Fusion__SpanAssignment *span) {
+    if (!span || j->cfg.fixed_span) return false;
+    shard_join_status st;
+    memset(&st, 0, sizeof st);
+    j->cfg.status(j->cfg.ctx, &st);
+    if (st.last > st.first) {
+        if (st.first != span->first_block || st.last != span->last_block)
+            FU_WARN("join: the gateway assigns [%d, %d) but [%d, %d) is loaded: keeping it", span->first_block,
+                    span->last_block, st.first, st.last);
+        return false;
+    }
+    if (span->first_block < 0 || span->last_block <= span->first_block || span->last_block > j->cfg.n_layers) {
+        FU_WARN("join: ignoring the invalid assignment [%d, %d)", span->first_block, span->last_block);
+        return false;
+    }
+    FU_INFO("join: the gateway assigns blocks [%d, %d): loading", span->first_block, span->last_block);
+    int rc = j->cfg.load(j->cfg.ctx, span->first_block, span->last_block);
+    if (rc) {
+        FU_WARN("join: loading [%d, %d) failed: %s", span->first_block, span->last_block, fu_last_error());
+        return false;
+    }
+    return true;
+}
+
+/* Warns about a failed call to the gateway: the first failure, then every 10 s while it lasts. */
+static void gateway_warn(shard_join *j, const char *method, int code, const rpc_status *rs) {
+    double now = mono_s();
+    if (j->warned_at > 0 && now - j->warned_at < 10) return;
+    j->warned_at = now;
+    FU_WARN("join: gateway %s: %s: %s%s%s", j->cfg.gateway, method, rpc_code_str(code), rs->message[0] ? ": " : "",
+            rs->message);
+}
+
+/* One Join or Heartbeat exchange; returns true if the next one should follow at once. */
+static bool join_round(shard_join *j, bool leaving) {
+    shard_join_status st;
+    Fusion__MemberStatus ms;
+    Fusion__LinkFigure figs[JOIN_MAX_PEERS];
+    Fusion__LinkFigure *fig_ptrs[JOIN_MAX_PEERS];
+    fill_status(j, &st, &ms, figs, fig_ptrs);
+    rpc_status rs = {0};
+    ProtobufCMessage *rep = NULL;
+    if (!j->member_id) {
+        if (leaving) return false;
+        Fusion__JoinRequest req = FUSION__JOIN_REQUEST__INIT;
+        req.status = &ms;
+        int code = rpc_call_unary(j->gw, RPC_SWARM_JOIN, &req.base, &fusion__join_reply__descriptor, &rep,
+                                  JOIN_CALL_TIMEOUT_MS, &rs);
+        if (code) {
+            gateway_warn(j, "Join", code, &rs);
+            return false;
+        }
+        j->warned_at = 0;
+        Fusion__JoinReply *r = (Fusion__JoinReply *)rep;
+        j->member_id = r->member_id;
+        if (r->heartbeat_ms >= 50 && r->heartbeat_ms <= 60000) j->interval_ms = r->heartbeat_ms;
+        FU_INFO("join: joined gateway %s as member %llu%s", j->cfg.gateway, (unsigned long long)r->member_id,
+                r->span || st.last > st.first ? "" : " (a spare)");
+        bool loaded = maybe_load(j, r->span);
+        rpc_msg_free(rep);
+        return loaded;
+    }
+    Fusion__HeartbeatRequest req = FUSION__HEARTBEAT_REQUEST__INIT;
+    req.member_id = j->member_id;
+    req.status = &ms;
+    req.leaving = leaving;
+    int code = rpc_call_unary(j->gw, RPC_SWARM_HEARTBEAT, &req.base, &fusion__heartbeat_reply__descriptor, &rep,
+                              JOIN_CALL_TIMEOUT_MS, &rs);
+    if (code == RPC_NOT_FOUND) {
+        FU_WARN("join: the gateway no longer knows member %llu: joining again", (unsigned long long)j->member_id);
+        j->member_id = 0;
+        return !leaving;
+    }
+    if (code) {
+        gateway_warn(j, "Heartbeat", code, &rs);
+        return false;
+    }
+    j->warned_at = 0;
+    Fusion__HeartbeatReply *r = (Fusion__HeartbeatReply *)rep;
+    bool loaded = !leaving && maybe_load(j, r->span);
+    if (!leaving) set_peers(j, r->peers, r->n_peers);
+    rpc_msg_free(rep);
+    return loaded;
+}
+
+static void *join_main(void *arg) {
+    shard_join *j = arg;
+    pthread_mutex_lock(&j->mu);
+    while (!j->stopping) {
+        pthread_mutex_unlock(&j->mu);
+        bool again = join_round(j, false);
+        if (!again) measure_peers(j);
+        pthread_mutex_lock(&j->mu);
+        if (again) continue;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        long ns = ts.tv_nsec + (long)(j->interval_ms % 1000) * 1000000L;
+        ts.tv_sec += j->interval_ms / 1000 + ns / 1000000000L;
+        ts.tv_nsec = ns % 1000000000L;
+        while (!j->stopping && pthread_cond_timedwait(&j->cv, &j->mu, &ts) == 0) {
+        }
+    }
+    pthread_mutex_unlock(&j->mu);
+    join_round(j, true);
+    return NULL;
+}
+
+int shard_join_start(const shard_join_config *cfg, shard_join **out) {
+    *out = NULL;
+    if (!cfg->gateway || !cfg->address || !cfg->load || !cfg->status || cfg->n_layers <= 0)
+        return fu_errorf(FU_ERR_INVALID, "join: incomplete configuration");
+    shard_join *j = calloc(1, sizeof *j);
+    if (!j) return fu_errorf(FU_ERR_NOMEM, "join");
+    j->cfg = *cfg;
+    j->interval_ms = JOIN_DEFAULT_INTERVAL_MS;
+    j->peer_opts = (rpc_channel_options){cfg->tls_ca, cfg->insecure, cfg->secret, 0, NULL};
+    int rc = rpc_channel_new(cfg->gateway, &j->peer_opts, &j->gw);
+    if (rc) {
+        free(j);
+        return rc;
+    }
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    if (pthread_create(&j->thread, NULL, join_main, j)) {
+        rpc_channel_free(j->gw);
+        pthread_cond_destroy(&j->cv);
+        pthread_mutex_destroy(&j->mu);
+        free(j);
+        return fu_errorf(FU_ERR_INTERNAL, "join: cannot start the membership thread");
+    }
+    *out = j;
+    return FU_OK;
+}
+
+void shard_join_stop(shard_join *j) {
+    if (!j) return;
+    pthread_mutex_lock(&j->mu);
+    j->stopping = true;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    pthread_join(j->thread, NULL);
+    for (int i = 0; i < j->n_peers; i++) rpc_channel_free(j->peers[i].ch);
+    rpc_channel_free(j->gw);
+    pthread_cond_destroy(&j->cv);
+    pthread_mutex_destroy(&j->mu);
+    free(j);
+}
