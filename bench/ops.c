@@ -11,11 +11,17 @@
  *            is a plain streaming sum over the same copies with the same threads,
  *            alternated with the matvec passes (the machine's bandwidth varies
  *            with its other tenants, so the pair is measured together);
+ *   batch:   batched decode (the steps of T sessions merged into one forward) at
+ *            N=8192 K=2048 for T = 1, 8, 16, 32 (or --batch-t): GFLOP/s, the
+ *            fraction of the AVX-512 FMA peak (twice the AVX2 one), and the
+ *            weights' GB/s as a fraction of the read bandwidth measured at the
+ *            start; the weights rotate through >= 1 GiB of copies as in decode;
  *   prefill: GFLOP/s at T=128 and T=512 and the fraction of the AVX2 FMA peak
  *            (threads x 2 FMA ports x 8 lanes x 2 flops x clock).
  *
  * Usage: fusion-bench-ops [--threads N] [--isa portable|avx2|avx512|all]
  *                         [--types f16,q4_0,...] [--quick] [--no-prefill] [--no-decode]
+ *                         [--no-batch] [--batch-t 1,8,16,32]
  */
 #include <immintrin.h>
 #include <pthread.h>
@@ -26,6 +32,7 @@
 #include <unistd.h>
 
 #include "bench-util.h"
+#include "cli.h"
 #include "ops.h"
 #include "status.h"
 
@@ -228,7 +235,10 @@ static bool bench_type_selected(const char *list, op_type type) {
 int main(int argc, char **argv) {
     int nth = (int)sysconf(_SC_NPROCESSORS_ONLN);
     const char *isa_arg = "all", *types = NULL;
-    bool quick = false, decode = true, prefill = true;
+    bool quick = false, decode = true, prefill = true, batch = true;
+    int32_t batch_def[] = {1, 8, 16, 32}, *batch_t = batch_def;
+    size_t n_batch = 4;
+    int32_t *batch_arg = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc)
             nth = (int)strtol(argv[++i], NULL, 10);
@@ -242,9 +252,25 @@ int main(int argc, char **argv) {
             prefill = false;
         else if (!strcmp(argv[i], "--no-decode"))
             decode = false;
-        else {
+        else if (!strcmp(argv[i], "--no-batch"))
+            batch = false;
+        else if (!strcmp(argv[i], "--batch-t") && i + 1 < argc) {
+            free(batch_arg);
+            batch_arg = NULL;
+            if (fu_parse_ids(argv[++i], &batch_arg, &n_batch)) {
+                fprintf(stderr, "--batch-t: %s\n", fu_last_error());
+                return 2;
+            }
+            for (size_t b = 0; b < n_batch; b++)
+                if (batch_arg[b] < 1 || batch_arg[b] > 4096) {
+                    fprintf(stderr, "--batch-t: %d outside [1, 4096]\n", batch_arg[b]);
+                    return 2;
+                }
+            batch_t = batch_arg;
+        } else {
             fprintf(stderr, "usage: %s [--threads N] [--isa portable|avx2|avx512|all] [--types f16,...] "
-                            "[--quick] [--no-prefill] [--no-decode]\n", argv[0]);
+                            "[--quick] [--no-prefill] [--no-decode] [--no-batch] [--batch-t 1,8,...]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -315,6 +341,28 @@ int main(int argc, char **argv) {
                     bench_weight_free(be, &w);
                 }
             }
+            if (batch) {
+                int64_t n = 8192, k = 2048;
+                bench_weight w;
+                memset(&w, 0, sizeof w);
+                if (bench_weight_make(be, &w, type, n, k, quick || portable ? 0 : (size_t)1 << 30)) {
+                    fprintf(stderr, "out of memory\n");
+                    return 1;
+                }
+                double bytes = (double)(op_row_bytes(type, k) * (size_t)n);
+                for (size_t b = 0; b < n_batch; b++) {
+                    int64_t t = batch_t[b];
+                    if (portable && t > 32) continue;
+                    double sec = bench_matmul(be, &w, t, quick || portable ? 0.1 : 0.5);
+                    double gf = 2.0 * (double)t * (double)n * (double)k / sec * 1e-9;
+                    printf("[%-8s] batch   %-5s N=%-6lld K=%-5lld T=%-4lld %8.3f ms  %6.1f GFLOP/s  %5.2f of "
+                           "AVX-512 peak  %6.1f GB/s  %5.2f of bandwidth\n",
+                           isas[ii].name, op_type_name(type), (long long)n, (long long)k, (long long)t,
+                           sec * 1e3, gf, gf / (2 * peak), bytes / sec * 1e-9, bytes / sec * 1e-9 / bw);
+                    fflush(stdout);
+                }
+                bench_weight_free(be, &w);
+            }
             if (prefill) {
                 static const int64_t ts[] = {128, 512};
                 int64_t n = 2048, k = 2048;
@@ -336,5 +384,6 @@ int main(int argc, char **argv) {
         op_backend_free(be);
         op_backend_free(beq);
     }
+    free(batch_arg);
     return 0;
 }

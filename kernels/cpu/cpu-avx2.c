@@ -269,7 +269,8 @@ CPU_AVX2_TYPE(i8, OP_TYPE_I8)
 #define CPU_AVX2_NR 6
 
 static void cpu_avx2_gemm(const float *wf, int64_t ldw, const float *xt, int64_t kc, float *c,
-                          int accumulate) {
+                          int accumulate, const cpu_gemm_pf *pf) {
+    (void)pf;
     for (int half = 0; half < 2; half++) {
         const float *xh = xt + 16 * half;
         float *ch = c + 16 * half;

@@ -135,8 +135,86 @@ CPU_INLINE void cpu_avx512_mv(op_type type, const uint8_t *row, const float *x, 
             _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3])));
 }
 
+/* Half h of block b of a plain (F32/F16/BF16) row: 16 weights. */
+CPU_INLINE __m512 cpu_avx512_deq_half(op_type type, const uint8_t *row, int64_t b, int h) {
+    if (type == OP_TYPE_F32) return _mm512_loadu_ps((const float *)row + b * 32 + 16 * h);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(row + b * 64 + 32 * h));
+    if (type == OP_TYPE_F16) return _mm512_cvtph_ps(v);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+/* sums[i * NT + t] = W[r + i] . x[t] over the nb full blocks, for R rows and
+ * NT (6..8) tokens of a plain type: one accumulator per (row, token), so that
+ * each 16 activations loaded serve R rows. With 4 tokens per pass as in
+ * cpu_avx512_mv, the activations of 6..8 tokens (more than L1 at K = 2048)
+ * would be re-read from L2 for every row. */
+CPU_INLINE void cpu_avx512_mv_rows(op_type type, const uint8_t *w, size_t ws, const float *x, size_t ldx,
+                                   const int R, const int NT, int64_t nb, float *sums) {
+    const size_t bs = type == OP_TYPE_F32 ? 128 : 64; /* bytes per block of 32 */
+    __m512 acc[3][8];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[i][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++)
+            for (size_t o = 0; o < bs; o += 64)
+                _mm_prefetch((const char *)w + (size_t)i * ws + (size_t)b * bs + o + CPU_PF_DIST, _MM_HINT_T0);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m512 wv[3];
+#pragma GCC unroll 8
+            for (int i = 0; i < R; i++) wv[i] = cpu_avx512_deq_half(type, w + (size_t)i * ws, b, h);
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                const __m512 xv = _mm512_loadu_ps(x + (size_t)t * ldx + b * 32 + 16 * h);
+#pragma GCC unroll 8
+                for (int i = 0; i < R; i++) acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) sums[i * NT + t] = _mm512_reduce_add_ps(acc[i][t]);
+}
+
+/* Rows [r, r + R) x all m->t (6..8) tokens of a plain type, stored to y. */
+CPU_INLINE void cpu_avx512_mv_rows_store(op_type type, const cpu_mm *m, int64_t r, const int R, const int NT) {
+    const int64_t nb = m->k / 32;
+    float sums[3 * 8];
+    cpu_avx512_mv_rows(type, m->w + (size_t)r * m->w_stride, m->w_stride, m->x, m->ldx, R, NT, nb, sums);
+    for (int i = 0; i < R; i++) {
+        if (nb * 32 < m->k) cpu_portable_matvec_tail(m, r + i, nb * 32, 0, NT, sums + i * NT);
+        for (int t = 0; t < NT; t++) m->y[(size_t)t * m->ldy + r + i] = sums[i * NT + t];
+    }
+}
+
+CPU_INLINE void cpu_avx512_matvec_rows(op_type type, const cpu_mm *m, int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    for (; r + 3 <= r1; r += 3) {
+        switch (m->t) {
+        case 6: cpu_avx512_mv_rows_store(type, m, r, 3, 6); break;
+        case 7: cpu_avx512_mv_rows_store(type, m, r, 3, 7); break;
+        default: cpu_avx512_mv_rows_store(type, m, r, 3, 8); break;
+        }
+    }
+    for (; r < r1; r++) {
+        switch (m->t) {
+        case 6: cpu_avx512_mv_rows_store(type, m, r, 1, 6); break;
+        case 7: cpu_avx512_mv_rows_store(type, m, r, 1, 7); break;
+        default: cpu_avx512_mv_rows_store(type, m, r, 1, 8); break;
+        }
+    }
+}
+
 CPU_INLINE void cpu_avx512_matvec_any(op_type type, const cpu_mm *m, int64_t r0, int64_t r1) {
     const int64_t nb = m->k / 32;
+    if ((type == OP_TYPE_F32 || type == OP_TYPE_F16 || type == OP_TYPE_BF16) && m->t >= 6 && m->t <= 8) {
+        cpu_avx512_matvec_rows(type, m, r0, r1);
+        return;
+    }
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = m->w + (size_t)r * m->w_stride;
         float scale = m->row_scale ? m->row_scale[r] : 1.0f;
@@ -610,8 +688,21 @@ CPU_AVX512_TYPE(i8, OP_TYPE_I8)
 
 #define CPU_AVX512_NR 12
 
+/* One prefetch step of a micro-kernel (see cpu_gemm_pf): line l of row r, then on. */
+CPU_INLINE void cpu_avx512_pf_step(const cpu_gemm_pf *pf, int *r, int *l) {
+    if (*l < pf->lines) {
+        _mm_prefetch((const char *)pf->at + (size_t)*r * pf->stride + (size_t)*l * 64, _MM_HINT_T1);
+        if (++*r == pf->rows) {
+            *r = 0;
+            ++*l;
+        }
+    }
+}
+
 static void cpu_avx512_gemm(const float *wf, int64_t ldw, const float *xt, int64_t kc, float *c,
-                            int accumulate) {
+                            int accumulate, const cpu_gemm_pf *pf) {
+    cpu_gemm_pf pfl = pf && pf->rows > 0 ? *pf : (cpu_gemm_pf){0};
+    int pr = 0, pl = 0;
     __m512 acc[CPU_AVX512_NR][2];
     #pragma GCC unroll 16
     for (int j = 0; j < CPU_AVX512_NR; j++) {
@@ -619,6 +710,7 @@ static void cpu_avx512_gemm(const float *wf, int64_t ldw, const float *xt, int64
         acc[j][1] = accumulate ? _mm512_loadu_ps(c + j * CPU_TB + 16) : _mm512_setzero_ps();
     }
     for (int64_t k = 0; k < kc; k++) {
+        cpu_avx512_pf_step(&pfl, &pr, &pl);
         __m512 x0 = _mm512_loadu_ps(xt + k * CPU_TB), x1 = _mm512_loadu_ps(xt + k * CPU_TB + 16);
         #pragma GCC unroll 16
         for (int j = 0; j < CPU_AVX512_NR; j++) {
@@ -632,6 +724,35 @@ static void cpu_avx512_gemm(const float *wf, int64_t ldw, const float *xt, int64
         _mm512_storeu_ps(c + j * CPU_TB, acc[j][0]);
         _mm512_storeu_ps(c + j * CPU_TB + 16, acc[j][1]);
     }
+}
+
+/* ---- narrow gemm micro-kernel: 24 outputs x 16 tokens, 24 zmm accumulators ----
+ *
+ * For T % 32 in 1..16: one vector of tokens per output, so a taller panel.
+ * Per k: one load of the 16 tokens and 24 FMAs, each broadcasting its weight
+ * from the panel (a load, not a shuffle). The panel rows are CPU_WF_LD apart,
+ * a constant here so that every row is a fixed displacement. */
+
+#define CPU_AVX512_NR16 24
+
+static void cpu_avx512_gemm16(const float *wf, int64_t ldw, const float *xt, int64_t kc, float *c,
+                              int accumulate, const cpu_gemm_pf *pf) {
+    (void)ldw; /* CPU_WF_LD */
+    cpu_gemm_pf pfl = pf && pf->rows > 0 ? *pf : (cpu_gemm_pf){0};
+    int pr = 0, pl = 0;
+    __m512 acc[CPU_AVX512_NR16];
+    #pragma GCC unroll 32
+    for (int j = 0; j < CPU_AVX512_NR16; j++)
+        acc[j] = accumulate ? _mm512_loadu_ps(c + j * CPU_TB16) : _mm512_setzero_ps();
+    for (int64_t k = 0; k < kc; k++) {
+        cpu_avx512_pf_step(&pfl, &pr, &pl);
+        const __m512 x = _mm512_loadu_ps(xt + k * CPU_TB16);
+        #pragma GCC unroll 32
+        for (int j = 0; j < CPU_AVX512_NR16; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(wf[j * CPU_WF_LD + k]), x, acc[j]);
+    }
+    #pragma GCC unroll 32
+    for (int j = 0; j < CPU_AVX512_NR16; j++) _mm512_storeu_ps(c + j * CPU_TB16, acc[j]);
 }
 
 /* ---- attention -------------------------------------------------------------- */
@@ -698,6 +819,7 @@ static void cpu_avx512_to_f16(const float *x, uint16_t *y, int64_t n) {
 const cpu_kernels cpu_kernels_avx512 = {
     .name = "avx512",
     .nr = CPU_AVX512_NR,
+    .nr16 = CPU_AVX512_NR16,
     .matvec =
         {
             [OP_TYPE_F32] = cpu_avx512_matvec_f32,
@@ -719,6 +841,7 @@ const cpu_kernels cpu_kernels_avx512 = {
             [OP_TYPE_I8] = cpu_avx512_dequant_i8,
         },
     .gemm = cpu_avx512_gemm,
+    .gemm16 = cpu_avx512_gemm16,
     .scores = cpu_avx512_scores,
     .accum = cpu_avx512_accum,
     .to_f16 = cpu_avx512_to_f16,

@@ -12,30 +12,46 @@
 
 /* ---- matmul blocking ---------------------------------------------------------
  *
- * Decode (T <= CPU_DECODE_MAX_T): threads take chunks of consecutive weight
+ * Decode (T <= CPU_DECODE_MAX_T; for the block types CPU_DECODE_NARROW_T
+ * where the ISA has a narrow GEMM kernel, which is faster from there on unless
+ * the opt-in integer path applies): threads take chunks of consecutive weight
  * rows and stream them once; for each row the kernel dots it with up to
- * CPU_MV_T tokens at a time (further tokens re-read the row from L1). The
+ * CPU_MV_T tokens at a time (further tokens re-read the row from L1; the
+ * AVX-512 kernel instead takes 6..8 tokens at once over 3 rows, so that the
+ * activations, which no longer fit L1, are loaded once per 3 rows). The
  * block types (Q8_0/Q4_0/Q4_1, and I8) have their own SIMD matvecs: each
  * 32-weight block is dequantized exactly in registers (the same f32 values as
  * op_dequantize_row) and FMA'd with the f32 activations of up to
  * CPU_QMV_T tokens, over a few rows at a time (cpu-avx512.c; the AVX2 and
  * portable tables use their generic matvec, also f32).
  *
- * Prefill (larger T): the activations are first transposed into xT blocks of
- * CPU_TB tokens, xt[tb][k][j] = x[tb*CPU_TB + j][k] (zero past T). Threads
- * take (CPU_TC tokens, CPU_PG panels of `nr` rows) units; for each panel and
- * CPU_KC slice of K the panel slice is dequantized to f32 once (nr x CPU_KC,
- * in L1) and reused for all CPU_TC / CPU_TB token blocks by a register-blocked
- * FMA micro-kernel that keeps tokens in vector lanes.
+ * Prefill and batched decode (larger T): the activations are first transposed
+ * into xT blocks of tb tokens, xt[b][k][j] = x[b*tb + j][k] (zero past T).
+ * Threads take (CPU_TC tokens, up to CPU_PG panels of `nr` rows) units; for
+ * each panel and slice of K the panel slice is dequantized to f32 once (nr x
+ * kc, in L1) and reused for all token blocks of the unit by a
+ * register-blocked FMA micro-kernel that keeps tokens in vector lanes.
+ * tb is CPU_TB (32 lanes); where the ISA has a narrow micro-kernel (gemm16)
+ * and T % 32 is 1..16 (e.g. 9..16 sessions decoding together), tb is
+ * CPU_TB16 so that no more than 15 lanes of the last block are idle: that
+ * kernel covers a taller panel (nr16 rows) with one vector of tokens per row,
+ * over K slices of CPU_KC16 so that the panel slice still fits L1. Each
+ * panel slice then serves only one or two token blocks, so units hold fewer
+ * panels (both threads get work on small N), and the micro-kernel prefetches
+ * the weights of the next panel slice (into L2) while it computes, so that
+ * the dequantization of that slice does not wait on memory.
  */
-#define CPU_DECODE_MAX_T 8 /* largest T that takes the matvec path */
-#define CPU_PF_DIST 4096   /* bytes a matvec prefetches ahead of the weight it reads */
+#define CPU_DECODE_MAX_T 8    /* largest T that takes the matvec path */
+#define CPU_DECODE_NARROW_T 6 /* the same for block types with a narrow GEMM kernel (gemm16) */
+#define CPU_PF_DIST 4096      /* bytes a matvec prefetches ahead of the weight it reads */
 #define CPU_MV_T 4    /* tokens per pass of a matvec kernel */
 #define CPU_QMV_T 8   /* tokens per pass of a block-type matvec kernel */
 #define CPU_TB 32     /* tokens per xT block (lanes of the micro-kernel) */
+#define CPU_TB16 16   /* tokens per xT block of the narrow micro-kernel (gemm16) */
+#define CPU_KC16 256  /* K per GEMM slice with the narrow micro-kernel (multiple of OP_QK) */
 #define CPU_TC 256    /* tokens per outer GEMM block (multiple of CPU_TB) */
 #define CPU_KC 512    /* K per GEMM slice (multiple of OP_QK) */
-#define CPU_NR_MAX 16 /* largest micro-kernel panel over all ISAs */
+#define CPU_NR_MAX 24 /* largest micro-kernel panel over all ISAs (nr and nr16) */
 #define CPU_PG 8      /* panels whose partial sums a thread keeps at a time */
 /* Floats between panel rows: CPU_KC plus a pad so that the rows do not all
  * fall into the same few L1 sets. */
@@ -65,7 +81,8 @@ typedef struct cpu_mm {
     size_t ldx;             /* floats between rows of x */
     float *y;               /* (T, N) outputs */
     size_t ldy;             /* floats between rows of y */
-    const float *xt;        /* (ceil(T/CPU_TB), K, CPU_TB) transposed activations (prefill) */
+    int tb;                 /* tokens per xT block: CPU_TB or CPU_TB16 (prefill) */
+    const float *xt;        /* (ceil(T/tb), K, tb) transposed activations (prefill) */
     const uint8_t *xq;      /* (T, CPU_XQ_BYTES(K)) quantized activations (decode, opt-in),
                                or NULL: f32 activations */
 } cpu_mm;
@@ -77,12 +94,24 @@ typedef void (*cpu_matvec_fn)(const cpu_mm *m, int64_t r0, int64_t r1);
  * OP_QK for block types) into out (n floats); scale is the row scale (I8) or 1. */
 typedef void (*cpu_dequant_fn)(const uint8_t *row, int64_t k0, int64_t n, float scale, float *out);
 
-/* GEMM micro-kernel: c[j][i] (+)= sum_k wf[j * ldw + k] * xt[k * CPU_TB + i]
- * for j < nr (the table's panel height), i < CPU_TB, k < kc.
- * wf: (nr, kc) f32 panel slice; xt: (kc, CPU_TB) transposed activations;
- * c: (nr, CPU_TB), overwritten when accumulate is 0. */
+/* Weight bytes a GEMM micro-kernel prefetches (into L2) while it computes:
+ * `lines` 64-byte lines of each of `rows` rows, `stride` bytes apart from
+ * `at`, one line per k step, so that the misses of the next panel slice
+ * overlap with the FMAs instead of stalling its dequantization. */
+typedef struct cpu_gemm_pf {
+    const uint8_t *at;
+    size_t stride;
+    int rows, lines; /* rows 0: nothing to prefetch */
+} cpu_gemm_pf;
+
+/* GEMM micro-kernel: c[j][i] (+)= sum_k wf[j * ldw + k] * xt[k * tb + i]
+ * for j < nr, i < tb, k < kc, where (nr, tb) is (the table's nr, CPU_TB) for
+ * gemm and (nr16, CPU_TB16) for gemm16. ldw is CPU_WF_LD.
+ * wf: (nr, kc) f32 panel slice; xt: (kc, tb) transposed activations;
+ * c: (nr, tb), overwritten when accumulate is 0; pf: see cpu_gemm_pf (the
+ * kernel may ignore it). */
 typedef void (*cpu_gemm_fn)(const float *wf, int64_t ldw, const float *xt, int64_t kc, float *c,
-                            int accumulate);
+                            int accumulate, const cpu_gemm_pf *pf);
 
 /* Attention: s[j] = scale * q . K[j] for j < n, K rows of hd elements of type
  * kt (F32 or F16) at `stride` bytes. */
@@ -102,9 +131,11 @@ typedef void (*cpu_quant_x_fn)(const float *x, int64_t k, uint8_t *dst);
 typedef struct cpu_kernels {
     const char *name;                     /* "portable", "avx2", "avx512" */
     int nr;                               /* panel height of gemm (<= CPU_NR_MAX) */
+    int nr16;                             /* panel height of gemm16 (<= CPU_NR_MAX) */
     cpu_matvec_fn matvec[OP_TYPE_COUNT];  /* NULL for non-weight types */
     cpu_dequant_fn dequant[OP_TYPE_COUNT];
     cpu_gemm_fn gemm;
+    cpu_gemm_fn gemm16;                   /* narrow micro-kernel (CPU_TB16 tokens), or NULL */
     cpu_scores_fn scores;
     cpu_accum_fn accum;
     cpu_to_f16_fn to_f16;

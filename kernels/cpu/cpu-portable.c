@@ -124,7 +124,8 @@ static void cpu_portable_matvec(const cpu_mm *m, int64_t r0, int64_t r1) {
 #define CPU_PORTABLE_NR 4
 
 static void cpu_portable_gemm(const float *wf, int64_t ldw, const float *xt, int64_t kc, float *c,
-                              int accumulate) {
+                              int accumulate, const cpu_gemm_pf *pf) {
+    (void)pf;
     float acc[CPU_PORTABLE_NR][CPU_TB];
     if (accumulate)
         memcpy(acc, c, sizeof acc);

@@ -98,6 +98,15 @@ static int cpu_buffer_copy(op_backend *be, void *dst, const void *src, size_t nb
     return FU_OK;
 }
 
+/* Largest T of a `type` matmul that takes the matvec path: CPU_DECODE_MAX_T,
+ * or for the block types CPU_DECODE_NARROW_T where the narrow GEMM kernel
+ * takes over (unless the opt-in integer decode path applies to the type). */
+static int64_t cpu_decode_max_t(const cpu_backend *c, op_type type) {
+    if (!c->kern->gemm16 || (c->quant_x && c->kern->quant_x[type])) return CPU_DECODE_MAX_T;
+    if (type == OP_TYPE_F32 || type == OP_TYPE_F16 || type == OP_TYPE_BF16) return CPU_DECODE_MAX_T;
+    return CPU_DECODE_NARROW_T;
+}
+
 /* Makes room for the transposed activations of a (t, k) prefill matmul. */
 static int cpu_reserve_xt(cpu_backend *c, int64_t t, int64_t k) {
     size_t need = (size_t)((t + CPU_TB - 1) / CPU_TB * CPU_TB) * (size_t)k;
@@ -133,7 +142,7 @@ static int cpu_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
                                 max_k);
         if (rc) return rc;
     }
-    if (max_tokens <= CPU_DECODE_MAX_T) return FU_OK;
+    if (max_tokens <= (cpu_be(be)->kern->gemm16 ? CPU_DECODE_NARROW_T : CPU_DECODE_MAX_T)) return FU_OK;
     return cpu_reserve_xt(cpu_be(be), max_tokens, max_k);
 }
 
@@ -151,6 +160,7 @@ typedef struct cpu_mm_job {
     cpu_backend *c;
     cpu_mm m;
     int64_t chunk;        /* matvec: rows per chunk */
+    int64_t pg;           /* gemm: panels per unit of work (<= CPU_PG) */
     _Atomic int64_t next; /* next chunk (matvec) or (token block, panel group) unit (gemm) */
 } cpu_mm_job;
 
@@ -166,81 +176,109 @@ static void cpu_matvec_job(void *arg, int ith, int nth) {
     }
 }
 
-/* xt[tb][k][i] = x[tb * CPU_TB + i][k], zero for tokens >= T. Units of work:
+/* xt[b][k][i] = x[b * tb + i][k], zero for tokens >= T. Units of work:
  * (token block, 256 values of k). */
 static void cpu_transpose_job(void *arg, int ith, int nth) {
     (void)ith;
     (void)nth;
     cpu_mm_job *j = arg;
     const cpu_mm *m = &j->m;
-    const int64_t ntb = (m->t + CPU_TB - 1) / CPU_TB, nkc = (m->k + 255) / 256;
+    const int64_t tbw = m->tb, ntb = (m->t + tbw - 1) / tbw, nkc = (m->k + 255) / 256;
     float *xt = j->c->xt;
     for (;;) {
         int64_t u = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (u >= ntb * nkc) break;
         int64_t tb = u / nkc, k0 = u % nkc * 256, k1 = m->k < k0 + 256 ? m->k : k0 + 256;
-        int64_t nt = m->t - tb * CPU_TB < CPU_TB ? m->t - tb * CPU_TB : CPU_TB;
-        float *dst = xt + (size_t)tb * (size_t)m->k * CPU_TB;
+        int64_t nt = m->t - tb * tbw < tbw ? m->t - tb * tbw : tbw;
+        float *dst = xt + (size_t)tb * (size_t)m->k * (size_t)tbw;
         for (int64_t k = k0; k < k1; k++) {
-            float *d = dst + k * CPU_TB;
-            for (int64_t i = 0; i < nt; i++) d[i] = m->x[(size_t)(tb * CPU_TB + i) * m->ldx + k];
-            for (int64_t i = nt; i < CPU_TB; i++) d[i] = 0.0f;
+            float *d = dst + k * tbw;
+            for (int64_t i = 0; i < nt; i++) d[i] = m->x[(size_t)(tb * tbw + i) * m->ldx + k];
+            for (int64_t i = nt; i < tbw; i++) d[i] = 0.0f;
         }
     }
 }
 
-/* Units of work: (block of CPU_TC tokens, group of CPU_PG panels), token
- * block major, taken from a shared counter. Within a unit: K slice (CPU_KC) >
- * panel > 32 tokens. The xT slice (CPU_KC x CPU_TC floats, 512 KiB) and the
- * group's f32 partial sums (CPU_PG x nr x CPU_TC, <= 128 KiB) stay in L2, each
- * dequantized panel slice (L1) serves CPU_TC tokens, and y is written once per
- * element after the last slice. */
+/* Units of work: (block of CPU_TC tokens, group of pg panels), token block
+ * major, taken from a shared counter. Within a unit: K slice > panel > token
+ * block (tb tokens). With 32-token blocks (prefill) the xT slice (CPU_KC x
+ * CPU_TC floats, 512 KiB) and the group's f32 partial sums (CPU_PG x nr x
+ * CPU_TC) stay in L2, each dequantized panel slice (L1) serves CPU_TC tokens,
+ * and y is written once per element after the last slice. With 16-token
+ * blocks (T % 32 in 1..16) the narrow kernel runs on taller panels and
+ * shorter slices; see cpu-impl.h. */
 static void cpu_gemm_job(void *arg, int ith, int nth) {
     (void)nth;
     cpu_mm_job *j = arg;
     const cpu_mm *m = &j->m;
     const cpu_kernels *kern = j->c->kern;
-    const int nr = kern->nr;
+    const bool narrow = m->tb == CPU_TB16;
+    const int nr = narrow ? kern->nr16 : kern->nr, tbw = m->tb;
+    const int64_t kcmax = narrow ? CPU_KC16 : CPU_KC, pg = j->pg;
+    const cpu_gemm_fn gemm = narrow ? kern->gemm16 : kern->gemm;
+    /* bq weights take qb bytes (a block of the block types, else one weight) */
+    const int64_t bq = op_type_block_elems(m->type);
+    const size_t qb = op_type_block_bytes(m->type);
     float *wf = j->c->wf + (size_t)ith * CPU_NR_MAX * CPU_WF_LD;
     float *cbuf = j->c->cbuf + (size_t)ith * CPU_PG * CPU_NR_MAX * CPU_TC;
-    const int64_t npanels = (m->n + nr - 1) / nr, ngroups = (npanels + CPU_PG - 1) / CPU_PG;
+    const int64_t npanels = (m->n + nr - 1) / nr, ngroups = (npanels + pg - 1) / pg;
     const int64_t nunits = (m->t + CPU_TC - 1) / CPU_TC * ngroups;
     for (;;) {
         int64_t u = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (u >= nunits) break;
-        int64_t t0 = u / ngroups * CPU_TC, g0 = u % ngroups * CPU_PG;
+        int64_t t0 = u / ngroups * CPU_TC, g0 = u % ngroups * pg;
         int64_t t1 = m->t < t0 + CPU_TC ? m->t : t0 + CPU_TC;
-        int64_t g1 = npanels < g0 + CPU_PG ? npanels : g0 + CPU_PG;
-        for (int64_t k0 = 0; k0 < m->k; k0 += CPU_KC) {
-            int64_t kc = m->k - k0 < CPU_KC ? m->k - k0 : CPU_KC;
+        int64_t g1 = npanels < g0 + pg ? npanels : g0 + pg;
+        for (int64_t k0 = 0; k0 < m->k; k0 += kcmax) {
+            int64_t kc = m->k - k0 < kcmax ? m->k - k0 : kcmax;
             for (int64_t p = g0; p < g1; p++) {
                 int64_t n0 = p * nr, nv = m->n - n0 < nr ? m->n - n0 : nr;
                 for (int64_t r = 0; r < nr; r++) {
                     if (r < nv) {
                         int64_t row = n0 + r;
+                        const uint8_t *w = m->w + (size_t)row * m->w_stride;
                         float s = m->row_scale ? m->row_scale[row] : 1.0f;
-                        kern->dequant[m->type](m->w + (size_t)row * m->w_stride, k0, kc, s,
-                                               wf + r * CPU_WF_LD);
+                        kern->dequant[m->type](w, k0, kc, s, wf + r * CPU_WF_LD);
                     } else {
                         memset(wf + r * CPU_WF_LD, 0, (size_t)kc * sizeof(float));
                     }
                 }
+                /* few token blocks: prefetch the next slice of this panel,
+                 * or the first of the next panel, while the first block runs */
+                cpu_gemm_pf pf = {0};
+                if (t1 - t0 <= CPU_TB) {
+                    int64_t pk = k0 + kc, pn = n0, prow = nv;
+                    if (pk >= m->k) {
+                        pk = 0;
+                        pn = n0 + nr;
+                        prow = p + 1 < g1 ? (m->n - pn < nr ? m->n - pn : nr) : 0;
+                    }
+                    if (prow > 0) {
+                        int64_t pkc = m->k - pk < kcmax ? m->k - pk : kcmax;
+                        pf.at = m->w + (size_t)pn * m->w_stride + (size_t)(pk / bq) * qb;
+                        pf.stride = m->w_stride;
+                        pf.rows = (int)prow;
+                        /* one more line where a row's slice may straddle one */
+                        const size_t bytes = (size_t)((pkc + bq - 1) / bq) * qb;
+                        pf.lines = (int)((bytes + 63) / 64 + (((uintptr_t)pf.at | pf.stride | bytes) % 64 != 0));
+                    }
+                }
                 float *c = cbuf + (size_t)(p - g0) * nr * CPU_TC;
-                for (int64_t tb0 = t0; tb0 < t1; tb0 += CPU_TB) {
-                    const float *xt = m->xt + ((size_t)(tb0 / CPU_TB) * (size_t)m->k + (size_t)k0) * CPU_TB;
-                    kern->gemm(wf, CPU_WF_LD, xt, kc, c + (tb0 - t0) * nr, k0 > 0);
+                for (int64_t tb0 = t0; tb0 < t1; tb0 += tbw) {
+                    const float *xt = m->xt + ((size_t)(tb0 / tbw) * (size_t)m->k + (size_t)k0) * (size_t)tbw;
+                    gemm(wf, CPU_WF_LD, xt, kc, c + (tb0 - t0) * nr, k0 > 0, tb0 == t0 ? &pf : NULL);
                 }
             }
         }
         for (int64_t p = g0; p < g1; p++) {
             int64_t n0 = p * nr, nv = m->n - n0 < nr ? m->n - n0 : nr;
             const float *c = cbuf + (size_t)(p - g0) * nr * CPU_TC;
-            for (int64_t tb0 = t0; tb0 < t1; tb0 += CPU_TB) {
+            for (int64_t tb0 = t0; tb0 < t1; tb0 += tbw) {
                 const float *tile = c + (tb0 - t0) * nr;
-                int64_t nt = t1 - tb0 < CPU_TB ? t1 - tb0 : CPU_TB;
+                int64_t nt = t1 - tb0 < tbw ? t1 - tb0 : tbw;
                 for (int64_t i = 0; i < nt; i++) {
                     float *y = m->y + (size_t)(tb0 + i) * m->ldy + n0;
-                    for (int64_t r = 0; r < nv; r++) y[r] = tile[r * CPU_TB + i];
+                    for (int64_t r = 0; r < nv; r++) y[r] = tile[r * tbw + i];
                 }
             }
         }
@@ -283,7 +321,7 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
         for (int64_t t = 0; t < j.m.t; t++) memset(j.m.y + t * j.m.ldy, 0, (size_t)j.m.n * sizeof(float));
         return FU_OK;
     }
-    if (j.m.t <= CPU_DECODE_MAX_T) {
+    if (j.m.t <= cpu_decode_max_t(c, j.m.type)) {
         cpu_quant_x_fn qx = c->quant_x ? c->kern->quant_x[j.m.type] : NULL;
         j.chunk = (j.m.n + 8 * c->base.n_threads - 1) / (8 * c->base.n_threads);
         j.chunk = j.chunk < 16 ? 16 : (j.chunk + 15) / 16 * 16;
@@ -299,6 +337,17 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
     int rc = cpu_reserve_xt(c, j.m.t, j.m.k);
     if (rc) return rc;
     j.m.xt = c->xt;
+    const int64_t tail = j.m.t % CPU_TB;
+    j.m.tb = c->kern->gemm16 && tail >= 1 && tail <= CPU_TB16 && j.m.t < 4 * CPU_TB ? CPU_TB16 : CPU_TB;
+    /* panels per unit: all CPU_PG when the slices serve many token blocks,
+     * else few enough that every thread gets several units */
+    const int nr = j.m.tb == CPU_TB16 ? c->kern->nr16 : c->kern->nr;
+    const int64_t npanels = (j.m.n + nr - 1) / nr;
+    j.pg = CPU_PG;
+    if (j.m.t <= CPU_TB) {
+        j.pg = npanels / (4 * (int64_t)c->base.n_threads);
+        j.pg = j.pg < 1 ? 1 : j.pg > CPU_PG ? CPU_PG : j.pg;
+    }
     cpu_pool_run(c->pool, cpu_transpose_job, &j);
     atomic_store(&j.next, 0);
     cpu_pool_run(c->pool, cpu_gemm_job, &j);

@@ -5,9 +5,10 @@
  * threads. Tolerances (stated per check below):
  *   matmul:     |y - ref| <= 1e-5 * sum_k |w_k x_k| + 1e-6, where ref uses the
  *               op_dequantize_row'd weights (f32 accumulation vs double), for
- *               every weight type and every T (decode T <= 8 and prefill alike),
- *               and results for the same token at T <= 8 and T > 8 agree to
- *               that tolerance. Backends with the opt-in
+ *               every weight type and every T (decode T <= 8, batched decode
+ *               T = 6..33 around the matvec / 16-token / 32-token block
+ *               boundaries, and prefill alike), and results for the same
+ *               token at T <= 8 and T > 8 agree to that tolerance. Backends with the opt-in
  *               op_cpu_options.quantized_activations (each SIMD ISA, 2
  *               threads): for Q8_0/Q4_0/Q4_1 at T <= 8 and K % 64 == 0 the
  *               same tolerance against the double reference over x rounded
@@ -226,7 +227,8 @@ static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
 
 static void test_matmul_decode(void **state) {
     (void)state;
-    /* T <= 8 takes the matvec path; K multiples of 32 but not of 64/256 (f32
+    /* T <= 8 takes the matvec path (T <= 6 where the narrow GEMM kernel takes
+     * T = 7, 8; the opt-in int8 path up to 8); K multiples of 32 but not of 64/256 (f32
      * activations), and multiples of 64 (the int8 activation path); odd N */
     /* K/32 blocks per row: 1..18 (steps of 8 blocks and tails); N leaves
      * row-group tails; T = 1..8 */
@@ -301,6 +303,20 @@ static void test_matmul_batch_invariance(void **state) {
     }
 }
 
+/* Batched decode (the steps of several sessions in one matmul): T around the
+ * boundaries of the matvec path (6, 7, 8), of the 16-token GEMM blocks (9, 15,
+ * 16, 17) and of the 32-token ones (31, 32, 33, and 40: two 16-token blocks
+ * and a half-empty one). N = 53 leaves partial panels of every height; K = 544
+ * spans two narrow K slices and a tail (and one wide slice and a tail). */
+static void test_matmul_batched_decode(void **state) {
+    (void)state;
+    static const int64_t ts[] = {6, 7, 8, 9, 15, 16, 17, 31, 32, 33, 40};
+    for (size_t ti = 0; ti < sizeof weight_types / sizeof weight_types[0]; ti++)
+        for (size_t s = 0; s < sizeof ts / sizeof ts[0]; s++) matmul_case(weight_types[ti], ts[s], 53, 544);
+    if (!sanitized()) /* many units of work per thread, and rows of 4 KiB (bf16 at K = 2048) */
+        for (size_t s = 0; s < sizeof ts / sizeof ts[0]; s++) matmul_case(OP_TYPE_BF16, ts[s], 203, 2048);
+}
+
 static void test_matmul_prefill(void **state) {
     (void)state;
     /* N not a multiple of any panel height; T=37 leaves a partial token block;
@@ -325,6 +341,7 @@ static void test_matmul_plain_odd_k(void **state) {
         matmul_case(plain[ti], 3, 9, 75);
         matmul_case(plain[ti], 37, 21, 37);
         matmul_case(plain[ti], 9, 5, 7);
+        matmul_case(plain[ti], 7, 11, 75); /* several tokens and rows at once, then the K tail */
     }
 }
 
@@ -715,6 +732,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_decode),
         cmocka_unit_test(test_matmul_int8_x_opt_in),
         cmocka_unit_test(test_matmul_batch_invariance),
+        cmocka_unit_test(test_matmul_batched_decode),
         cmocka_unit_test(test_matmul_prefill),
         cmocka_unit_test(test_matmul_plain_odd_k),
         cmocka_unit_test(test_matmul_errors),

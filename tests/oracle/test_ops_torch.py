@@ -48,7 +48,7 @@ def test_tool_exists():
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wtype", ["f32", "f16", "bf16"])
-@pytest.mark.parametrize("t", [1, 3, 37])
+@pytest.mark.parametrize("t", [1, 3, 7, 16, 31, 37])
 def test_matmul_vs_torch_linear(isa, wtype, t):
     n, k = 70, 224
     w = torch.from_numpy(randn(n, k))
@@ -80,9 +80,9 @@ def quantize_rows(w, wtype):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("wtype", ["q8_0", "q4_0", "q4_1"])
-@pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 37])
+@pytest.mark.parametrize("t", [1, 2, 5, 8, 9, 16, 31, 37])
 def test_quantized_matmul_vs_gguf_dequantize(isa, wtype, t):
-    # decode (T <= 8) and prefill (T > 8) both compute in f32 over the weights as
+    # decode (matvec), batched decode (16-token GEMM blocks) and prefill all compute in f32 over the weights as
     # gguf dequantizes them: same tolerance as the plain types, at a long K
     n, k = 45, 2048
     raw, wd = quantize_rows(randn(n, k), wtype)
