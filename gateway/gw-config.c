@@ -24,6 +24,7 @@ void gw_config_init(gw_config *c) {
     c->route_wait_ms = 5000;
     c->measure_links = true;
     c->measure_interval_ms = 5000;
+    c->rebalance_interval_ms = 30000;
     gw_limits_default(&c->limits);
 }
 
@@ -250,6 +251,7 @@ int gw_config_set(gw_config *c, const char *name_in, const char *v) {
         {"heartbeat-timeout-ms", &c->heartbeat_timeout_ms, 100, 600000},
         {"route-wait-ms", &c->route_wait_ms, 0, 600000},
         {"measure-interval-ms", &c->measure_interval_ms, 100, 3600000},
+        {"rebalance-interval-ms", &c->rebalance_interval_ms, 0, 86400000},
         {"max-n", &c->limits.max_n, 1, 1024},
         {"max-choices", &c->limits.max_choices, 1, 4096},
         {"max-prompts", &c->limits.max_prompts, 1, 4096},

@@ -23,6 +23,11 @@
 #define GW_ECHO_BYTES (256 << 10)
 #define GW_DEFAULT_BANDWIDTH 1e12 /* an unmeasured link: loopback-class, so compute bounds the flow */
 #define GW_DEFAULT_LATENCY 1e-4
+#define GW_WIRE_BYTES 2          /* bf16 hidden states between servers */
+#define GW_MAX_LOAD_FAILURES 3   /* a member whose loads failed this often is not asked again */
+#define GW_LOADED_S 10.0         /* a refusal for want of KV room counts as load this long */
+#define GW_MOVE_CHECK_S 1.0      /* least time between two searches for a move */
+#define GW_MAX_GONE 64           /* departed joined members kept for /v1/swarm; beyond, the oldest is reused */
 
 typedef struct gw_member {
     char address[128];
@@ -43,7 +48,13 @@ typedef struct gw_member {
     double last_hb;         /* joined: monotonic seconds of the last heartbeat */
     double info_at;         /* static: monotonic seconds of the last poll */
     double retired_at;      /* monotonic seconds of the last retirement */
-    char error[200];        /* why it was retired */
+    char error[200];        /* why it was retired, or why its last load failed */
+    int dr_first, dr_last;  /* joined: a span it gives up after a move, still serving old sessions */
+    int dr_sessions;
+    int failed[GW_MAX_LOAD_FAILURES][2]; /* spans it failed to load: never asked for again */
+    int n_fails;            /* loads failed; GW_MAX_LOAD_FAILURES: never asked again */
+    int busy;               /* calls over ch in progress without the lock: not reused meanwhile */
+    double span_since;      /* joined: heartbeat time since which it serves its span */
     double rtt_s, bw;       /* gateway -> member, measured; 0: not yet */
     double measured_at;     /* monotonic; 0: never */
     int n_links;            /* member -> peers, as reported */
@@ -64,9 +75,17 @@ struct gw_swarm {
     bool stopping;
     rt_swarm sw;
     rt_router *router;
-    gw_member **m;           /* members never move or go away before gw_swarm_free */
+    gw_member **m;           /* members never move or go away before gw_swarm_free; a departed joined one
+                                may be reused for a new member (never while busy) */
     size_t n, cap;
     uint64_t next_member_id;
+    bool left;               /* a serving member left since the last placement */
+    double busy_at;          /* monotonic seconds of the last refusal for want of KV room; 0: none */
+    double load_promoted_at; /* monotonic seconds of the last promotion for load; 0: none */
+    double last_move_at;     /* tick time of the last move ordered; < 0: none yet */
+    double move_checked_at;  /* tick time of the last search for a move; < 0: none yet */
+    uint64_t move_checked_version; /* the swarm's version then (no change: no search) */
+    int n_moves;
     rpc_server *rpc;         /* the fusion.Swarm service; NULL: none */
     pthread_t thread;
     bool started;
@@ -118,6 +137,29 @@ int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_targe
             if (gain > best_gain) best = k, best_f = f, best_l = l, best_gain = gain;
         }
         if (best >= 0 && !(best_gain > 1e-9 && best_gain >= min_gain * flow)) best = -1;
+    }
+    if (best >= 0) *first = best_f, *last = best_l;
+    return best;
+}
+
+int gw_pick_move(const rt_swarm *sw, const int *movable, int n, double min_gain, int *first, int *last) {
+    double flow = rt_max_flow(sw, NULL), best_flow = flow * (1 + min_gain) + 1e-9;
+    int best = -1, best_f = 0, best_l = 0;
+    for (int k = 0; k < n; k++) {
+        int id = movable[k];
+        if (!rt_swarm_serving(sw, id)) continue;
+        rt_swarm view;
+        if (rt_swarm_clone(&view, sw)) return -1;
+        int f = 0, l = 0;
+        double gain = 0;
+        /* without it every block must stay covered: the old span serves until the new one does */
+        if (!rt_swarm_set_span(&view, id, 0, 0) && rt_swarm_uncovered(&view, NULL) == 0 &&
+            !rt_place_join(&view, id, NULL, &f, &l, &gain) && l > f &&
+            (f != sw->servers[id].first || l != sw->servers[id].last)) {
+            double moved = rt_max_flow(&view, NULL) + gain;
+            if (moved > best_flow) best = k, best_f = f, best_l = l, best_flow = moved;
+        }
+        rt_swarm_free(&view);
     }
     if (best >= 0) *first = best_f, *last = best_l;
     return best;
@@ -202,7 +244,11 @@ static void gw_member_route_locked(gw_swarm *s, gw_member *mb) {
     d.n_tput = maxk;
     d.tput = tput;
     d.kv_tokens = kv;
-    int id = rt_swarm_add_server(&s->sw, &d);
+    /* reuse a departed server's slot once no lease holds it, so churn does not grow the router */
+    int slot = -1;
+    for (int i = 0; i < s->sw.n_servers && slot < 0; i++)
+        if (s->sw.servers[i].state == RT_SERVER_GONE && !rt_router_busy(s->router, i)) slot = i;
+    int id = rt_swarm_add_server_at(&s->sw, slot, &d);
     free(tput);
     free(kv);
     if (id < 0) {
@@ -240,8 +286,30 @@ static bool gw_member_sync_locked(gw_swarm *s, gw_member *mb) {
     return true;
 }
 
-/* Gives spares their spans by the placement rule (locked). */
+/* Whether member mb failed to load [first, last) before (locked). */
+static bool gw_member_failed(const gw_member *mb, int first, int last) {
+    for (int i = 0; i < mb->n_fails; i++)
+        if (mb->failed[i][0] == first && mb->failed[i][1] == last) return true;
+    return false;
+}
+
+/* Whether member mb may be asked to load a span at all (locked). */
+static bool gw_member_usable(const gw_member *mb) {
+    return mb->joined && mb->live && !mb->fixed && mb->id >= 0 && mb->n_fails < GW_MAX_LOAD_FAILURES;
+}
+
+/* Whether rule 5 applies now: a request was refused for want of KV room lately, after the last promotion for
+ * load, which was at least GW_LOADED_S ago (locked). */
+static bool gw_loaded_locked(const gw_swarm *s, double now) {
+    bool refused = s->busy_at > 0 && now - s->busy_at < GW_LOADED_S;
+    bool after = s->load_promoted_at <= 0 ||
+                 (s->busy_at > s->load_promoted_at && now - s->load_promoted_at >= GW_LOADED_S);
+    return refused && after;
+}
+
+/* Gives spares their spans by the placement rules (locked). */
 static void gw_swarm_rebalance_locked(gw_swarm *s) {
+    double now = mono_s();
     for (size_t iter = 0; iter <= s->n; iter++) {
         rt_swarm view;
         if (rt_swarm_clone(&view, &s->sw)) return;
@@ -252,25 +320,95 @@ static void gw_swarm_rebalance_locked(gw_swarm *s) {
             gw_member *mb = s->m[i];
             if (mb->id < 0 || !mb->live) continue;
             if (mb->as_last > mb->as_first) {
-                rt_swarm_set_span(&view, mb->id, mb->as_first, mb->as_last);
-            } else if (mb->joined && !mb->fixed && mb->last == mb->first) {
+                /* a spare loading counts as serving; a move as serving both spans until it is done */
+                if (mb->last == mb->first) rt_swarm_set_span(&view, mb->id, mb->as_first, mb->as_last);
+            } else if (gw_member_usable(mb) && mb->last == mb->first) {
                 spares[n] = mb->id;
                 who[n++] = mb;
             }
         }
+        /* a member that failed to load a span is not asked for the same span again */
+        for (int k = 0; k < n; k++) {
+            int f, l;
+            if (who[k]->n_fails && !rt_place_join(&view, spares[k], NULL, &f, &l, NULL) &&
+                gw_member_failed(who[k], f, l)) {
+                spares[k] = spares[n - 1], who[k] = who[n - 1];
+                n--, k--;
+            }
+        }
+        /* rules 4 and 5: a departure, or load, lets the spares within the count serve too */
+        int target = s->cfg->spares;
+        double gain = min_gain(s);
+        bool loaded = gw_loaded_locked(s, now);
+        if (s->left) target = 0;
+        if (loaded) target = 0, gain = 0;
         int f = 0, l = 0;
-        int k = spares && who ? gw_pick_spare(&view, spares, n, s->cfg->spares, min_gain(s), &f, &l) : -1;
+        int k = spares && who ? gw_pick_spare(&view, spares, n, target, gain, &f, &l) : -1;
         rt_swarm_free(&view);
         if (k >= 0) {
             who[k]->as_first = f;
             who[k]->as_last = l;
-            FU_INFO("swarm: asking %s to load blocks [%d, %d)", who[k]->address, f, l);
+            FU_INFO("swarm: asking %s to load blocks [%d, %d)%s", who[k]->address, f, l,
+                    rt_swarm_uncovered(&s->sw, NULL) ? ""
+                    : loaded                         ? " (the swarm is loaded)"
+                    : s->left                        ? " (a server left)"
+                                                     : "");
+            /* one promotion per departure, and one per GW_LOADED_S of load */
+            s->left = false;
+            if (loaded) s->load_promoted_at = now;
             pthread_cond_broadcast(&s->changed);
         }
         free(spares);
         free(who);
         if (k < 0) break;
     }
+    if (rt_swarm_uncovered(&s->sw, NULL) == 0) s->left = false;
+}
+
+/* Rule 6: orders at most one move of a serving joined member that has served its span for
+ * cfg->rebalance_interval_ms, when that raises the max flow by min_gain, keeps every block covered
+ * and no move happened for cfg->rebalance_interval_ms (locked). */
+static void gw_swarm_move_locked(gw_swarm *s, double now) {
+    if (s->cfg->rebalance_interval_ms <= 0 ||
+        (s->last_move_at >= 0 && now - s->last_move_at < s->cfg->rebalance_interval_ms / 1000.0))
+        return;
+    if (rt_swarm_uncovered(&s->sw, NULL) > 0) return;
+    /* the search costs max-flow runs: once per second at most, and only when the swarm changed (or,
+     * as members settle in their spans, once per interval) */
+    double since = now - s->move_checked_at, interval = s->cfg->rebalance_interval_ms / 1000.0;
+    if (s->move_checked_at >= 0 &&
+        (since < GW_MOVE_CHECK_S || (s->sw.version == s->move_checked_version && since < interval)))
+        return;
+    int *movable = calloc(s->n + 1, sizeof *movable);
+    gw_member **who = calloc(s->n + 1, sizeof *who);
+    int n = 0;
+    for (size_t i = 0; movable && who && i < s->n; i++) {
+        gw_member *mb = s->m[i];
+        if (!mb->live || mb->id < 0) continue;
+        if (mb->as_last > mb->as_first || mb->dr_last > mb->dr_first) { /* something is still settling */
+            n = 0;
+            break;
+        }
+        if (gw_member_usable(mb) && mb->last > mb->first &&
+            now - mb->span_since >= s->cfg->rebalance_interval_ms / 1000.0) { /* settled in its span */
+            movable[n] = mb->id;
+            who[n++] = mb;
+        }
+    }
+    int f = 0, l = 0;
+    int k = n ? gw_pick_move(&s->sw, movable, n, min_gain(s), &f, &l) : -1;
+    if (n) s->move_checked_at = now, s->move_checked_version = s->sw.version;
+    if (k >= 0 && !gw_member_failed(who[k], f, l)) {
+        who[k]->as_first = f;
+        who[k]->as_last = l;
+        s->last_move_at = now;
+        s->n_moves++;
+        FU_INFO("swarm: asking %s to move from blocks [%d, %d) to [%d, %d)", who[k]->address, who[k]->first,
+                who[k]->last, f, l);
+        pthread_cond_broadcast(&s->changed);
+    }
+    free(movable);
+    free(who);
 }
 
 /* Retires member mb (locked). */
@@ -280,9 +418,11 @@ static void gw_member_retire_locked(gw_swarm *s, gw_member *mb, const char *why)
     if (!mb->live) return;
     FU_WARN("swarm: retiring %s%s [%d, %d): %s", mb->joined ? "member " : "shard ", mb->address, mb->first, mb->last,
             why);
+    if (mb->last > mb->first) s->left = true;
     mb->live = false;
     mb->member_id = 0;
     mb->as_first = mb->as_last = 0;
+    mb->dr_first = mb->dr_last = mb->dr_sessions = 0;
     gw_member_sync_locked(s, mb);
     gw_swarm_rebalance_locked(s);
 }
@@ -295,10 +435,38 @@ static bool gw_pending_locked(const gw_swarm *s) {
 
 /* ---- members ---------------------------------------------------------------------------- */
 
+/* The departed joined member to reuse for a new one, if GW_MAX_GONE are kept already (locked). */
+static gw_member *gw_member_reusable_locked(gw_swarm *s) {
+    gw_member *oldest = NULL;
+    int gone = 0;
+    for (size_t i = 0; i < s->n; i++) {
+        gw_member *mb = s->m[i];
+        if (!mb->joined || mb->live) continue;
+        gone++;
+        if (!mb->busy && mb->id < 0 && (!oldest || mb->retired_at < oldest->retired_at)) oldest = mb;
+    }
+    return gone >= GW_MAX_GONE ? oldest : NULL;
+}
+
 /* A new member (locked). */
 static gw_member *gw_member_add_locked(gw_swarm *s, const char *address) {
+    gw_member *mb = gw_member_reusable_locked(s);
+    if (mb) {
+        rpc_channel *ch = NULL;
+        if (!s->manual) {
+            rpc_channel_options co = {s->cfg->tls_ca, s->cfg->insecure, s->cfg->secret, 0, NULL};
+            if (rpc_channel_new(address, &co, &ch)) return NULL;
+        }
+        rpc_channel_free(mb->ch);
+        memset(mb, 0, sizeof *mb);
+        mb->ch = ch;
+        mb->id = -1;
+        snprintf(mb->address, sizeof mb->address, "%s", address);
+        snprintf(mb->error, sizeof mb->error, "not heard from yet");
+        return mb;
+    }
     if (fu_grow((void **)&s->m, &s->cap, s->n + 1, sizeof *s->m)) return NULL;
-    gw_member *mb = calloc(1, sizeof *mb);
+    mb = calloc(1, sizeof *mb);
     if (!mb) return NULL;
     mb->id = -1;
     snprintf(mb->address, sizeof mb->address, "%s", address);
@@ -329,6 +497,12 @@ static int gw_report_check(const gw_swarm *s, const gw_member_report *r) {
     if (r->first != r->last && (r->first < 0 || r->last <= r->first || r->last > s->n_layers))
         return fu_errorf(FU_ERR_INVALID, "status: span [%d, %d) does not fit %d blocks", r->first, r->last,
                          s->n_layers);
+    if (s->cfg->hidden_size > 0 && r->hidden_size > 0 && r->hidden_size != s->cfg->hidden_size)
+        return fu_errorf(FU_ERR_INVALID, "status.hidden_size: the gateway's model has %d, the member's %d",
+                         s->cfg->hidden_size, r->hidden_size);
+    if (r->dr_first != r->dr_last && (r->dr_first < 0 || r->dr_last <= r->dr_first || r->dr_last > s->n_layers))
+        return fu_errorf(FU_ERR_INVALID, "status: draining span [%d, %d) does not fit %d blocks", r->dr_first,
+                         r->dr_last, s->n_layers);
     if (r->max_blocks < 0 || !isfinite(r->tokens_per_s) || r->tokens_per_s < 0 || !isfinite(r->block_tokens_per_s) ||
         r->block_tokens_per_s < 0 || r->n_links < 0 || r->n_links > GW_MAX_PEER_LINKS)
         return fu_errorf(FU_ERR_INVALID, "status: bad figures");
@@ -341,6 +515,7 @@ static int gw_report_check(const gw_swarm *s, const gw_member_report *r) {
 
 /* Copies a report's figures into mb (locked). */
 static void gw_member_take_report(gw_member *mb, const gw_member_report *r, double now) {
+    if (r->first != mb->first || r->last != mb->last) mb->span_since = now;
     mb->first = r->first;
     mb->last = r->last;
     snprintf(mb->device, sizeof mb->device, "%s", r->device);
@@ -353,6 +528,9 @@ static void gw_member_take_report(gw_member *mb, const gw_member_report *r, doub
     mb->kv_per_pos = r->kv_per_pos;
     mb->sessions = r->sessions;
     mb->fixed = r->fixed_span;
+    mb->dr_first = r->dr_first;
+    mb->dr_last = r->dr_last;
+    mb->dr_sessions = r->dr_sessions;
     mb->n_links = r->n_links;
     memcpy(mb->links, r->links, (size_t)r->n_links * sizeof *r->links);
     mb->last_hb = now;
@@ -387,6 +565,8 @@ int gw_swarm_member_join(gw_swarm *s, const gw_member_report *r, double now, gw_
         return fu_errorf(FU_ERR_NOMEM, "swarm: cannot add a member");
     }
     mb->joined = true;
+    if (s->cfg->hidden_size <= 0 && r->hidden_size > 0 && s->sw.model.act_bytes != r->hidden_size * GW_WIRE_BYTES)
+        s->sw.model.act_bytes = r->hidden_size * GW_WIRE_BYTES;
     gw_member_take_report(mb, r, now);
     mb->member_id = ++s->next_member_id;
     mb->live = true;
@@ -438,13 +618,26 @@ int gw_swarm_member_heartbeat(gw_swarm *s, uint64_t member_id, const gw_member_r
         return rc;
     }
     gw_member_take_report(mb, r, now);
-    if (mb->last > mb->first && mb->as_last > mb->as_first) {
-        if (mb->first != mb->as_first || mb->last != mb->as_last)
-            FU_WARN("swarm: %s was asked for [%d, %d) and serves [%d, %d)", mb->address, mb->as_first, mb->as_last,
-                    mb->first, mb->last);
+    bool changed = false;
+    if (mb->as_last > mb->as_first && r->load_error[0] && r->fail_first == mb->as_first &&
+        r->fail_last == mb->as_last) {
+        /* withdraw the assignment; this member is not asked for that span again */
+        if (mb->n_fails < GW_MAX_LOAD_FAILURES) {
+            mb->failed[mb->n_fails][0] = mb->as_first;
+            mb->failed[mb->n_fails][1] = mb->as_last;
+            mb->n_fails++;
+        }
+        snprintf(mb->error, sizeof mb->error, "loading blocks [%d, %d) failed: %.120s", mb->as_first, mb->as_last,
+                 r->load_error);
+        FU_WARN("swarm: %s: %s%s", mb->address, mb->error,
+                mb->n_fails >= GW_MAX_LOAD_FAILURES ? " (not asked again)" : "");
         mb->as_first = mb->as_last = 0;
+        changed = true;
+    } else if (mb->as_last > mb->as_first && mb->first == mb->as_first && mb->last == mb->as_last) {
+        mb->as_first = mb->as_last = 0; /* loaded (or moved) */
+        mb->error[0] = '\0';
     }
-    if (gw_member_sync_locked(s, mb)) gw_swarm_rebalance_locked(s);
+    if (gw_member_sync_locked(s, mb) || changed) gw_swarm_rebalance_locked(s);
     gw_member_reply_fill_locked(s, mb, out, true);
     pthread_mutex_unlock(&s->mu);
     return FU_OK;
@@ -462,6 +655,7 @@ void gw_swarm_tick(gw_swarm *s, double now) {
         }
     }
     gw_swarm_rebalance_locked(s);
+    gw_swarm_move_locked(s, now);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -598,10 +792,16 @@ static void gw_swarm_round(gw_swarm *s) {
         bool measure = s->cfg->measure_links && mb->live &&
                        (mb->measured_at <= 0 || now - mb->measured_at >= s->cfg->measure_interval_ms / 1000.0);
         bool stopping = s->stopping;
+        if (poll || measure) mb->busy++;
         pthread_mutex_unlock(&s->mu);
         if (stopping) return;
         if (poll) gw_member_poll(s, mb);
         if (measure) gw_member_measure(s, mb);
+        if (poll || measure) {
+            pthread_mutex_lock(&s->mu);
+            mb->busy--;
+            pthread_mutex_unlock(&s->mu);
+        }
     }
 }
 
@@ -647,6 +847,13 @@ static void gw_report_from_msg(const Fusion__MemberStatus *ms, gw_member_report 
     r->kv_per_pos = ms->kv_bytes_per_position;
     r->sessions = ms->active_sessions;
     r->fixed_span = ms->fixed_span;
+    r->fail_first = ms->failed_first;
+    r->fail_last = ms->failed_last;
+    snprintf(r->load_error, sizeof r->load_error, "%s", ms->load_error ? ms->load_error : "");
+    r->dr_first = ms->draining_first;
+    r->dr_last = ms->draining_last;
+    r->dr_sessions = ms->draining_sessions;
+    r->hidden_size = ms->hidden_size;
     for (size_t i = 0; i < ms->n_links && r->n_links < GW_MAX_PEER_LINKS; i++) {
         const Fusion__LinkFigure *lf = ms->links[i];
         if (!lf || !lf->address || strlen(lf->address) >= sizeof r->links[0].address) continue;
@@ -780,6 +987,7 @@ static int gw_swarm_create(const gw_config *cfg, int n_layers, bool manual, gw_s
     s->cfg = cfg;
     s->n_layers = n_layers;
     s->manual = manual;
+    s->last_move_at = s->move_checked_at = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_cond_init(&s->changed, NULL);
@@ -787,7 +995,7 @@ static int gw_swarm_create(const gw_config *cfg, int n_layers, bool manual, gw_s
     snprintf(model.name, sizeof model.name, "gateway");
     model.n_layers = n_layers;
     model.token_bytes = 2;
-    model.act_bytes = 2;
+    model.act_bytes = (cfg->hidden_size > 0 ? cfg->hidden_size : 1) * GW_WIRE_BYTES; /* per token between servers */
     int rc = rt_swarm_init(&s->sw, &model);
     if (rc) {
         pthread_cond_destroy(&s->changed);
@@ -911,6 +1119,10 @@ int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err) {
         pthread_cond_timedwait(&s->changed, &s->mu, &ts);
     }
     if (rc) {
+        if (rc == FU_ERR_EXHAUSTED && rt_swarm_uncovered(&s->sw, NULL) == 0) {
+            s->busy_at = mono_s(); /* the swarm is loaded: rule 5 may promote a spare */
+            gw_swarm_rebalance_locked(s);
+        }
         gw_swarm_route_error(s, rc, err);
         pthread_mutex_unlock(&s->mu);
         return rc;
@@ -955,6 +1167,8 @@ void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message
             if (!strncmp(a, l->addr[h], n) && a[n] == ':') named = h;
         }
     }
+    /* a span that moved away ends its old sessions: the server is fine, the session is replayed elsewhere */
+    if (message && strstr(message, "moved away from this server")) return;
     if (named >= 0) {
         pthread_mutex_lock(&s->mu);
         gw_member *mb = gw_member_by_router_id_locked(s, l->ids[named]);
@@ -966,15 +1180,15 @@ void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message
     for (int h = 0; h < l->n_hops; h++) {
         pthread_mutex_lock(&s->mu);
         gw_member *mb = gw_member_by_router_id_locked(s, l->ids[h]);
+        if (mb) mb->busy++;
         pthread_mutex_unlock(&s->mu);
-        if (!mb || !mb->ch) continue;
+        if (!mb) continue;
         char pwhy[200];
-        double t = gw_echo(mb->ch, 0, pwhy, sizeof pwhy);
-        if (t < 0) {
-            pthread_mutex_lock(&s->mu);
-            if (mb->id == l->ids[h]) gw_member_retire_locked(s, mb, pwhy);
-            pthread_mutex_unlock(&s->mu);
-        }
+        double t = mb->ch ? gw_echo(mb->ch, 0, pwhy, sizeof pwhy) : 0;
+        pthread_mutex_lock(&s->mu);
+        if (t < 0 && mb->id == l->ids[h]) gw_member_retire_locked(s, mb, pwhy);
+        mb->busy--;
+        pthread_mutex_unlock(&s->mu);
     }
 }
 
@@ -982,8 +1196,9 @@ void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message
 
 static const char *gw_member_state(const gw_member *mb) {
     if (!mb->live) return mb->last_ok > 0 ? "gone" : "unreachable";
-    if (mb->last > mb->first) return "active";
-    return mb->as_last > mb->as_first ? "loading" : "spare";
+    if (mb->last > mb->first) return mb->as_last > mb->as_first ? "moving" : "active";
+    if (mb->as_last > mb->as_first) return "loading";
+    return mb->joined && mb->n_fails >= GW_MAX_LOAD_FAILURES ? "failed" : "spare";
 }
 
 static json_t *gw_member_json(gw_swarm *s, const gw_member *mb, const rt_flow *f, double now_wall, double now) {
@@ -1000,6 +1215,17 @@ static json_t *gw_member_json(gw_swarm *s, const gw_member *mb, const rt_flow *f
     json_object_set_new(o, "assigned", mb->as_last > mb->as_first ? json_pack("[i, i]", mb->as_first, mb->as_last)
                                                                    : json_null());
     json_object_set_new(o, "state", json_string(gw_member_state(mb)));
+    if (mb->joined) {
+        json_object_set_new(o, "draining", mb->dr_last > mb->dr_first
+                                               ? json_pack("{s:[i, i], s:i}", "span", mb->dr_first, mb->dr_last,
+                                                           "sessions", mb->dr_sessions)
+                                               : json_null());
+        json_t *failed = json_array();
+        for (int i = 0; i < mb->n_fails; i++)
+            json_array_append_new(failed, json_pack("[i, i]", mb->failed[i][0], mb->failed[i][1]));
+        json_object_set_new(o, "failed_spans", failed);
+        json_object_set_new(o, "failed_loads", json_integer(mb->n_fails));
+    }
     json_object_set_new(o, "device", json_string(mb->device));
     json_object_set_new(o, "dtype", json_string(mb->dtype));
     json_object_set_new(o, "tokens_per_s", json_real(mb->tps));
@@ -1065,10 +1291,13 @@ json_t *gw_swarm_json(gw_swarm *s) {
             }
     }
     int uncovered = rt_swarm_uncovered(&s->sw, NULL);
-    json_t *doc = json_pack("{s:s, s:i, s:f, s:i, s:i, s:i, s:i, s:i, s:o, s:o}", "object", "swarm", "n_layers",
-                            s->n_layers, "max_flow", f ? f->value : 0.0, "uncovered_blocks", uncovered, "live",
-                            rt_swarm_live(&s->sw), "active", n_active, "spares", n_spares, "spares_target",
-                            s->cfg->spares, "servers", servers, "flow", hops);
+    json_t *doc = json_pack("{s:s, s:i, s:f, s:i, s:i, s:i, s:i, s:i, s:i, s:b, s:f, s:i, s:o, s:o}", "object",
+                            "swarm", "n_layers", s->n_layers, "max_flow", f ? f->value : 0.0, "uncovered_blocks",
+                            uncovered, "live", rt_swarm_live(&s->sw), "active", n_active, "spares", n_spares,
+                            "spares_target", s->cfg->spares, "moves", s->n_moves, "loaded",
+                            s->busy_at > 0 && now - s->busy_at < GW_LOADED_S,
+                            "act_bytes_per_token", s->sw.model.act_bytes, "router_slots", s->sw.n_servers,
+                            "servers", servers, "flow", hops);
     pthread_mutex_unlock(&s->mu);
     return doc;
 }

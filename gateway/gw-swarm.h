@@ -6,18 +6,44 @@
  * a member silent for cfg->heartbeat_timeout_ms, or one a call from the gateway
  * fails on, is retired (GONE in the router); a joined member then joins again.
  *
- * Placement (joined members without a span of their own), one rule:
+ * Placement (joined members without a span of their own; static --shard members
+ * and members that joined with a span are never told to load or move):
  *   1. while some block is uncovered, a spare (a joining member counts as one)
  *      is told to load the span rt_place_join picks for it (the one covering the
  *      most uncovered blocks, then the most flow); among several spares the one
  *      covering the most uncovered blocks, then adding the most flow, goes first;
  *   2. once every block is covered, up to cfg->spares members wait as spares;
  *   3. a spare beyond that loads its rt_place_join span if that raises the max
- *      flow by at least cfg->min_gain_percent; otherwise it waits too.
+ *      flow by at least cfg->min_gain_percent; otherwise it waits too;
+ *   4. when a serving member leaves (retired or gone), the spares within the
+ *      count are considered too, once: the best one is promoted if its span
+ *      raises the max flow by at least min_gain_percent (restores what left);
+ *   5. when the swarm is loaded -- a request was refused for want of KV room
+ *      (503 "overloaded") in the last 10 s -- one spare is promoted to the span
+ *      adding the most flow (the bottleneck), at most one per 10 s;
+ *   6. moves: at most once per cfg->rebalance_interval_ms (a tick, with every
+ *      block covered and nothing loading or draining), the serving joined member
+ *      that has served its span for that long too and whose move raises the max
+ *      flow the most, by at least min_gain_percent, is told to load its new span
+ *      beside the old one -- only if the others cover its old span. The old span
+ *      stays routed until the member reports the new one; it then serves only
+ *      the sessions it had (MemberStatus.draining_*) until they end or the
+ *      shard's --drain-ms pass (the rest fail "moved away" and are replayed
+ *      elsewhere, without retiring the member), and is freed. So a move never
+ *      leaves a block uncovered, and the interval, the settling time and the
+ *      threshold keep the swarm from oscillating.
  * Spans being loaded count as covered when deciding, so one gap is given to one
- * spare. Rebalancing is done with spares only: a member holding a span keeps
- * it, so no block is ever uncovered by a move. A request that finds a block
- * uncovered while a spare loads it waits up to cfg->route_wait_ms.
+ * spare. A member whose load fails reports it in its next heartbeat: the
+ * assignment is withdrawn, the member is not asked for that span again (another
+ * spare is), and after 3 failed loads it is not asked at all (state "failed");
+ * /v1/swarm shows the error. A request that finds a block uncovered while a
+ * spare loads it waits up to cfg->route_wait_ms.
+ *
+ * The flow network's bytes per token between servers are the model's hidden
+ * size (cfg->hidden_size, else what members report) x 2 (bf16 on the wire).
+ * Router slots of departed members are reused once no lease holds them, and
+ * beyond 64 departed joined members the oldest one's entry is reused, so churn
+ * does not grow the gateway's memory.
  *
  * Links: the gateway times a small Echo (RTT) and a 256 KiB one (bandwidth) to
  * every member each cfg->measure_interval_ms; members report the same figures
@@ -96,6 +122,11 @@ typedef struct gw_member_report {
     bool fixed_span;
     int n_links;
     gw_peer_link links[GW_MAX_PEER_LINKS];
+    int fail_first, fail_last;  /* the last assignment it could not load; equal: none */
+    char load_error[200];       /* why */
+    int dr_first, dr_last;      /* a span given up after a move, still serving old sessions; equal: none */
+    int dr_sessions;
+    int hidden_size;            /* 0: not reported */
 } gw_member_report;
 
 /* What the gateway answers: the member id and the span to load (first == last: none). */
@@ -120,10 +151,15 @@ void gw_swarm_tick(gw_swarm *s, double now);
 /* Sets the measured gateway -> member link (for tests; the thread measures it). */
 int gw_swarm_member_link(gw_swarm *s, uint64_t member_id, double rtt_s, double bandwidth);
 
-/* The placement rule (above) over `sw`, with the spans being loaded already
- * applied: which of the spares spares[0..n) should load which span now.
- * Returns its index in spares[] (and *first, *last), or -1: they all wait. */
+/* Rules 1-3 (above) over `sw`, with the spans being loaded already applied:
+ * which of the spares spares[0..n) should load which span now (rules 4 and 5
+ * call it with spares_target 0, rule 5 also with min_gain 0). Returns its
+ * index in spares[] (and *first, *last), or -1: they all wait. */
 int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_target, double min_gain,
                   int *first, int *last);
+/* Rule 6's choice over `sw`: which serving server of movable[0..n) should move to which span:
+ * the move raising the max flow the most, by at least min_gain (a fraction), among those that
+ * leave every block covered by the others. Returns its index (and *first, *last), or -1. */
+int gw_pick_move(const rt_swarm *sw, const int *movable, int n, double min_gain, int *first, int *last);
 
 #endif

@@ -214,6 +214,8 @@ typedef struct gw_config {
     int route_wait_ms;      /* a request waits this long for a spare loading an uncovered span (5000) */
     bool measure_links;     /* RTT + bandwidth to every member, refreshed (default true) */
     int measure_interval_ms; /* (5000) */
+    int rebalance_interval_ms; /* least time between two moves of serving members (30000; 0: never move) */
+    int hidden_size;        /* the model's hidden size: bytes per token between servers = this x 2 (bf16) */
     gw_link_cfg links[GW_MAX_LINKS]; /* given figures; they override measurements */
     int n_links;
 } gw_config;

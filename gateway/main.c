@@ -32,6 +32,8 @@ static void usage(FILE *f) {
             "  --swarm-port-file F       write the membership service's bound port to F\n"
             "  --spares N                spares kept waiting once every block is covered (default 1)\n"
             "  --min-gain-percent P      a surplus spare serves if that raises the max flow by P%% (default 5)\n"
+            "  --rebalance-interval-ms N least time between two moves of serving members (default 30000;\n"
+            "                            0: never move one)\n"
             "  --heartbeat-ms N --heartbeat-timeout-ms N   member heartbeats (default 500 / 3000)\n"
             "  --route-wait-ms N         wait for a spare loading an uncovered span (default 5000)\n"
             "  --measure-links true|false --measure-interval-ms N   RTT/bandwidth probes (true, 5000)\n"
@@ -170,6 +172,7 @@ int main(int argc, char **argv) {
     }
     /* token ids are checked against the model's vocabulary (the LM head's rows) */
     gw_model model = {tok, tpl, name, m->cfg.vocab_size, m->cfg.max_seq_len, m->cfg.n_layers};
+    cfg.hidden_size = m->cfg.dim; /* what a token costs on the wire between servers */
 
     signal(SIGPIPE, SIG_IGN);
     sigset_t set;

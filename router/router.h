@@ -29,7 +29,7 @@ typedef struct rt_model {
 } rt_model;
 
 typedef enum rt_server_state {
-    RT_SERVER_GONE = 0,   /* left the swarm; its id is never reused */
+    RT_SERVER_GONE = 0,   /* left the swarm; its id is reused only by rt_swarm_add_server_at */
     RT_SERVER_ACTIVE = 1, /* serves its span (if it has one) */
     RT_SERVER_SPARE = 2,  /* backup pool: joined but holds no span */
 } rt_server_state;
@@ -82,6 +82,9 @@ int rt_swarm_clone(rt_swarm *dst, const rt_swarm *src);
  * GONE becomes ACTIVE). Links to the new server start absent. Returns the new id (>= 0) or a
  * negative status. */
 int rt_swarm_add_server(rt_swarm *sw, const rt_server *desc);
+/* The same, reusing the slot of the GONE server `slot` (slot < 0: appends, as above), so that
+ * churn does not grow the swarm. The slot's links are reset. Returns `slot` or a status. */
+int rt_swarm_add_server_at(rt_swarm *sw, int slot, const rt_server *desc);
 /* Marks server `id` GONE (it keeps its id; it carries no flow). */
 int rt_swarm_remove_server(rt_swarm *sw, int id);
 /* Sets the span [first, last) of server `id` (first == last clears it); checks the bounds,
@@ -296,6 +299,8 @@ int rt_route(rt_router *r, int request_len, rt_path **path);
 void rt_release(rt_path *path);
 /* Work currently routed over server `id` (tokens); for tests and /v1/swarm. */
 double rt_router_load(const rt_router *r, int id);
+/* 1 if a path still holds load or KV on server `id` (its slot must not be reused yet). */
+int rt_router_busy(const rt_router *r, int id);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Simulator                                                                                  */

@@ -87,6 +87,15 @@ double rt_router_load(const rt_router *r, int id) {
     return r->srv_load[id];
 }
 
+int rt_router_busy(const rt_router *r, int id) {
+    if (!r || id < 0 || id >= r->n) return 0;
+    if (r->srv_load[id] > 0 || r->kv_used[id] > 0) return 1;
+    size_t x = (size_t)HX(id);
+    for (size_t u = 0; u < (size_t)r->stride; u++)
+        if (r->hop_load[u * r->stride + x] > 0 || r->hop_load[x * r->stride + u] > 0) return 1;
+    return 0;
+}
+
 /* Flow on hop u -> v in the router's flow (u, v: server ids, RT_SOURCE, RT_SINK). */
 static double hop_flow(const rt_router *r, int u, int v) {
     int n = r->flow.n;

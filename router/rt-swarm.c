@@ -152,6 +152,39 @@ int rt_swarm_add_server(rt_swarm *sw, const rt_server *desc) {
     return id;
 }
 
+int rt_swarm_add_server_at(rt_swarm *sw, int slot, const rt_server *desc) {
+    if (!sw || !desc) return fu_errorf(FU_ERR_INVALID, "rt_swarm_add_server_at: NULL argument");
+    if (slot < 0) return rt_swarm_add_server(sw, desc);
+    if (slot >= sw->n_servers || sw->servers[slot].state != RT_SERVER_GONE)
+        return fu_errorf(FU_ERR_INVALID, "rt_swarm_add_server_at: slot %d is not a GONE server", slot);
+    rt_server *s = &sw->servers[slot], old = *s;
+    *s = *desc;
+    s->name[sizeof s->name - 1] = '\0';
+    s->address[sizeof s->address - 1] = '\0';
+    s->kind[sizeof s->kind - 1] = '\0';
+    int rc = copy_tables(s, desc);
+    if (rc) {
+        *s = old;
+        return rc;
+    }
+    server_free(&old);
+    if (s->state == RT_SERVER_GONE) s->state = RT_SERVER_ACTIVE;
+    int first = desc->first, last = desc->last;
+    s->first = s->last = 0;
+    for (int j = 0; j < sw->n_servers; j++) {
+        sw->links[(size_t)slot * sw->cap + j] = (rt_link){0, 0};
+        sw->links[(size_t)j * sw->cap + slot] = (rt_link){0, 0};
+    }
+    sw->from_source[slot] = sw->to_sink[slot] = (rt_link){0, 0};
+    if (first != last && (rc = rt_swarm_set_span(sw, slot, first, last))) {
+        s->state = RT_SERVER_GONE;
+        s->first = s->last = 0;
+        return rc;
+    }
+    sw->version++;
+    return slot;
+}
+
 int rt_swarm_remove_server(rt_swarm *sw, int id) {
     if (!sw || id < 0 || id >= sw->n_servers)
         return fu_errorf(FU_ERR_INVALID, "rt_swarm_remove_server: bad id %d", id);

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -42,9 +43,12 @@ typedef struct shard_args {
 static void usage(FILE *f) {
     fprintf(f,
             "usage: fusion-shard --model PATH|ORG/NAME[@REV] (--blocks A:B | --join HOST:PORT) [options]\n"
-            "  --config FILE         JSON config (keys as the long options, e.g. \"kv_budget_mib\")\n"
+            "  --config FILE         JSON config (keys as the long options, e.g. \"kv_budget_mib\";\n"
+            "                        keys starting with '_' are comments)\n"
             "  --listen HOST:PORT    (default 127.0.0.1:7001; port 0 picks one)\n"
-            "  --advertise NAME      name reported in timings (default: the listen address)\n"
+            "  --advertise HOST:PORT the address this server is called at: announced on --join and\n"
+            "                        reported in timings (default: the listen address; required with\n"
+            "                        --join when listening on 0.0.0.0 or ::)\n"
             "  --secret S            swarm secret (or env FUSION_SECRET, or --secret-file)\n"
             "  --secret-file F\n"
             "  --tls-cert F --tls-key F   serve TLS\n"
@@ -163,6 +167,7 @@ static int load_config(shard_args *a, const char *path) {
     json_t *val;
     int rc = 0;
     json_object_foreach(root, key, val) {
+        if (key[0] == '_') continue; /* comments */
         char buf[64];
         const char *s;
         if (json_is_string(val)) s = json_string_value(val);
@@ -232,10 +237,22 @@ typedef struct shard_span {
     shard_core *core;
     double tps;
     shard_server *srv;
+    mdl_model *old_m;    /* the span given up by the last move, while it drains; NULL: none */
+    shard_core *old_core;
+    double moved_at;     /* monotonic seconds of that move */
+    int drain_ms;        /* how long its sessions may go on */
+    int hidden_size;
 } shard_span;
 
+static double mono_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
 /* Opens [first, last) (embed/head: -1 for the default) and its core; measures it. */
-static int shard_span_open(shard_span *sp, int first, int last, int embed, int head) {
+static int shard_span_open(shard_span *sp, int first, int last, int embed, int head, mdl_model **m_out,
+                           shard_core **core_out, double *tps_out) {
     mdl_open_options mo = {first, last, embed >= 0 ? embed != 0 : first == 0,
                            head >= 0 ? head != 0 : last == sp->n_layers};
     mdl_model *m = NULL;
@@ -248,32 +265,76 @@ static int shard_span_open(shard_span *sp, int first, int last, int embed, int h
         return rc;
     }
     double tps = shard_core_measure(core, 1, 0.3);
-    pthread_mutex_lock(&sp->mu);
-    sp->m = m;
-    sp->core = core;
-    sp->tps = tps > 0 ? tps : 0;
-    if (m->last > m->first) snprintf(sp->dtype, sizeof sp->dtype, "%s", op_type_name(m->layers[0].wq.type));
-    pthread_mutex_unlock(&sp->mu);
+    *m_out = m;
+    *core_out = core;
+    *tps_out = tps > 0 ? tps : 0;
     return FU_OK;
 }
 
-/* shard_join_config.load: a spare loads the span the gateway assigned and starts serving it. */
+/* Frees the span given up by the last move once its sessions are done; past drain_ms its sessions
+ * are ended (the gateway replays them elsewhere). */
+static void shard_span_reap(shard_span *sp) {
+    if (!sp->old_core) return;
+    bool late = mono_now() - sp->moved_at >= sp->drain_ms / 1000.0;
+    shard_core *c = shard_server_old_core(sp->srv, late);
+    if (!c) return;
+    pthread_mutex_lock(&sp->mu);
+    mdl_model *m = sp->old_m;
+    FU_INFO("fusion-shard: freed blocks [%d, %d) (moved away)", m->first, m->last);
+    sp->old_m = NULL;
+    sp->old_core = NULL;
+    pthread_mutex_unlock(&sp->mu);
+    shard_core_free(c);
+    mdl_free(m);
+}
+
+/* shard_join_config.load: loads the span the gateway assigned and serves it; a serving shard
+ * (a move) loads it beside its span, which then drains. */
 static int shard_span_load(void *ctx, int first, int last) {
     shard_span *sp = ctx;
-    if (sp->core) return fu_errorf(FU_ERR_INVALID, "a span is loaded already");
-    int rc = shard_span_open(sp, first, last, -1, -1);
+    if (sp->old_core)
+        return fu_errorf(FU_ERR_INVALID, "blocks [%d, %d) still drain after the last move", sp->old_m->first,
+                         sp->old_m->last);
+    mdl_model *m = NULL;
+    shard_core *core = NULL;
+    double tps = 0;
+    int rc = shard_span_open(sp, first, last, -1, -1, &m, &core, &tps);
     if (rc) return rc;
-    if ((rc = shard_server_set_core(sp->srv, sp->core, sp->tps))) return rc;
-    FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s at %s, %.1f tokens/s measured", first, last, sp->name,
-            sp->m->has_embed ? " +embeddings" : "", sp->m->has_head ? " +head" : "", shard_server_address(sp->srv),
-            sp->tps);
+    rc = sp->core ? shard_server_move(sp->srv, core, tps) : shard_server_set_core(sp->srv, core, tps);
+    if (rc) {
+        shard_core_free(core);
+        mdl_free(m);
+        return rc;
+    }
+    pthread_mutex_lock(&sp->mu);
+    if (sp->core) {
+        sp->old_m = sp->m;
+        sp->old_core = sp->core;
+        sp->moved_at = mono_now();
+    }
+    sp->m = m;
+    sp->core = core;
+    sp->tps = tps;
+    snprintf(sp->dtype, sizeof sp->dtype, "%s", op_type_name(m->layers[0].wq.type));
+    pthread_mutex_unlock(&sp->mu);
+    FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s at %s, %.1f tokens/s measured%s", first, last, sp->name,
+            m->has_embed ? " +embeddings" : "", m->has_head ? " +head" : "", shard_server_address(sp->srv), tps,
+            sp->old_core ? " (the previous span drains)" : "");
     return FU_OK;
 }
 
 /* shard_join_config.status */
 static void shard_span_status(void *ctx, shard_join_status *st) {
     shard_span *sp = ctx;
+    shard_span_reap(sp); /* the membership thread calls this every heartbeat */
     pthread_mutex_lock(&sp->mu);
+    if (sp->old_core) {
+        shard_core_stats os;
+        shard_core_get_stats(sp->old_core, &os);
+        st->draining_first = sp->old_m->first;
+        st->draining_last = sp->old_m->last;
+        st->draining_sessions = os.active_sessions;
+    }
     snprintf(st->dtype, sizeof st->dtype, "%s", sp->dtype);
     if (sp->core) {
         shard_core_stats cs;
@@ -287,6 +348,26 @@ static void shard_span_status(void *ctx, shard_join_status *st) {
         st->active_sessions = cs.active_sessions;
     }
     pthread_mutex_unlock(&sp->mu);
+}
+
+/* The address a joining shard announces (--advertise, else the listen host with the bound port)
+ * must be one the gateway and peers can call. */
+static int check_announced(const char *address, bool advertised) {
+    const char *colon = strrchr(address, ':');
+    size_t hl = colon ? (size_t)(colon - address) : 0;
+    char *end = NULL;
+    long port = colon ? strtol(colon + 1, &end, 10) : -1;
+    if (!colon || hl == 0 || !end || end == colon + 1 || *end || port < (advertised ? 1 : 0) || port > 65535)
+        return fu_errorf(FU_ERR_INVALID, "%s '%s' is not HOST:PORT", advertised ? "--advertise" : "--listen",
+                         address);
+    static const char *const wildcard[] = {"0.0.0.0", "::", "[::]", "*"};
+    for (size_t i = 0; i < sizeof wildcard / sizeof *wildcard; i++)
+        if (strlen(wildcard[i]) == hl && !strncmp(address, wildcard[i], hl))
+            return fu_errorf(FU_ERR_INVALID,
+                             "--join: listening on %s, this server would announce %s, which others cannot call: "
+                             "give --advertise HOST:PORT (a name or address the gateway and peers reach it by)",
+                             address, address);
+    return FU_OK;
 }
 
 int main(int argc, char **argv) {
@@ -336,6 +417,11 @@ int main(int argc, char **argv) {
     }
     if (!a.secret && getenv("FUSION_SECRET")) a.secret = strdup(getenv("FUSION_SECRET"));
     if (!a.listen) a.listen = strdup("127.0.0.1:7001");
+    if (a.join && check_announced(a.advertise ? a.advertise : a.listen, a.advertise != NULL)) {
+        fprintf(stderr, "fusion-shard: %s\n", fu_last_error());
+        free_args(&a);
+        return 2;
+    }
     if (!a.model || !a.secret || !a.secret[0]) {
         fprintf(stderr, "fusion-shard: --model and a swarm secret (--secret, --secret-file or FUSION_SECRET) "
                         "are required\n");
@@ -363,6 +449,7 @@ int main(int argc, char **argv) {
     sp.kv_budget = (uint64_t)a.kv_budget_mib << 20;
     sp.max_batch = a.max_batch;
     sp.kv_f16 = a.kv_f16 != 0;
+    sp.drain_ms = a.drain_ms;
     op_cpu_options co = {.n_threads = a.threads, .isa = OP_CPU_ISA_AUTO};
     if (!(sp.be = op_backend_cpu_new(&co))) {
         rc = fu_errorf(FU_ERR_INTERNAL, "no CPU backend");
@@ -374,6 +461,7 @@ int main(int argc, char **argv) {
         mdl_open_options po = {0, a.join && a.first < 0 ? 1 : 0, false, false};
         if ((rc = mdl_open(sp.path, &po, &probe))) goto done;
         sp.n_layers = probe->cfg.n_layers;
+        sp.hidden_size = probe->cfg.dim;
         snprintf(sp.name, sizeof sp.name, "%s", probe->name);
         if (probe->last > probe->first) {
             snprintf(sp.dtype, sizeof sp.dtype, "%s", op_type_name(probe->layers[0].wq.type));
@@ -394,7 +482,9 @@ int main(int argc, char **argv) {
         }
     } else {
         int first = a.first < 0 ? 0 : a.first, last = a.last < 0 ? sp.n_layers : a.last;
-        if ((rc = shard_span_open(&sp, first, last, a.embed, a.head))) goto done;
+        if ((rc = shard_span_open(&sp, first, last, a.embed, a.head, &sp.m, &sp.core, &sp.tps))) goto done;
+        if (sp.m->last > sp.m->first)
+            snprintf(sp.dtype, sizeof sp.dtype, "%s", op_type_name(sp.m->layers[0].wq.type));
     }
     snprintf(sp.device, sizeof sp.device, "cpu (%s, %d threads)", op_backend_isa(sp.be), op_backend_n_threads(sp.be));
     shard_server_config cfg = {a.listen, a.advertise, a.tls_cert, a.tls_key, a.tls_ca, a.insecure != 0,
@@ -415,7 +505,7 @@ int main(int argc, char **argv) {
     }
     if (a.join) {
         shard_join_config jc = {a.join, a.tls_ca, a.insecure != 0, a.secret, shard_server_address(srv), sp.name,
-                                sp.n_layers, sp.device, sp.block_tps, a.max_blocks, sp.m != NULL,
+                                sp.n_layers, sp.device, sp.block_tps, a.max_blocks, sp.m != NULL, sp.hidden_size,
                                 shard_span_load, shard_span_status, &sp};
         if ((rc = shard_join_start(&jc, &join))) goto done;
     }
@@ -431,8 +521,10 @@ done:
     shard_join_stop(join);
     shard_server_free(srv);
     shard_core_free(sp.core);
+    shard_core_free(sp.old_core);
     op_backend_free(sp.be);
     mdl_free(sp.m);
+    mdl_free(sp.old_m);
     free(sp.path);
     pthread_mutex_destroy(&sp.mu);
     free_args(&a);

@@ -40,6 +40,8 @@ struct shard_join {
     int interval_ms;
     join_peer peers[JOIN_MAX_PEERS];
     int n_peers;
+    int fail_first, fail_last; /* the last assignment that failed to load; equal: none */
+    char load_error[200];
 };
 
 static double mono_s(void) {
@@ -69,6 +71,15 @@ static void fill_status(shard_join *j, shard_join_status *st, Fusion__MemberStat
     ms->kv_bytes_per_position = st->kv_bytes_per_position;
     ms->active_sessions = st->active_sessions;
     ms->fixed_span = j->cfg.fixed_span;
+    ms->draining_first = st->draining_first;
+    ms->draining_last = st->draining_last;
+    ms->draining_sessions = st->draining_sessions;
+    ms->hidden_size = j->cfg.hidden_size;
+    if (j->fail_last > j->fail_first) {
+        ms->failed_first = j->fail_first;
+        ms->failed_last = j->fail_last;
+        ms->load_error = j->load_error;
+    }
     size_t n = 0;
     for (int i = 0; i < j->n_peers; i++) {
         const join_peer *p = &j->peers[i];
@@ -150,28 +161,35 @@ static void set_peers(shard_join *j, char **peers, size_t n) {
     }
 }
 
-/* Loads an assigned span unless one is served already or the span is fixed. Returns true if it loaded. */
+/* Loads an assigned span unless it is served already, it failed already or the span is fixed.
+ * Returns true if the next heartbeat should follow at once (loaded, or failed). */
 static bool maybe_load(shard_join *j, const Fusion__SpanAssignment *span) {
     if (!span || j->cfg.fixed_span) return false;
     shard_join_status st;
     memset(&st, 0, sizeof st);
     j->cfg.status(j->cfg.ctx, &st);
-    if (st.last > st.first) {
-        if (st.first != span->first_block || st.last != span->last_block)
-            FU_WARN("join: the gateway assigns [%d, %d) but [%d, %d) is loaded: keeping it", span->first_block,
-                    span->last_block, st.first, st.last);
+    int first = span->first_block, last = span->last_block;
+    if (st.first == first && st.last == last) return false;
+    if (j->fail_first == first && j->fail_last == last) return false; /* reported; the gateway withdraws it */
+    if (first < 0 || last <= first || last > j->cfg.n_layers) {
+        FU_WARN("join: ignoring the invalid assignment [%d, %d)", first, last);
         return false;
     }
-    if (span->first_block < 0 || span->last_block <= span->first_block || span->last_block > j->cfg.n_layers) {
-        FU_WARN("join: ignoring the invalid assignment [%d, %d)", span->first_block, span->last_block);
-        return false;
-    }
-    FU_INFO("join: the gateway assigns blocks [%d, %d): loading", span->first_block, span->last_block);
-    int rc = j->cfg.load(j->cfg.ctx, span->first_block, span->last_block);
+    if (st.last > st.first)
+        FU_INFO("join: the gateway moves this server from blocks [%d, %d) to [%d, %d): loading", st.first, st.last,
+                first, last);
+    else
+        FU_INFO("join: the gateway assigns blocks [%d, %d): loading", first, last);
+    int rc = j->cfg.load(j->cfg.ctx, first, last);
     if (rc) {
-        FU_WARN("join: loading [%d, %d) failed: %s", span->first_block, span->last_block, fu_last_error());
-        return false;
+        j->fail_first = first;
+        j->fail_last = last;
+        snprintf(j->load_error, sizeof j->load_error, "%s: %s", fu_status_str(rc), fu_last_error());
+        FU_WARN("join: loading [%d, %d) failed: %s", first, last, j->load_error);
+        return true;
     }
+    j->fail_first = j->fail_last = 0;
+    j->load_error[0] = '\0';
     return true;
 }
 

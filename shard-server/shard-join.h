@@ -4,7 +4,9 @@
  * heartbeats every interval the gateway asks for with the shard's current
  * figures. A span assignment (in the Join reply or a heartbeat reply) is
  * passed to the `load` callback, on that thread; once it returns the next
- * heartbeat (sent at once) reports the span as served. A heartbeat the gateway
+ * heartbeat (sent at once) reports the span as served, or the failure and its
+ * message (the gateway then withdraws the assignment). An assignment differing
+ * from the span served is a move: the new span loads beside the old one. A heartbeat the gateway
  * refuses with NOT_FOUND (it retired the shard or restarted) makes it join
  * again; an unreachable gateway is retried every interval. The thread also
  * measures the links to the peers the gateway names (Echo round trip and a
@@ -23,6 +25,8 @@ typedef struct shard_join_status {
     double tokens_per_s;      /* of the served span; 0: none */
     int64_t free_kv_bytes, total_kv_bytes, kv_bytes_per_position;
     int active_sessions;
+    int draining_first, draining_last; /* a span given up after a move, still serving; equal: none */
+    int draining_sessions;
 } shard_join_status;
 
 typedef struct shard_join_config {
@@ -37,7 +41,9 @@ typedef struct shard_join_config {
     double block_tokens_per_s; /* measured throughput holding one block */
     int max_blocks;           /* most blocks it will load (0: all) */
     bool fixed_span;          /* started with its own span: never reassigned */
-    /* Loads [first, last) and starts serving it; FU_OK or a status (the shard stays a spare). */
+    int hidden_size;          /* the model's (reported; 0: unknown) */
+    /* Loads [first, last) and starts serving it -- beside the span it serves, if any (a move:
+     * that one then drains); FU_OK or a status (reported to the gateway in the next heartbeat). */
     int (*load)(void *ctx, int first, int last);
     /* Fills the current figures (thread-safe). */
     void (*status)(void *ctx, shard_join_status *st);

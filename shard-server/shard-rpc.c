@@ -18,8 +18,17 @@
 #define SHARD_VERSION "fusion 0.1.0"
 #define SHARD_MAX_CHAIN 64
 
+/* A span's core and the handlers using it. */
+typedef struct core_slot {
+    shard_core *core;
+    int users;
+} core_slot;
+
 struct shard_server {
-    shard_core *_Atomic core; /* NULL while a spare: set once by shard_server_set_core */
+    shard_core *_Atomic core; /* the current span's; NULL while a spare (shard_server_set_core) */
+    pthread_mutex_t cmu;      /* guards slot[] */
+    core_slot slot[2];        /* [0]: current, [1]: the span given up by the last move (drains) */
+    atomic_bool old_closing;  /* the old span's drain time is over: its sessions end */
     shard_server_config cfg;
     char *advertise;
     rpc_server *rpc;
@@ -290,6 +299,39 @@ fail:
     }
 }
 
+/* The core for a call naming blocks [first, last) (0, 0: the current span): the old span's while
+ * it drains, else the current one (check_open then names the mismatch). NULL: no span. Release it. */
+static shard_core *core_acquire(shard_server *srv, int first, int last) {
+    pthread_mutex_lock(&srv->cmu);
+    core_slot *sl = &srv->slot[0];
+    const mdl_model *om = srv->slot[1].core ? shard_core_model(srv->slot[1].core) : NULL;
+    if ((first || last) && om && om->first == first && om->last == last && !atomic_load(&srv->old_closing)) {
+        const mdl_model *cm = sl->core ? shard_core_model(sl->core) : NULL;
+        if (!cm || cm->first != first || cm->last != last) sl = &srv->slot[1];
+    }
+    shard_core *c = sl->core;
+    if (c) sl->users++;
+    pthread_mutex_unlock(&srv->cmu);
+    return c;
+}
+
+static void core_release(shard_server *srv, shard_core *c) {
+    if (!c) return;
+    pthread_mutex_lock(&srv->cmu);
+    for (int i = 0; i < 2; i++)
+        if (srv->slot[i].core == c) srv->slot[i].users--;
+    pthread_mutex_unlock(&srv->cmu);
+}
+
+/* Whether core c is a span given up whose drain time is over. */
+static bool core_closing(shard_server *srv, shard_core *c) {
+    if (!atomic_load(&srv->old_closing)) return false;
+    pthread_mutex_lock(&srv->cmu);
+    bool closing = srv->slot[1].core == c;
+    pthread_mutex_unlock(&srv->cmu);
+    return closing;
+}
+
 /* Validates an OpenSession against this server. */
 static int check_open(shard_core *core, const Fusion__OpenSession *o, rpc_status *st) {
     const mdl_model *m = shard_core_model(core);
@@ -325,7 +367,8 @@ static int no_span(rpc_status *st) {
 static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
     shard_server *srv = ctx;
     if (!srv->core) return no_span(st);
-    const mdl_model *m = shard_core_model(srv->core);
+    shard_core *core = NULL; /* the span's core, held for the session */
+    const mdl_model *m = NULL;
     ProtobufCMessage *msg = NULL;
     shard_session *sess = NULL;
     downstream ds = {0};
@@ -349,12 +392,17 @@ static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
         goto done;
     }
     const Fusion__OpenSession *open = req->open;
-    if ((rc = check_open(srv->core, open, st))) goto done;
+    if (!(core = core_acquire(srv, open->first_block, open->last_block))) {
+        rc = no_span(st);
+        goto done;
+    }
+    m = shard_core_model(core);
+    if ((rc = check_open(core, open, st))) goto done;
     int wire = open->wire_dtype == FUSION__DTYPE__DTYPE_UNSPECIFIED ? WIRE_BF16 : (int)open->wire_dtype;
     int block = open->int8_block_size ? open->int8_block_size : WIRE_DEFAULT_BLOCK;
     if (wire == WIRE_INT8_BLOCK && m->cfg.dim % block) block = m->cfg.dim;
     if (open->idle_timeout_ms > 0) idle = open->idle_timeout_ms;
-    if ((rc = shard_session_open(srv->core, open->session_id, open->max_length, &sess))) {
+    if ((rc = shard_session_open(core, open->session_id, open->max_length, &sess))) {
         rc = rpc_status_from_fu(st, rc);
         goto done;
     }
@@ -363,7 +411,7 @@ static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
            wire_dtype_name(wire), open->n_chain ? ", forwarding" : "");
     {
         shard_core_stats stats;
-        shard_core_get_stats(srv->core, &stats);
+        shard_core_get_stats(core, &stats);
         Fusion__OpenReply orep = FUSION__OPEN_REPLY__INIT;
         orep.session_id = open->session_id;
         orep.first_block = m->first;
@@ -401,6 +449,11 @@ static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
             goto done;
         }
         const Fusion__StepRequest *sr = req->step;
+        if (core_closing(srv, core)) {
+            rc = rpc_status_setf(st, RPC_UNAVAILABLE, "blocks [%d, %d) moved away from this server", m->first,
+                                 m->last);
+            goto done;
+        }
         int64_t t_start = now_us();
         if (sr->rollback_case == FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO) {
             if (sr->rollback_to < 0 || sr->rollback_to > shard_session_len(sess)) {
@@ -411,12 +464,12 @@ static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
             shard_session_rollback(sess, (int)sr->rollback_to);
         }
         shard_step step;
-        if ((rc = step_from_msg(srv->core, sr->input, sr->output, sr->start_position, &step, &hbuf, st))) goto done;
-        if ((rc = shard_session_step(srv->core, sess, &step))) {
+        if ((rc = step_from_msg(core, sr->input, sr->output, sr->start_position, &step, &hbuf, st))) goto done;
+        if ((rc = shard_session_step(core, sess, &step))) {
             rc = rpc_status_from_fu(st, rc);
             goto done;
         }
-        if ((rc = output_to_msg(srv->core, &step, wire, block, &os))) {
+        if ((rc = output_to_msg(core, &step, wire, block, &os))) {
             rc = rpc_status_from_fu(st, rc);
             goto done;
         }
@@ -482,7 +535,8 @@ done:
     if (sess) FU_LOG(FU_LOG_LEVEL_DEBUG, shard_session_id(sess), "closed (%s)", rpc_code_str(rc));
     rpc_msg_free(msg);
     downstream_close(&ds);
-    shard_session_close(srv->core, sess);
+    if (core) shard_session_close(core, sess);
+    core_release(srv, core);
     free(hbuf.p);
     out_storage_free(&os);
     return rc;
@@ -498,14 +552,16 @@ typedef struct fwd_reply {
     size_t n;
     shard_session **sess;
     shard_server *srv;
+    shard_core *core;
 } fwd_reply;
 
 static void forward_reply_free(void *ctx, ProtobufCMessage *msg) {
     fwd_reply *f = (fwd_reply *)msg; /* rep is the first member */
     for (size_t i = 0; i < f->n; i++) {
         out_storage_free(&f->store[i]);
-        shard_session_close(f->srv->core, f->sess[i]);
+        shard_session_close(f->core, f->sess[i]);
     }
+    core_release(f->srv, f->core);
     free(f->outs);
     free(f->store);
     free(f->sess);
@@ -515,19 +571,26 @@ static void forward_reply_free(void *ctx, ProtobufCMessage *msg) {
 static int forward_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply,
                            rpc_status *st) {
     shard_server *srv = ctx;
-    if (!srv->core) return no_span(st);
-    const mdl_model *m = shard_core_model(srv->core);
     const Fusion__ForwardRequest *req = (const Fusion__ForwardRequest *)req_msg;
+    shard_core *core = core_acquire(srv, req->first_block, req->last_block);
+    if (!core) return no_span(st);
+    const mdl_model *m = shard_core_model(core);
+    int code = RPC_OK;
     if (req->n_sequences == 0 || req->n_sequences > 256)
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "sequences: 1..256 required");
-    if (req->adapter_id && req->adapter_id[0])
-        return rpc_status_setf(st, RPC_NOT_FOUND, "adapter_id: no adapter '%.64s'", req->adapter_id);
-    if ((req->first_block || req->last_block) && (req->first_block != m->first || req->last_block != m->last))
-        return rpc_status_setf(st, RPC_FAILED_PRECONDITION, "expected blocks [%d, %d), this server holds [%d, %d)",
+        code = rpc_status_setf(st, RPC_INVALID_ARGUMENT, "sequences: 1..256 required");
+    else if (req->adapter_id && req->adapter_id[0])
+        code = rpc_status_setf(st, RPC_NOT_FOUND, "adapter_id: no adapter '%.64s'", req->adapter_id);
+    else if ((req->first_block || req->last_block) && (req->first_block != m->first || req->last_block != m->last))
+        code = rpc_status_setf(st, RPC_FAILED_PRECONDITION, "expected blocks [%d, %d), this server holds [%d, %d)",
                                req->first_block, req->last_block, m->first, m->last);
-    fwd_reply *f = calloc(1, sizeof *f);
-    if (!f) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    fwd_reply *f = code ? NULL : calloc(1, sizeof *f);
+    if (!code && !f) code = rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    if (code) {
+        core_release(srv, core);
+        return code;
+    }
     f->srv = srv;
+    f->core = core;
     f->n = req->n_sequences;
     f->outs = calloc(f->n, sizeof *f->outs);
     f->store = calloc(f->n, sizeof *f->store);
@@ -544,11 +607,11 @@ static int forward_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
     for (size_t i = 0; i < f->n && !rc; i++) {
         shard_step step;
         const Fusion__Input *in = req->sequences[i];
-        if ((rc = step_from_msg(srv->core, in, req->output, 0, &step, &hbuf, st))) break;
+        if ((rc = step_from_msg(core, in, req->output, 0, &step, &hbuf, st))) break;
         char id[64];
         snprintf(id, sizeof id, "forward-%llu-%zu", (unsigned long long)fid, i);
-        int frc = shard_session_open(srv->core, id, step.n, &f->sess[i]);
-        if (!frc) frc = shard_session_step(srv->core, f->sess[i], &step);
+        int frc = shard_session_open(core, id, step.n, &f->sess[i]);
+        if (!frc) frc = shard_session_step(core, f->sess[i], &step);
         int dt = req->wire_dtype != FUSION__DTYPE__DTYPE_UNSPECIFIED ? (int)req->wire_dtype
                  : in->hidden                                        ? (int)in->hidden->dtype
                                                                      : WIRE_BF16;
@@ -558,7 +621,7 @@ static int forward_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
         }
         int block = in->hidden && in->hidden->block_size > 0 ? in->hidden->block_size : WIRE_DEFAULT_BLOCK;
         if (dt == WIRE_INT8_BLOCK && m->cfg.dim % block) block = m->cfg.dim;
-        if (!frc) frc = output_to_msg(srv->core, &step, dt, block, &f->store[i]);
+        if (!frc) frc = output_to_msg(core, &step, dt, block, &f->store[i]);
         if (frc) {
             rc = rpc_status_from_fu(st, frc);
             char m2[256];
@@ -603,13 +666,17 @@ static void info_reply_free(void *ctx, ProtobufCMessage *msg) { free(msg); }
 
 static int info_handler(void *ctx, const ProtobufCMessage *req, ProtobufCMessage **reply, rpc_status *st) {
     shard_server *srv = ctx;
-    if (!srv->core) return no_span(st);
-    const mdl_model *m = shard_core_model(srv->core);
+    shard_core *core = core_acquire(srv, 0, 0);
+    if (!core) return no_span(st);
+    const mdl_model *m = shard_core_model(core);
     info_reply *r = calloc(1, sizeof *r);
-    if (!r) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    if (!r) {
+        core_release(srv, core);
+        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    }
     fusion__info_reply__init(&r->rep);
     shard_core_stats stats;
-    shard_core_get_stats(srv->core, &stats);
+    shard_core_get_stats(core, &stats);
     r->rep.model_name = (char *)(srv->cfg.model_name ? srv->cfg.model_name : m->name);
     r->rep.n_layers = m->cfg.n_layers;
     r->rep.first_block = m->first;
@@ -633,6 +700,7 @@ static int info_handler(void *ctx, const ProtobufCMessage *req, ProtobufCMessage
     r->rep.max_message_bytes = (int64_t)(srv->cfg.max_message_bytes ? srv->cfg.max_message_bytes
                                                                     : RPC_DEFAULT_MAX_MESSAGE);
     r->rep.kv_bytes_per_position = (int64_t)stats.kv_bytes_per_pos;
+    core_release(srv, core);
     *reply = &r->rep.base;
     return RPC_OK;
 }
@@ -689,6 +757,8 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
     shard_server *s = calloc(1, sizeof *s);
     if (!s) return fu_errorf(FU_ERR_NOMEM, "server");
     s->core = core;
+    s->slot[0].core = core;
+    pthread_mutex_init(&s->cmu, NULL);
     s->cfg = *cfg;
     s->advertise = strdup(cfg->advertise ? cfg->advertise : cfg->listen);
     if (!s->advertise) {
@@ -729,9 +799,43 @@ int shard_server_start(shard_server *s) { return rpc_server_start(s->rpc); }
 int shard_server_set_core(shard_server *s, shard_core *core, double tokens_per_s) {
     if (!core) return fu_errorf(FU_ERR_INVALID, "server: no core");
     if (s->core) return fu_errorf(FU_ERR_INVALID, "server: already serving a span");
+    pthread_mutex_lock(&s->cmu);
     s->cfg.tokens_per_s = tokens_per_s;
+    s->slot[0].core = core;
     s->core = core;
+    pthread_mutex_unlock(&s->cmu);
     return FU_OK;
+}
+
+int shard_server_move(shard_server *s, shard_core *core, double tokens_per_s) {
+    if (!core) return fu_errorf(FU_ERR_INVALID, "server: no core");
+    pthread_mutex_lock(&s->cmu);
+    int rc = FU_OK;
+    if (!s->slot[0].core) rc = fu_errorf(FU_ERR_INVALID, "server: no span to move from");
+    else if (s->slot[1].core) rc = fu_errorf(FU_ERR_INVALID, "server: the span given up by the last move still drains");
+    if (!rc) {
+        s->slot[1] = s->slot[0];
+        s->slot[0] = (core_slot){core, 0};
+        atomic_store(&s->old_closing, false);
+        s->cfg.tokens_per_s = tokens_per_s;
+        s->core = core;
+    }
+    pthread_mutex_unlock(&s->cmu);
+    return rc;
+}
+
+shard_core *shard_server_old_core(shard_server *s, bool close) {
+    pthread_mutex_lock(&s->cmu);
+    shard_core *c = NULL;
+    if (s->slot[1].core && s->slot[1].users == 0) {
+        c = s->slot[1].core;
+        s->slot[1] = (core_slot){NULL, 0};
+        atomic_store(&s->old_closing, false);
+    } else if (s->slot[1].core && close) {
+        atomic_store(&s->old_closing, true);
+    }
+    pthread_mutex_unlock(&s->cmu);
+    return c;
 }
 
 const char *shard_server_address(const shard_server *s) { return s->advertise; }
@@ -746,6 +850,7 @@ int shard_server_drain(shard_server *s, int grace_ms) {
 void shard_server_free(shard_server *s) {
     if (!s) return;
     rpc_server_free(s->rpc);
+    pthread_mutex_destroy(&s->cmu);
     free(s->advertise);
     free(s);
 }

@@ -34,6 +34,15 @@ int shard_server_port(const shard_server *s);
 /* Gives a spare server (created with core NULL) its core (borrowed) and the span's measured
  * tokens/s; once only. */
 int shard_server_set_core(shard_server *s, shard_core *core, double tokens_per_s);
+/* A move: `core` (borrowed) becomes the current span -- new sessions and calls naming its
+ * blocks, and Info, go to it -- while the previous one keeps serving the sessions and calls that
+ * name its blocks until shard_server_old_core hands it back. FU_ERR_INVALID while a previous
+ * move still drains. */
+int shard_server_move(shard_server *s, shard_core *core, double tokens_per_s);
+/* The previous span's core once no session or call uses it (the caller frees it), else NULL;
+ * close: from now on its sessions' next steps fail with UNAVAILABLE ("moved away"), so that
+ * the gateway replays them elsewhere. */
+shard_core *shard_server_old_core(shard_server *s, bool close);
 /* "host:port" the server reports itself as (--advertise, or the listen host and bound port). */
 const char *shard_server_address(const shard_server *s);
 /* Stops accepting sessions (they are refused with UNAVAILABLE), lets running

@@ -4,13 +4,14 @@ The gateway starts with no shards (--swarm-listen only). Shards start with --joi
 to hold at most 12 blocks: the gateway assigns spans until every block is covered, and a chat completion
 works. A fourth shard waits as the spare. A streaming greedy completion is under way when the shard holding
 block 0 is SIGKILLed: the spare is told to load the gap, the stream fails over and completes with exactly the
-reference tokens. A new shard (a spare again) and then a bigger one join during a load: the bigger one adds
-flow, so it serves and shows in /v1/swarm's flow. With the spares gone, killing every server of block 0 gives
+reference tokens. A new small shard (a spare again) and then a bigger one join during a load: the bigger one
+adds flow, so it serves and shows in /v1/swarm's flow. With the spares gone, killing every server of block 0 gives
 a quick 503. /v1/swarm shows spans or "spare", states, device, dtype, speeds, KV and measured link figures.
 """
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -259,7 +260,7 @@ def test_join_spares_failover_and_503(cluster, reference):
     th = threading.Thread(target=run)
     th.start()
     try:
-        spare2 = start().wait_started()
+        spare2 = start("--max-blocks", "3").wait_started()  # too small to add flow: it stays the spare
         wait_for(lambda: by_address(swarm(gw)).get(spare2.address, {}).get("state") == "spare", "the new spare")
         big = JoinShard(model, join, ["--max-blocks", "30"])
         shards.append(big)
@@ -285,6 +286,122 @@ def test_join_spares_failover_and_503(cluster, reference):
     assert st == 503, body
     assert "no server covers blocks [0, " in body["error"]["message"], body
     assert time.time() - t0 < 5
+
+
+
+def test_failed_load_promotion_and_move(cluster, reference, tmp_path):
+    """A second swarm. (1) A spare whose model file is truncated after it joined is told to load the gap a
+    killed server leaves: the load fails, the gateway withdraws it and shows the error, and a new shard fills
+    the gap. (2) With two serving the whole model and one spare, killing one mid-stream promotes the spare
+    (a departure, no gap) and the stream completes unchanged. (3) Moves: fixed shards on [0, 15) x2 and
+    [15, 30) beside a joined one the gateway placed on [0, 15) (the gap when it joined): the joined one moves to
+    [15, 30), loading it beside its old span, while requests keep completing with the reference tokens.
+    The first shard listens on 127.0.0.1 and announces itself as localhost (--advertise)."""
+    model = cluster["model"]
+    port_file = str(tmp_path / "swarm-port")
+    gw = Gateway(model, ["--swarm-listen", "127.0.0.1:0", "--swarm-port-file", port_file], KEY,
+                 "--heartbeat-ms", "200", "--heartbeat-timeout-ms", "1000", "--spares", "1",
+                 "--rebalance-interval-ms", "500", "--route-wait-ms", "8000", "--step-timeout-ms", "20000")
+    shards = []
+    try:
+        wait_for(lambda: os.path.exists(port_file), "the swarm port file")
+        join = f"127.0.0.1:{int(open(port_file).read())}"
+
+        def start(path=model, *extra):
+            s = JoinShard(path, join, list(extra))
+            shards.append(s)
+            return s.wait_started()
+
+        def state(s):
+            return by_address(swarm(gw)).get(s.address, {}).get("state")
+
+        # (1) a failed load; the first shard announces the name given by --advertise
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        a = start(model, "--listen", f"127.0.0.1:{port}", "--advertise", f"localhost:{port}")
+        a.address = f"localhost:{port}"
+        wait_for(lambda: state(a) == "active", "the first shard serving")
+        copy = str(tmp_path / "copy.gguf")
+        with open(model, "rb") as src, open(copy, "wb") as dst:
+            dst.write(src.read())
+        b = start(copy)
+        wait_for(lambda: state(b) == "spare", "the spare")
+        with open(copy, "r+b") as f:  # the file loses its tail: the next load of it fails
+            f.truncate(os.path.getsize(copy) // 2)
+        a.kill()
+        wait_for(lambda: by_address(swarm(gw))[b.address].get("failed_loads") == 1, "the failed load reported")
+        sv = by_address(swarm(gw))[b.address]
+        assert sv["state"] == "spare" and sv["assigned"] is None and sv["failed_spans"] == [[0, 30]], sv
+        assert "loading blocks [0, 30) failed" in sv["error"], sv
+        c = start()
+        st, body = request(gw, "POST", "/v1/completions", completion_body(False))
+        assert st == 200, body
+        assert by_address(swarm(gw))[c.address]["state"] == "active"
+        assert by_address(swarm(gw))[b.address]["state"] == "spare"  # not asked again
+
+        # (2) promotion when a server leaves: a fourth waits (one spare wanted), a fifth serves
+        d = start()
+        wait_for(lambda: state(d) == "spare", "a spare")
+        e = start()
+        wait_for(lambda: swarm(gw)["active"] == 2, "two shards serving")
+        spare = next(s for s in (d, e) if state(s) == "spare")
+        killed = {}
+
+        def on_chunk(n):
+            if n >= 4 and not killed:
+                killed["at"] = n
+                c.kill()
+
+        tokens, errors = stream_tokens(gw, on_chunk)
+        assert killed and not errors and tokens == reference
+        wait_for(lambda: state(spare) == "active", "the spare promoted")
+        assert "(a server left)" in gw.output()
+        for s in (d, e, b):
+            s.kill()
+        wait_for(lambda: swarm(gw)["live"] == 0, "the swarm empty")
+
+        # (3) a move
+        f2 = start(model, "--blocks", "15:30")
+        j = start(model, "--max-blocks", "15")
+        wait_for(lambda: state(j) == "active", "the joined shard serving")
+        assert by_address(swarm(gw))[j.address]["span"] == [0, 15]
+        progress, result = [0], []
+        th = threading.Thread(target=lambda: result.append(stream_tokens(gw, lambda n: progress.__setitem__(0, n))))
+        th.start()
+        try:
+            start(model, "--blocks", "0:15")
+            start(model, "--blocks", "0:15")
+            wait_for(lambda: by_address(swarm(gw))[j.address]["span"] == [15, 30], "the move", timeout=30)
+        finally:
+            th.join(120)
+        assert result and not result[0][1] and result[0][0] == reference
+        doc = swarm(gw)
+        assert doc["moves"] >= 1 and doc["uncovered_blocks"] == 0, doc
+        assert by_address(doc)[f2.address]["span"] == [15, 30]  # fixed: never moved
+        st, body = request(gw, "POST", "/v1/completions", completion_body(False))
+        assert st == 200, body
+        assert [int(t.split(":")[1]) for t in body["choices"][0]["logprobs"]["tokens"]] == reference
+        wait_for(lambda: "freed blocks [0, 15)" in j.output(), "the old span freed")
+        assert "to [15, 30)" in gw.output()
+    finally:
+        gw.stop()
+        for s in shards:
+            s.kill()
+
+
+def test_wildcard_listen_needs_advertise():
+    """A joining shard listening on 0.0.0.0 would announce an address nobody can call: refused, naming
+    --advertise; with --advertise it starts."""
+    model = default_model()
+    base = [program("shard"), "--model", model, "--join", "127.0.0.1:1", "--secret", SECRET, "--insecure",
+            "--threads", "1"]
+    res = subprocess.run(base + ["--listen", "0.0.0.0:0"], capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0
+    assert "--advertise HOST:PORT" in res.stderr, res.stderr
+    res = subprocess.run(base + ["--listen", "127.0.0.1:0", "--advertise", "shard-7"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode != 0 and "--advertise 'shard-7' is not HOST:PORT" in res.stderr, res.stderr
 
 
 def test_join_over_tls_and_secret(tmp_path):

@@ -520,6 +520,57 @@ static void test_helix_files(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* Slots of GONE servers are reused by rt_swarm_add_server_at, so churn keeps the swarm (and a
+ * router over it) bounded; a slot a path still holds is reported busy. */
+static void test_slot_reuse(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double t[] = {100, 50, 30, 20};
+    int a = add(&sw, "A", 4, t, 0, 4);
+    link_all(&sw, 1e9);
+    rt_router *r;
+    assert_int_equal(rt_router_init(&r, &sw, NULL), FU_OK);
+    rt_path *p;
+    assert_int_equal(rt_route(r, 10, &p), FU_OK);
+    assert_int_equal(rt_router_busy(r, a), 1);
+    /* a slot that is not GONE cannot be reused */
+    rt_server d;
+    memset(&d, 0, sizeof d);
+    d.n_tput = 4;
+    d.tput = t;
+    d.first = 0;
+    d.last = 4;
+    assert_true(rt_swarm_add_server_at(&sw, a, &d) < 0);
+    for (int i = 0; i < 1000; i++) {
+        snprintf(d.name, sizeof d.name, "churn-%d", i);
+        int slot = -1;
+        for (int k = 0; k < sw.n_servers && slot < 0; k++)
+            if (sw.servers[k].state == RT_SERVER_GONE && !rt_router_busy(r, k)) slot = k;
+        int id = rt_swarm_add_server_at(&sw, slot, &d);
+        assert_true(id >= 0);
+        assert_true(id != a);
+        assert_string_equal(sw.servers[id].name, d.name);
+        assert_int_equal(sw.servers[id].first, 0);
+        assert_int_equal(rt_swarm_link(&sw, RT_SOURCE, id).bandwidth, 0); /* links start absent */
+        link_all(&sw, 1e9);
+        assert_int_equal(rt_router_update(r), FU_OK);
+        NEAR(rt_router_flow(r)->value, 40, 1e-6); /* A and the newcomer, 20 each with four blocks */
+        assert_int_equal(rt_swarm_remove_server(&sw, id), FU_OK);
+        assert_int_equal(rt_router_update(r), FU_OK);
+    }
+    assert_true(sw.n_servers <= 2);
+    assert_int_equal(rt_router_busy(r, a), 1);
+    rt_release(p);
+    assert_int_equal(rt_router_busy(r, a), 0);
+    /* A leaves; its slot is free once no path holds it */
+    assert_int_equal(rt_swarm_remove_server(&sw, a), FU_OK);
+    assert_int_equal(rt_swarm_add_server_at(&sw, a, &d), a);
+    rt_router_free(r);
+    rt_swarm_free(&sw);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_maxflow_greedy_trap), cmocka_unit_test(test_maxflow_clrs),
@@ -527,7 +578,7 @@ int main(void) {
         cmocka_unit_test(test_placements),          cmocka_unit_test(test_join_leave),
         cmocka_unit_test(test_iwrr),                cmocka_unit_test(test_sim),
         cmocka_unit_test(test_ini_and_exprs),       cmocka_unit_test(test_json_format),
-        cmocka_unit_test(test_helix_files),
+        cmocka_unit_test(test_helix_files),         cmocka_unit_test(test_slot_reuse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

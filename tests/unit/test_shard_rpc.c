@@ -377,12 +377,105 @@ static void test_sessions_free_memory_when_dropped_or_idle(void **state) {
     stop(&f);
 }
 
+/* One step of one token at position `pos` over an open session; the rpc code. */
+static int step_one(rpc_stream *s, int pos, rpc_status *st) {
+    int32_t toks[1] = {1};
+    Fusion__Input in = FUSION__INPUT__INIT;
+    in.n_tokens = 1;
+    in.tokens = toks;
+    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
+    sr.input = &in;
+    sr.start_position = pos;
+    Fusion__SessionReply *rep = NULL;
+    int rc = send_step(s, &sr, &rep, st);
+    rpc_msg_free(rep ? &rep->base : NULL);
+    return rc;
+}
+
+static Fusion__OpenSession open_span(const char *id, int first, int last) {
+    Fusion__OpenSession o = open_msg(id, 16);
+    o.first_block = first;
+    o.last_block = last;
+    return o;
+}
+
+/* The old core back once nothing uses it (sessions end asynchronously). */
+static shard_core *wait_old_core(shard_server *srv) {
+    for (int i = 0; i < 500; i++) {
+        shard_core *c = shard_server_old_core(srv, false);
+        if (c) return c;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+/* A move: the new span serves new sessions and Info while the old one serves the sessions naming it
+ * until they end, or until it is closed (their next step fails: "moved away"); then it is handed back. */
+static void test_move_beside_old_span(void **state) {
+    (void)state;
+    fixture f;
+    start(&f, 0, 2, true, false);
+    rpc_stream *s1, *s2, *s3;
+    rpc_status st;
+    Fusion__OpenSession o = open_span("before", 0, 2);
+    assert_int_equal(open_session(&f, &s1, &o, &st), RPC_OK);
+    assert_int_equal(step_one(s1, 0, &st), RPC_OK);
+    /* nothing to hand back before a move */
+    assert_null(shard_server_old_core(f.srv, true));
+    mdl_config c = cfg_small();
+    mdl_open_options mo = {2, 4, false, true};
+    mdl_model *m2;
+    shard_core *core2;
+    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &mo, &m2), FU_OK);
+    shard_core_options so = {1u << 20, 64, OP_TYPE_F32};
+    assert_int_equal(shard_core_new(m2, f.be, &so, &core2), FU_OK);
+    assert_int_equal(shard_server_move(f.srv, core2, 2.0), FU_OK);
+    assert_int_equal(shard_server_move(f.srv, core2, 2.0), FU_ERR_INVALID); /* the old span still drains */
+    /* Info and new sessions: the new span */
+    Fusion__InfoRequest ir = FUSION__INFO_REQUEST__INIT;
+    ProtobufCMessage *msg = NULL;
+    assert_int_equal(rpc_call_unary(f.ch, RPC_SHARD_INFO, &ir.base, &fusion__info_reply__descriptor, &msg, 5000, &st),
+                     RPC_OK);
+    assert_int_equal(((Fusion__InfoReply *)msg)->first_block, 2);
+    rpc_msg_free(msg);
+    o = open_span("after", 2, 4);
+    assert_int_equal(open_session(&f, &s2, &o, &st), RPC_OK);
+    rpc_stream_free(s2);
+    /* the old session goes on; one naming the old span still opens there while it drains */
+    assert_int_equal(step_one(s1, 1, &st), RPC_OK);
+    o = open_span("late", 0, 2);
+    assert_int_equal(open_session(&f, &s3, &o, &st), RPC_OK);
+    rpc_stream_free(s1);
+    /* past the drain time: closed, so the last session's next step fails and the core comes back */
+    assert_null(shard_server_old_core(f.srv, true));
+    int rc = step_one(s3, 0, &st);
+    assert_int_equal(rc, RPC_UNAVAILABLE);
+    assert_non_null(strstr(st.message, "moved away"));
+    rpc_stream_free(s3);
+    shard_core *old = wait_old_core(f.srv);
+    assert_ptr_equal(old, f.core);
+    /* now the old span is gone: a session naming it is refused */
+    o = open_span("gone", 0, 2);
+    assert_int_equal(open_session(&f, &s3, &o, &st), RPC_FAILED_PRECONDITION);
+    rpc_stream_free(s3);
+    rpc_channel_free(f.ch);
+    shard_server_drain(f.srv, 0);
+    shard_server_free(f.srv);
+    shard_core_free(core2);
+    mdl_free(m2);
+    shard_core_free(f.core);
+    op_backend_free(f.be);
+    mdl_free(f.m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_info_and_good_session),
         cmocka_unit_test(test_bad_steps),
         cmocka_unit_test(test_bad_opens_and_auth),
         cmocka_unit_test(test_sessions_free_memory_when_dropped_or_idle),
+        cmocka_unit_test(test_move_beside_old_span),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

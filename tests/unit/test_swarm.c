@@ -112,6 +112,360 @@ static const char *server_state(json_t *doc, const char *address, json_t **span)
     return NULL;
 }
 
+/* Rule 6's choice: a move raising the flow by min_gain, never one that uncovers a block. */
+static void test_pick_move(void **st) {
+    (void)st;
+    rt_model model = {.name = "t", .n_layers = 10, .token_bytes = 2, .act_bytes = 2};
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &model), FU_OK);
+    int f1 = add_server(&sw, "f1", 5, 100, 0, 5), f1b = add_server(&sw, "f1b", 5, 100, 0, 5);
+    int f2 = add_server(&sw, "f2", 5, 100, 5, 10);
+    int j = add_server(&sw, "j", 5, 100, 0, 5); /* three on [0, 5), one on [5, 10): flow 20 */
+    link_all(&sw);
+    double flow = rt_max_flow(&sw, NULL);
+    assert_true(fabs(flow - 20) < 1e-6);
+    int movable[2] = {j, f2}, f = -1, l = -1;
+    assert_int_equal(gw_pick_move(&sw, movable, 1, 0.05, &f, &l), 0);
+    assert_int_equal(f, 5);
+    assert_int_equal(l, 10);
+    rt_swarm moved;
+    assert_int_equal(rt_swarm_clone(&moved, &sw), FU_OK);
+    assert_int_equal(rt_swarm_set_span(&moved, j, f, l), FU_OK);
+    assert_int_equal(rt_swarm_uncovered(&moved, NULL), 0);
+    assert_true(rt_max_flow(&moved, NULL) >= 1.05 * flow);
+    rt_swarm_free(&moved);
+    /* f2 alone covers [5, 10): it is never moved, whatever it would gain */
+    movable[0] = f2;
+    assert_int_equal(gw_pick_move(&sw, movable, 1, 0.0, &f, &l), -1);
+    /* a threshold above the gain (100%) keeps everyone in place */
+    movable[0] = j;
+    assert_int_equal(gw_pick_move(&sw, movable, 2, 1.5, &f, &l), -1);
+    /* once balanced (two and two), nothing moves */
+    assert_int_equal(rt_swarm_set_span(&sw, j, 5, 10), FU_OK);
+    assert_int_equal(gw_pick_move(&sw, movable, 2, 0.0, &f, &l), -1);
+    (void)f1, (void)f1b;
+    rt_swarm_free(&sw);
+}
+
+static gw_member_report fixed_report(const char *address, int first, int last) {
+    gw_member_report r = report(address, 0, first, last);
+    r.fixed_span = true;
+    return r;
+}
+
+static const char *member_state(gw_swarm *s, const char *address, json_t **doc_out) {
+    json_t *doc = gw_swarm_json(s);
+    *doc_out = doc;
+    return server_state(doc, address, NULL);
+}
+
+/* A joined member serving where it is least needed moves (once) beside the bottleneck; the fixed
+ * ones never move; the old span stays routed until the new one is reported. */
+static void test_rebalance_move(void **st) {
+    (void)st;
+    gw_config cfg;
+    gw_config_init(&cfg);
+    cfg.route_wait_ms = 0;
+    cfg.rebalance_interval_ms = 60000;
+    cfg.heartbeat_timeout_ms = 600000; /* ticks far apart retire no one here */
+    gw_swarm *s;
+    assert_int_equal(gw_swarm_new_manual(&cfg, 30, &s), FU_OK);
+    gw_member_reply rf2, rj, rf1, rf1b, hb;
+    gw_member_report r = fixed_report("10.0.0.2:1", 15, 30);
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &rf2), FU_OK);
+    r = report("10.0.0.9:1", 15, 0, 0);
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &rj), FU_OK);
+    assert_int_equal(rj.first, 0); /* the gap */
+    assert_int_equal(rj.last, 15);
+    r = report("10.0.0.9:1", 15, 0, 15);
+    assert_int_equal(gw_swarm_member_heartbeat(s, rj.member_id, &r, false, 0.5, &hb), FU_OK);
+    r = fixed_report("10.0.0.1:1", 0, 15);
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.5, &rf1), FU_OK);
+    r = fixed_report("10.0.0.3:1", 0, 15);
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.5, &rf1b), FU_OK);
+    json_t *doc = gw_swarm_json(s);
+    double flow0 = json_real_value(json_object_get(doc, "max_flow"));
+    json_decref(doc);
+    /* not while it has served its span for less than the interval */
+    gw_swarm_tick(s, 30.0);
+    assert_string_equal(member_state(s, "10.0.0.9:1", &doc), "active");
+    json_decref(doc);
+    /* then a tick orders the move of the joined member, not of a fixed one */
+    gw_swarm_tick(s, 100.0);
+    assert_string_equal(member_state(s, "10.0.0.9:1", &doc), "moving");
+    assert_string_equal(server_state(doc, "10.0.0.1:1", NULL), "active");
+    assert_int_equal(json_integer_value(json_object_get(doc, "moves")), 1);
+    assert_true(fabs(json_real_value(json_object_get(doc, "max_flow")) - flow0) < 1e-9); /* not moved yet */
+    json_decref(doc);
+    r = report("10.0.0.9:1", 15, 0, 15);
+    assert_int_equal(gw_swarm_member_heartbeat(s, rj.member_id, &r, false, 100.2, &hb), FU_OK);
+    assert_int_equal(hb.first, 15);
+    assert_int_equal(hb.last, 30);
+    /* meanwhile requests still route over its old span */
+    gw_lease lease;
+    gw_error err = {0};
+    assert_int_equal(gw_swarm_route(s, 8, &lease, &err), FU_OK);
+    gw_swarm_release(s, &lease);
+    /* it serves the new span while the old one drains its sessions */
+    r = report("10.0.0.9:1", 15, 15, 30);
+    r.dr_first = 0, r.dr_last = 15, r.dr_sessions = 2;
+    assert_int_equal(gw_swarm_member_heartbeat(s, rj.member_id, &r, false, 100.5, &hb), FU_OK);
+    assert_int_equal(hb.last, hb.first);
+    json_t *span = NULL;
+    doc = gw_swarm_json(s);
+    assert_string_equal(server_state(doc, "10.0.0.9:1", &span), "active");
+    assert_int_equal(json_integer_value(json_array_get(span, 0)), 15);
+    assert_true(json_real_value(json_object_get(doc, "max_flow")) >= 1.9 * flow0);
+    assert_int_equal(json_integer_value(json_object_get(doc, "uncovered_blocks")), 0);
+    size_t i;
+    json_t *sv;
+    json_array_foreach(json_object_get(doc, "servers"), i, sv) {
+        if (strcmp(json_string_value(json_object_get(sv, "address")), "10.0.0.9:1")) continue;
+        json_t *dr = json_object_get(sv, "draining");
+        assert_int_equal(json_integer_value(json_array_get(json_object_get(dr, "span"), 1)), 15);
+        assert_int_equal(json_integer_value(json_object_get(dr, "sessions")), 2);
+    }
+    json_decref(doc);
+    /* balanced now, and within the interval anyway: no further move */
+    r.dr_first = r.dr_last = r.dr_sessions = 0;
+    assert_int_equal(gw_swarm_member_heartbeat(s, rj.member_id, &r, false, 101.0, &hb), FU_OK);
+    gw_swarm_tick(s, 101.0);
+    doc = gw_swarm_json(s);
+    assert_int_equal(json_integer_value(json_object_get(doc, "moves")), 1);
+    json_decref(doc);
+    gw_swarm_free(s);
+    gw_config_free(&cfg);
+}
+
+/* A failed load is withdrawn and shown, another spare takes the span, and it is not asked again. */
+static void test_failed_load(void **st) {
+    (void)st;
+    gw_config cfg;
+    gw_config_init(&cfg);
+    cfg.route_wait_ms = 0;
+    gw_swarm *s;
+    assert_int_equal(gw_swarm_new_manual(&cfg, 30, &s), FU_OK);
+    gw_member_reply ra, rb, hb;
+    gw_member_report r = report("10.0.1.1:1", 0, 0, 0);
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &ra), FU_OK);
+    assert_int_equal(ra.last - ra.first, 30);
+    r = report("10.0.1.2:1", 0, 0, 0);
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &rb), FU_OK);
+    assert_int_equal(rb.last, rb.first); /* covered (being loaded): b waits */
+    /* a cannot load it and says so */
+    r = report("10.0.1.1:1", 0, 0, 0);
+    r.fail_first = 0, r.fail_last = 30;
+    snprintf(r.load_error, sizeof r.load_error, "malformed input: tensor 'blk.3.attn_q.weight' beyond end of file");
+    for (int k = 0; k < 3; k++) { /* reported in every heartbeat: counted once */
+        assert_int_equal(gw_swarm_member_heartbeat(s, ra.member_id, &r, false, 0.5 + k * 0.1, &hb), FU_OK);
+        assert_int_equal(hb.last, hb.first); /* not asked again */
+    }
+    json_t *doc;
+    assert_string_equal(member_state(s, "10.0.1.1:1", &doc), "spare");
+    size_t i;
+    json_t *sv;
+    json_array_foreach(json_object_get(doc, "servers"), i, sv) {
+        if (strcmp(json_string_value(json_object_get(sv, "address")), "10.0.1.1:1")) continue;
+        assert_non_null(strstr(json_string_value(json_object_get(sv, "error")), "beyond end of file"));
+        assert_int_equal(json_integer_value(json_object_get(sv, "failed_loads")), 1);
+        json_t *fs = json_array_get(json_object_get(sv, "failed_spans"), 0);
+        assert_int_equal(json_array_size(json_object_get(sv, "failed_spans")), 1);
+        assert_int_equal(json_integer_value(json_array_get(fs, 1)), 30);
+    }
+    /* the other spare is asked instead */
+    assert_string_equal(server_state(doc, "10.0.1.2:1", NULL), "loading");
+    json_decref(doc);
+    r = report("10.0.1.2:1", 0, 0, 0);
+    assert_int_equal(gw_swarm_member_heartbeat(s, rb.member_id, &r, false, 0.6, &hb), FU_OK);
+    assert_int_equal(hb.first, 0);
+    assert_int_equal(hb.last, 30);
+    r = report("10.0.1.2:1", 0, 0, 30);
+    assert_int_equal(gw_swarm_member_heartbeat(s, rb.member_id, &r, false, 0.7, &hb), FU_OK);
+    gw_lease lease;
+    gw_error err = {0};
+    assert_int_equal(gw_swarm_route(s, 8, &lease, &err), FU_OK);
+    assert_string_equal(lease.addr[0], "10.0.1.2:1");
+    gw_swarm_release(s, &lease);
+    /* b leaves: the gap is not offered to a again for the span it failed on */
+    assert_int_equal(gw_swarm_member_heartbeat(s, rb.member_id, NULL, true, 0.8, &hb), FU_OK);
+    r = report("10.0.1.1:1", 0, 0, 0);
+    assert_int_equal(gw_swarm_member_heartbeat(s, ra.member_id, &r, false, 0.9, &hb), FU_OK);
+    assert_int_equal(hb.last, hb.first);
+    assert_int_not_equal(gw_swarm_route(s, 8, &lease, &err), FU_OK);
+    assert_int_equal(err.http, 503);
+    gw_swarm_free(s);
+    gw_config_free(&cfg);
+}
+
+/* A member whose loads fail three times (three different spans) is not asked again: "failed". */
+static void test_failed_thrice(void **st) {
+    (void)st;
+    gw_config cfg;
+    gw_config_init(&cfg);
+    cfg.route_wait_ms = 0;
+    gw_swarm *s;
+    assert_int_equal(gw_swarm_new_manual(&cfg, 30, &s), FU_OK);
+    gw_member_reply rx, rf, hb;
+    gw_member_report r = report("10.0.5.1:1", 10, 0, 0);
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &rx), FU_OK);
+    assert_int_equal(rx.last - rx.first, 10);
+    /* fixed members around each gap it is given; it fails every load */
+    const int gaps[3][2] = {{0, 10}, {20, 30}, {10, 20}};
+    const char *fixed[3] = {"10.0.5.2:1", "10.0.5.3:1", "10.0.5.4:1"};
+    int as_first = rx.first, as_last = rx.last;
+    for (int k = 0; k < 3; k++) {
+        /* the others cover everything but gaps[k] */
+        int a = gaps[k][0], b = gaps[k][1];
+        r = fixed_report(fixed[k], a == 0 ? b : 0, a == 0 ? 30 : a);
+        assert_int_equal(gw_swarm_member_join(s, &r, 0.1, &rf), FU_OK);
+        if (b < 30 && a > 0) { /* a middle gap: one more fixed member after it */
+            gw_member_reply r2;
+            gw_member_report t = fixed_report("10.0.5.9:1", b, 30);
+            assert_int_equal(gw_swarm_member_join(s, &t, 0.1, &r2), FU_OK);
+        }
+        r = report("10.0.5.1:1", 10, 0, 0);
+        assert_int_equal(gw_swarm_member_heartbeat(s, rx.member_id, &r, false, 0.2, &hb), FU_OK);
+        if (k > 0) {
+            as_first = hb.first, as_last = hb.last;
+            assert_int_equal(as_first, a);
+            assert_int_equal(as_last, b);
+        }
+        r.fail_first = as_first, r.fail_last = as_last;
+        snprintf(r.load_error, sizeof r.load_error, "out of memory");
+        assert_int_equal(gw_swarm_member_heartbeat(s, rx.member_id, &r, false, 0.3, &hb), FU_OK);
+        assert_int_equal(hb.last, hb.first);
+        /* the fixed members of this round leave (a new gap for the next round) */
+        assert_int_equal(gw_swarm_member_heartbeat(s, rf.member_id, NULL, true, 0.4, &hb), FU_OK);
+    }
+    json_t *doc;
+    assert_string_equal(member_state(s, "10.0.5.1:1", &doc), "failed");
+    json_decref(doc);
+    r = report("10.0.5.1:1", 10, 0, 0);
+    assert_int_equal(gw_swarm_member_heartbeat(s, rx.member_id, &r, false, 0.5, &hb), FU_OK);
+    assert_int_equal(hb.last, hb.first);
+    gw_swarm_free(s);
+    gw_config_free(&cfg);
+}
+
+/* Rules 4 and 5: a spare within the count is promoted when a serving member leaves, and when
+ * requests are refused for want of KV room. */
+static void test_promotion(void **st) {
+    (void)st;
+    gw_config cfg;
+    gw_config_init(&cfg);
+    cfg.route_wait_ms = 0;
+    cfg.spares = 2;
+    gw_swarm *s;
+    assert_int_equal(gw_swarm_new_manual(&cfg, 30, &s), FU_OK);
+    const char *addr[4] = {"10.0.2.1:1", "10.0.2.2:1", "10.0.2.3:1", "10.0.2.4:1"};
+    gw_member_reply rep[4], hb;
+    for (int i = 0; i < 4; i++) { /* two serving all blocks (KV room for 100 tokens each), two spares */
+        gw_member_report r = i < 2 ? fixed_report(addr[i], 0, 30) : report(addr[i], 0, 0, 0);
+        if (i < 2) r.total_kv = 64 * 100;
+        assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &rep[i]), FU_OK);
+        assert_int_equal(rep[i].last, rep[i].first);
+    }
+    /* an ordinary heartbeat: the spares wait */
+    gw_member_report sp = report(addr[2], 0, 0, 0);
+    assert_int_equal(gw_swarm_member_heartbeat(s, rep[2].member_id, &sp, false, 0.2, &hb), FU_OK);
+    assert_int_equal(hb.last, hb.first);
+    /* a serving member leaves: one spare restores the flow */
+    assert_int_equal(gw_swarm_member_heartbeat(s, rep[1].member_id, NULL, true, 0.3, &hb), FU_OK);
+    int promoted = -1;
+    for (int i = 2; i < 4; i++) {
+        gw_member_report r = report(addr[i], 0, 0, 0);
+        assert_int_equal(gw_swarm_member_heartbeat(s, rep[i].member_id, &r, false, 0.4, &hb), FU_OK);
+        if (hb.last > hb.first) {
+            assert_int_equal(promoted, -1); /* only one */
+            assert_int_equal(hb.last - hb.first, 30);
+            promoted = i;
+        }
+    }
+    assert_true(promoted >= 2);
+    int other = promoted == 2 ? 3 : 2;
+    gw_member_report r = report(addr[promoted], 0, 0, 30);
+    r.total_kv = 64 * 100;
+    assert_int_equal(gw_swarm_member_heartbeat(s, rep[promoted].member_id, &r, false, 0.5, &hb), FU_OK);
+    json_t *doc = gw_swarm_json(s);
+    assert_false(json_is_true(json_object_get(doc, "loaded")));
+    json_decref(doc);
+    /* the last spare waits ... until a request finds no KV room anywhere */
+    r = report(addr[other], 0, 0, 0);
+    assert_int_equal(gw_swarm_member_heartbeat(s, rep[other].member_id, &r, false, 0.6, &hb), FU_OK);
+    assert_int_equal(hb.last, hb.first);
+    gw_lease lease;
+    gw_error err = {0};
+    assert_int_equal(gw_swarm_route(s, 500, &lease, &err), FU_ERR_EXHAUSTED);
+    assert_int_equal(err.http, 503);
+    doc = gw_swarm_json(s);
+    assert_true(json_is_true(json_object_get(doc, "loaded")));
+    assert_string_equal(server_state(doc, addr[other], NULL), "loading");
+    json_decref(doc);
+    assert_int_equal(gw_swarm_member_heartbeat(s, rep[other].member_id, &r, false, 0.7, &hb), FU_OK);
+    assert_int_equal(hb.last - hb.first, 30);
+    gw_swarm_free(s);
+    gw_config_free(&cfg);
+}
+
+/* Members joining and leaving many times keep the router and the member list bounded. */
+static void test_churn_bounded(void **st) {
+    (void)st;
+    gw_config cfg;
+    gw_config_init(&cfg);
+    cfg.route_wait_ms = 0;
+    gw_swarm *s;
+    assert_int_equal(gw_swarm_new_manual(&cfg, 30, &s), FU_OK);
+    gw_member_reply keep, rep, hb;
+    gw_member_report r = report("10.0.3.1:1", 0, 0, 0);
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &keep), FU_OK);
+    r = report("10.0.3.1:1", 0, 0, 30);
+    assert_int_equal(gw_swarm_member_heartbeat(s, keep.member_id, &r, false, 0.0, &hb), FU_OK);
+    gw_lease lease;
+    gw_error err = {0};
+    for (int i = 0; i < 1000; i++) {
+        char a[64];
+        snprintf(a, sizeof a, "10.1.%d.%d:%d", i / 250, i % 250, 1 + i % 3);
+        r = report(a, 0, 0, 0);
+        assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &rep), FU_OK);
+        r = report(a, 0, 0, 30);
+        assert_int_equal(gw_swarm_member_heartbeat(s, rep.member_id, &r, false, 0.0, &hb), FU_OK);
+        bool held = i % 7 == 0; /* a lease over it while it leaves: its slot waits for the release */
+        if (held) assert_int_equal(gw_swarm_route(s, 8, &lease, &err), FU_OK);
+        assert_int_equal(gw_swarm_member_heartbeat(s, rep.member_id, NULL, true, 0.0, &hb), FU_OK);
+        if (held) gw_swarm_release(s, &lease);
+    }
+    json_t *doc = gw_swarm_json(s);
+    assert_true(json_integer_value(json_object_get(doc, "router_slots")) <= 4);
+    assert_true(json_array_size(json_object_get(doc, "servers")) <= 64 + 2);
+    assert_int_equal(json_integer_value(json_object_get(doc, "active")), 1);
+    json_decref(doc);
+    assert_int_equal(gw_swarm_route(s, 8, &lease, &err), FU_OK);
+    assert_string_equal(lease.addr[0], "10.0.3.1:1");
+    gw_swarm_release(s, &lease);
+    gw_swarm_free(s);
+    gw_config_free(&cfg);
+}
+
+/* The flow network's bytes per token between servers: hidden size x 2 (bf16). */
+static void test_act_bytes(void **st) {
+    (void)st;
+    gw_config cfg;
+    gw_config_init(&cfg);
+    cfg.hidden_size = 576;
+    gw_swarm *s;
+    assert_int_equal(gw_swarm_new_manual(&cfg, 30, &s), FU_OK);
+    json_t *doc = gw_swarm_json(s);
+    assert_true(fabs(json_real_value(json_object_get(doc, "act_bytes_per_token")) - 1152) < 1e-9);
+    json_decref(doc);
+    /* a member of another model is refused */
+    gw_member_report r = report("10.0.4.1:1", 0, 0, 0);
+    r.hidden_size = 2048;
+    gw_member_reply rep;
+    assert_int_equal(gw_swarm_member_join(s, &r, 0.0, &rep), FU_ERR_INVALID);
+    gw_swarm_free(s);
+    gw_config_free(&cfg);
+}
+
 static void test_membership(void **st) {
     (void)st;
     gw_config cfg;
@@ -384,7 +738,7 @@ static void test_join_over_rpc(void **st) {
     fake_member fm = {.first = 0, .last = 0};
     pthread_mutex_init(&fm.mu, NULL);
     shard_join_config jc = {gw_addr, NULL, true, "unit-secret", shard_server_address(srv), "m", 30, "cpu", 3000, 0,
-                            false, fake_load, fake_status, &fm};
+                            false, 0, fake_load, fake_status, &fm};
     shard_join *j;
     assert_int_equal(shard_join_start(&jc, &j), FU_OK);
     /* the only member is given every block, loads them and serves */
@@ -432,6 +786,13 @@ int main(void) {
         cmocka_unit_test(test_membership),
         cmocka_unit_test(test_spare_server),
         cmocka_unit_test(test_join_over_rpc),
+        cmocka_unit_test(test_pick_move),
+        cmocka_unit_test(test_rebalance_move),
+        cmocka_unit_test(test_failed_load),
+        cmocka_unit_test(test_failed_thrice),
+        cmocka_unit_test(test_promotion),
+        cmocka_unit_test(test_churn_bounded),
+        cmocka_unit_test(test_act_bytes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
