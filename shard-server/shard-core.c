@@ -14,8 +14,8 @@
 #include "status.h"
 
 #define SHARD_MAX_TOP_LOGPROBS 20
-#define SHARD_GATHER_US 2000   /* longest wait for recently active sessions' next steps */
-#define SHARD_ACTIVE_US 200000 /* a session that stepped this recently counts as active */
+#define SHARD_GATHER_US 2000 /* longest wait for recently active sessions' next steps */
+#define SHARD_ACTIVE_US 200000 /* a session whose step was queued or answered this recently counts as active */
 
 struct shard_session {
     char id[129];
@@ -41,7 +41,7 @@ struct shard_session {
     int rc;
     char err[256];
     int64_t t_enqueue_us;
-    int64_t last_step_us;      /* when the session last queued a step */
+    int64_t last_step_us;      /* when the session last queued a step or got its answer */
 };
 
 struct shard_core {
@@ -188,7 +188,10 @@ static void shard_run_batch(shard_core *c, int n) {
         s->rc = src;
     }
     pthread_mutex_lock(&c->mu);
-    for (int i = 0; i < n; i++) c->b_sess[i]->done = true;
+    for (int i = 0; i < n; i++) {
+        c->b_sess[i]->done = true;
+        c->b_sess[i]->last_step_us = t1;
+    }
     if (!rc) {
         c->stats.batches++;
         c->stats.batched_steps += (uint64_t)n;
@@ -204,9 +207,10 @@ static void *shard_batcher(void *arg) {
     for (;;) {
         while (!c->pend_head && !c->stop) pthread_cond_wait(&c->cv_work, &c->mu);
         if (c->stop) break;
-        /* Sessions that stepped recently send their next steps within a round
-         * trip of their last reply: wait a moment for them so that they all run
-         * in one batch instead of alternating in smaller ones. */
+        /* Sessions answered or queued recently send their next steps within a
+         * round trip of their last reply: wait a moment for them so that they
+         * all run in one batch instead of alternating in smaller ones. (Counting
+         * from the answer matters: a batch can take longer than SHARD_ACTIVE_US.) */
         int active = 0;
         int64_t now = now_us();
         for (shard_session *s = c->sessions; s; s = s->next)
