@@ -335,6 +335,8 @@ def test_failed_load_promotion_and_move(cluster, reference, tmp_path):
         assert sv["state"] == "spare" and sv["assigned"] is None and sv["failed_spans"] == [[0, 30]], sv
         assert "loading blocks [0, 30) failed" in sv["error"], sv
         c = start()
+        # its Join may land after its port file: route once the gateway has given it the gap
+        wait_for(lambda: state(c) in ("loading", "active"), "the new shard taking the gap")
         st, body = request(gw, "POST", "/v1/completions", completion_body(False))
         assert st == 200, body
         assert by_address(swarm(gw))[c.address]["state"] == "active"
