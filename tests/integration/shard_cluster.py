@@ -1,9 +1,11 @@
 """Helpers for tests that run real fusion-shard processes on loopback."""
+import json
 import os
 import signal
 import subprocess
 import tempfile
 import time
+import urllib.request
 
 BUILD = os.environ.get("FUSION_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
 SOURCE = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -139,3 +141,48 @@ def run_chain(shards, prompt, max_tokens, *, wire=None, forward=False, sessions=
     if check:
         assert res.returncode == 0, f"fusion-chain failed: {res.stderr}"
     return res
+
+
+def wait_for(pred, what, timeout=20):
+    """Polls pred() every 0.1 s until it is true; fails the test naming `what` after timeout seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def completion_body(model_id, prompt, max_tokens, stream):
+    """A greedy /v1/completions body over token ids that reports every token's id in its logprobs."""
+    return {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream, "logprobs": 1, "return_tokens_as_token_ids": True}
+
+
+def stream_completion(url, key, body, on_chunk=None):
+    """Runs a streaming completion (body from completion_body); returns (token ids, error events).
+    on_chunk(n_tokens) after each chunk."""
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST")
+    req.add_header("Content-Type", "application/json")
+    req.add_header("Authorization", f"Bearer {key}")
+    tokens, errors, done = [], [], False
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                errors.append(ev["error"])
+                continue
+            for ch in ev["choices"]:
+                if ch.get("logprobs"):
+                    tokens += [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]]
+            if on_chunk:
+                on_chunk(len(tokens))
+    assert done, "the stream ended without [DONE]"
+    return tokens, errors

@@ -21,7 +21,8 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import SECRET, Gateway, Shard, default_model, program  # noqa: E402
+import shard_cluster  # noqa: E402
+from shard_cluster import Gateway, Shard, default_model, program, wait_for  # noqa: E402
 
 KEY = "sk-test-failover-key"
 PROMPT = [504, 1552, 3732, 3434, 359]  # any ids; the reference is computed from them
@@ -52,50 +53,16 @@ def by_address(doc):
     return {s["address"]: s for s in doc["servers"]}
 
 
-def wait_for(pred, what, timeout=15):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 MODEL_ID = []
 
 
 def completion_body(stream):
-    return {"model": MODEL_ID[0], "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": stream, "logprobs": 1, "return_tokens_as_token_ids": True}
+    return shard_cluster.completion_body(MODEL_ID[0], PROMPT, MAX_TOKENS, stream)
 
 
 def stream_tokens(gw, on_chunk=None):
-    """Runs a streaming greedy completion; returns (token ids, error events). on_chunk(n_tokens) after each."""
-    req = urllib.request.Request(gw.url + "/v1/completions", data=json.dumps(completion_body(True)).encode(),
-                                 method="POST")
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {KEY}")
-    tokens, errors, done = [], [], False
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.status == 200
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                errors.append(ev["error"])
-                continue
-            for ch in ev["choices"]:
-                if ch.get("logprobs"):
-                    tokens += [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]]
-            if on_chunk:
-                on_chunk(len(tokens))
-    assert done, "the stream ended without [DONE]"
-    return tokens, errors
+    """A streaming greedy completion; returns (token ids, error events). on_chunk(n_tokens) after each chunk."""
+    return shard_cluster.stream_completion(gw.url, KEY, completion_body(True), on_chunk)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +139,7 @@ def test_swarm_route_failover_and_503(cluster, reference):
     assert tokens == reference, f"after killing {dead} at token {killed[dead]}"
     assert "failing over" in gw.output()
     print(f"killed {dead} at token {killed[dead]}")
-    wait_for(lambda: by_address(swarm(gw))[addr[dead]]["state"] == "gone", f"{dead} gone in /v1/swarm")
+    wait_for(lambda: by_address(swarm(gw))[addr[dead]]["state"] == "gone", f"{dead} gone in /v1/swarm", timeout=15)
 
     # a shard restarted on its address rejoins
     port = addr[dead].rsplit(":", 1)[1]
@@ -195,7 +162,7 @@ def test_swarm_route_failover_and_503(cluster, reference):
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n_streams)]
     for t in threads:
         t.start()
-    wait_for(lambda: min(progress) >= 4 or not all(t.is_alive() for t in threads), "the streams under way")
+    wait_for(lambda: min(progress) >= 4 or not all(t.is_alive() for t in threads), "the streams under way", timeout=15)
     loads = by_address(swarm(gw))
     # Routing by load normally puts a stream over C; on a machine so loaded that
     # the measured speeds skew the flow, every stream may take A's path -- then
@@ -206,13 +173,13 @@ def test_swarm_route_failover_and_503(cluster, reference):
         t.join(120)
     for toks, errs in results:
         assert not errs and toks == reference, f"after killing {victim}: {loads}"
-    wait_for(lambda: by_address(swarm(gw))[addr[victim]]["state"] == "gone", f"{victim} gone in /v1/swarm")
+    wait_for(lambda: by_address(swarm(gw))[addr[victim]]["state"] == "gone", f"{victim} gone in /v1/swarm", timeout=15)
     print(f"second failover: killed {victim}")
 
     # every server of [0, 15) gone: a quick 503 naming the blocks
     survivor = "A" if victim == "C" else "C"
     shards[survivor].proc.send_signal(signal.SIGKILL)
-    wait_for(lambda: swarm(gw)["uncovered_blocks"] == 15, "blocks [0, 15) uncovered")
+    wait_for(lambda: swarm(gw)["uncovered_blocks"] == 15, "blocks [0, 15) uncovered", timeout=15)
     t0 = time.time()
     st, body = request(gw, "POST", "/v1/completions", completion_body(False), timeout=20)
     assert st == 503, body

@@ -23,7 +23,8 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import SECRET, Gateway, default_model, make_tls, program  # noqa: E402
+import shard_cluster  # noqa: E402
+from shard_cluster import SECRET, Gateway, default_model, make_tls, program, wait_for  # noqa: E402
 
 KEY = "sk-test-swarm-join-key"
 PROMPT = [504, 1552, 3732, 3434, 359]
@@ -89,47 +90,13 @@ def by_address(doc):
     return {s["address"]: s for s in doc["servers"]}
 
 
-def wait_for(pred, what, timeout=20):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def completion_body(stream):
-    return {"model": MODEL_ID[0], "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": stream, "logprobs": 1, "return_tokens_as_token_ids": True}
+    return shard_cluster.completion_body(MODEL_ID[0], PROMPT, MAX_TOKENS, stream)
 
 
 def stream_tokens(gw, on_chunk=None):
     """A streaming greedy completion; returns (token ids, error events). on_chunk(n_tokens) after each chunk."""
-    req = urllib.request.Request(gw.url + "/v1/completions", data=json.dumps(completion_body(True)).encode(),
-                                 method="POST")
-    req.add_header("Content-Type", "application/json")
-    req.add_header("Authorization", f"Bearer {KEY}")
-    tokens, errors, done = [], [], False
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.status == 200
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                break
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                errors.append(ev["error"])
-                continue
-            for ch in ev["choices"]:
-                if ch.get("logprobs"):
-                    tokens += [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]]
-            if on_chunk:
-                on_chunk(len(tokens))
-    assert done, "the stream ended without [DONE]"
-    return tokens, errors
+    return shard_cluster.stream_completion(gw.url, KEY, completion_body(True), on_chunk)
 
 
 def covered(doc):
