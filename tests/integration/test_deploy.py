@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import BUILD, SOURCE, default_model, program  # noqa: E402
+from shard_cluster import SOURCE, default_model, program  # noqa: E402
 
 DEPLOY = os.path.join(SOURCE, "deploy")
 
