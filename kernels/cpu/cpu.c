@@ -159,20 +159,32 @@ static int cpu_synchronize(op_backend *be) {
 typedef struct cpu_mm_job {
     cpu_backend *c;
     cpu_mm m;
-    int64_t chunk;        /* matvec: rows per chunk */
+    int64_t share;        /* matvec: a chunk is 1/share of the rows left */
     int64_t pg;           /* gemm: panels per unit of work (<= CPU_PG) */
-    _Atomic int64_t next; /* next chunk (matvec) or (token block, panel group) unit (gemm) */
+    _Atomic int64_t next; /* first row not yet taken (matvec) or next (token block, panel
+                             group) unit (gemm) */
 } cpu_mm_job;
 
+/* Matvec chunks shrink as the rows run out (guided scheduling): the first
+ * ones are long, so that each thread streams long runs of consecutive weight
+ * rows (the prefetchers restart at every chunk), and the last ones are short,
+ * so that the threads finish together. Chunks are multiples of 16 rows from
+ * row 0, so the kernels group rows the same way whatever the thread count. */
 static void cpu_matvec_job(void *arg, int ith, int nth) {
     (void)ith;
     (void)nth;
     cpu_mm_job *j = arg;
-    for (;;) {
-        int64_t r0 = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed) * j->chunk;
-        if (r0 >= j->m.n) break;
-        int64_t r1 = r0 + j->chunk < j->m.n ? r0 + j->chunk : j->m.n;
-        j->c->kern->matvec[j->m.type](&j->m, r0, r1);
+    const int64_t n = j->m.n;
+    int64_t r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
+    while (r0 < n) {
+        int64_t size = (n - r0 + j->share - 1) / j->share;
+        size = size < 16 ? 16 : (size + 15) / 16 * 16;
+        int64_t r1 = r0 + size < n ? r0 + size : n;
+        if (atomic_compare_exchange_weak_explicit(&j->next, &r0, r1, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            j->c->kern->matvec[j->m.type](&j->m, r0, r1);
+            r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
+        }
     }
 }
 
@@ -323,8 +335,7 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
     }
     if (j.m.t <= cpu_decode_max_t(c, j.m.type)) {
         cpu_quant_x_fn qx = c->quant_x ? c->kern->quant_x[j.m.type] : NULL;
-        j.chunk = (j.m.n + 8 * c->base.n_threads - 1) / (8 * c->base.n_threads);
-        j.chunk = j.chunk < 16 ? 16 : (j.chunk + 15) / 16 * 16;
+        j.share = 2 * (int64_t)c->base.n_threads;
         if (qx && j.m.k % 64 == 0) {
             int rc = cpu_reserve_xq(c, j.m.t, j.m.k);
             if (rc) return rc;
