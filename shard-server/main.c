@@ -515,6 +515,15 @@ int main(int argc, char **argv) {
     shard_join_stop(join);
     join = NULL;
     shard_server_drain(srv, a.drain_ms);
+    pthread_mutex_lock(&sp.mu);
+    if (sp.core) {
+        shard_core_stats cs;
+        shard_core_get_stats(sp.core, &cs);
+        FU_INFO("served %llu batched forwards carrying %llu steps (%.1f a forward), %llu positions",
+                (unsigned long long)cs.batches, (unsigned long long)cs.batched_steps,
+                cs.batches ? (double)cs.batched_steps / (double)cs.batches : 0.0, (unsigned long long)cs.tokens);
+    }
+    pthread_mutex_unlock(&sp.mu);
     status = 0;
 done:
     if (status) fprintf(stderr, "fusion-shard: %s: %s\n", fu_status_str(rc), fu_last_error());
