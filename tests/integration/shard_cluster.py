@@ -5,6 +5,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 BUILD = os.environ.get("FUSION_BUILD_DIR", os.path.join(os.path.dirname(__file__), "..", "..", "build"))
@@ -186,3 +187,30 @@ def stream_completion(url, key, body, on_chunk=None):
                 on_chunk(len(tokens))
     assert done, "the stream ended without [DONE]"
     return tokens, errors
+
+
+def api_request(gw, method, path, body=None, key=None, timeout=60):
+    """One JSON request to a Gateway (body: JSON-able or None); returns (status, parsed JSON body)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(gw.url + path, data=data, method=method)
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def swarm_doc(gw, key):
+    """GET /v1/swarm, which must answer 200."""
+    st, doc = api_request(gw, "GET", "/v1/swarm", key=key)
+    assert st == 200, doc
+    return doc
+
+
+def by_address(doc):
+    """/v1/swarm's servers by address."""
+    return {s["address"]: s for s in doc["servers"]}

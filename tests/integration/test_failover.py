@@ -15,14 +15,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import shard_cluster  # noqa: E402
-from shard_cluster import Gateway, Shard, default_model, program, wait_for  # noqa: E402
+from shard_cluster import Gateway, Shard, default_model, program, by_address, wait_for  # noqa: E402
 
 KEY = "sk-test-failover-key"
 PROMPT = [504, 1552, 3732, 3434, 359]  # any ids; the reference is computed from them
@@ -30,27 +28,11 @@ MAX_TOKENS = 64
 
 
 def request(gw, method, path, body=None, key=KEY, timeout=60):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(gw.url + path, data=data, method=method)
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    if key:
-        req.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
+    return shard_cluster.api_request(gw, method, path, body, key, timeout)
 
 
 def swarm(gw):
-    st, doc = request(gw, "GET", "/v1/swarm")
-    assert st == 200, doc
-    return doc
-
-
-def by_address(doc):
-    return {s["address"]: s for s in doc["servers"]}
+    return shard_cluster.swarm_doc(gw, KEY)
 
 
 MODEL_ID = []
