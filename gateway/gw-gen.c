@@ -62,7 +62,6 @@ struct gw_job {
     double t_arrival;           /* monotonic seconds */
     uint64_t seed;              /* request seed, or a random one */
     bool tools_on;              /* chat with tools: calls are parsed out of the output */
-    gw_tool_format tool_format;
     uint64_t call_salt;         /* random: tool call ids */
     pthread_mutex_t mu;         /* everything below the prep fields */
     int refs;
@@ -179,7 +178,6 @@ int gw_job_new(gw_engine *e, gw_request *req, gw_job **out) {
     j->t_arrival = now_s();
     j->seed = j->req.has_seed ? j->req.seed : random_seed();
     j->tools_on = j->req.kind == GW_KIND_CHAT && gw_tools_active(j->req.tools, j->req.tool_choice);
-    j->tool_format = gw_tool_format_detect(tok_chat_template(e->model->tok));
     j->call_salt = random_seed();
     int n_prompts = j->req.kind == GW_KIND_CHAT ? 1 : j->req.n_prompts;
     j->n_prompts = n_prompts;
@@ -194,7 +192,7 @@ int gw_job_new(gw_engine *e, gw_request *req, gw_job **out) {
     for (int i = 0; i < j->n_choices; i++) {
         j->choices[i].index = i;
         j->choices[i].prompt = i / j->req.n;
-        gw_tool_stream_init(&j->choices[i].tools, j->tool_format, j->call_salt + (uint64_t)i * 0x9E3779B97F4A7C15ull);
+        gw_tool_stream_init(&j->choices[i].tools, j->e->model->tool_format, j->call_salt + (uint64_t)i * 0x9E3779B97F4A7C15ull);
     }
     *out = j;
     return FU_OK;
@@ -217,8 +215,7 @@ int gw_render_chat(const gw_model *m, gw_request *r, char **out, gw_error *err) 
     *out = NULL;
     if (!m->tpl)
         return gw_error_set(err, 400, "messages", NULL, "the model has no chat template: use /v1/completions");
-    const char *src = tok_chat_template(m->tok);
-    if (gw_tools_prepare_chat(r->messages, r->tools, gw_tool_format_detect(src), src, err)) return err->http;
+    if (gw_tools_prepare_chat(r->messages, r->tools, m->tool_format, tok_chat_template(m->tok), err)) return err->http;
     if (tpl_apply_chat(m->tpl, r->messages, r->tools, 1, tok_bos_str(m->tok), tok_eos_str(m->tok), NULL, out))
         return gw_error_set(err, 400, "messages", NULL, "chat template: %s", fu_last_error());
     return 0;
@@ -409,7 +406,7 @@ static void gw_job_build_body(gw_job *j) {
         json_object_set_new(ch, "index", json_integer(i));
         json_t *text = NULL, *calls = NULL;
         const char *finish = c->finish ? c->finish : "length";
-        if (j->tools_on && gw_tool_parse(j->tool_format, j->choices[i].tools.id_salt, c->text.data ? c->text.data : "",
+        if (j->tools_on && gw_tool_parse(j->e->model->tool_format, j->choices[i].tools.id_salt, c->text.data ? c->text.data : "",
                                          c->text.len, &calls, &text) > 0)
             finish = "tool_calls";
         if (!text) text = gw_json_string_lossy(c->text.data ? c->text.data : "", c->text.len);

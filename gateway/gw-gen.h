@@ -15,6 +15,7 @@
 #include <stddef.h>
 
 #include "chat-template.h"
+#include "gw-tools.h"
 #include "gw.h"
 #include "tokenizer.h"
 
@@ -25,6 +26,7 @@ typedef struct gw_model {
     int vocab;          /* V */
     int ctx;            /* the model's context length */
     int n_layers;       /* transformer blocks (routing over a swarm); 0: unknown */
+    gw_tool_format tool_format; /* how the chat template's model writes tool calls (gw_tool_format_detect) */
 } gw_model;
 
 typedef struct gw_engine gw_engine;

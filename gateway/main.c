@@ -171,7 +171,8 @@ int main(int argc, char **argv) {
         if (dot && !strcmp(dot, ".gguf")) *dot = '\0';
     }
     /* token ids are checked against the model's vocabulary (the LM head's rows) */
-    gw_model model = {tok, tpl, name, m->cfg.vocab_size, m->cfg.max_seq_len, m->cfg.n_layers};
+    gw_model model = {tok, tpl, name, m->cfg.vocab_size, m->cfg.max_seq_len, m->cfg.n_layers,
+                      gw_tool_format_detect(tok_chat_template(tok))};
     cfg.hidden_size = m->cfg.dim; /* what a token costs on the wire between servers */
 
     signal(SIGPIPE, SIG_IGN);
