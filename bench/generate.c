@@ -29,7 +29,8 @@ static const preset presets[] = {
 
 static int parse_type(const char *s, op_type *t) {
     for (int i = 0; i < OP_TYPE_COUNT; i++)
-        if (op_type_is_weight((op_type)i) && strcmp(s, op_type_name((op_type)i)) == 0) {
+        if (op_type_is_weight((op_type)i) && op_type_row_group((op_type)i) == 1 &&
+            strcmp(s, op_type_name((op_type)i)) == 0) {
             *t = (op_type)i;
             return 0;
         }
@@ -98,6 +99,14 @@ int main(int argc, char **argv) {
     mdl_open_options mo = {first, last, first == 0, !no_head};
     mdl_model *m = NULL;
     int rc;
+    op_cpu_options co = {.n_threads = threads, .isa = isa};
+    op_backend *be = op_backend_cpu_new(&co);
+    if (!be) {
+        fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
+        return 1;
+    }
+    /* the layout the engine runs matrices of whole row groups in */
+    const op_type run_type = op_weight_layout(be, dtype, OP_R16_ROWS);
     double t_load = bench_now();
     if (model_path) {
         rc = mdl_open(model_path, &mo, &m);
@@ -116,18 +125,13 @@ int main(int argc, char **argv) {
         }
         if (last > p->cfg.n_layers) last = p->cfg.n_layers;
         mo.head = mo.head && (last < 0 || last == p->cfg.n_layers);
-        rc = mdl_random(&p->cfg, dtype, 1, &mo, &m);
+        /* drawn in the layout the engine would repack them into, so that
+         * the model does not hold a second copy of the weights */
+        rc = mdl_random(&p->cfg, run_type, 1, &mo, &m);
     }
     if (rc) {
         fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
-        return 1;
-    }
-    t_load = bench_now() - t_load;
-    op_cpu_options co = {.n_threads = threads, .isa = isa};
-    op_backend *be = op_backend_cpu_new(&co);
-    if (!be) {
-        fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
-        mdl_free(m);
+        op_backend_free(be);
         return 1;
     }
     const mdl_config *cfg = &m->cfg;
@@ -145,6 +149,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fusion-bench-generate: %s\n", rc ? fu_last_error() : "out of memory");
         return 1;
     }
+    t_load = bench_now() - t_load; /* the engine's repacking included */
     for (int i = 0; i < max_len; i++) {
         ids[i] = (int32_t)((i * 7919 + 13) % cfg->vocab_size);
         seqs[i] = s;
@@ -190,8 +195,10 @@ int main(int argc, char **argv) {
            cfg->n_layers, cfg->dim,
            cfg->ffn_dim, cfg->n_heads, cfg->n_kv_heads, cfg->vocab_size,
            model_path ? op_type_name(m->layers[0].wq.type) : op_type_name(dtype));
-    printf("backend      cpu/%s, %d threads; load %.2f s\n", op_backend_isa(be), op_backend_n_threads(be),
-           t_load);
+    const op_type wtype = model_path ? m->layers[0].wq.type : dtype;
+    printf("backend      cpu/%s, %d threads, %s weights run as %s; load %.2f s\n", op_backend_isa(be),
+           op_backend_n_threads(be), op_type_name(wtype),
+           op_type_name(op_weight_layout(be, wtype, m->layers[0].wq.ne[1])), t_load);
     printf("bandwidth    %.2f GB/s measured (read, %d threads)\n", bw, op_backend_n_threads(be));
     printf("prefill      %d tokens in %.3f s: %.1f tokens/s, %.1f GFLOP/s in block matmuls\n", n_prompt,
            t_prefill, prefill_tps, 2.0 * params * n_prompt / t_prefill / 1e9);

@@ -23,6 +23,13 @@ struct eng_engine {
     int64_t qd, kd;        /* H * hd, KVH * hd */
     size_t kv_elem;        /* bytes per cached element */
 
+    /* the span's matmul weights as the backend runs them (op_weight_prepare):
+     * the model's tensors, or the engine's own copies in another layout */
+    mdl_layer *lw;         /* (n_span) the model's layers with prepared matrices */
+    op_tensor head;        /* the LM head, prepared, when the model has it */
+    void **owned;          /* backend buffers of the prepared copies */
+    int n_owned;
+
     /* scratch, backend memory, sized for max_batch_tokens rows */
     float *x;      /* (T, D) residual stream */
     float *xn;     /* (T, D) normed */
@@ -53,6 +60,9 @@ uint64_t eng_kv_bytes_per_pos(const eng_engine *e) {
 
 void eng_free(eng_engine *e) {
     if (!e) return;
+    for (int i = 0; i < e->n_owned; i++) op_buffer_free(e->be, e->owned[i]);
+    free(e->owned);
+    free(e->lw);
     float *bufs[] = {e->x, e->xn, e->q, e->k, e->v, e->att, e->tmp, e->gate, e->up, e->logits};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) op_buffer_free(e->be, bufs[i]);
     free(e->pos);
@@ -65,6 +75,37 @@ void eng_free(eng_engine *e) {
     free(e->kptr);
     free(e->vptr);
     free(e);
+}
+
+/* *w as the backend runs it: the model's tensor, or a prepared copy that the
+ * engine owns (after which the model may give back the original's pages). */
+static int eng_prepare(eng_engine *e, const op_tensor *src, op_tensor *w) {
+    int rc = op_weight_prepare(e->be, src, w);
+    if (rc <= 0) return rc;
+    e->owned[e->n_owned++] = w->data;
+    mdl_release_tensor(e->m, src);
+    return FU_OK;
+}
+
+/* Prepares the span's matrices and the LM head (see eng_prepare). */
+static int eng_prepare_weights(eng_engine *e) {
+    const mdl_model *m = e->m;
+    e->lw = calloc((size_t)e->n_span + 1, sizeof *e->lw);
+    e->owned = calloc(7 * (size_t)e->n_span + 1, sizeof *e->owned);
+    if (!e->lw || !e->owned) return fu_errorf(FU_ERR_NOMEM, "engine weights");
+    int rc = FU_OK;
+    for (int l = 0; l < e->n_span && !rc; l++) {
+        const mdl_layer *src = &m->layers[l];
+        mdl_layer *L = &e->lw[l];
+        *L = *src;
+        if ((rc = eng_prepare(e, &src->wq, &L->wq)) || (rc = eng_prepare(e, &src->wk, &L->wk)) ||
+            (rc = eng_prepare(e, &src->wv, &L->wv)) || (rc = eng_prepare(e, &src->wo, &L->wo)) ||
+            (rc = eng_prepare(e, &src->w_gate, &L->w_gate)) || (rc = eng_prepare(e, &src->w_up, &L->w_up)) ||
+            (rc = eng_prepare(e, &src->w_down, &L->w_down)))
+            break;
+    }
+    if (!rc && m->has_head) rc = eng_prepare(e, &m->lm_head, &e->head);
+    return rc;
 }
 
 int eng_new(const mdl_model *m, op_backend *be, const eng_options *opts, eng_engine **out) {
@@ -118,6 +159,7 @@ int eng_new(const mdl_model *m, op_backend *be, const eng_options *opts, eng_eng
     int64_t max_k = c->dim > c->ffn_dim ? c->dim : c->ffn_dim;
     if (e->qd > max_k) max_k = e->qd;
     int rc = op_reserve(be, (int64_t)T, max_k);
+    if (!rc) rc = eng_prepare_weights(e);
     if (rc) {
         eng_free(e);
         return rc;
@@ -231,7 +273,7 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
     }
 
     for (int l = 0; l < e->n_span; l++) {
-        const mdl_layer *L = &m->layers[l];
+        const mdl_layer *L = &e->lw[l];
         op_attn a = {(int)H, (int)KVH, (int)hd, 1.0f / sqrtf((float)hd), n_useq,
                      e->seq_idx, e->pos, e->kview, e->vview};
         for (int j = 0; j < n_useq; j++) {
@@ -284,7 +326,7 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
     if (!m->has_head) return op_buffer_get(be, out, e->xn, (size_t)n * row);
     op_tensor logits = op_tensor_2d(OP_TYPE_F32, e->logits, c->vocab_size, n);
     if ((rc = op_rmsnorm(be, &h, &m->out_norm, c->norm_eps, &h)) ||
-        (rc = op_matmul(be, &m->lm_head, &h, &logits)))
+        (rc = op_matmul(be, &e->head, &h, &logits)))
         return rc;
     return op_buffer_get(be, out, e->logits, (size_t)n * (size_t)c->vocab_size * sizeof(float));
 }

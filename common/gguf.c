@@ -662,6 +662,10 @@ int gguf_open_mem(const void *data, size_t size, const char *name, gguf_file **o
     return gguf_open_common(f, name, out);
 }
 
+void gguf_release(const gguf_file *f, const void *p, size_t n) {
+    if (f) mf_release(&f->mf, p, n);
+}
+
 void gguf_close(gguf_file *f) {
     if (!f) return;
     if (f->kv)

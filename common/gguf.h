@@ -109,6 +109,10 @@ int64_t gguf_n_tensors(const gguf_file *f);
 const gguf_tensor_info *gguf_tensor(const gguf_file *f, int64_t i); /* NULL out of range */
 int64_t gguf_find_tensor(const gguf_file *f, const char *name); /* -1 if absent */
 
+/* Gives back the resident pages of [p, p + n) if they are in f's mapping (see
+ * mf_release); a no-op for gguf_open_mem files. */
+void gguf_release(const gguf_file *f, const void *p, size_t n);
+
 /* Describes tensor i as an op_tensor over the mapping (data not copied; the
  * mapping is read-only, so the data must not be written).
  * FU_ERR_UNSUPPORTED (naming tensor and type) if its GGML type has no op_type. */

@@ -73,6 +73,17 @@ void mf_prefetch(const mf_file *mf, uint64_t off, uint64_t len) {
     (void)madvise((void *)(mf->data + start), (size_t)(off + len - start), MADV_WILLNEED);
 }
 
+void mf_release(const mf_file *mf, const void *p, size_t n) {
+    if (!mf || !mf->data || !p) return;
+    uintptr_t lo = (uintptr_t)p, hi = lo + n, mlo = (uintptr_t)mf->data, mhi = mlo + mf->size;
+    if (hi < lo || lo < mlo || hi > mhi) return;
+    long ps = sysconf(_SC_PAGESIZE);
+    uintptr_t page = ps > 0 ? (uintptr_t)ps : 4096;
+    lo = (lo + page - 1) / page * page;
+    hi = hi / page * page;
+    if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
 static int mf_range_cmp(const void *pa, const void *pb) {
     const mf_range *a = pa, *b = pb;
     if (a->begin != b->begin) return a->begin < b->begin ? -1 : 1;

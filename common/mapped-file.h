@@ -28,6 +28,12 @@ void mf_close(mf_file *mf);
  * (MADV_WILLNEED), clipped to the file. Purely a hint: errors are ignored. */
 void mf_prefetch(const mf_file *mf, uint64_t off, uint64_t len);
 
+/* Gives back the resident pages of [p, p + n), where that lies inside the
+ * mapping (only whole pages; anything else is left alone). The mapping is
+ * read-only, so nothing is lost: a later read pages the data in again. Used
+ * once a tensor has been copied elsewhere (repacked weights). */
+void mf_release(const mf_file *mf, const void *p, size_t n);
+
 /* A half-open byte range [begin, end) of a file with the caller's id. */
 typedef struct mf_range {
     uint64_t begin, end;

@@ -653,24 +653,41 @@ static mdl_rng mdl_rng_for(uint64_t seed, int block, int which) {
     return r;
 }
 
+/* An interleaved type is drawn as its plain type and repacked (a matrix whose
+ * rows are not a multiple of the group stays plain). */
 static int mdl_random_matrix(mdl_model *m, op_tensor *dst, op_type type, int64_t ne0, int64_t ne1,
                              mdl_rng rng_val, float std) {
     mdl_rng *rng = &rng_val;
-    size_t row_bytes = op_row_bytes(type, ne0);
-    void *data = mdl_own(m, malloc(row_bytes * (size_t)ne1));
-    float *scales = type == OP_TYPE_I8 ? mdl_own(m, malloc((size_t)ne1 * sizeof(float))) : NULL;
+    const op_type plain = op_type_plain(type);
+    const bool repack = plain != type && ne1 % op_type_row_group(type) == 0;
+    size_t row_bytes = op_row_bytes(plain, ne0);
+    void *data = malloc(row_bytes * (size_t)ne1);
+    if (!repack) mdl_own(m, data);
+    float *scales = plain == OP_TYPE_I8 ? mdl_own(m, malloc((size_t)ne1 * sizeof(float))) : NULL;
     float *row = malloc((size_t)ne0 * sizeof *row);
-    if (!data || !row || (type == OP_TYPE_I8 && !scales)) {
+    if (!data || !row || (plain == OP_TYPE_I8 && !scales)) {
         free(row);
+        if (repack) free(data);
         return fu_errorf(FU_ERR_NOMEM, "random weights");
     }
     for (int64_t r = 0; r < ne1; r++) {
         for (int64_t i = 0; i < ne0; i++) row[i] = mdl_rng_normal(rng, std);
-        op_quantize_row(type, row, ne0, (uint8_t *)data + (size_t)r * row_bytes, scales ? scales + r : NULL);
+        op_quantize_row(plain, row, ne0, (uint8_t *)data + (size_t)r * row_bytes, scales ? scales + r : NULL);
     }
     free(row);
-    *dst = op_tensor_2d(type, data, ne0, ne1);
+    *dst = op_tensor_2d(plain, data, ne0, ne1);
     dst->row_scale = scales;
+    if (repack) {
+        /* 64-byte aligned: the kernels load whole cache lines of it */
+        void *packed = NULL;
+        if (posix_memalign(&packed, 64, row_bytes * (size_t)ne1)) packed = NULL;
+        packed = mdl_own(m, packed);
+        int rc = packed ? op_repack_weight(dst, type, packed) : fu_errorf(FU_ERR_NOMEM, "random weights");
+        free(data);
+        if (rc) return rc;
+        dst->type = type;
+        dst->data = packed;
+    }
     return FU_OK;
 }
 
@@ -682,6 +699,13 @@ static int mdl_random_vector(mdl_model *m, op_tensor *dst, int64_t n, mdl_rng rn
     for (int64_t i = 0; i < n; i++) f[i] = mean + mdl_rng_normal(rng, std);
     *dst = op_tensor_1d(OP_TYPE_F32, f, n);
     return FU_OK;
+}
+
+void mdl_release_tensor(const mdl_model *m, const op_tensor *t) {
+    const mdl_impl *impl = m->impl;
+    size_t n = op_tensor_nbytes(t);
+    if (impl->gguf) gguf_release(impl->gguf, t->data, n);
+    if (impl->st) st_model_release(impl->st, t->data, n);
 }
 
 int mdl_random(const mdl_config *cfg, op_type weight_type, uint64_t seed,

@@ -99,11 +99,19 @@ mdl_open_options mdl_open_options_all(void);
 int mdl_open(const char *path, const mdl_open_options *opts, mdl_model **out);
 
 /* Builds a model of random weights (normal, std 0.02; norms near 1) of
- * `weight_type` for every matmul weight, deterministic in `seed`. */
+ * `weight_type` for every matmul weight, deterministic in `seed`. An
+ * interleaved type (see op_weight_layout) gives the same numbers as its plain
+ * type, already in the layout a backend would repack them into. */
 int mdl_random(const mdl_config *cfg, op_type weight_type, uint64_t seed,
                const mdl_open_options *opts, mdl_model **out);
 
 void mdl_free(mdl_model *m); /* NULL is a no-op */
+
+/* Tells the model that t (one of its tensors) has been copied elsewhere, so
+ * that the pages of its file mapping can be given back; a later read of t
+ * still works (it pages the data in again). A no-op for tensors that are not
+ * mapped from a file. */
+void mdl_release_tensor(const mdl_model *m, const op_tensor *t);
 
 /* Bytes of matmul weights read per token by blocks [first, last) (+ the LM head
  * if loaded): the numerator of the decode bandwidth bound. */

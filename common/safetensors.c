@@ -463,6 +463,11 @@ err:
     return rc;
 }
 
+void st_model_release(const st_model *m, const void *p, size_t n) {
+    if (!m) return;
+    for (int i = 0; i < m->n_shards; i++) mf_release(&m->shards[i].mf, p, n);
+}
+
 void st_model_close(st_model *m) {
     if (!m) return;
     for (int64_t i = 0; i < m->n_tensors; i++) {

@@ -48,6 +48,10 @@ typedef struct st_tensor_info {
 /* Fills *out for tensor i; FU_ERR_RANGE out of range. */
 int st_model_tensor_info(const st_model *m, int64_t i, st_tensor_info *out);
 
+/* Gives back the resident pages of [p, p + n) in whichever shard's mapping
+ * holds them (see mf_release). */
+void st_model_release(const st_model *m, const void *p, size_t n);
+
 /* Describes the named tensor as an op_tensor over the mapping. Shapes are
  * reversed into op order (safetensors (rows, cols) -> ne[0] = cols).
  * FU_ERR_NOT_FOUND if absent; FU_ERR_UNSUPPORTED for dtypes other than F32,

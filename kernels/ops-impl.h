@@ -15,6 +15,10 @@ typedef struct op_backend_vtbl {
     int (*buffer_set)(op_backend *be, void *dst, const void *src, size_t nbytes);
     int (*buffer_get)(op_backend *be, void *dst, const void *src, size_t nbytes);
     int (*reserve)(op_backend *be, int64_t max_tokens, int64_t max_k);
+    /* optional, both or neither (NULL: weights are used as they are); see
+     * op_weight_prepare and op_weight_layout */
+    int (*weight_prepare)(op_backend *be, const op_tensor *w, op_tensor *out);
+    op_type (*weight_layout)(const op_backend *be, op_type type, int64_t rows);
     int (*synchronize)(op_backend *be);
 
     int (*matmul)(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y);
@@ -30,6 +34,12 @@ typedef struct op_backend_vtbl {
     int (*softmax)(op_backend *be, op_tensor *x);
     int (*log_softmax)(op_backend *be, op_tensor *x);
 } op_backend_vtbl;
+
+/* Elements [k0, k0 + n) (multiples of OP_QK) of row r of an interleaved
+ * (_R16) weight at w whose rows are row_bytes long on average (nb[1]),
+ * dequantized to out. */
+void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r, int64_t k0, int64_t n,
+                    float *out);
 
 /* Every backend struct begins with this header. */
 struct op_backend {

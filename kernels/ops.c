@@ -23,6 +23,8 @@ static const struct {
     [OP_TYPE_Q4_1] = {"q4_1", OP_QK, sizeof(op_block_q4_1), true},
     [OP_TYPE_I8] = {"i8", 1, 1, true},
     [OP_TYPE_I32] = {"i32", 1, 4, false},
+    [OP_TYPE_Q4_0_R16] = {"q4_0_r16", OP_QK, sizeof(op_block_q4_0), true},
+    [OP_TYPE_Q4_1_R16] = {"q4_1_r16", OP_QK, sizeof(op_block_q4_1), true},
 };
 
 _Static_assert(sizeof(op_block_q8_0) == 34, "q8_0 block layout");
@@ -49,6 +51,14 @@ size_t op_row_bytes(op_type type, int64_t n) {
 
 bool op_type_is_weight(op_type type) {
     return (unsigned)type < OP_TYPE_COUNT && op_type_traits[type].weight;
+}
+
+int op_type_row_group(op_type type) {
+    return type == OP_TYPE_Q4_0_R16 || type == OP_TYPE_Q4_1_R16 ? OP_R16_ROWS : 1;
+}
+
+op_type op_type_plain(op_type type) {
+    return type == OP_TYPE_Q4_0_R16 ? OP_TYPE_Q4_0 : type == OP_TYPE_Q4_1_R16 ? OP_TYPE_Q4_1 : type;
 }
 
 /* ---- descriptors -------------------------------------------------------- */
@@ -164,8 +174,68 @@ uint16_t op_f32_to_bf16(float f) {
 
 /* ---- rows --------------------------------------------------------------- */
 
+void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r, int64_t k0, int64_t n,
+                    float *out) {
+    const size_t bb = OP_R16_ROWS * op_type_block_bytes(type); /* bytes per block of a group */
+    const size_t hdr = type == OP_TYPE_Q4_1_R16 ? 64 : 32;    /* scales (and minimums) */
+    const int lane = (int)(r % OP_R16_ROWS);
+    const uint8_t *g = w + (size_t)(r / OP_R16_ROWS) * OP_R16_ROWS * row_bytes;
+    for (int64_t b = 0; b < n / OP_QK; b++) {
+        const uint8_t *blk = g + (size_t)(k0 / OP_QK + b) * bb;
+        uint16_t h;
+        memcpy(&h, blk + 2 * lane, 2);
+        float d = op_f16_to_f32(h), m = 0.0f;
+        if (type == OP_TYPE_Q4_1_R16) {
+            memcpy(&h, blk + 32 + 2 * lane, 2);
+            m = op_f16_to_f32(h);
+        }
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *q = blk + hdr + 64 * c + 4 * lane;
+            uint32_t word = (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24;
+            for (int j = 0; j < 8; j++) {
+                int v = (int)(word >> (4 * j) & 0x0f);
+                out[b * OP_QK + 8 * c + j] = type == OP_TYPE_Q4_1_R16 ? d * (float)v + m : d * (float)(v - 8);
+            }
+        }
+    }
+}
+
+int op_repack_weight(const op_tensor *src, op_type type, void *dst) {
+    if (op_type_plain(type) == type || src->type != op_type_plain(type) || src->ne[2] * src->ne[3] != 1 ||
+        src->ne[1] % OP_R16_ROWS || src->ne[0] % OP_QK || !op_tensor_is_contiguous(src))
+        return fu_errorf(FU_ERR_INVALID, "repack %s: cannot make %s of a %s (%lld, %lld) tensor",
+                         src->name ? src->name : "", op_type_name(type), op_type_name(src->type),
+                         (long long)src->ne[1], (long long)src->ne[0]);
+    const bool q41 = src->type == OP_TYPE_Q4_1;
+    const size_t bs = op_type_block_bytes(src->type), hdr = q41 ? 64 : 32, qoff = q41 ? 4 : 2;
+    const int64_t nb = src->ne[0] / OP_QK;
+    uint8_t *o = dst;
+    for (int64_t g = 0; g < src->ne[1] / OP_R16_ROWS; g++)
+        for (int64_t b = 0; b < nb; b++, o += OP_R16_ROWS * bs)
+            for (int r = 0; r < OP_R16_ROWS; r++) {
+                const uint8_t *blk = (const uint8_t *)src->data + (size_t)(g * OP_R16_ROWS + r) * src->nb[1] + (size_t)b * bs;
+                memcpy(o + 2 * r, blk, 2);
+                if (q41) memcpy(o + 32 + 2 * r, blk + 2, 2);
+                const uint8_t *qs = blk + qoff;
+                for (int c = 0; c < 4; c++) {
+                    uint8_t *word = o + hdr + 64 * c + 4 * r;
+                    for (int j = 0; j < 8; j += 2) { /* element e < 16: low nibble of qs[e], else high of qs[e - 16] */
+                        int e0 = 8 * c + j, e1 = e0 + 1;
+                        int v0 = e0 < 16 ? qs[e0] & 0x0f : qs[e0 - 16] >> 4;
+                        int v1 = e1 < 16 ? qs[e1] & 0x0f : qs[e1 - 16] >> 4;
+                        word[j / 2] = (uint8_t)(v0 | v1 << 4);
+                    }
+                }
+            }
+    return FU_OK;
+}
+
 void op_dequantize_row(const op_tensor *t, int64_t row, float *out) {
     const int64_t n = t->ne[0];
+    if (op_type_row_group(t->type) > 1) {
+        op_r16_dequant(t->type, t->data, t->nb[1], row, 0, n, out);
+        return;
+    }
     const uint8_t *p = (const uint8_t *)t->data + (size_t)row * t->nb[1];
     switch (t->type) {
     case OP_TYPE_F32:
@@ -345,6 +415,15 @@ int op_buffer_set(op_backend *be, void *dst, const void *src, size_t nbytes) {
 
 int op_buffer_get(op_backend *be, void *dst, const void *src, size_t nbytes) {
     return be->v->buffer_get(be, dst, src, nbytes);
+}
+
+int op_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out) {
+    *out = *w;
+    return be->v->weight_prepare ? be->v->weight_prepare(be, w, out) : 0;
+}
+
+op_type op_weight_layout(const op_backend *be, op_type type, int64_t rows) {
+    return be->v->weight_layout ? be->v->weight_layout(be, type, rows) : type;
 }
 
 int op_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {

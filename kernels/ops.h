@@ -33,6 +33,8 @@ typedef enum op_type {
                   /* (Q4: element j < 16 is the low nibble of qs[j], element j + 16 the high one) */
     OP_TYPE_I8,   /* int8 per row, with one f32 scale per row in op_tensor.row_scale: x = s[row] * q */
     OP_TYPE_I32,  /* int32 (token ids, positions) */
+    OP_TYPE_Q4_0_R16, /* Q4_0 with rows interleaved in groups of 16 (see below) */
+    OP_TYPE_Q4_1_R16, /* Q4_1 with rows interleaved in groups of 16 */
     OP_TYPE_COUNT
 } op_type;
 
@@ -52,6 +54,22 @@ typedef struct op_block_q4_1 {
     uint16_t m;        /* f16 minimum */
     uint8_t qs[OP_QK / 2];
 } op_block_q4_1;
+
+/* Row-interleaved Q4 (the _R16 types): the same blocks as Q4_0 / Q4_1, laid
+ * out so that a vector of 16 lanes holds one weight of 16 consecutive rows,
+ * which is how the AVX-512 decode kernel wants them. They are made from a
+ * plain Q4_0 / Q4_1 matrix with op_repack_weight() (the number of rows must be
+ * a multiple of 16) and never read from files. Rows are stored in groups of
+ * 16; for block b (inputs 32b .. 32b + 31) of group g, at byte
+ * (g * K/32 + b) * 16 * block_bytes:
+ *   - the 16 rows' f16 scales d (row r at 2r), for Q4_1 followed by their 16
+ *     f16 minimums m;
+ *   - 4 chunks of 64 bytes: in chunk c, the 32-bit little-endian word r holds
+ *     row r's inputs 32b + 8c + j (j = 0..7) as nibbles, input 32b + 8c + j
+ *     in bits 4j .. 4j + 3.
+ * A tensor of such a type has the plain type's sizes (nb[0], nb[1], total
+ * bytes); rows are only addressed through the group layout. */
+#define OP_R16_ROWS 16
 
 typedef struct op_tensor {
     op_type type;
@@ -76,6 +94,10 @@ size_t op_type_block_bytes(op_type type);
 size_t op_row_bytes(op_type type, int64_t n);
 /* True for types that can be a matmul weight. */
 bool op_type_is_weight(op_type type);
+/* Rows per interleaved group: OP_R16_ROWS for the _R16 types, 1 for the others. */
+int op_type_row_group(op_type type);
+/* The plain type an interleaved type repacks (itself for the others). */
+op_type op_type_plain(op_type type);
 
 /* Contiguous descriptors. Shapes are given innermost first. */
 op_tensor op_tensor_1d(op_type type, void *data, int64_t ne0);
@@ -97,8 +119,14 @@ uint16_t op_f32_to_bf16(float f);
 void op_dequantize_row(const op_tensor *t, int64_t row, float *out);
 
 /* Quantizes n floats (n % 32 == 0 for Q types) into dst of `type`; for
- * OP_TYPE_I8 writes the row's scale to *row_scale. Host memory only. */
+ * OP_TYPE_I8 writes the row's scale to *row_scale. Host memory only. Not for
+ * the interleaved (_R16) types, which op_repack_weight() makes. */
 void op_quantize_row(op_type type, const float *x, int64_t n, void *dst, float *row_scale);
+
+/* Writes the 2-D host tensor src (Q4_0 or Q4_1, rows a multiple of
+ * OP_R16_ROWS) into dst (op_tensor_nbytes(src) bytes of host memory) as
+ * `type` (its _R16 type). FU_ERR_INVALID for any other pairing or shape. */
+int op_repack_weight(const op_tensor *src, op_type type, void *dst);
 
 /* ---- backends --------------------------------------------------------- */
 
@@ -144,6 +172,16 @@ void *op_buffer_alloc(op_backend *be, size_t nbytes);
 void op_buffer_free(op_backend *be, void *ptr);
 int op_buffer_set(op_backend *be, void *dst, const void *src_host, size_t nbytes);
 int op_buffer_get(op_backend *be, void *dst_host, const void *src, size_t nbytes);
+
+/* Puts a matmul weight into the layout the backend runs fastest (the CPU
+ * backend on AVX-512: Q4_0 / Q4_1 with a multiple of 16 rows become the
+ * _R16 types). w is host memory. Returns 1 with *out describing a new backend
+ * buffer (the caller frees out->data with op_buffer_free), 0 with *out = *w
+ * when the backend uses w as it is, or a negative fu_status. */
+int op_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out);
+/* The type op_weight_prepare gives a 2-D weight of `type` with `rows` rows on
+ * this backend (`type` itself when the backend keeps it). */
+op_type op_weight_layout(const op_backend *be, op_type type, int64_t rows);
 
 /* Pre-sizes scratch so that ops over at most max_tokens rows with inner
  * dimension at most max_k never allocate afterwards. */

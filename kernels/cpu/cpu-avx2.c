@@ -252,9 +252,9 @@ CPU_INLINE void cpu_avx2_dequant_any(op_type type, const uint8_t *row, int64_t k
         else                                                                                    \
             cpu_avx2_matvec_any(type, m, r0, r1);                                               \
     }                                                                                           \
-    static void cpu_avx2_dequant_##name(const uint8_t *row, int64_t k0, int64_t n, float scale, \
-                                        float *out) {                                           \
-        cpu_avx2_dequant_any(type, row, k0, n, scale, out);                                     \
+    static void cpu_avx2_dequant_##name(const uint8_t *w, size_t stride, int64_t r, int64_t k0, \
+                                        int64_t n, float scale, float *out) {                   \
+        cpu_avx2_dequant_any(type, w + (size_t)r * stride, k0, n, scale, out);                  \
     }
 CPU_AVX2_TYPE(f32, OP_TYPE_F32)
 CPU_AVX2_TYPE(f16, OP_TYPE_F16)
@@ -371,6 +371,10 @@ const cpu_kernels cpu_kernels_avx2 = {
             [OP_TYPE_Q4_0] = cpu_avx2_matvec_q4_0,
             [OP_TYPE_Q4_1] = cpu_avx2_matvec_q4_1,
             [OP_TYPE_I8] = cpu_avx2_matvec_i8,
+            /* the interleaved types are the AVX-512 kernel's layout: here
+             * they are only correct, never chosen by op_weight_prepare */
+            [OP_TYPE_Q4_0_R16] = cpu_portable_matvec,
+            [OP_TYPE_Q4_1_R16] = cpu_portable_matvec,
         },
     .dequant =
         {
@@ -381,6 +385,8 @@ const cpu_kernels cpu_kernels_avx2 = {
             [OP_TYPE_Q4_0] = cpu_avx2_dequant_q4_0,
             [OP_TYPE_Q4_1] = cpu_avx2_dequant_q4_1,
             [OP_TYPE_I8] = cpu_avx2_dequant_i8,
+            [OP_TYPE_Q4_0_R16] = cpu_portable_dequant_q4_0_r16,
+            [OP_TYPE_Q4_1_R16] = cpu_portable_dequant_q4_1_r16,
         },
     .gemm = cpu_avx2_gemm,
     .scores = cpu_avx2_scores,

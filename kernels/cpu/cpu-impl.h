@@ -23,7 +23,11 @@
  * 32-weight block is dequantized exactly in registers (the same f32 values as
  * op_dequantize_row) and FMA'd with the f32 activations of up to
  * CPU_QMV_T tokens, over a few rows at a time (cpu-avx512.c; the AVX2 and
- * portable tables use their generic matvec, also f32).
+ * portable tables use their generic matvec, also f32). On AVX-512,
+ * op_weight_prepare repacks Q4_0/Q4_1 into the interleaved _R16 layouts,
+ * whose matvec keeps 16 rows in the lanes of a vector and takes the matvec
+ * path up to CPU_DECODE_R16_T tokens (the other paths run those layouts only
+ * through cpu_portable_dequant, for correctness).
  *
  * Prefill and batched decode (larger T): the activations are first transposed
  * into xT blocks of tb tokens, xt[b][k][j] = x[b*tb + j][k] (zero past T).
@@ -43,6 +47,7 @@
  */
 #define CPU_DECODE_MAX_T 8    /* largest T that takes the matvec path */
 #define CPU_DECODE_NARROW_T 6 /* the same for block types with a narrow GEMM kernel (gemm16) */
+#define CPU_DECODE_R16_T 32   /* the same for the interleaved types on AVX-512 */
 #define CPU_PF_DIST 4096      /* bytes a matvec prefetches ahead of the weight it reads */
 #define CPU_MV_T 4    /* tokens per pass of a matvec kernel */
 #define CPU_QMV_T 8   /* tokens per pass of a block-type matvec kernel */
@@ -85,14 +90,19 @@ typedef struct cpu_mm {
     const float *xt;        /* (ceil(T/tb), K, tb) transposed activations (prefill) */
     const uint8_t *xq;      /* (T, CPU_XQ_BYTES(K)) quantized activations (decode, opt-in),
                                or NULL: f32 activations */
+    const float *xs;        /* (T, K / 32) sums of each token's activations per block of 32
+                               (decode with Q4_1_R16 weights), else NULL */
 } cpu_mm;
 
 /* Decode kernel: y[t][r] = W[r] . x[t] for r in [r0, r1) and every t < m->t. */
 typedef void (*cpu_matvec_fn)(const cpu_mm *m, int64_t r0, int64_t r1);
 
-/* Dequantizes elements [k0, k0 + n) of one weight row (k0 and n multiples of
- * OP_QK for block types) into out (n floats); scale is the row scale (I8) or 1. */
-typedef void (*cpu_dequant_fn)(const uint8_t *row, int64_t k0, int64_t n, float scale, float *out);
+/* Dequantizes elements [k0, k0 + n) of row r of the weights at w (k0 and n
+ * multiples of OP_QK for block types) into out (n floats); rows are `stride`
+ * bytes apart (nb[1]; for the interleaved types, the average, see ops.h);
+ * scale is the row scale (I8) or 1. */
+typedef void (*cpu_dequant_fn)(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n, float scale,
+                               float *out);
 
 /* Weight bytes a GEMM micro-kernel prefetches (into L2) while it computes:
  * `lines` 64-byte lines of each of `rows` rows, `stride` bytes apart from
@@ -151,6 +161,15 @@ extern const cpu_kernels cpu_kernels_avx512;
 void cpu_portable_dequant_any(op_type type, const uint8_t *row, int64_t k0, int64_t n,
                               float scale, float *out);
 void cpu_portable_matvec_tail(const cpu_mm *m, int64_t r, int64_t k0, int t0, int nt, float *sums);
+/* Any weight type, interleaved ones included: row r of w (see cpu_dequant_fn). */
+void cpu_portable_dequant(op_type type, const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                          float scale, float *out);
+void cpu_portable_dequant_q4_0_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                                   float scale, float *out);
+void cpu_portable_dequant_q4_1_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                                   float scale, float *out);
+/* The generic matvec (any weight type, f32 math over cpu_portable_dequant). */
+void cpu_portable_matvec(const cpu_mm *m, int64_t r0, int64_t r1);
 
 /* ---- thread pool --------------------------------------------------------- */
 

@@ -65,10 +65,18 @@ void cpu_portable_dequant_any(op_type type, const uint8_t *row, int64_t k0, int6
     }
 }
 
-#define CPU_PORTABLE_DEQUANT(name, type)                                                      \
-    static void cpu_portable_dequant_##name(const uint8_t *row, int64_t k0, int64_t n,       \
-                                            float scale, float *out) {                       \
-        cpu_portable_dequant_any(type, row, k0, n, scale, out);                              \
+void cpu_portable_dequant(op_type type, const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                          float scale, float *out) {
+    if (op_type_row_group(type) > 1)
+        op_r16_dequant(type, w, stride, r, k0, n, out);
+    else
+        cpu_portable_dequant_any(type, w + (size_t)r * stride, k0, n, scale, out);
+}
+
+#define CPU_PORTABLE_DEQUANT(name, type)                                                          \
+    static void cpu_portable_dequant_##name(const uint8_t *w, size_t stride, int64_t r, int64_t k0, \
+                                            int64_t n, float scale, float *out) {                 \
+        cpu_portable_dequant(type, w, stride, r, k0, n, scale, out);                              \
     }
 CPU_PORTABLE_DEQUANT(f32, OP_TYPE_F32)
 CPU_PORTABLE_DEQUANT(f16, OP_TYPE_F16)
@@ -77,6 +85,16 @@ CPU_PORTABLE_DEQUANT(q8_0, OP_TYPE_Q8_0)
 CPU_PORTABLE_DEQUANT(q4_0, OP_TYPE_Q4_0)
 CPU_PORTABLE_DEQUANT(q4_1, OP_TYPE_Q4_1)
 CPU_PORTABLE_DEQUANT(i8, OP_TYPE_I8)
+void cpu_portable_dequant_q4_0_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                                   float scale, float *out) {
+    (void)scale;
+    op_r16_dequant(OP_TYPE_Q4_0_R16, w, stride, r, k0, n, out);
+}
+void cpu_portable_dequant_q4_1_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                                   float scale, float *out) {
+    (void)scale;
+    op_r16_dequant(OP_TYPE_Q4_1_R16, w, stride, r, k0, n, out);
+}
 
 /* ---- matvec -------------------------------------------------------------- */
 
@@ -94,18 +112,17 @@ void cpu_portable_matvec_tail(const cpu_mm *m, int64_t r, int64_t k0, int t0, in
 
 /* y[t][r] = W[r] . x[t]: dequantizes 32 weights at a time and dots them with
  * up to CPU_MV_T tokens, each with its own f32 accumulator. */
-static void cpu_portable_matvec(const cpu_mm *m, int64_t r0, int64_t r1) {
+void cpu_portable_matvec(const cpu_mm *m, int64_t r0, int64_t r1) {
     const int64_t blk = OP_QK;
     const int64_t kfull = m->k / blk * blk;
     float w[OP_QK];
     for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = m->w + (size_t)r * m->w_stride;
         float scale = m->row_scale ? m->row_scale[r] : 1.0f;
         for (int64_t t0 = 0; t0 < m->t; t0 += CPU_MV_T) {
             int nt = (int)(m->t - t0 < CPU_MV_T ? m->t - t0 : CPU_MV_T);
             float sums[CPU_MV_T] = {0};
             for (int64_t k = 0; k < kfull; k += blk) {
-                cpu_portable_dequant_any(m->type, row, k, blk, 1.0f, w);
+                cpu_portable_dequant(m->type, m->w, m->w_stride, r, k, blk, 1.0f, w);
                 for (int t = 0; t < nt; t++) {
                     const float *x = m->x + (size_t)(t0 + t) * m->ldx + k;
                     float s = 0;
@@ -183,6 +200,8 @@ const cpu_kernels cpu_kernels_portable = {
             [OP_TYPE_Q4_0] = cpu_portable_matvec,
             [OP_TYPE_Q4_1] = cpu_portable_matvec,
             [OP_TYPE_I8] = cpu_portable_matvec,
+            [OP_TYPE_Q4_0_R16] = cpu_portable_matvec,
+            [OP_TYPE_Q4_1_R16] = cpu_portable_matvec,
         },
     .dequant =
         {
@@ -193,6 +212,8 @@ const cpu_kernels cpu_kernels_portable = {
             [OP_TYPE_Q4_0] = cpu_portable_dequant_q4_0,
             [OP_TYPE_Q4_1] = cpu_portable_dequant_q4_1,
             [OP_TYPE_I8] = cpu_portable_dequant_i8,
+            [OP_TYPE_Q4_0_R16] = cpu_portable_dequant_q4_0_r16,
+            [OP_TYPE_Q4_1_R16] = cpu_portable_dequant_q4_1_r16,
         },
     .gemm = cpu_portable_gemm,
     .scores = cpu_portable_scores,

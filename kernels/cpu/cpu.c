@@ -14,9 +14,11 @@ typedef struct cpu_backend {
     bool quant_x;            /* op_cpu_options.quantized_activations: int8 decode activations */
     cpu_pool *pool;
     float *xt;       /* transposed activations for prefill matmuls */
-    size_t xt_cap;   /* floats in xt */
+    size_t xt_cap;   /* bytes in xt */
     uint8_t *xq;     /* quantized activations for integer decode matvecs */
     size_t xq_cap;   /* bytes in xq */
+    float *xs;       /* per-block sums of decode activations (Q4_1_R16 matvecs) */
+    size_t xs_cap;   /* bytes in xs */
     float *wf;       /* (n_threads, CPU_NR_MAX, CPU_WF_LD) dequantized weight panels */
     float *cbuf;     /* (n_threads, CPU_PG, CPU_NR_MAX, CPU_TC) partial sums of panel groups */
 } cpu_backend;
@@ -62,6 +64,7 @@ static void cpu_free(op_backend *be) {
     cpu_pool_free(c->pool);
     free(c->xt);
     free(c->xq);
+    free(c->xs);
     free(c->wf);
     free(c->cbuf);
     free(c);
@@ -100,35 +103,71 @@ static int cpu_buffer_copy(op_backend *be, void *dst, const void *src, size_t nb
 
 /* Largest T of a `type` matmul that takes the matvec path: CPU_DECODE_MAX_T,
  * or for the block types CPU_DECODE_NARROW_T where the narrow GEMM kernel
- * takes over (unless the opt-in integer decode path applies to the type). */
+ * takes over (unless the opt-in integer decode path applies to the type), or
+ * CPU_DECODE_R16_T for the interleaved types on AVX-512 (their matvec
+ * converts each weight once for up to 8 tokens, and beats the GEMM's panel
+ * dequantization up to 32). */
 static int64_t cpu_decode_max_t(const cpu_backend *c, op_type type) {
+    if (op_type_row_group(type) > 1 && c->kern == &cpu_kernels_avx512) return CPU_DECODE_R16_T;
     if (!c->kern->gemm16 || (c->quant_x && c->kern->quant_x[type])) return CPU_DECODE_MAX_T;
     if (type == OP_TYPE_F32 || type == OP_TYPE_F16 || type == OP_TYPE_BF16) return CPU_DECODE_MAX_T;
     return CPU_DECODE_NARROW_T;
 }
 
+/* Scratch buf (*cap bytes) grown to at least `need` bytes (contents not
+ * kept): the new buffer, or NULL (buf still valid) when out of memory. */
+static void *cpu_grow(void *buf, size_t *cap, size_t need) {
+    if (buf && need <= *cap) return buf;
+    void *p = cpu_alloc_aligned(need);
+    if (!p) {
+        fu_errorf(FU_ERR_NOMEM, "cpu: no memory for %zu bytes of matmul scratch", need);
+        return NULL;
+    }
+    free(buf);
+    *cap = need;
+    return p;
+}
+
 /* Makes room for the transposed activations of a (t, k) prefill matmul. */
 static int cpu_reserve_xt(cpu_backend *c, int64_t t, int64_t k) {
-    size_t need = (size_t)((t + CPU_TB - 1) / CPU_TB * CPU_TB) * (size_t)k;
-    if (need <= c->xt_cap) return FU_OK;
-    float *p = cpu_alloc_aligned(need * sizeof(float));
-    if (!p) return fu_errorf(FU_ERR_NOMEM, "cpu: no memory for %zu floats of matmul scratch", need);
-    free(c->xt);
-    c->xt = p;
-    c->xt_cap = need;
-    return FU_OK;
+    float *p = cpu_grow(c->xt, &c->xt_cap, (size_t)((t + CPU_TB - 1) / CPU_TB * CPU_TB) * (size_t)k * sizeof(float));
+    return p ? (c->xt = p, FU_OK) : FU_ERR_NOMEM;
 }
 
 /* Makes room for the quantized activations of a (t <= CPU_DECODE_MAX_T, k) decode matmul. */
 static int cpu_reserve_xq(cpu_backend *c, int64_t t, int64_t k) {
-    size_t need = (size_t)t * CPU_XQ_BYTES(k);
-    if (need <= c->xq_cap) return FU_OK;
-    uint8_t *p = cpu_alloc_aligned(need);
-    if (!p) return fu_errorf(FU_ERR_NOMEM, "cpu: no memory for %zu bytes of matmul scratch", need);
-    free(c->xq);
-    c->xq = p;
-    c->xq_cap = need;
-    return FU_OK;
+    uint8_t *p = cpu_grow(c->xq, &c->xq_cap, (size_t)t * CPU_XQ_BYTES(k));
+    return p ? (c->xq = p, FU_OK) : FU_ERR_NOMEM;
+}
+
+/* Makes room for the per-block activation sums of a (t <= CPU_DECODE_R16_T, k) decode matmul. */
+static int cpu_reserve_xs(cpu_backend *c, int64_t t, int64_t k) {
+    float *p = cpu_grow(c->xs, &c->xs_cap, (size_t)t * (size_t)(k / OP_QK) * sizeof(float));
+    return p ? (c->xs = p, FU_OK) : FU_ERR_NOMEM;
+}
+
+/* Puts Q4_0 / Q4_1 matrices into the interleaved layout where the AVX-512
+ * kernels are in use (see the _R16 kernels in cpu-avx512.c); other types and
+ * ISAs keep their weights as they are. */
+static op_type cpu_weight_layout(const op_backend *be, op_type type, int64_t rows) {
+    if (((const cpu_backend *)be)->kern != &cpu_kernels_avx512 || rows % OP_R16_ROWS) return type;
+    return type == OP_TYPE_Q4_0 ? OP_TYPE_Q4_0_R16 : type == OP_TYPE_Q4_1 ? OP_TYPE_Q4_1_R16 : type;
+}
+
+static int cpu_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out) {
+    const op_type to = cpu_weight_layout(be, w->type, w->ne[1]);
+    if (to == w->type || w->ndim != 2 || !op_tensor_is_contiguous(w)) return 0;
+    void *p = cpu_alloc_aligned(op_tensor_nbytes(w));
+    if (!p) return fu_errorf(FU_ERR_NOMEM, "cpu: no memory to repack %s", w->name ? w->name : "a weight");
+    int rc = op_repack_weight(w, to, p);
+    if (rc) {
+        free(p);
+        return rc;
+    }
+    *out = *w;
+    out->type = to;
+    out->data = p;
+    return 1;
 }
 
 /* Scratch for matmuls of up to max_tokens x max_k: the transposed activations
@@ -137,9 +176,10 @@ static int cpu_reserve_xq(cpu_backend *c, int64_t t, int64_t k) {
  * larger than reserved grows the scratch once (an allocation on that call). */
 static int cpu_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
     if (max_tokens < 0 || max_k < 0) return fu_errorf(FU_ERR_INVALID, "cpu reserve: negative size");
+    int rc = cpu_reserve_xs(cpu_be(be), max_tokens < CPU_DECODE_R16_T ? max_tokens : CPU_DECODE_R16_T, max_k);
+    if (rc) return rc;
     if (cpu_be(be)->quant_x) {
-        int rc = cpu_reserve_xq(cpu_be(be), max_tokens < CPU_DECODE_MAX_T ? max_tokens : CPU_DECODE_MAX_T,
-                                max_k);
+        rc = cpu_reserve_xq(cpu_be(be), max_tokens < CPU_DECODE_MAX_T ? max_tokens : CPU_DECODE_MAX_T, max_k);
         if (rc) return rc;
     }
     if (max_tokens <= (cpu_be(be)->kern->gemm16 ? CPU_DECODE_NARROW_T : CPU_DECODE_MAX_T)) return FU_OK;
@@ -231,6 +271,7 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
     /* bq weights take qb bytes (a block of the block types, else one weight) */
     const int64_t bq = op_type_block_elems(m->type);
     const size_t qb = op_type_block_bytes(m->type);
+    const int gr = op_type_row_group(m->type); /* rows per interleaved group */
     float *wf = j->c->wf + (size_t)ith * CPU_NR_MAX * CPU_WF_LD;
     float *cbuf = j->c->cbuf + (size_t)ith * CPU_PG * CPU_NR_MAX * CPU_TC;
     const int64_t npanels = (m->n + nr - 1) / nr, ngroups = (npanels + pg - 1) / pg;
@@ -248,9 +289,8 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
                 for (int64_t r = 0; r < nr; r++) {
                     if (r < nv) {
                         int64_t row = n0 + r;
-                        const uint8_t *w = m->w + (size_t)row * m->w_stride;
                         float s = m->row_scale ? m->row_scale[row] : 1.0f;
-                        kern->dequant[m->type](w, k0, kc, s, wf + r * CPU_WF_LD);
+                        kern->dequant[m->type](m->w, m->w_stride, row, k0, kc, s, wf + r * CPU_WF_LD);
                     } else {
                         memset(wf + r * CPU_WF_LD, 0, (size_t)kc * sizeof(float));
                     }
@@ -270,6 +310,12 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
                         pf.at = m->w + (size_t)pn * m->w_stride + (size_t)(pk / bq) * qb;
                         pf.stride = m->w_stride;
                         pf.rows = (int)prow;
+                        if (gr > 1) { /* the slices of the groups the rows are in */
+                            pf.at = m->w + (size_t)(pn / gr) * gr * m->w_stride + (size_t)(pk / bq) * gr * qb;
+                            pf.stride = gr * m->w_stride;
+                            pf.rows = (int)((pn + prow - 1) / gr - pn / gr + 1);
+                            pkc *= gr;
+                        }
                         /* one more line where a row's slice may straddle one */
                         const size_t bytes = (size_t)((pkc + bq - 1) / bq) * qb;
                         pf.lines = (int)((bytes + 63) / 64 + (((uintptr_t)pf.at | pf.stride | bytes) % 64 != 0));
@@ -316,6 +362,9 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
                          w->name ? w->name : "", (long long)w->ne[0], OP_QK);
     if (w->type == OP_TYPE_I8 && !w->row_scale)
         return fu_errorf(FU_ERR_INVALID, "matmul %s: i8 weights need row scales", w->name ? w->name : "");
+    if (w->ne[1] % op_type_row_group(w->type) || (op_type_row_group(w->type) > 1 && !op_tensor_is_contiguous(w)))
+        return fu_errorf(FU_ERR_INVALID, "matmul %s: %s weights must be contiguous, rows a multiple of %d",
+                         w->name ? w->name : "", op_type_name(w->type), op_type_row_group(w->type));
     cpu_mm_job j = {.c = c,
                     .m = {.type = w->type,
                           .w = w->data,
@@ -341,6 +390,19 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
             if (rc) return rc;
             for (int64_t t = 0; t < j.m.t; t++) qx(j.m.x + t * j.m.ldx, j.m.k, c->xq + t * CPU_XQ_BYTES(j.m.k));
             j.m.xq = c->xq;
+        }
+        if (j.m.type == OP_TYPE_Q4_1_R16) {
+            int rc = cpu_reserve_xs(c, j.m.t, j.m.k);
+            if (rc) return rc;
+            const int64_t nb = j.m.k / OP_QK;
+            for (int64_t t = 0; t < j.m.t; t++)
+                for (int64_t b = 0; b < nb; b++) {
+                    const float *x = j.m.x + t * j.m.ldx + b * OP_QK;
+                    float sum = 0;
+                    for (int i = 0; i < OP_QK; i++) sum += x[i];
+                    c->xs[t * nb + b] = sum;
+                }
+            j.m.xs = c->xs;
         }
         cpu_pool_run(c->pool, cpu_matvec_job, &j);
         return FU_OK;
@@ -675,11 +737,14 @@ static int cpu_get_rows(op_backend *be, const op_tensor *table, const int32_t *i
         return fu_errorf(FU_ERR_INVALID, "get_rows: row length not a multiple of %d", OP_QK);
     if (table->type == OP_TYPE_I8 && !table->row_scale)
         return fu_errorf(FU_ERR_INVALID, "get_rows: i8 table needs row scales");
+    if (table->ne[1] % op_type_row_group(table->type) ||
+        (op_type_row_group(table->type) > 1 && !op_tensor_is_contiguous(table)))
+        return fu_errorf(FU_ERR_INVALID, "get_rows: %s table must be contiguous, rows a multiple of %d",
+                         op_type_name(table->type), op_type_row_group(table->type));
     const int64_t d = table->ne[0], nt = out->ne[1] * out->ne[2] * out->ne[3];
     for (int64_t t = 0; t < nt; t++) {
         float s = table->type == OP_TYPE_I8 ? table->row_scale[ids[t]] : 1.0f;
-        c->kern->dequant[table->type]((const uint8_t *)table->data + (size_t)ids[t] * table->nb[1], 0,
-                                      d, s, (float *)out->data + t * d);
+        c->kern->dequant[table->type](table->data, table->nb[1], ids[t], 0, d, s, (float *)out->data + t * d);
     }
     return FU_OK;
 }
@@ -696,6 +761,8 @@ static const op_backend_vtbl cpu_vtbl = {
     .buffer_set = cpu_buffer_copy,
     .buffer_get = cpu_buffer_copy,
     .reserve = cpu_reserve,
+    .weight_prepare = cpu_weight_prepare,
+    .weight_layout = cpu_weight_layout,
     .synchronize = cpu_synchronize,
     .matmul = cpu_matmul,
     .rmsnorm = cpu_rmsnorm,

@@ -77,7 +77,7 @@ static void cuda_free(op_backend *be) {
 
 static bool cuda_supports(const op_backend *be, op_type type) {
     (void)be;
-    return op_type_is_weight(type);
+    return cuda_supports_type(type);
 }
 
 static void *cuda_buffer_alloc(op_backend *be, size_t nbytes) {
@@ -147,6 +147,8 @@ static const op_backend_vtbl cuda_vtbl = {
     cuda_buffer_set,
     cuda_buffer_get,
     cuda_reserve,
+    NULL, /* weight_prepare: weights are used as they are */
+    NULL, /* weight_layout */
     cuda_synchronize,
     cuda_matmul,
     cuda_rmsnorm,

@@ -121,6 +121,10 @@ CU_INTERNAL bool cuda_f32_contig(const op_tensor *t);
 static inline size_t cuda_type_align(op_type type) {
     return type == OP_TYPE_F32 ? 4 : type == OP_TYPE_I8 ? 1 : 2;
 }
+/* The weight types this backend has kernels for: all but the CPU's interleaved layouts. */
+static inline bool cuda_supports_type(op_type type) {
+    return op_type_is_weight(type) && op_type_row_group(type) == 1;
+}
 /* Rounds n up to a multiple of 16 (packing of metadata arrays). */
 static inline size_t cuda_align16(size_t n) { return (n + 15) & ~(size_t)15; }
 

@@ -23,7 +23,7 @@ CU_KERNEL(get_rows, get_rows_args)
 
 CU_INTERNAL int cuda_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out) {
     cuda_backend *cb = cuda_be(be);
-    if (!op_type_is_weight(table->type) || !cuda_rows_ok(table) || !cuda_f32_contig(out) ||
+    if (!cuda_supports_type(table->type) || !cuda_rows_ok(table) || !cuda_f32_contig(out) ||
         table->nb[1] % cuda_type_align(table->type) || (uintptr_t)table->data % cuda_type_align(table->type))
         return fu_errorf(FU_ERR_INVALID, "get_rows: bad table type or layout");
     if (op_type_block_elems(table->type) > 1 && table->ne[0] % OP_QK)

@@ -117,6 +117,25 @@ static void test_backend_basics(void **state) {
         assert_true(op_backend_n_threads(be) == 1 || op_backend_n_threads(be) == 2);
         for (int t = 0; t < OP_TYPE_COUNT; t++)
             assert_int_equal(op_backend_supports(be, (op_type)t), t != OP_TYPE_I32);
+        /* only the AVX-512 kernels want Q4 rows interleaved, and only whole groups of 16 */
+        bool avx512 = strcmp(op_backend_isa(be), "avx512") == 0;
+        static uint8_t q[48 * sizeof(op_block_q4_1)];
+        static const struct { op_type type; int64_t rows; bool repacked; } cases[] = {
+            {OP_TYPE_Q4_0, 48, true}, {OP_TYPE_Q4_1, 16, true}, {OP_TYPE_Q4_0, 40, false},
+            {OP_TYPE_Q8_0, 48, false}, {OP_TYPE_F16, 32, false}};
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            op_tensor w = op_tensor_2d(cases[i].type, q, 32, cases[i].rows), pw;
+            int rc = op_weight_prepare(be, &w, &pw);
+            assert_int_equal(rc, avx512 && cases[i].repacked);
+            if (rc == 1) {
+                assert_int_equal(pw.type, op_type_plain(pw.type) == OP_TYPE_Q4_0 ? OP_TYPE_Q4_0_R16 : OP_TYPE_Q4_1_R16);
+                assert_int_equal(op_type_plain(pw.type), cases[i].type);
+                assert_true(pw.data != w.data);
+                op_buffer_free(be, pw.data);
+            } else {
+                assert_memory_equal(&pw, &w, sizeof w);
+            }
+        }
         uint8_t *p = op_buffer_alloc(be, 1000);
         assert_non_null(p);
         for (int i = 0; i < 1000; i++) assert_int_equal(p[i], 0);
@@ -142,14 +161,17 @@ static void test_backend_basics(void **state) {
 
 static const op_type weight_types[] = {OP_TYPE_F32,  OP_TYPE_F16,  OP_TYPE_BF16, OP_TYPE_Q8_0,
                                        OP_TYPE_Q4_0, OP_TYPE_Q4_1, OP_TYPE_I8};
+/* the row-interleaved Q4 layouts (N a multiple of 16) */
+static const op_type r16_types[] = {OP_TYPE_Q4_0_R16, OP_TYPE_Q4_1_R16};
 
 /* One (type, T, N, K) case on every backend against a double reference over
  * the dequantized weights (and, for the opt-in int8-activation backends where
  * that path applies, over the int8-rounded x). Returns the largest
  * |y - ref| / tol seen on the opt-in backends where they use int8 x (0 if none). */
 static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
-    size_t rb = op_row_bytes(type, k);
-    uint8_t *w = malloc(rb * (size_t)n + 1);
+    const op_type plain = op_type_plain(type); /* quantized as this, then repacked as type */
+    size_t rb = op_row_bytes(plain, k);
+    uint8_t *w = malloc(rb * (size_t)n + 1), *wr = NULL;
     float *scales = malloc((size_t)n * sizeof(float));
     float *row = malloc((size_t)k * sizeof(float));
     float *wd = malloc((size_t)(n * k) * sizeof(float));
@@ -162,12 +184,23 @@ static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
     assert_true(w && scales && row && wd && x && y && ref && mag && refq && xr);
     for (int64_t r = 0; r < n; r++) {
         fill(row, k, 1.0);
-        op_quantize_row(type, row, k, w + (size_t)r * rb, &scales[r]);
+        op_quantize_row(plain, row, k, w + (size_t)r * rb, &scales[r]);
     }
-    op_tensor wt = op_tensor_2d(type, w, k, n);
+    op_tensor wt = op_tensor_2d(plain, w, k, n);
     wt.row_scale = scales;
     wt.name = "w";
     for (int64_t r = 0; r < n; r++) op_dequantize_row(&wt, r, wd + r * k);
+    if (type != plain) { /* the same weights interleaved: they dequantize to the same values */
+        wr = malloc(rb * (size_t)n);
+        assert_non_null(wr);
+        assert_int_equal(op_repack_weight(&wt, type, wr), FU_OK);
+        wt.type = type;
+        wt.data = wr;
+        for (int64_t r = 0; r < n; r++) {
+            op_dequantize_row(&wt, r, row);
+            assert_memory_equal(row, wd + r * k, (size_t)k * sizeof(float));
+        }
+    }
     fill(x, t * k, 2.0);
     for (int64_t i = 0; i < t * k; i++) x[i] += 0.5f; /* a mean, so that block sums matter */
     bool int8_x = t <= 8 && k % 64 == 0 &&
@@ -213,6 +246,7 @@ static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
         }
     }
     free(w);
+    free(wr);
     free(scales);
     free(row);
     free(wd);
@@ -239,6 +273,31 @@ static void test_matmul_decode(void **state) {
     for (size_t ti = 0; ti < sizeof weight_types / sizeof weight_types[0]; ti++)
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             matmul_case(weight_types[ti], shapes[s][0], shapes[s][1], shapes[s][2]);
+}
+
+/* The interleaved Q4 layouts: decode (every token count of the matvec path,
+ * K from 1 to 64 blocks, up to 10 groups of rows), batched decode and prefill
+ * (GEMM panels that straddle groups), on every ISA (the portable and AVX2
+ * paths run them too, though op_weight_prepare never picks them there). */
+static void test_matmul_interleaved(void **state) {
+    (void)state;
+    static const int64_t shapes[][3] = {{1, 16, 32},  {2, 32, 96},   {3, 48, 288},  {4, 16, 2048}, {5, 64, 544},
+                                        {6, 32, 256}, {7, 16, 128},  {8, 48, 96},   {1, 160, 576}, {9, 32, 544},
+                                        {16, 48, 544}, {17, 16, 544}, {33, 32, 160}, {40, 64, 544}};
+    for (size_t ti = 0; ti < sizeof r16_types / sizeof r16_types[0]; ti++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+            matmul_case(r16_types[ti], shapes[s][0], shapes[s][1], shapes[s][2]);
+    /* what cannot be interleaved is refused */
+    static uint8_t q[17 * sizeof(op_block_q4_0)], out[sizeof q];
+    op_tensor w = op_tensor_2d(OP_TYPE_Q4_0, q, 32, 17);
+    assert_int_equal(op_repack_weight(&w, OP_TYPE_Q4_0_R16, out), FU_ERR_INVALID);
+    w.ne[1] = 16;
+    assert_int_equal(op_repack_weight(&w, OP_TYPE_Q4_1_R16, out), FU_ERR_INVALID);
+    assert_int_equal(op_repack_weight(&w, OP_TYPE_Q8_0, out), FU_ERR_INVALID);
+    op_tensor r = op_tensor_2d(OP_TYPE_Q4_0_R16, out, 32, 17);
+    float x[32] = {0}, y[17];
+    op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, 32, 1), yt = op_tensor_2d(OP_TYPE_F32, y, 17, 1);
+    for (int b = 0; b < n_bes; b++) assert_int_equal(op_matmul(bes[b].be, &r, &xt, &yt), FU_ERR_INVALID);
 }
 
 /* The opt-in int8-activation path is measurably off the exact reference at
@@ -401,6 +460,26 @@ static void test_pool_many_small_ops(void **state) {
 
 /* ---- get_rows ------------------------------------------------------------------ */
 
+/* get_rows of tt on every backend gives ref's op_dequantize_row'd rows, bit for bit. */
+static void check_get_rows(const op_tensor *tt, const op_tensor *ref, const int32_t *ids, int t_n) {
+    const int64_t d = tt->ne[0];
+    float *out = malloc((size_t)(t_n * d) * sizeof(float)), *want = malloc((size_t)d * sizeof(float));
+    assert_true(out && want);
+    op_tensor ot = op_tensor_2d(OP_TYPE_F32, out, d, t_n);
+    for (int b = 0; b < n_bes; b++) {
+        memset(out, 0xff, (size_t)(t_n * d) * sizeof(float));
+        assert_int_equal(op_get_rows(bes[b].be, tt, ids, &ot), FU_OK);
+        for (int t = 0; t < t_n; t++) {
+            op_dequantize_row(ref, ids[t], want);
+            if (memcmp(want, out + t * d, (size_t)d * sizeof(float)) != 0)
+                fail_msg("get_rows %s [%s] row %d differs from %s's op_dequantize_row", op_type_name(tt->type),
+                         bes[b].label, t, op_type_name(ref->type));
+        }
+    }
+    free(out);
+    free(want);
+}
+
 static void test_get_rows(void **state) {
     (void)state;
     enum { V = 23, D = 96, T = 7 };
@@ -409,30 +488,41 @@ static void test_get_rows(void **state) {
         op_type type = weight_types[ti];
         size_t rb = op_row_bytes(type, D);
         uint8_t *tab = malloc(rb * V);
-        float scales[V], row[D], out[T * D], want[D];
+        float scales[V], row[D], out[D];
         for (int r = 0; r < V; r++) {
             fill(row, D, 3.0);
             op_quantize_row(type, row, D, tab + r * rb, &scales[r]);
         }
         op_tensor tt = op_tensor_2d(type, tab, D, V);
         tt.row_scale = scales;
-        op_tensor ot = op_tensor_2d(OP_TYPE_F32, out, D, T);
-        for (int b = 0; b < n_bes; b++) {
-            memset(out, 0xff, sizeof out);
-            assert_int_equal(op_get_rows(bes[b].be, &tt, ids, &ot), FU_OK);
-            for (int t = 0; t < T; t++) {
-                op_dequantize_row(&tt, ids[t], want);
-                if (memcmp(want, out + t * D, sizeof want) != 0)
-                    fail_msg("get_rows %s [%s] row %d differs from op_dequantize_row", op_type_name(type),
-                             bes[b].label, t);
-            }
-        }
+        check_get_rows(&tt, &tt, ids, T);
         int32_t bad[1] = {V};
         op_tensor o1 = op_tensor_2d(OP_TYPE_F32, out, D, 1);
         assert_int_equal(op_get_rows(bes[0].be, &tt, bad, &o1), FU_ERR_RANGE);
         bad[0] = -1;
         assert_int_equal(op_get_rows(bes[0].be, &tt, bad, &o1), FU_ERR_RANGE);
         free(tab);
+    }
+    /* interleaved tables give the plain table's rows */
+    enum { VR = 48 };
+    for (size_t ti = 0; ti < sizeof r16_types / sizeof r16_types[0]; ti++) {
+        op_type type = r16_types[ti], plain = op_type_plain(type);
+        size_t rb = op_row_bytes(plain, D);
+        uint8_t *tab = malloc(rb * VR), *rep = malloc(rb * VR);
+        float row[D];
+        assert_true(tab && rep);
+        for (int r = 0; r < VR; r++) {
+            fill(row, D, 3.0);
+            op_quantize_row(plain, row, D, tab + r * rb, NULL);
+        }
+        op_tensor pt = op_tensor_2d(plain, tab, D, VR), tt = pt;
+        assert_int_equal(op_repack_weight(&pt, type, rep), FU_OK);
+        tt.type = type;
+        tt.data = rep;
+        const int32_t rids[T] = {0, 47, 15, 16, 31, 32, 5};
+        check_get_rows(&tt, &pt, rids, T);
+        free(tab);
+        free(rep);
     }
 }
 
@@ -730,6 +820,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_backend_basics),
         cmocka_unit_test(test_matmul_decode),
+        cmocka_unit_test(test_matmul_interleaved),
         cmocka_unit_test(test_matmul_int8_x_opt_in),
         cmocka_unit_test(test_matmul_batch_invariance),
         cmocka_unit_test(test_matmul_batched_decode),

@@ -148,6 +148,62 @@ static void test_chunked_prefill_equals_single_pass(void **state) {
     fixture_close(&small);
 }
 
+/* Logits of `ids` (one sequence) through an engine on m and be. */
+static void forward_logits(const mdl_model *m, op_backend *be, const int32_t *ids, int n, float *out) {
+    eng_engine *e;
+    eng_seq *s;
+    assert_int_equal(eng_new(m, be, NULL, &e), FU_OK);
+    assert_int_equal(eng_seq_new(e, 16, &s), FU_OK);
+    eng_seq *ss[8];
+    for (int i = 0; i < n; i++) ss[i] = s;
+    eng_batch b = {n, ids, NULL, ss, NULL};
+    assert_int_equal(eng_forward(e, &b, out), FU_OK);
+    eng_seq_free(e, s);
+    eng_free(e);
+}
+
+/* Q4 weights run in whichever layout the backend prepares (interleaved rows
+ * on AVX-512, as they are elsewhere) give the same logits; a model drawn in
+ * the interleaved layout holds the same numbers; engines that repack and give
+ * back a model's pages leave the model usable by the next one. */
+static void test_weights_prepared_for_the_backend(void **state) {
+    (void)state;
+    mdl_config c = small_config(MDL_ARCH_LLAMA);
+    c.vocab_size = 112; /* the head repacks too (whole groups of 16 rows) */
+    mdl_open_options all = mdl_open_options_all();
+    static const op_type types[][2] = {{OP_TYPE_Q4_0, OP_TYPE_Q4_0_R16}, {OP_TYPE_Q4_1, OP_TYPE_Q4_1_R16}};
+    op_backend *portable = op_backend_cpu_new(&(op_cpu_options){.n_threads = 2, .isa = OP_CPU_ISA_PORTABLE});
+    op_backend *best = op_backend_cpu_new(&(op_cpu_options){.n_threads = 2, .isa = OP_CPU_ISA_AUTO});
+    assert_true(portable && best);
+    const int32_t ids[] = {3, 17, 111, 5, 64, 2};
+    enum { N = sizeof ids / sizeof ids[0], V = 112 };
+    float *ref = malloc(N * V * sizeof(float)), *got = malloc(N * V * sizeof(float));
+    assert_true(ref && got);
+    for (int i = 0; i < 2; i++) {
+        mdl_model *plain, *packed;
+        assert_int_equal(mdl_random(&c, types[i][0], 9, &all, &plain), FU_OK);
+        assert_int_equal(mdl_random(&c, types[i][1], 9, &all, &packed), FU_OK);
+        assert_int_equal(packed->layers[0].w_up.type, types[i][1]);
+        assert_int_equal(packed->lm_head.type, types[i][1]);
+        assert_int_equal(op_weight_layout(portable, types[i][0], 16), types[i][0]);
+        forward_logits(plain, portable, ids, N, ref);
+        forward_logits(plain, best, ids, N, got);
+        assert_true(max_abs_diff(ref, got, N * V) < 1e-4f);
+        forward_logits(plain, best, ids, N, ref); /* a second engine on the same model */
+        assert_memory_equal(ref, got, N * V * sizeof(float));
+        forward_logits(packed, best, ids, N, ref);
+        assert_memory_equal(ref, got, N * V * sizeof(float));
+        forward_logits(packed, portable, ids, N, ref);
+        assert_true(max_abs_diff(ref, got, N * V) < 1e-4f);
+        mdl_free(plain);
+        mdl_free(packed);
+    }
+    free(ref);
+    free(got);
+    op_backend_free(portable);
+    op_backend_free(best);
+}
+
 static void test_span_without_embeddings_takes_hidden_states(void **state) {
     /* blocks [0, 1) with embeddings then [1, 2) with the head equal the whole model */
     mdl_config c = small_config(MDL_ARCH_LLAMA);
@@ -242,6 +298,7 @@ int main(void) {
         cmocka_unit_test(test_batched_qwen3_q8),
         cmocka_unit_test(test_batched_llama_q4_1),
         cmocka_unit_test(test_chunked_prefill_equals_single_pass),
+        cmocka_unit_test(test_weights_prepared_for_the_backend),
         cmocka_unit_test(test_span_without_embeddings_takes_hidden_states),
         cmocka_unit_test(test_bad_input),
     };
