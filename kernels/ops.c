@@ -25,6 +25,8 @@ static const struct {
     [OP_TYPE_I32] = {"i32", 1, 4, false},
     [OP_TYPE_Q4_0_R16] = {"q4_0_r16", OP_QK, sizeof(op_block_q4_0), true},
     [OP_TYPE_Q4_1_R16] = {"q4_1_r16", OP_QK, sizeof(op_block_q4_1), true},
+    [OP_TYPE_F16_R16] = {"f16_r16", 1, 2, true},
+    [OP_TYPE_BF16_R16] = {"bf16_r16", 1, 2, true},
 };
 
 _Static_assert(sizeof(op_block_q8_0) == 34, "q8_0 block layout");
@@ -53,12 +55,16 @@ bool op_type_is_weight(op_type type) {
     return (unsigned)type < OP_TYPE_COUNT && op_type_traits[type].weight;
 }
 
-int op_type_row_group(op_type type) {
-    return type == OP_TYPE_Q4_0_R16 || type == OP_TYPE_Q4_1_R16 ? OP_R16_ROWS : 1;
-}
+int op_type_row_group(op_type type) { return op_type_plain(type) != type ? OP_R16_ROWS : 1; }
 
 op_type op_type_plain(op_type type) {
-    return type == OP_TYPE_Q4_0_R16 ? OP_TYPE_Q4_0 : type == OP_TYPE_Q4_1_R16 ? OP_TYPE_Q4_1 : type;
+    switch (type) {
+    case OP_TYPE_Q4_0_R16: return OP_TYPE_Q4_0;
+    case OP_TYPE_Q4_1_R16: return OP_TYPE_Q4_1;
+    case OP_TYPE_F16_R16: return OP_TYPE_F16;
+    case OP_TYPE_BF16_R16: return OP_TYPE_BF16;
+    default: return type;
+    }
 }
 
 /* ---- descriptors -------------------------------------------------------- */
@@ -176,6 +182,15 @@ uint16_t op_f32_to_bf16(float f) {
 
 void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r, int64_t k0, int64_t n,
                     float *out) {
+    if (type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16) {
+        const uint8_t *p = w + (size_t)(r / OP_R16_ROWS) * OP_R16_ROWS * row_bytes + 2 * (size_t)(r % OP_R16_ROWS);
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + (size_t)(k0 + i) * 2 * OP_R16_ROWS, 2);
+            out[i] = type == OP_TYPE_F16_R16 ? op_f16_to_f32(h) : op_bf16_to_f32(h);
+        }
+        return;
+    }
     const size_t bb = OP_R16_ROWS * op_type_block_bytes(type); /* bytes per block of a group */
     const size_t hdr = type == OP_TYPE_Q4_1_R16 ? 64 : 32;    /* scales (and minimums) */
     const int lane = (int)(r % OP_R16_ROWS);
@@ -202,10 +217,20 @@ void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r,
 
 int op_repack_weight(const op_tensor *src, op_type type, void *dst) {
     if (op_type_plain(type) == type || src->type != op_type_plain(type) || src->ne[2] * src->ne[3] != 1 ||
-        src->ne[1] % OP_R16_ROWS || src->ne[0] % OP_QK || !op_tensor_is_contiguous(src))
+        src->ne[1] % OP_R16_ROWS || src->ne[0] % op_type_block_elems(src->type) || !op_tensor_is_contiguous(src))
         return fu_errorf(FU_ERR_INVALID, "repack %s: cannot make %s of a %s (%lld, %lld) tensor",
                          src->name ? src->name : "", op_type_name(type), op_type_name(src->type),
                          (long long)src->ne[1], (long long)src->ne[0]);
+    if (op_type_block_elems(src->type) == 1) { /* 16-bit values: 16 rows' input k side by side */
+        const int64_t k = src->ne[0];
+        uint8_t *o = dst;
+        for (int64_t g = 0; g < src->ne[1] / OP_R16_ROWS; g++, o += (size_t)k * 2 * OP_R16_ROWS)
+            for (int r = 0; r < OP_R16_ROWS; r++) {
+                const uint8_t *row = (const uint8_t *)src->data + (size_t)(g * OP_R16_ROWS + r) * src->nb[1];
+                for (int64_t i = 0; i < k; i++) memcpy(o + (size_t)i * 2 * OP_R16_ROWS + 2 * r, row + 2 * i, 2);
+            }
+        return FU_OK;
+    }
     const bool q41 = src->type == OP_TYPE_Q4_1;
     const size_t bs = op_type_block_bytes(src->type), hdr = q41 ? 64 : 32, qoff = q41 ? 4 : 2;
     const int64_t nb = src->ne[0] / OP_QK;

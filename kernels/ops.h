@@ -35,6 +35,8 @@ typedef enum op_type {
     OP_TYPE_I32,  /* int32 (token ids, positions) */
     OP_TYPE_Q4_0_R16, /* Q4_0 with rows interleaved in groups of 16 (see below) */
     OP_TYPE_Q4_1_R16, /* Q4_1 with rows interleaved in groups of 16 */
+    OP_TYPE_F16_R16,  /* f16 with rows interleaved in groups of 16 */
+    OP_TYPE_BF16_R16, /* bf16 with rows interleaved in groups of 16 */
     OP_TYPE_COUNT
 } op_type;
 
@@ -55,13 +57,14 @@ typedef struct op_block_q4_1 {
     uint8_t qs[OP_QK / 2];
 } op_block_q4_1;
 
-/* Row-interleaved Q4 (the _R16 types): the same blocks as Q4_0 / Q4_1, laid
- * out so that a vector of 16 lanes holds one weight of 16 consecutive rows,
- * which is how the AVX-512 decode kernel wants them. They are made from a
- * plain Q4_0 / Q4_1 matrix with op_repack_weight() (the number of rows must be
- * a multiple of 16) and never read from files. Rows are stored in groups of
- * 16; for block b (inputs 32b .. 32b + 31) of group g, at byte
- * (g * K/32 + b) * 16 * block_bytes:
+/* Row-interleaved weights (the _R16 types): the values of F16 / BF16 / Q4_0 /
+ * Q4_1, laid out so that a vector of 16 lanes holds one weight of 16
+ * consecutive rows, which is how the AVX-512 decode kernels want them. They
+ * are made from a plain matrix with op_repack_weight() (the number of rows
+ * must be a multiple of 16) and never read from files. Rows are stored in
+ * groups of 16, group g at byte g * 16 * nb[1]. F16_R16 / BF16_R16: input k
+ * of the group's 16 rows at 32k (row r at 32k + 2r). Q4: for block b (inputs
+ * 32b .. 32b + 31) of group g, at byte (g * K/32 + b) * 16 * block_bytes:
  *   - the 16 rows' f16 scales d (row r at 2r), for Q4_1 followed by their 16
  *     f16 minimums m;
  *   - 4 chunks of 64 bytes: in chunk c, the 32-bit little-endian word r holds
@@ -123,7 +126,7 @@ void op_dequantize_row(const op_tensor *t, int64_t row, float *out);
  * the interleaved (_R16) types, which op_repack_weight() makes. */
 void op_quantize_row(op_type type, const float *x, int64_t n, void *dst, float *row_scale);
 
-/* Writes the 2-D host tensor src (Q4_0 or Q4_1, rows a multiple of
+/* Writes the 2-D host tensor src (F16, BF16, Q4_0 or Q4_1, rows a multiple of
  * OP_R16_ROWS) into dst (op_tensor_nbytes(src) bytes of host memory) as
  * `type` (its _R16 type). FU_ERR_INVALID for any other pairing or shape. */
 int op_repack_weight(const op_tensor *src, op_type type, void *dst);
@@ -174,7 +177,7 @@ int op_buffer_set(op_backend *be, void *dst, const void *src_host, size_t nbytes
 int op_buffer_get(op_backend *be, void *dst_host, const void *src, size_t nbytes);
 
 /* Puts a matmul weight into the layout the backend runs fastest (the CPU
- * backend on AVX-512: Q4_0 / Q4_1 with a multiple of 16 rows become the
+ * backend on AVX-512: F16 / BF16 / Q4_0 / Q4_1 with a multiple of 16 rows become the
  * _R16 types). w is host memory. Returns 1 with *out describing a new backend
  * buffer (the caller frees out->data with op_buffer_free), 0 with *out = *w
  * when the backend uses w as it is, or a negative fu_status. */

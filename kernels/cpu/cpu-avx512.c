@@ -753,10 +753,87 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, int64_t nb, co
     for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + (size_t)t * ldy, acc[t]);
 }
 
+/* ---- interleaved 16-bit weights (F16_R16, BF16_R16) ----------------------------
+ *
+ * The same scheme without blocks: input k of the group's 16 rows is one
+ * 32-byte load, widened to 16 floats (a convert, or a zero-extend and shift
+ * for bf16), and FMA'd with each token's x[k]. Sums run in slices of 32
+ * inputs (NC chains each) added into the total, like the blocks above. */
+
+CPU_INLINE __m512 cpu_r16_half(op_type type, const uint8_t *p) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return type == OP_TYPE_F16_R16 ? _mm512_cvtph_ps(v)
+                                   : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+CPU_INLINE void cpu_avx512_mv_r16h(op_type type, const uint8_t *g, int64_t k, const float *x, size_t ldx,
+                                   const int NT, float *y, size_t ldy) {
+    const int NC = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += 32) {
+        const uint8_t *p = g + (size_t)k0 * 32;
+        const int64_t kn = k - k0 < 32 ? k - k0 : 32;
+        for (int o = 0; o < 32 * kn; o += 64) _mm_prefetch((const char *)p + o + CPU_PF_DIST, _MM_HINT_T0);
+        __m512 s[8][4];
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++)
+#pragma GCC unroll 4
+            for (int c = 0; c < NC; c++) s[t][c] = _mm512_setzero_ps();
+        if (kn == 32) {
+#pragma GCC unroll 32
+            for (int j = 0; j < 32; j++) {
+                const __m512 w = cpu_r16_half(type, p + 32 * j);
+#pragma GCC unroll 8
+                for (int t = 0; t < NT; t++)
+                    s[t][j % NC] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(size_t)t * ldx + k0 + j]), s[t][j % NC]);
+            }
+        } else {
+            for (int j = 0; j < kn; j++) {
+                const __m512 w = cpu_r16_half(type, p + 32 * j);
+#pragma GCC unroll 8
+                for (int t = 0; t < NT; t++)
+                    s[t][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(size_t)t * ldx + k0 + j]), s[t][0]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            __m512 sum = s[t][0];
+#pragma GCC unroll 4
+            for (int c = 1; c < NC; c++) sum = _mm512_add_ps(sum, s[t][c]);
+            acc[t] = _mm512_add_ps(acc[t], sum);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + (size_t)t * ldy, acc[t]);
+}
+
+/* Row r's elements [k0, k0 + n) of an F16_R16 / BF16_R16 weight: 16 at a time
+ * by a gather of the aligned 32-bit words that hold them. */
+CPU_INLINE void cpu_avx512_dequant_r16h(op_type type, const uint8_t *w, size_t stride, int64_t r, int64_t k0,
+                                        int64_t n, float *out) {
+    const int lane = (int)(r % OP_R16_ROWS);
+    const uint8_t *g = w + (size_t)(r / OP_R16_ROWS) * OP_R16_ROWS * stride + 4 * (lane / 2);
+    const __m512i step = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(32));
+    const int hi = lane & 1;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i v = _mm512_i32gather_epi32(step, g + (size_t)(k0 + i) * 32, 1);
+        if (hi) v = _mm512_srli_epi32(v, 16);
+        const __m512 f = type == OP_TYPE_F16_R16 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v))
+                                                 : _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        _mm512_storeu_ps(out + i, f);
+    }
+    if (i < n) op_r16_dequant(type, w, stride, r, k0 + i, n - i, out + i);
+}
+
 /* Rows [r0, r1) (multiples of 16: matvec chunks are) for every token (up to
  * CPU_DECODE_R16_T), in passes of at most 8 tokens of equal size (T = 12: 6
  * and 6), each pass over the group's weights, which stay in L1 / L2. */
 CPU_INLINE void cpu_avx512_matvec_r16(op_type type, const cpu_mm *m, int64_t r0, int64_t r1) {
+    const bool half = type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16;
     const int64_t nb = m->k / 32;
     const size_t gs = OP_R16_ROWS * m->w_stride, ldxs = (size_t)nb;
     const int64_t passes = (m->t + 7) / 8, per = (m->t + passes - 1) / passes;
@@ -765,6 +842,19 @@ CPU_INLINE void cpu_avx512_matvec_r16(op_type type, const cpu_mm *m, int64_t r0,
         for (int64_t t0 = 0; t0 < m->t; t0 += per) {
             const float *x = m->x + (size_t)t0 * m->ldx, *xs = m->xs ? m->xs + (size_t)t0 * ldxs : NULL;
             float *y = m->y + (size_t)t0 * m->ldy + r;
+            if (half) {
+                switch (m->t - t0 < per ? m->t - t0 : per) {
+                case 1: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 1, y, m->ldy); break;
+                case 2: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 2, y, m->ldy); break;
+                case 3: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 3, y, m->ldy); break;
+                case 4: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 4, y, m->ldy); break;
+                case 5: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 5, y, m->ldy); break;
+                case 6: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 6, y, m->ldy); break;
+                case 7: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 7, y, m->ldy); break;
+                default: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 8, y, m->ldy); break;
+                }
+                continue;
+            }
             switch (m->t - t0 < per ? m->t - t0 : per) {
             case 1: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 1, y, m->ldy); break;
             case 2: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 2, y, m->ldy); break;
@@ -812,10 +902,15 @@ CPU_INLINE void cpu_avx512_dequant_r16(op_type type, const uint8_t *w, size_t st
     static void cpu_avx512_dequant_##name(const uint8_t *w, size_t stride, int64_t r, int64_t k0,      \
                                           int64_t n, float scale, float *out) {                        \
         (void)scale;                                                                                   \
-        cpu_avx512_dequant_r16(type, w, stride, r, k0, n, out);                                        \
+        if (type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16)                                       \
+            cpu_avx512_dequant_r16h(type, w, stride, r, k0, n, out);                                   \
+        else                                                                                           \
+            cpu_avx512_dequant_r16(type, w, stride, r, k0, n, out);                                    \
     }
 CPU_AVX512_R16(q4_0_r16, OP_TYPE_Q4_0_R16)
 CPU_AVX512_R16(q4_1_r16, OP_TYPE_Q4_1_R16)
+CPU_AVX512_R16(f16_r16, OP_TYPE_F16_R16)
+CPU_AVX512_R16(bf16_r16, OP_TYPE_BF16_R16)
 
 /* ---- gemm micro-kernel: 12 outputs x 32 tokens, 24 zmm accumulators ----------- */
 
@@ -964,6 +1059,8 @@ const cpu_kernels cpu_kernels_avx512 = {
             [OP_TYPE_I8] = cpu_avx512_matvec_i8,
             [OP_TYPE_Q4_0_R16] = cpu_avx512_matvec_q4_0_r16,
             [OP_TYPE_Q4_1_R16] = cpu_avx512_matvec_q4_1_r16,
+            [OP_TYPE_F16_R16] = cpu_avx512_matvec_f16_r16,
+            [OP_TYPE_BF16_R16] = cpu_avx512_matvec_bf16_r16,
         },
     .dequant =
         {
@@ -976,6 +1073,8 @@ const cpu_kernels cpu_kernels_avx512 = {
             [OP_TYPE_I8] = cpu_avx512_dequant_i8,
             [OP_TYPE_Q4_0_R16] = cpu_avx512_dequant_q4_0_r16,
             [OP_TYPE_Q4_1_R16] = cpu_avx512_dequant_q4_1_r16,
+            [OP_TYPE_F16_R16] = cpu_avx512_dequant_f16_r16,
+            [OP_TYPE_BF16_R16] = cpu_avx512_dequant_bf16_r16,
         },
     .gemm = cpu_avx512_gemm,
     .gemm16 = cpu_avx512_gemm16,

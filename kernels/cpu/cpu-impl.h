@@ -24,7 +24,7 @@
  * op_dequantize_row) and FMA'd with the f32 activations of up to
  * CPU_QMV_T tokens, over a few rows at a time (cpu-avx512.c; the AVX2 and
  * portable tables use their generic matvec, also f32). On AVX-512,
- * op_weight_prepare repacks Q4_0/Q4_1 into the interleaved _R16 layouts,
+ * op_weight_prepare repacks F16/BF16/Q4_0/Q4_1 into the interleaved _R16 layouts,
  * whose matvec keeps 16 rows in the lanes of a vector and takes the matvec
  * path up to CPU_DECODE_R16_T tokens (the other paths run those layouts only
  * through cpu_portable_dequant, for correctness).
@@ -164,9 +164,14 @@ void cpu_portable_matvec_tail(const cpu_mm *m, int64_t r, int64_t k0, int t0, in
 /* Any weight type, interleaved ones included: row r of w (see cpu_dequant_fn). */
 void cpu_portable_dequant(op_type type, const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
                           float scale, float *out);
+/* The interleaved types' dequant (see cpu_dequant_fn), through op_r16_dequant. */
 void cpu_portable_dequant_q4_0_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
                                    float scale, float *out);
 void cpu_portable_dequant_q4_1_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                                   float scale, float *out);
+void cpu_portable_dequant_f16_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                                  float scale, float *out);
+void cpu_portable_dequant_bf16_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
                                    float scale, float *out);
 /* The generic matvec (any weight type, f32 math over cpu_portable_dequant). */
 void cpu_portable_matvec(const cpu_mm *m, int64_t r0, int64_t r1);

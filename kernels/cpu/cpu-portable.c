@@ -85,27 +85,26 @@ CPU_PORTABLE_DEQUANT(q8_0, OP_TYPE_Q8_0)
 CPU_PORTABLE_DEQUANT(q4_0, OP_TYPE_Q4_0)
 CPU_PORTABLE_DEQUANT(q4_1, OP_TYPE_Q4_1)
 CPU_PORTABLE_DEQUANT(i8, OP_TYPE_I8)
-void cpu_portable_dequant_q4_0_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
-                                   float scale, float *out) {
-    (void)scale;
-    op_r16_dequant(OP_TYPE_Q4_0_R16, w, stride, r, k0, n, out);
-}
-void cpu_portable_dequant_q4_1_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
-                                   float scale, float *out) {
-    (void)scale;
-    op_r16_dequant(OP_TYPE_Q4_1_R16, w, stride, r, k0, n, out);
-}
+#define CPU_PORTABLE_R16(name, type)                                                               \
+    void cpu_portable_dequant_##name(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n, \
+                                     float scale, float *out) {                                        \
+        (void)scale;                                                                                   \
+        op_r16_dequant(type, w, stride, r, k0, n, out);                                                \
+    }
+CPU_PORTABLE_R16(q4_0_r16, OP_TYPE_Q4_0_R16)
+CPU_PORTABLE_R16(q4_1_r16, OP_TYPE_Q4_1_R16)
+CPU_PORTABLE_R16(f16_r16, OP_TYPE_F16_R16)
+CPU_PORTABLE_R16(bf16_r16, OP_TYPE_BF16_R16)
 
 /* ---- matvec -------------------------------------------------------------- */
 
-/* sums[t] += sum_{k >= k0} W[r][k] * x[t0 + t][k] for t < nt, plain types
- * only (the kernels' tails when K is not a multiple of 32). The I8 row scale is
+/* sums[t] += sum_{k >= k0} W[r][k] * x[t0 + t][k] for t < nt, types of
+ * single elements (the kernels' tails when K is not a multiple of 32). The I8 row scale is
  * left out: callers multiply the whole sum by it. */
 void cpu_portable_matvec_tail(const cpu_mm *m, int64_t r, int64_t k0, int t0, int nt, float *sums) {
-    const uint8_t *row = m->w + (size_t)r * m->w_stride;
     for (int64_t k = k0; k < m->k; k++) {
         float w;
-        cpu_portable_dequant_any(m->type, row, k, 1, 1.0f, &w);
+        cpu_portable_dequant(m->type, m->w, m->w_stride, r, k, 1, 1.0f, &w);
         for (int t = 0; t < nt; t++) sums[t] += w * m->x[(size_t)(t0 + t) * m->ldx + k];
     }
 }
@@ -202,6 +201,8 @@ const cpu_kernels cpu_kernels_portable = {
             [OP_TYPE_I8] = cpu_portable_matvec,
             [OP_TYPE_Q4_0_R16] = cpu_portable_matvec,
             [OP_TYPE_Q4_1_R16] = cpu_portable_matvec,
+            [OP_TYPE_F16_R16] = cpu_portable_matvec,
+            [OP_TYPE_BF16_R16] = cpu_portable_matvec,
         },
     .dequant =
         {
@@ -214,6 +215,8 @@ const cpu_kernels cpu_kernels_portable = {
             [OP_TYPE_I8] = cpu_portable_dequant_i8,
             [OP_TYPE_Q4_0_R16] = cpu_portable_dequant_q4_0_r16,
             [OP_TYPE_Q4_1_R16] = cpu_portable_dequant_q4_1_r16,
+            [OP_TYPE_F16_R16] = cpu_portable_dequant_f16_r16,
+            [OP_TYPE_BF16_R16] = cpu_portable_dequant_bf16_r16,
         },
     .gemm = cpu_portable_gemm,
     .scores = cpu_portable_scores,

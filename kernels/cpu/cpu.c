@@ -146,12 +146,18 @@ static int cpu_reserve_xs(cpu_backend *c, int64_t t, int64_t k) {
     return p ? (c->xs = p, FU_OK) : FU_ERR_NOMEM;
 }
 
-/* Puts Q4_0 / Q4_1 matrices into the interleaved layout where the AVX-512
- * kernels are in use (see the _R16 kernels in cpu-avx512.c); other types and
- * ISAs keep their weights as they are. */
+/* Puts F16 / BF16 / Q4_0 / Q4_1 matrices into the interleaved layout where
+ * the AVX-512 kernels are in use (see the _R16 kernels in cpu-avx512.c);
+ * other types and ISAs keep their weights as they are. */
 static op_type cpu_weight_layout(const op_backend *be, op_type type, int64_t rows) {
     if (((const cpu_backend *)be)->kern != &cpu_kernels_avx512 || rows % OP_R16_ROWS) return type;
-    return type == OP_TYPE_Q4_0 ? OP_TYPE_Q4_0_R16 : type == OP_TYPE_Q4_1 ? OP_TYPE_Q4_1_R16 : type;
+    switch (type) {
+    case OP_TYPE_Q4_0: return OP_TYPE_Q4_0_R16;
+    case OP_TYPE_Q4_1: return OP_TYPE_Q4_1_R16;
+    case OP_TYPE_F16: return OP_TYPE_F16_R16;
+    case OP_TYPE_BF16: return OP_TYPE_BF16_R16;
+    default: return type;
+    }
 }
 
 static int cpu_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out) {

@@ -117,18 +117,19 @@ static void test_backend_basics(void **state) {
         assert_true(op_backend_n_threads(be) == 1 || op_backend_n_threads(be) == 2);
         for (int t = 0; t < OP_TYPE_COUNT; t++)
             assert_int_equal(op_backend_supports(be, (op_type)t), t != OP_TYPE_I32);
-        /* only the AVX-512 kernels want Q4 rows interleaved, and only whole groups of 16 */
+        /* only the AVX-512 kernels want rows interleaved, and only whole groups of 16 */
         bool avx512 = strcmp(op_backend_isa(be), "avx512") == 0;
-        static uint8_t q[48 * sizeof(op_block_q4_1)];
+        static uint8_t q[48 * 32 * sizeof(float)];
         static const struct { op_type type; int64_t rows; bool repacked; } cases[] = {
             {OP_TYPE_Q4_0, 48, true}, {OP_TYPE_Q4_1, 16, true}, {OP_TYPE_Q4_0, 40, false},
-            {OP_TYPE_Q8_0, 48, false}, {OP_TYPE_F16, 32, false}};
+            {OP_TYPE_F16, 32, true},  {OP_TYPE_BF16, 16, true}, {OP_TYPE_BF16, 24, false},
+            {OP_TYPE_Q8_0, 48, false}, {OP_TYPE_F32, 32, false}, {OP_TYPE_I8, 32, false}};
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             op_tensor w = op_tensor_2d(cases[i].type, q, 32, cases[i].rows), pw;
             int rc = op_weight_prepare(be, &w, &pw);
             assert_int_equal(rc, avx512 && cases[i].repacked);
             if (rc == 1) {
-                assert_int_equal(pw.type, op_type_plain(pw.type) == OP_TYPE_Q4_0 ? OP_TYPE_Q4_0_R16 : OP_TYPE_Q4_1_R16);
+                assert_int_equal(op_type_row_group(pw.type), OP_R16_ROWS);
                 assert_int_equal(op_type_plain(pw.type), cases[i].type);
                 assert_true(pw.data != w.data);
                 op_buffer_free(be, pw.data);
@@ -161,8 +162,8 @@ static void test_backend_basics(void **state) {
 
 static const op_type weight_types[] = {OP_TYPE_F32,  OP_TYPE_F16,  OP_TYPE_BF16, OP_TYPE_Q8_0,
                                        OP_TYPE_Q4_0, OP_TYPE_Q4_1, OP_TYPE_I8};
-/* the row-interleaved Q4 layouts (N a multiple of 16) */
-static const op_type r16_types[] = {OP_TYPE_Q4_0_R16, OP_TYPE_Q4_1_R16};
+/* the row-interleaved layouts (N a multiple of 16) */
+static const op_type r16_types[] = {OP_TYPE_Q4_0_R16, OP_TYPE_Q4_1_R16, OP_TYPE_F16_R16, OP_TYPE_BF16_R16};
 
 /* One (type, T, N, K) case on every backend against a double reference over
  * the dequantized weights (and, for the opt-in int8-activation backends where
@@ -275,18 +276,23 @@ static void test_matmul_decode(void **state) {
             matmul_case(weight_types[ti], shapes[s][0], shapes[s][1], shapes[s][2]);
 }
 
-/* The interleaved Q4 layouts: decode (every token count of the matvec path,
- * K from 1 to 64 blocks, up to 10 groups of rows), batched decode and prefill
- * (GEMM panels that straddle groups), on every ISA (the portable and AVX2
- * paths run them too, though op_weight_prepare never picks them there). */
+/* The interleaved layouts: decode (every token count of the matvec path,
+ * K from 1 to 64 blocks, up to 10 groups of rows), batched decode (passes of
+ * up to 8 tokens) and prefill (GEMM panels that straddle groups), on every ISA
+ * (the portable and AVX2 paths run them too, though op_weight_prepare never
+ * picks them there); the 16-bit ones also with K not a multiple of 32. */
 static void test_matmul_interleaved(void **state) {
     (void)state;
     static const int64_t shapes[][3] = {{1, 16, 32},  {2, 32, 96},   {3, 48, 288},  {4, 16, 2048}, {5, 64, 544},
                                         {6, 32, 256}, {7, 16, 128},  {8, 48, 96},   {1, 160, 576}, {9, 32, 544},
                                         {16, 48, 544}, {17, 16, 544}, {33, 32, 160}, {40, 64, 544}};
-    for (size_t ti = 0; ti < sizeof r16_types / sizeof r16_types[0]; ti++)
+    static const int64_t odd_k[][3] = {{1, 16, 7}, {3, 32, 45}, {9, 16, 70}, {33, 48, 131}};
+    for (size_t ti = 0; ti < sizeof r16_types / sizeof r16_types[0]; ti++) {
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             matmul_case(r16_types[ti], shapes[s][0], shapes[s][1], shapes[s][2]);
+        for (size_t s = 0; op_type_block_elems(r16_types[ti]) == 1 && s < sizeof odd_k / sizeof odd_k[0]; s++)
+            matmul_case(r16_types[ti], odd_k[s][0], odd_k[s][1], odd_k[s][2]);
+    }
     /* what cannot be interleaved is refused */
     static uint8_t q[17 * sizeof(op_block_q4_0)], out[sizeof q];
     op_tensor w = op_tensor_2d(OP_TYPE_Q4_0, q, 32, 17);

@@ -162,7 +162,7 @@ static void forward_logits(const mdl_model *m, op_backend *be, const int32_t *id
     eng_free(e);
 }
 
-/* Q4 weights run in whichever layout the backend prepares (interleaved rows
+/* Weights run in whichever layout the backend prepares (interleaved rows
  * on AVX-512, as they are elsewhere) give the same logits; a model drawn in
  * the interleaved layout holds the same numbers; engines that repack and give
  * back a model's pages leave the model usable by the next one. */
@@ -171,7 +171,10 @@ static void test_weights_prepared_for_the_backend(void **state) {
     mdl_config c = small_config(MDL_ARCH_LLAMA);
     c.vocab_size = 112; /* the head repacks too (whole groups of 16 rows) */
     mdl_open_options all = mdl_open_options_all();
-    static const op_type types[][2] = {{OP_TYPE_Q4_0, OP_TYPE_Q4_0_R16}, {OP_TYPE_Q4_1, OP_TYPE_Q4_1_R16}};
+    static const op_type types[][2] = {{OP_TYPE_Q4_0, OP_TYPE_Q4_0_R16},
+                                       {OP_TYPE_Q4_1, OP_TYPE_Q4_1_R16},
+                                       {OP_TYPE_F16, OP_TYPE_F16_R16},
+                                       {OP_TYPE_BF16, OP_TYPE_BF16_R16}};
     op_backend *portable = op_backend_cpu_new(&(op_cpu_options){.n_threads = 2, .isa = OP_CPU_ISA_PORTABLE});
     op_backend *best = op_backend_cpu_new(&(op_cpu_options){.n_threads = 2, .isa = OP_CPU_ISA_AUTO});
     assert_true(portable && best);
@@ -179,7 +182,7 @@ static void test_weights_prepared_for_the_backend(void **state) {
     enum { N = sizeof ids / sizeof ids[0], V = 112 };
     float *ref = malloc(N * V * sizeof(float)), *got = malloc(N * V * sizeof(float));
     assert_true(ref && got);
-    for (int i = 0; i < 2; i++) {
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
         mdl_model *plain, *packed;
         assert_int_equal(mdl_random(&c, types[i][0], 9, &all, &plain), FU_OK);
         assert_int_equal(mdl_random(&c, types[i][1], 9, &all, &packed), FU_OK);
