@@ -48,7 +48,7 @@ def one_request(url, key, model, prompt, max_tokens):
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    times, tokens, buf = [], 0, b""
+    times, tokens = [], 0
     while True:
         line = resp.readline()
         if not line:

@@ -11,6 +11,7 @@ recursion, output/memory blow-ups) are checked to fail fast with a resource erro
 """
 
 import copy
+import importlib.util
 import json
 import os
 import random
@@ -91,9 +92,8 @@ def load_config(name):
 
 def smollm2_template():
     """tokenizer.chat_template of the default SmolLM2 GGUF, read with the gguf package."""
-    try:
-        import sentencepiece  # noqa: F401
-    except ImportError:  # gguf imports it only for vocab conversion, which we do not use
+    if importlib.util.find_spec("sentencepiece") is None:
+        # gguf imports it only for vocab conversion, which we do not use
         sys.modules["sentencepiece"] = types.SimpleNamespace(SentencePieceProcessor=None)
     import gguf
     path = subprocess.run([os.path.join(SRC, "scripts", "fetch-default-model.sh")], capture_output=True,
