@@ -662,7 +662,7 @@ static int mdl_random_matrix(mdl_model *m, op_tensor *dst, op_type type, int64_t
     const bool repack = plain != type && ne1 % op_type_row_group(type) == 0;
     size_t row_bytes = op_row_bytes(plain, ne0);
     void *data = malloc(row_bytes * (size_t)ne1);
-    if (!repack) mdl_own(m, data);
+    if (!repack) data = mdl_own(m, data);
     float *scales = plain == OP_TYPE_I8 ? mdl_own(m, malloc((size_t)ne1 * sizeof(float))) : NULL;
     float *row = malloc((size_t)ne0 * sizeof *row);
     if (!data || !row || (plain == OP_TYPE_I8 && !scales)) {

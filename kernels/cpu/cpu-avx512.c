@@ -829,41 +829,37 @@ CPU_INLINE void cpu_avx512_dequant_r16h(op_type type, const uint8_t *w, size_t s
     if (i < n) op_r16_dequant(type, w, stride, r, k0 + i, n - i, out + i);
 }
 
+/* One pass of NT tokens from t0 over the group at g, either kind of layout. */
+CPU_INLINE void cpu_avx512_mv_r16_pass(op_type type, const cpu_mm *m, const uint8_t *g, int64_t t0, const int NT,
+                                       float *y) {
+    const int64_t nb = m->k / 32;
+    const float *x = m->x + (size_t)t0 * m->ldx;
+    if (type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16)
+        cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, NT, y, m->ldy);
+    else
+        cpu_avx512_mv_r16(type, g, nb, x, m->ldx, m->xs ? m->xs + (size_t)t0 * (size_t)nb : NULL, (size_t)nb, NT,
+                          y, m->ldy);
+}
+
 /* Rows [r0, r1) (multiples of 16: matvec chunks are) for every token (up to
  * CPU_DECODE_R16_T), in passes of at most 8 tokens of equal size (T = 12: 6
  * and 6), each pass over the group's weights, which stay in L1 / L2. */
 CPU_INLINE void cpu_avx512_matvec_r16(op_type type, const cpu_mm *m, int64_t r0, int64_t r1) {
-    const bool half = type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16;
-    const int64_t nb = m->k / 32;
-    const size_t gs = OP_R16_ROWS * m->w_stride, ldxs = (size_t)nb;
+    const size_t gs = OP_R16_ROWS * m->w_stride;
     const int64_t passes = (m->t + 7) / 8, per = (m->t + passes - 1) / passes;
     for (int64_t r = r0; r < r1; r += OP_R16_ROWS) {
         const uint8_t *g = m->w + (size_t)(r / OP_R16_ROWS) * gs;
         for (int64_t t0 = 0; t0 < m->t; t0 += per) {
-            const float *x = m->x + (size_t)t0 * m->ldx, *xs = m->xs ? m->xs + (size_t)t0 * ldxs : NULL;
             float *y = m->y + (size_t)t0 * m->ldy + r;
-            if (half) {
-                switch (m->t - t0 < per ? m->t - t0 : per) {
-                case 1: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 1, y, m->ldy); break;
-                case 2: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 2, y, m->ldy); break;
-                case 3: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 3, y, m->ldy); break;
-                case 4: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 4, y, m->ldy); break;
-                case 5: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 5, y, m->ldy); break;
-                case 6: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 6, y, m->ldy); break;
-                case 7: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 7, y, m->ldy); break;
-                default: cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, 8, y, m->ldy); break;
-                }
-                continue;
-            }
             switch (m->t - t0 < per ? m->t - t0 : per) {
-            case 1: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 1, y, m->ldy); break;
-            case 2: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 2, y, m->ldy); break;
-            case 3: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 3, y, m->ldy); break;
-            case 4: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 4, y, m->ldy); break;
-            case 5: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 5, y, m->ldy); break;
-            case 6: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 6, y, m->ldy); break;
-            case 7: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 7, y, m->ldy); break;
-            default: cpu_avx512_mv_r16(type, g, nb, x, m->ldx, xs, ldxs, 8, y, m->ldy); break;
+            case 1: cpu_avx512_mv_r16_pass(type, m, g, t0, 1, y); break;
+            case 2: cpu_avx512_mv_r16_pass(type, m, g, t0, 2, y); break;
+            case 3: cpu_avx512_mv_r16_pass(type, m, g, t0, 3, y); break;
+            case 4: cpu_avx512_mv_r16_pass(type, m, g, t0, 4, y); break;
+            case 5: cpu_avx512_mv_r16_pass(type, m, g, t0, 5, y); break;
+            case 6: cpu_avx512_mv_r16_pass(type, m, g, t0, 6, y); break;
+            case 7: cpu_avx512_mv_r16_pass(type, m, g, t0, 7, y); break;
+            default: cpu_avx512_mv_r16_pass(type, m, g, t0, 8, y); break;
             }
         }
     }
