@@ -2,6 +2,8 @@
 #ifndef FU_OPS_IMPL_H
 #define FU_OPS_IMPL_H
 
+#include <pthread.h>
+
 #include "ops.h"
 
 typedef struct op_backend_vtbl {
@@ -41,10 +43,13 @@ typedef struct op_backend_vtbl {
 void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r, int64_t k0, int64_t n,
                     float *out);
 
-/* Every backend struct begins with this header. */
+/* Every backend struct begins with this header, set up by op_backend_base_init. */
 struct op_backend {
     const op_backend_vtbl *v;
     int n_threads;
+    pthread_mutex_t lock; /* serializes the ops called on this backend (ops.c) */
 };
+
+void op_backend_base_init(op_backend *be, const op_backend_vtbl *v, int n_threads);
 
 #endif

@@ -414,8 +414,27 @@ void op_quantize_row(op_type type, const float *x, int64_t n, void *dst, float *
 
 /* ---- dispatch ----------------------------------------------------------- */
 
+/* A backend may be shared by threads (a shard serving two spans during a
+ * move): calls on one backend are serialized, each op running whole, since
+ * ops share the backend's scratch and thread pool. */
+#define OP_LOCKED(be, call)                        \
+    do {                                           \
+        pthread_mutex_lock(&(be)->lock);           \
+        int op_rc_ = (call);                       \
+        pthread_mutex_unlock(&(be)->lock);         \
+        return op_rc_;                             \
+    } while (0)
+
+void op_backend_base_init(op_backend *be, const op_backend_vtbl *v, int n_threads) {
+    be->v = v;
+    be->n_threads = n_threads;
+    pthread_mutex_init(&be->lock, NULL);
+}
+
 void op_backend_free(op_backend *be) {
-    if (be) be->v->free(be);
+    if (!be) return;
+    pthread_mutex_destroy(&be->lock);
+    be->v->free(be);
 }
 
 const char *op_backend_name(const op_backend *be) { return be->v->name; }
@@ -435,16 +454,17 @@ void op_buffer_free(op_backend *be, void *ptr) {
 }
 
 int op_buffer_set(op_backend *be, void *dst, const void *src, size_t nbytes) {
-    return be->v->buffer_set(be, dst, src, nbytes);
+    OP_LOCKED(be, be->v->buffer_set(be, dst, src, nbytes));
 }
 
 int op_buffer_get(op_backend *be, void *dst, const void *src, size_t nbytes) {
-    return be->v->buffer_get(be, dst, src, nbytes);
+    OP_LOCKED(be, be->v->buffer_get(be, dst, src, nbytes));
 }
 
 int op_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out) {
     *out = *w;
-    return be->v->weight_prepare ? be->v->weight_prepare(be, w, out) : 0;
+    if (!be->v->weight_prepare) return 0;
+    OP_LOCKED(be, be->v->weight_prepare(be, w, out));
 }
 
 op_type op_weight_layout(const op_backend *be, op_type type, int64_t rows) {
@@ -452,10 +472,13 @@ op_type op_weight_layout(const op_backend *be, op_type type, int64_t rows) {
 }
 
 int op_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
-    return be->v->reserve(be, max_tokens, max_k);
+    OP_LOCKED(be, be->v->reserve(be, max_tokens, max_k));
 }
 
-int op_synchronize(op_backend *be) { return be->v->synchronize ? be->v->synchronize(be) : FU_OK; }
+int op_synchronize(op_backend *be) {
+    if (!be->v->synchronize) return FU_OK;
+    OP_LOCKED(be, be->v->synchronize(be));
+}
 
 int op_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
     if (w->ne[0] != x->ne[0] || y->ne[0] != w->ne[1] || y->ne[1] != x->ne[1])
@@ -469,28 +492,28 @@ int op_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor 
     if (!be->v->supports(be, w->type))
         return fu_errorf(FU_ERR_UNSUPPORTED, "matmul: backend %s has no %s weights", be->v->name,
                          op_type_name(w->type));
-    return be->v->matmul(be, w, x, y);
+    OP_LOCKED(be, be->v->matmul(be, w, x, y));
 }
 
 int op_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y) {
     if ((w && w->ne[0] != x->ne[0]) || y->ne[0] != x->ne[0] ||
         op_tensor_nelems(y) != op_tensor_nelems(x))
         return fu_errorf(FU_ERR_INVALID, "rmsnorm: shape mismatch");
-    return be->v->rmsnorm(be, x, w, eps, y);
+    OP_LOCKED(be, be->v->rmsnorm(be, x, w, eps, y));
 }
 
 int op_rope(op_backend *be, op_tensor *x, const int32_t *pos, const op_rope_params *p) {
     if (p->rot_dim <= 0 || p->rot_dim > x->ne[0] || p->rot_dim % 2)
         return fu_errorf(FU_ERR_INVALID, "rope: rot_dim %d with head_dim %lld", p->rot_dim,
                          (long long)x->ne[0]);
-    return be->v->rope(be, x, pos, p);
+    OP_LOCKED(be, be->v->rope(be, x, pos, p));
 }
 
 int op_attention(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor *out) {
     if (a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads || q->ne[0] != a->head_dim ||
         q->ne[1] != a->n_heads || op_tensor_nelems(out) != op_tensor_nelems(q))
         return fu_errorf(FU_ERR_INVALID, "attention: shape mismatch");
-    return be->v->attention(be, q, a, out);
+    OP_LOCKED(be, be->v->attention(be, q, a, out));
 }
 
 int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, int n_seqs,
@@ -504,25 +527,25 @@ int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, int
             return fu_errorf(FU_ERR_RANGE, "kv_store: position %d outside a cache of %lld", pos[t],
                              (long long)rows);
     }
-    return be->v->kv_store(be, src, dst, seq, pos);
+    OP_LOCKED(be, be->v->kv_store(be, src, dst, seq, pos));
 }
 
 int op_swiglu(op_backend *be, const op_tensor *gate, const op_tensor *up, op_tensor *out) {
     if (op_tensor_nelems(gate) != op_tensor_nelems(up) ||
         op_tensor_nelems(out) != op_tensor_nelems(gate))
         return fu_errorf(FU_ERR_INVALID, "swiglu: shape mismatch");
-    return be->v->swiglu(be, gate, up, out);
+    OP_LOCKED(be, be->v->swiglu(be, gate, up, out));
 }
 
 int op_add(op_backend *be, op_tensor *x, const op_tensor *y) {
     if (op_tensor_nelems(x) != op_tensor_nelems(y))
         return fu_errorf(FU_ERR_INVALID, "add: shape mismatch");
-    return be->v->add(be, x, y);
+    OP_LOCKED(be, be->v->add(be, x, y));
 }
 
 int op_add_row(op_backend *be, op_tensor *x, const op_tensor *b) {
     if (b->ne[0] != x->ne[0]) return fu_errorf(FU_ERR_INVALID, "add_row: shape mismatch");
-    return be->v->add_row(be, x, b);
+    OP_LOCKED(be, be->v->add_row(be, x, b));
 }
 
 int op_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out) {
@@ -531,12 +554,12 @@ int op_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_t
         if (ids[t] < 0 || ids[t] >= table->ne[1])
             return fu_errorf(FU_ERR_RANGE, "get_rows: id %d outside [0, %lld)", ids[t],
                              (long long)table->ne[1]);
-    return be->v->get_rows(be, table, ids, out);
+    OP_LOCKED(be, be->v->get_rows(be, table, ids, out));
 }
 
-int op_softmax(op_backend *be, op_tensor *x) { return be->v->softmax(be, x); }
+int op_softmax(op_backend *be, op_tensor *x) { OP_LOCKED(be, be->v->softmax(be, x)); }
 
-int op_log_softmax(op_backend *be, op_tensor *x) { return be->v->log_softmax(be, x); }
+int op_log_softmax(op_backend *be, op_tensor *x) { OP_LOCKED(be, be->v->log_softmax(be, x)); }
 
 #ifndef FUSION_HAVE_CUDA
 op_backend *op_backend_cuda_new(int device) {

@@ -143,6 +143,14 @@ CPU_INLINE __m512 cpu_avx512_deq_half(op_type type, const uint8_t *row, int64_t 
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
+/* acc[i][t] = 0 for i < R, t < NT (R, NT compile-time after inlining). */
+CPU_INLINE void cpu_avx512_zero(__m512 (*acc)[8], const int R, const int NT) {
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) acc[i][t] = _mm512_setzero_ps();
+}
+
 /* sums[i * NT + t] = W[r + i] . x[t] over the nb full blocks, for R rows and
  * NT (6..8) tokens of a plain type: one accumulator per (row, token), so that
  * each 16 activations loaded serve R rows. With 4 tokens per pass as in
@@ -152,10 +160,7 @@ CPU_INLINE void cpu_avx512_mv_rows(op_type type, const uint8_t *w, size_t ws, co
                                    const int R, const int NT, int64_t nb, float *sums) {
     const size_t bs = type == OP_TYPE_F32 ? 128 : 64; /* bytes per block of 32 */
     __m512 acc[3][8];
-#pragma GCC unroll 8
-    for (int i = 0; i < R; i++)
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) acc[i][t] = _mm512_setzero_ps();
+    cpu_avx512_zero(acc, R, NT);
     for (int64_t b = 0; b < nb; b++) {
 #pragma GCC unroll 8
         for (int i = 0; i < R; i++)
@@ -707,50 +712,63 @@ CPU_INLINE __m512 cpu_r16_table(op_type type) {
                                     : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
 }
 
-/* y[t * ldy + i] = W[16g + i] . x[t] for i < 16, t < NT (1..8), over the nb
- * blocks of the group at g. xs: (NT, ldxs) block sums of x (Q4_1 only). With
- * few tokens each token's sum is split over NC chains (the FMA latency). */
-CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, int64_t nb, const float *x, size_t ldx,
-                                  const float *xs, size_t ldxs, const int NT, float *y, size_t ldy) {
+/* Groups the batched-decode passes work on at once: enough independent FMA
+ * chains (groups x tokens) to cover the FMA latency. */
+#define CPU_R16_NG(nt) ((nt) == 1 ? 4 : (nt) <= 5 ? 2 : 1)
+
+/* y[i * 16 + t * ldy + r] = W[16 (g + i) + r] . x[t] for r < 16, t < NT
+ * (1..8), groups i < NG at g + i * gs, over the nb blocks. xs: (NT, ldxs)
+ * block sums of x (Q4_1 only). Each (group, token) has one chain per block,
+ * the same whatever NT and NG, so that a token's result does not depend on
+ * how many tokens or groups share the pass. */
+CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, const int NG, int64_t nb,
+                                  const float *x, size_t ldx, const float *xs, size_t ldxs, const int NT, float *y,
+                                  size_t ldy) {
     const bool q41 = type == OP_TYPE_Q4_1_R16;
     const size_t bb = cpu_r16_block_bytes(type), hdr = q41 ? 64 : 32;
-    const int NC = NT == 1 ? 4 : NT == 2 ? 2 : 1;
     const __m512 tbl = cpu_r16_table(type);
-    __m512 acc[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    __m512 acc[4][8];
+    cpu_avx512_zero(acc, NG, NT);
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = g + (size_t)b * bb;
-        /* without it, well under 0.7 of the bandwidth */
-        for (size_t o = 0; o < bb; o += 64) _mm_prefetch((const char *)p + o + CPU_PF_DIST, _MM_HINT_T0);
-        __m512 s[8][4];
+        __m512 s[4][8];
+#pragma GCC unroll 4
+        for (int i = 0; i < NG; i++) /* without it, well under 0.7 of the bandwidth */
+            for (size_t o = 0; o < bb; o += 64)
+                _mm_prefetch((const char *)g + i * gs + (size_t)b * bb + o + CPU_PF_DIST, _MM_HINT_T0);
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512(p + hdr + 64 * c);
+            __m512i v[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < NG; i++) v[i] = _mm512_loadu_si512(g + i * gs + (size_t)b * bb + hdr + 64 * c);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
-                const __m512 w = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(v, 4 * j) : v, tbl);
-                const int ch = (8 * c + j) % NC;
+#pragma GCC unroll 4
+                for (int i = 0; i < NG; i++) {
+                    const __m512 w = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(v[i], 4 * j) : v[i], tbl);
 #pragma GCC unroll 8
-                for (int t = 0; t < NT; t++) {
-                    const __m512 xv = _mm512_set1_ps(x[(size_t)t * ldx + (size_t)b * 32 + 8 * c + j]);
-                    s[t][ch] = 8 * c + j < NC ? _mm512_mul_ps(w, xv) : _mm512_fmadd_ps(w, xv, s[t][ch]);
+                    for (int t = 0; t < NT; t++) {
+                        const __m512 xv = _mm512_set1_ps(x[(size_t)t * ldx + (size_t)b * 32 + 8 * c + j]);
+                        s[i][t] = c == 0 && j == 0 ? _mm512_mul_ps(w, xv) : _mm512_fmadd_ps(w, xv, s[i][t]);
+                    }
                 }
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m512 mn = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))) : d;
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) {
-            __m512 sum = s[t][0];
 #pragma GCC unroll 4
-            for (int i = 1; i < NC; i++) sum = _mm512_add_ps(sum, s[t][i]);
-            acc[t] = _mm512_fmadd_ps(d, sum, acc[t]);
-            if (q41) acc[t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(size_t)t * ldxs + b]), acc[t]);
+        for (int i = 0; i < NG; i++) {
+            const uint8_t *p = g + i * gs + (size_t)b * bb;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+            const __m512 mn = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))) : d;
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                acc[i][t] = _mm512_fmadd_ps(d, s[i][t], acc[i][t]);
+                if (q41) acc[i][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(size_t)t * ldxs + b]), acc[i][t]);
+            }
         }
     }
+#pragma GCC unroll 4
+    for (int i = 0; i < NG; i++)
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + (size_t)t * ldy, acc[t]);
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + i * OP_R16_ROWS + (size_t)t * ldy, acc[i][t]);
 }
 
 /* ---- interleaved 16-bit weights (F16_R16, BF16_R16) ----------------------------
@@ -766,47 +784,40 @@ CPU_INLINE __m512 cpu_r16_half(op_type type, const uint8_t *p) {
                                    : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-CPU_INLINE void cpu_avx512_mv_r16h(op_type type, const uint8_t *g, int64_t k, const float *x, size_t ldx,
-                                   const int NT, float *y, size_t ldy) {
-    const int NC = NT == 1 ? 4 : NT == 2 ? 2 : 1;
-    __m512 acc[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+CPU_INLINE void cpu_avx512_mv_r16h(op_type type, const uint8_t *g, size_t gs, const int NG, int64_t k,
+                                   const float *x, size_t ldx, const int NT, float *y, size_t ldy) {
+    __m512 acc[4][8];
+    cpu_avx512_zero(acc, NG, NT);
     for (int64_t k0 = 0; k0 < k; k0 += 32) {
-        const uint8_t *p = g + (size_t)k0 * 32;
         const int64_t kn = k - k0 < 32 ? k - k0 : 32;
-        for (int o = 0; o < 32 * kn; o += 64) _mm_prefetch((const char *)p + o + CPU_PF_DIST, _MM_HINT_T0);
-        __m512 s[8][4];
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++)
 #pragma GCC unroll 4
-            for (int c = 0; c < NC; c++) s[t][c] = _mm512_setzero_ps();
+        for (int i = 0; i < NG; i++)
+            for (int o = 0; o < 32 * kn; o += 64)
+                _mm_prefetch((const char *)g + i * gs + (size_t)k0 * 32 + o + CPU_PF_DIST, _MM_HINT_T0);
+        __m512 s[4][8];
+        cpu_avx512_zero(s, NG, NT);
+#define CPU_R16H_STEP(j)                                                                                   \
+    for (int i = 0; i < NG; i++) {                                                                         \
+        const __m512 w = cpu_r16_half(type, g + i * gs + (size_t)(k0 + (j)) * 32);                         \
+        for (int t = 0; t < NT; t++)                                                                       \
+            s[i][t] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(size_t)t * ldx + k0 + (j)]), s[i][t]);          \
+    }
         if (kn == 32) {
 #pragma GCC unroll 32
-            for (int j = 0; j < 32; j++) {
-                const __m512 w = cpu_r16_half(type, p + 32 * j);
-#pragma GCC unroll 8
-                for (int t = 0; t < NT; t++)
-                    s[t][j % NC] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(size_t)t * ldx + k0 + j]), s[t][j % NC]);
-            }
+            for (int j = 0; j < 32; j++) CPU_R16H_STEP(j)
         } else {
-            for (int j = 0; j < kn; j++) {
-                const __m512 w = cpu_r16_half(type, p + 32 * j);
-#pragma GCC unroll 8
-                for (int t = 0; t < NT; t++)
-                    s[t][0] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[(size_t)t * ldx + k0 + j]), s[t][0]);
-            }
+            for (int j = 0; j < kn; j++) CPU_R16H_STEP(j)
         }
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) {
-            __m512 sum = s[t][0];
+#undef CPU_R16H_STEP
 #pragma GCC unroll 4
-            for (int c = 1; c < NC; c++) sum = _mm512_add_ps(sum, s[t][c]);
-            acc[t] = _mm512_add_ps(acc[t], sum);
-        }
-    }
+        for (int i = 0; i < NG; i++)
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + (size_t)t * ldy, acc[t]);
+            for (int t = 0; t < NT; t++) acc[i][t] = _mm512_add_ps(acc[i][t], s[i][t]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NG; i++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + i * OP_R16_ROWS + (size_t)t * ldy, acc[i][t]);
 }
 
 /* Row r's elements [k0, k0 + n) of an F16_R16 / BF16_R16 weight: 16 at a time
@@ -829,39 +840,56 @@ CPU_INLINE void cpu_avx512_dequant_r16h(op_type type, const uint8_t *w, size_t s
     if (i < n) op_r16_dequant(type, w, stride, r, k0 + i, n - i, out + i);
 }
 
-/* One pass of NT tokens from t0 over the group at g, either kind of layout. */
-CPU_INLINE void cpu_avx512_mv_r16_pass(op_type type, const cpu_mm *m, const uint8_t *g, int64_t t0, const int NT,
-                                       float *y) {
+/* One pass of NT tokens from t0 over NG groups from g, either kind of layout. */
+CPU_INLINE void cpu_avx512_mv_r16_pass(op_type type, const cpu_mm *m, const uint8_t *g, const int NG, int64_t t0,
+                                       const int NT, float *y) {
     const int64_t nb = m->k / 32;
+    const size_t gs = OP_R16_ROWS * m->w_stride;
     const float *x = m->x + (size_t)t0 * m->ldx;
     if (type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16)
-        cpu_avx512_mv_r16h(type, g, m->k, x, m->ldx, NT, y, m->ldy);
+        cpu_avx512_mv_r16h(type, g, gs, NG, m->k, x, m->ldx, NT, y, m->ldy);
     else
-        cpu_avx512_mv_r16(type, g, nb, x, m->ldx, m->xs ? m->xs + (size_t)t0 * (size_t)nb : NULL, (size_t)nb, NT,
-                          y, m->ldy);
+        cpu_avx512_mv_r16(type, g, gs, NG, nb, x, m->ldx, m->xs ? m->xs + (size_t)t0 * (size_t)nb : NULL,
+                          (size_t)nb, NT, y, m->ldy);
 }
 
-/* Rows [r0, r1) (multiples of 16: matvec chunks are) for every token (up to
- * CPU_DECODE_R16_T), in passes of at most 8 tokens of equal size (T = 12: 6
- * and 6), each pass over the group's weights, which stay in L1 / L2. */
+/* NT tokens from t0 over the ng groups from g. ng never exceeds CPU_R16_NG(NT)
+ * (it is chosen for the longest pass), so the other branches are dead code. */
+#define CPU_R16_PASS(NT)                                                                            \
+    do {                                                                                            \
+        if (CPU_R16_NG(NT) >= 4 && ng == 4)                                                         \
+            cpu_avx512_mv_r16_pass(type, m, g, 4, t0, NT, y);                                       \
+        else if (CPU_R16_NG(NT) >= 2 && ng == 2)                                                    \
+            cpu_avx512_mv_r16_pass(type, m, g, 2, t0, NT, y);                                       \
+        else                                                                                        \
+            cpu_avx512_mv_r16_pass(type, m, g, 1, t0, NT, y);                                       \
+    } while (0)
+
+/* Rows [r0, r1) (multiples of 16: matvec chunks are) for every token, in
+ * passes of at most 8 tokens of equal size (T = 12: 6 and 6), each pass over
+ * the same few groups' weights, which stay in L1 / L2. */
 CPU_INLINE void cpu_avx512_matvec_r16(op_type type, const cpu_mm *m, int64_t r0, int64_t r1) {
     const size_t gs = OP_R16_ROWS * m->w_stride;
     const int64_t passes = (m->t + 7) / 8, per = (m->t + passes - 1) / passes;
-    for (int64_t r = r0; r < r1; r += OP_R16_ROWS) {
+    const int want = CPU_R16_NG(per);
+    for (int64_t r = r0; r < r1;) {
         const uint8_t *g = m->w + (size_t)(r / OP_R16_ROWS) * gs;
+        const int64_t left = (r1 - r) / OP_R16_ROWS;
+        const int ng = want >= 4 && left >= 4 ? 4 : want >= 2 && left >= 2 ? 2 : 1;
         for (int64_t t0 = 0; t0 < m->t; t0 += per) {
             float *y = m->y + (size_t)t0 * m->ldy + r;
             switch (m->t - t0 < per ? m->t - t0 : per) {
-            case 1: cpu_avx512_mv_r16_pass(type, m, g, t0, 1, y); break;
-            case 2: cpu_avx512_mv_r16_pass(type, m, g, t0, 2, y); break;
-            case 3: cpu_avx512_mv_r16_pass(type, m, g, t0, 3, y); break;
-            case 4: cpu_avx512_mv_r16_pass(type, m, g, t0, 4, y); break;
-            case 5: cpu_avx512_mv_r16_pass(type, m, g, t0, 5, y); break;
-            case 6: cpu_avx512_mv_r16_pass(type, m, g, t0, 6, y); break;
-            case 7: cpu_avx512_mv_r16_pass(type, m, g, t0, 7, y); break;
-            default: cpu_avx512_mv_r16_pass(type, m, g, t0, 8, y); break;
+            case 1: CPU_R16_PASS(1); break;
+            case 2: CPU_R16_PASS(2); break;
+            case 3: CPU_R16_PASS(3); break;
+            case 4: CPU_R16_PASS(4); break;
+            case 5: CPU_R16_PASS(5); break;
+            case 6: CPU_R16_PASS(6); break;
+            case 7: CPU_R16_PASS(7); break;
+            default: CPU_R16_PASS(8); break;
             }
         }
+        r += (int64_t)ng * OP_R16_ROWS;
     }
 }
 

@@ -25,9 +25,11 @@
  * CPU_QMV_T tokens, over a few rows at a time (cpu-avx512.c; the AVX2 and
  * portable tables use their generic matvec, also f32). On AVX-512,
  * op_weight_prepare repacks F16/BF16/Q4_0/Q4_1 into the interleaved _R16 layouts,
- * whose matvec keeps 16 rows in the lanes of a vector and takes the matvec
- * path up to CPU_DECODE_R16_T tokens (the other paths run those layouts only
- * through cpu_portable_dequant, for correctness).
+ * whose matvec keeps 16 rows in the lanes of a vector and takes every matmul
+ * of those types, prefill included: a token's result then has the same bits
+ * whatever else shares its batch, so that a session replayed on another
+ * server after a failure rebuilds exactly the KV cache it had (the other
+ * paths run those layouts only through cpu_portable_dequant, for correctness).
  *
  * Prefill and batched decode (larger T): the activations are first transposed
  * into xT blocks of tb tokens, xt[b][k][j] = x[b*tb + j][k] (zero past T).
@@ -47,7 +49,7 @@
  */
 #define CPU_DECODE_MAX_T 8    /* largest T that takes the matvec path */
 #define CPU_DECODE_NARROW_T 6 /* the same for block types with a narrow GEMM kernel (gemm16) */
-#define CPU_DECODE_R16_T 32   /* the same for the interleaved types on AVX-512 */
+#define CPU_DECODE_R16_T INT64_MAX /* the same for the interleaved types on AVX-512: every T */
 #define CPU_PF_DIST 4096      /* bytes a matvec prefetches ahead of the weight it reads */
 #define CPU_MV_T 4    /* tokens per pass of a matvec kernel */
 #define CPU_QMV_T 8   /* tokens per pass of a block-type matvec kernel */

@@ -104,9 +104,10 @@ static int cpu_buffer_copy(op_backend *be, void *dst, const void *src, size_t nb
 /* Largest T of a `type` matmul that takes the matvec path: CPU_DECODE_MAX_T,
  * or for the block types CPU_DECODE_NARROW_T where the narrow GEMM kernel
  * takes over (unless the opt-in integer decode path applies to the type), or
- * CPU_DECODE_R16_T for the interleaved types on AVX-512 (their matvec
- * converts each weight once for up to 8 tokens, and beats the GEMM's panel
- * dequantization up to 32). */
+ * CPU_DECODE_R16_T (every T) for the interleaved types on AVX-512: their
+ * matvec converts each weight once per pass of up to 8 tokens, beats the GEMM
+ * up to 32 tokens and is within a few percent of it beyond, and gives a token
+ * the same bits whatever the batch. */
 static int64_t cpu_decode_max_t(const cpu_backend *c, op_type type) {
     if (op_type_row_group(type) > 1 && c->kern == &cpu_kernels_avx512) return CPU_DECODE_R16_T;
     if (!c->kern->gemm16 || (c->quant_x && c->kern->quant_x[type])) return CPU_DECODE_MAX_T;
@@ -140,7 +141,7 @@ static int cpu_reserve_xq(cpu_backend *c, int64_t t, int64_t k) {
     return p ? (c->xq = p, FU_OK) : FU_ERR_NOMEM;
 }
 
-/* Makes room for the per-block activation sums of a (t <= CPU_DECODE_R16_T, k) decode matmul. */
+/* Makes room for the per-block activation sums of a (t, k) Q4_1_R16 matmul. */
 static int cpu_reserve_xs(cpu_backend *c, int64_t t, int64_t k) {
     float *p = cpu_grow(c->xs, &c->xs_cap, (size_t)t * (size_t)(k / OP_QK) * sizeof(float));
     return p ? (c->xs = p, FU_OK) : FU_ERR_NOMEM;
@@ -182,7 +183,7 @@ static int cpu_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out
  * larger than reserved grows the scratch once (an allocation on that call). */
 static int cpu_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
     if (max_tokens < 0 || max_k < 0) return fu_errorf(FU_ERR_INVALID, "cpu reserve: negative size");
-    int rc = cpu_reserve_xs(cpu_be(be), max_tokens < CPU_DECODE_R16_T ? max_tokens : CPU_DECODE_R16_T, max_k);
+    int rc = cpu_reserve_xs(cpu_be(be), max_tokens, max_k);
     if (rc) return rc;
     if (cpu_be(be)->quant_x) {
         rc = cpu_reserve_xq(cpu_be(be), max_tokens < CPU_DECODE_MAX_T ? max_tokens : CPU_DECODE_MAX_T, max_k);
@@ -796,8 +797,7 @@ op_backend *op_backend_cpu_new(const op_cpu_options *opts) {
         fu_errorf(FU_ERR_NOMEM, "cpu backend: out of memory");
         return NULL;
     }
-    c->base.v = &cpu_vtbl;
-    c->base.n_threads = n;
+    op_backend_base_init(&c->base, &cpu_vtbl, n);
     c->kern = cpu_pick_kernels(o.isa);
     c->quant_x = o.quantized_activations;
     c->wf = cpu_alloc_aligned((size_t)n * CPU_NR_MAX * CPU_WF_LD * sizeof(float));

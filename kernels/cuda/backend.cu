@@ -171,8 +171,7 @@ static op_backend *cuda_backend_new(int device, size_t chunk_elems) {
         fu_errorf(FU_ERR_NOMEM, "cuda backend: out of memory");
         return NULL;
     }
-    cb->base.v = &cuda_vtbl;
-    cb->base.n_threads = 1;
+    op_backend_base_init(&cb->base, &cuda_vtbl, 1);
     cb->device = device;
     cb->chunk_elems = chunk_elems ? chunk_elems : CU_GEMM_CHUNK_ELEMS;
     if (cu_rt_open(cb, device)) {

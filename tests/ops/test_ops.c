@@ -27,6 +27,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -304,6 +305,113 @@ static void test_matmul_interleaved(void **state) {
     float x[32] = {0}, y[17];
     op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, 32, 1), yt = op_tensor_2d(OP_TYPE_F32, y, 17, 1);
     for (int b = 0; b < n_bes; b++) assert_int_equal(op_matmul(bes[b].be, &r, &xt, &yt), FU_ERR_INVALID);
+}
+
+/* On AVX-512 the interleaved layouts give a token the same bits whatever
+ * else shares its matmul (decode, batched decode and prefill alike): results
+ * do not depend on batching (greedy output is the same alone or with other
+ * sessions, and a replay rebuilds the same KV cache). N = 80 makes passes of
+ * 4 groups and 1. */
+static void test_matmul_interleaved_batch_invariant(void **state) {
+    (void)state;
+    enum { N = 80, TB = 64 };
+    static const int64_t ks[] = {544, 70};
+    for (size_t ti = 0; ti < sizeof r16_types / sizeof r16_types[0]; ti++) {
+        const op_type type = r16_types[ti], plain = op_type_plain(type);
+        const int64_t K = ks[op_type_block_elems(type) == 1];
+        const size_t rb = op_row_bytes(plain, K);
+        uint8_t *w = malloc(rb * N), *wr = malloc(rb * N);
+        float *row = malloc((size_t)K * sizeof(float)), *x = malloc((size_t)(TB * K) * sizeof(float));
+        float *yb = malloc((size_t)(TB * N) * sizeof(float)), *ys = malloc((size_t)(TB * N) * sizeof(float));
+        assert_true(w && wr && row && x && yb && ys);
+        for (int r = 0; r < N; r++) {
+            fill(row, K, 1.0);
+            op_quantize_row(plain, row, K, w + (size_t)r * rb, NULL);
+        }
+        op_tensor pt = op_tensor_2d(plain, w, K, N), wt = pt;
+        assert_int_equal(op_repack_weight(&pt, type, wr), FU_OK);
+        wt.type = type;
+        wt.data = wr;
+        fill(x, (int64_t)TB * K, 2.0);
+        for (int b = 0; b < n_bes; b++) {
+            if (strncmp(bes[b].label, "avx512", 6) != 0) continue;
+            op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, K, TB), yt = op_tensor_2d(OP_TYPE_F32, yb, N, TB);
+            assert_int_equal(op_matmul(bes[b].be, &wt, &xt, &yt), FU_OK);
+            static const int ts[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 31, 33, 40};
+            for (size_t s = 0; s < sizeof ts / sizeof ts[0]; s++) {
+                xt = op_tensor_2d(OP_TYPE_F32, x, K, ts[s]);
+                yt = op_tensor_2d(OP_TYPE_F32, ys, N, ts[s]);
+                assert_int_equal(op_matmul(bes[b].be, &wt, &xt, &yt), FU_OK);
+                if (memcmp(ys, yb, (size_t)(ts[s] * N) * sizeof(float)) != 0)
+                    fail_msg("matmul %s [%s]: T=%d differs from the same tokens at T=%d", op_type_name(type),
+                             bes[b].label, ts[s], TB);
+            }
+        }
+        free(w);
+        free(wr);
+        free(row);
+        free(x);
+        free(yb);
+        free(ys);
+    }
+}
+
+/* Two threads share one backend (a shard serving two spans during a move):
+ * each op runs whole, so every result equals the one computed alone. Q4_1
+ * interleaved weights use the backend's scratch (block sums of x) on every
+ * decode matmul. */
+typedef struct shared_job {
+    op_backend *be;
+    const op_tensor *w;
+    const float *x;  /* (T, K) this thread's activations */
+    const float *want;
+    int64_t t, n, k;
+    int bad;
+} shared_job;
+
+static void *shared_run(void *arg) {
+    shared_job *j = arg;
+    float *y = malloc((size_t)(j->t * j->n) * sizeof(float));
+    op_tensor xt = op_tensor_2d(OP_TYPE_F32, (void *)j->x, j->k, j->t), yt = op_tensor_2d(OP_TYPE_F32, y, j->n, j->t);
+    for (int it = 0; it < 2000 && y; it++)
+        if (op_matmul(j->be, j->w, &xt, &yt) || memcmp(y, j->want, (size_t)(j->t * j->n) * sizeof(float)))
+            j->bad++;
+    free(y);
+    return NULL;
+}
+
+static void test_backend_shared_by_threads(void **state) {
+    (void)state;
+    enum { N = 64, K = 256, T = 3 };
+    const size_t rb = op_row_bytes(OP_TYPE_Q4_1, K);
+    uint8_t *w = malloc(rb * N);
+    float row[K], *x = malloc(2 * T * K * sizeof(float)), *want = malloc(2 * T * N * sizeof(float));
+    assert_true(w && x && want);
+    for (int r = 0; r < N; r++) {
+        fill(row, K, 1.0);
+        op_quantize_row(OP_TYPE_Q4_1, row, K, w + (size_t)r * rb, NULL);
+    }
+    fill(x, 2 * T * K, 2.0);
+    op_backend *be = op_backend_cpu_new(&(op_cpu_options){.n_threads = 2});
+    assert_non_null(be);
+    op_tensor pt = op_tensor_2d(OP_TYPE_Q4_1, w, K, N), wt;
+    int rc = op_weight_prepare(be, &pt, &wt);
+    assert_true(rc >= 0);
+    shared_job jobs[2];
+    for (int i = 0; i < 2; i++) {
+        op_tensor xt = op_tensor_2d(OP_TYPE_F32, x + i * T * K, K, T), yt = op_tensor_2d(OP_TYPE_F32, want + i * T * N, N, T);
+        assert_int_equal(op_matmul(be, &wt, &xt, &yt), FU_OK);
+        jobs[i] = (shared_job){be, &wt, x + i * T * K, want + i * T * N, T, N, K, 0};
+    }
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, shared_run, &jobs[i]), 0);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    assert_int_equal(jobs[0].bad + jobs[1].bad, 0);
+    if (rc == 1) op_buffer_free(be, wt.data);
+    op_backend_free(be);
+    free(w);
+    free(x);
+    free(want);
 }
 
 /* The opt-in int8-activation path is measurably off the exact reference at
@@ -827,6 +935,8 @@ int main(void) {
         cmocka_unit_test(test_backend_basics),
         cmocka_unit_test(test_matmul_decode),
         cmocka_unit_test(test_matmul_interleaved),
+        cmocka_unit_test(test_matmul_interleaved_batch_invariant),
+        cmocka_unit_test(test_backend_shared_by_threads),
         cmocka_unit_test(test_matmul_int8_x_opt_in),
         cmocka_unit_test(test_matmul_batch_invariance),
         cmocka_unit_test(test_matmul_batched_decode),
