@@ -333,6 +333,21 @@ static int64_t free_kv(fixture *f) {
     return v;
 }
 
+/* One step of one token at position `pos` over an open session; the rpc code. */
+static int step_one(rpc_stream *s, int pos, rpc_status *st) {
+    int32_t toks[1] = {1};
+    Fusion__Input in = FUSION__INPUT__INIT;
+    in.n_tokens = 1;
+    in.tokens = toks;
+    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
+    sr.input = &in;
+    sr.start_position = pos;
+    Fusion__SessionReply *rep = NULL;
+    int rc = send_step(s, &sr, &rep, st);
+    rpc_msg_free(rep ? &rep->base : NULL);
+    return rc;
+}
+
 /* Polls until the server's free KV bytes equal `want` (the handler frees a
  * dropped session as soon as it notices). */
 static bool wait_free_kv(fixture *f, int64_t want) {
@@ -363,33 +378,10 @@ static void test_sessions_free_memory_when_dropped_or_idle(void **state) {
     struct timespec ts = {0, 500 * 1000 * 1000};
     nanosleep(&ts, NULL);
     assert_true(wait_free_kv(&f, total)); /* expired by the server */
-    int32_t toks[1] = {1};
-    Fusion__Input in = FUSION__INPUT__INIT;
-    in.n_tokens = 1;
-    in.tokens = toks;
-    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
-    sr.input = &in;
-    Fusion__SessionReply *rep = NULL;
-    int rc = send_step(s, &sr, &rep, &st);
-    assert_int_equal(rc, RPC_DEADLINE_EXCEEDED);
+    assert_int_equal(step_one(s, 0, &st), RPC_DEADLINE_EXCEEDED);
     assert_non_null(strstr(st.message, "expired"));
     rpc_stream_free(s);
     stop(&f);
-}
-
-/* One step of one token at position `pos` over an open session; the rpc code. */
-static int step_one(rpc_stream *s, int pos, rpc_status *st) {
-    int32_t toks[1] = {1};
-    Fusion__Input in = FUSION__INPUT__INIT;
-    in.n_tokens = 1;
-    in.tokens = toks;
-    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
-    sr.input = &in;
-    sr.start_position = pos;
-    Fusion__SessionReply *rep = NULL;
-    int rc = send_step(s, &sr, &rep, st);
-    rpc_msg_free(rep ? &rep->base : NULL);
-    return rc;
 }
 
 static Fusion__OpenSession open_span(const char *id, int first, int last) {
