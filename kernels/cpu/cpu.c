@@ -278,7 +278,6 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
     /* bq weights take qb bytes (a block of the block types, else one weight) */
     const int64_t bq = op_type_block_elems(m->type);
     const size_t qb = op_type_block_bytes(m->type);
-    const int gr = op_type_row_group(m->type); /* rows per interleaved group */
     float *wf = j->c->wf + (size_t)ith * CPU_NR_MAX * CPU_WF_LD;
     float *cbuf = j->c->cbuf + (size_t)ith * CPU_PG * CPU_NR_MAX * CPU_TC;
     const int64_t npanels = (m->n + nr - 1) / nr, ngroups = (npanels + pg - 1) / pg;
@@ -317,12 +316,6 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
                         pf.at = m->w + (size_t)pn * m->w_stride + (size_t)(pk / bq) * qb;
                         pf.stride = m->w_stride;
                         pf.rows = (int)prow;
-                        if (gr > 1) { /* the slices of the groups the rows are in */
-                            pf.at = m->w + (size_t)(pn / gr) * gr * m->w_stride + (size_t)(pk / bq) * gr * qb;
-                            pf.stride = gr * m->w_stride;
-                            pf.rows = (int)((pn + prow - 1) / gr - pn / gr + 1);
-                            pkc *= gr;
-                        }
                         /* one more line where a row's slice may straddle one */
                         const size_t bytes = (size_t)((pkc + bq - 1) / bq) * qb;
                         pf.lines = (int)((bytes + 63) / 64 + (((uintptr_t)pf.at | pf.stride | bytes) % 64 != 0));
