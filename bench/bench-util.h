@@ -67,33 +67,51 @@ static void *bench_bw_worker(void *arg) {
     return NULL;
 }
 
+/* qsort comparator for doubles, ascending. */
+static inline int bench_cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* One read of buf (bytes) by n_threads threads, each streaming its share:
+ * GB/s (1e9 bytes/s). */
+static inline double bench_read_once(const uint8_t *buf, size_t bytes, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > 64) n_threads = 64;
+    static volatile double sink;
+    size_t part = bytes / (size_t)n_threads / 128 * 128;
+    pthread_t th[64];
+    bench_bw_part parts[64];
+    double t0 = bench_now();
+    for (int t = 0; t < n_threads; t++) {
+        parts[t] = (bench_bw_part){buf + part * (size_t)t, part, 0};
+        pthread_create(&th[t], NULL, bench_bw_worker, &parts[t]);
+    }
+    for (int t = 0; t < n_threads; t++) {
+        pthread_join(th[t], NULL);
+        sink += parts[t].sum;
+    }
+    return (double)(part * (size_t)n_threads) / (bench_now() - t0) / 1e9;
+}
+
+/* A buffer of `bytes` (a multiple of 64) to read, every page touched; NULL
+ * when out of memory. free() it. */
+static inline uint8_t *bench_read_buffer(size_t bytes) {
+    uint8_t *buf = aligned_alloc(64, bytes);
+    if (buf) memset(buf, 1, bytes);
+    return buf;
+}
+
 /* Measured read bandwidth in GB/s (1e9 bytes/s) with n_threads threads
  * streaming over a buffer far larger than the caches; best of `reps`. */
 static inline double bench_read_bandwidth(int n_threads, size_t bytes, int reps) {
-    if (n_threads < 1) n_threads = 1;
-    if (n_threads > 64) n_threads = 64;
-    uint8_t *buf = aligned_alloc(64, bytes);
+    uint8_t *buf = bench_read_buffer(bytes);
     if (!buf) return 0;
-    memset(buf, 1, bytes); /* touch every page */
     double best = 0;
-    volatile double sink = 0;
-    size_t part = bytes / (size_t)n_threads / 128 * 128;
     for (int r = 0; r < reps; r++) {
-        pthread_t th[64];
-        bench_bw_part parts[64];
-        double t0 = bench_now();
-        for (int t = 0; t < n_threads; t++) {
-            parts[t] = (bench_bw_part){buf + part * (size_t)t, part, 0};
-            pthread_create(&th[t], NULL, bench_bw_worker, &parts[t]);
-        }
-        for (int t = 0; t < n_threads; t++) {
-            pthread_join(th[t], NULL);
-            sink += parts[t].sum;
-        }
-        double gbs = (double)(part * (size_t)n_threads) / (bench_now() - t0) / 1e9;
+        double gbs = bench_read_once(buf, bytes, n_threads);
         if (gbs > best) best = gbs;
     }
-    (void)sink;
     free(buf);
     return best;
 }

@@ -2,6 +2,7 @@
  * machine's measured memory bandwidth (decode as a fraction of its bandwidth bound). */
 #include <errno.h>
 #include <getopt.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,9 +136,20 @@ int main(int argc, char **argv) {
         return 1;
     }
     const mdl_config *cfg = &m->cfg;
-    int max_len = n_prompt + n_decode;
+    /* decode is also timed in rounds of BENCH_ROUND tokens, and BENCH_PAIRS
+     * more rounds follow it, each right after a read of as many bytes as a
+     * token's weights: on a shared machine whose bandwidth drifts, those pairs
+     * set each round against the bandwidth of its own moment */
+    enum { BENCH_ROUND = 8, BENCH_PAIRS = 6 };
+    int max_len = n_prompt + n_decode + BENCH_PAIRS * BENCH_ROUND;
     if (max_len > cfg->max_seq_len) max_len = cfg->max_seq_len;
-    if (n_prompt + n_decode > max_len) n_prompt = max_len - n_decode;
+    if (n_prompt + n_decode + BENCH_PAIRS * BENCH_ROUND > max_len)
+        n_prompt = max_len - n_decode - BENCH_PAIRS * BENCH_ROUND;
+    if (n_prompt < 1) {
+        fprintf(stderr, "fusion-bench-generate: --decode %d leaves no room for a prompt in %d positions\n",
+                n_decode, cfg->max_seq_len);
+        return 2;
+    }
     eng_options eo = {n_prompt < 512 ? n_prompt : 512, OP_TYPE_F32};
     eng_engine *e = NULL;
     eng_seq *s = NULL;
@@ -171,10 +183,8 @@ int main(int argc, char **argv) {
     double t_prefill = bench_now() - t0;
     free(want);
     if (rc) goto fail;
-    /* decode, timed in rounds of BENCH_ROUND tokens too: on a shared machine
-     * the best round is the figure comparable with the bandwidth read (also
-     * the best of several) */
-    enum { BENCH_ROUND = 8 };
+    /* decode; the best round is the figure comparable with the best of
+     * several bandwidth reads */
     double best_round = 0, t_round = bench_now();
     t0 = t_round;
     for (int i = 0; i < n_decode; i++) {
@@ -188,9 +198,28 @@ int main(int argc, char **argv) {
     }
     double t_decode = bench_now() - t0;
 
-    double peak_rss = bench_peak_rss_mib(); /* before the bandwidth buffer */
-    double bw = bench_read_bandwidth(op_backend_n_threads(be), (size_t)1 << 30, 5);
+    double peak_rss = bench_peak_rss_mib(); /* before the bandwidth buffers */
     uint64_t wbytes = mdl_weight_bytes_per_token(m);
+    /* the pairs: ratio = time to read a token's weight bytes / time per token */
+    double pair[BENCH_PAIRS];
+    const size_t pbytes = ((size_t)wbytes + 63) / 64 * 64;
+    uint8_t *pbuf = bench_read_buffer(pbytes);
+    const bool paired = pbuf != NULL;
+    for (int r = 0; paired && r < BENCH_PAIRS; r++) {
+        const double gbs = bench_read_once(pbuf, pbytes, op_backend_n_threads(be));
+        const double t = bench_now();
+        for (int i = 0; i < BENCH_ROUND; i++) {
+            const int at = n_prompt + n_decode + r * BENCH_ROUND + i;
+            eng_batch db = {1, tok_in ? tok_in + at : NULL, BENCH_EMBD_(at), seqs, NULL};
+            if ((rc = eng_forward(e, &db, out))) {
+                free(pbuf);
+                goto fail;
+            }
+        }
+        pair[r] = (double)pbytes / (gbs * 1e9) / ((bench_now() - t) / BENCH_ROUND);
+    }
+    free(pbuf);
+    double bw = bench_read_bandwidth(op_backend_n_threads(be), (size_t)1 << 30, 5);
     double prefill_tps = n_prompt / t_prefill, decode_tps = n_decode / t_decode;
     double bound_tps = bw * 1e9 / (double)wbytes;
     /* matmul flops per token: 2 x weights' elements (the head only for the last token) */
@@ -220,6 +249,17 @@ int main(int argc, char **argv) {
     printf("ratio        decode / bandwidth bound = %.3f over all tokens", decode_tps / bound_tps);
     if (best_round > 0) printf(", %.3f for the best round (best read vs best round)", best_round / bound_tps);
     printf("\n");
+    if (paired) {
+        qsort(pair, BENCH_PAIRS, sizeof pair[0], bench_cmp_double);
+        printf("paired       %d rounds of %d tokens, each right after a read of %.1f MB: decode / bound = %.3f "
+               "median (",
+               BENCH_PAIRS, BENCH_ROUND, (double)pbytes / 1e6,
+               (pair[(BENCH_PAIRS - 1) / 2] + pair[BENCH_PAIRS / 2]) / 2);
+        for (int r = 0; r < BENCH_PAIRS; r++) printf("%s%.3f", r ? " " : "", pair[r]);
+        printf(")\n");
+    } else {
+        printf("paired       no memory for a %.1f MB read buffer\n", (double)pbytes / 1e6);
+    }
     printf("memory       peak RSS %.0f MiB (weights %.0f MiB, KV cache %.1f MiB)\n", peak_rss,
            (double)wbytes / 1048576.0, (double)eng_kv_bytes_per_pos(e) * max_len / 1048576.0);
 fail:

@@ -50,13 +50,8 @@ static int echo_stream(void *ctx, rpc_stream *s, rpc_status *st) {
     }
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 static void report(const char *what, double *us, int n) {
-    qsort(us, (size_t)n, sizeof *us, cmp_double);
+    qsort(us, (size_t)n, sizeof *us, bench_cmp_double);
     double sum = 0;
     for (int i = 0; i < n; i++) sum += us[i];
     printf("  %-34s n=%-5d mean %8.1f us  p50 %8.1f us  p99 %8.1f us\n", what, n, sum / n,

@@ -146,7 +146,12 @@ typedef struct op_cpu_options {
     int n_threads;  /* 0: number of online CPUs */
     op_cpu_isa isa; /* forced level; one the CPU lacks falls back to the best it has */
     /* false (the default, also for zero-initialised or positional {n_threads, isa}
-     * options): every matmul is f32 math on the dequantized weights, whatever T.
+     * options): every matmul is f32 math on the dequantized weights, whatever T,
+     * except Q4_0 / Q4_1 weights on the AVX-512 path (run as Q4_0_R16 /
+     * Q4_1_R16), whose kernels round each token's activations to int16 per
+     * block of 32 (d = amax/32767, so at most 2^-16 of the block's largest |x|
+     * off, far below the weights' own 4-bit rounding) and sum exactly in
+     * integers: results are the same whatever T.
      * true (opt-in, llama.cpp style): decode matmuls (T <= 8) with Q8_0/Q4_0/Q4_1
      * weights and K % 64 == 0 on the AVX2/AVX-512 paths first round each token's
      * activations to int8 per block of 32 (d = amax/127) and use integer dot

@@ -308,8 +308,9 @@ CPU_INLINE float cpu_avx2_kv1(const uint8_t *row, op_type t, int d) {
     return t == OP_TYPE_F16 ? cpu_h2f(row + 2 * d) : ((const float *)row)[d];
 }
 
-static void cpu_avx2_scores(const float *q, const uint8_t *k, op_type kt, size_t stride, int n,
-                            int hd, float scale, float *s) {
+/* One head's scores (see cpu_scores_fn). */
+static void cpu_avx2_scores1(const float *q, const uint8_t *k, op_type kt, size_t stride, int n, int hd,
+                             float scale, float *s) {
     for (int j = 0; j < n; j++) {
         const uint8_t *row = k + (size_t)j * stride;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -325,8 +326,9 @@ static void cpu_avx2_scores(const float *q, const uint8_t *k, op_type kt, size_t
     }
 }
 
-static void cpu_avx2_accum(const float *p, const uint8_t *v, op_type vt, size_t stride, int n,
-                           int hd, float *acc) {
+/* One head's accumulation (see cpu_accum_fn). */
+static void cpu_avx2_accum1(const float *p, const uint8_t *v, op_type vt, size_t stride, int n, int hd,
+                            float *acc) {
     int d0 = 0;
     for (; d0 + 32 <= hd; d0 += 32) {
         __m256 a[4];
@@ -349,6 +351,16 @@ static void cpu_avx2_accum(const float *p, const uint8_t *v, op_type vt, size_t 
     }
     for (; d0 < hd; d0++)
         for (int j = 0; j < n; j++) acc[d0] += p[j] * cpu_avx2_kv1(v + (size_t)j * stride, vt, d0);
+}
+
+static void cpu_avx2_scores(const float *q, size_t ldq, int nh, const uint8_t *k, op_type kt, size_t stride,
+                            int n, int hd, float scale, float *s) {
+    for (int h = 0; h < nh; h++) cpu_avx2_scores1(q + (size_t)h * ldq, k, kt, stride, n, hd, scale, s + h * CPU_ATTN_CHUNK);
+}
+
+static void cpu_avx2_accum(const float *p, int nh, const uint8_t *v, op_type vt, size_t stride, int n, int hd,
+                           float *acc) {
+    for (int h = 0; h < nh; h++) cpu_avx2_accum1(p + h * CPU_ATTN_CHUNK, v, vt, stride, n, hd, acc + (size_t)h * (size_t)hd);
 }
 
 static void cpu_avx2_to_f16(const float *x, uint16_t *y, int64_t n) {

@@ -692,16 +692,18 @@ CPU_AVX512_TYPE(i8, OP_TYPE_I8)
 /* ---- interleaved Q4 (Q4_0_R16, Q4_1_R16) ----------------------------------------
  *
  * One weight row per vector lane (the layout in ops.h): for each input k the
- * 16 rows' nibbles sit in one 32-bit word per lane, 8 inputs to a word, so a
- * shift and a vpermps through the table {j - 8} (Q4_0) or {j} (Q4_1) give the
- * 16 rows' integer weights as floats, which are FMA'd with the activation
- * x[k] of each token broadcast from memory. Each block's partial sums are
- * scaled by the 16 rows' d at once (Q4_1 then adds m times the block's sum of
- * activations, xs), and the 16 outputs are stored together: no horizontal
- * sums, no per-block scalar work. About 3 instructions per 16 weights and
- * token, half of what the row-major kernels above need, so a thread streams
- * weights at close to its share of the memory bandwidth. Exact f32 math on
- * exact weights: results equal the plain types' up to the order of additions. */
+ * 16 rows' nibbles sit in one 32-bit word per lane, 8 inputs to a word. The
+ * activations come rounded to int16 per block of 32 (cpu_xw_block), two
+ * inputs to a word, so masking a word's nibbles j and j + 4 into its two
+ * 16-bit halves gives 16 rows' weights for inputs j and j + 4, and one
+ * vpdpwssd multiplies them by the pair and adds both products: 32
+ * multiply-adds for about two instructions. The f32 kernel this replaces
+ * needed a shift, a table permute and an FMA per 16, twice as many
+ * instructions as the memory bus leaves time for. Per block the integer sums
+ * (exact) are scaled by the 16 rows' d times the block's activation scale in
+ * one FMA (Q4_0's -8 is folded in as -8 * sum(q); Q4_1 adds m times the
+ * block's sum of x), and the 16 outputs are stored together: no horizontal
+ * sums. */
 
 CPU_INLINE size_t cpu_r16_block_bytes(op_type type) {
     return OP_R16_ROWS * (type == OP_TYPE_Q4_1_R16 ? sizeof(op_block_q4_1) : sizeof(op_block_q4_0));
@@ -712,43 +714,85 @@ CPU_INLINE __m512 cpu_r16_table(op_type type) {
                                     : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
 }
 
-/* Groups the batched-decode passes work on at once: enough independent FMA
- * chains (groups x tokens) to cover the FMA latency. */
+/* Groups the batched-decode passes work on at once: enough independent
+ * chains (groups x tokens) to cover the latency of the multiply-adds. */
 #define CPU_R16_NG(nt) ((nt) == 1 ? 4 : (nt) <= 5 ? 2 : 1)
 
+static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
+    /* word 2 (4c + j) + h of a block's q2 holds input 8c + j + 4h */
+    static const uint16_t order[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
+                                       16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
+    const __m512i pairs = _mm512_loadu_si512(order);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float s = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+        float d = amax / 32767.0f;
+        const __m512 id = _mm512_set1_ps(d > 0 ? 1.0f / d : 0.0f);
+        const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)),
+                                             _mm512_cvtepi32_epi16(q1), 1);
+        _mm512_storeu_si512(dst[b].q2, _mm512_permutexvar_epi16(pairs, q));
+        if (!(s - s == 0)) d = s - s; /* an inf or NaN in x: NaN out, as in f32 */
+        dst[b].d = d;
+        dst[b].off = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        dst[b].s = s;
+        dst[b].pad = 0;
+    }
+}
+
 /* y[i * 16 + t * ldy + r] = W[16 (g + i) + r] . x[t] for r < 16, t < NT
- * (1..8), groups i < NG at g + i * gs, over the nb blocks. xs: (NT, ldxs)
- * block sums of x (Q4_1 only). Each (group, token) has one chain per block,
- * the same whatever NT and NG, so that a token's result does not depend on
- * how many tokens or groups share the pass. */
+ * (1..8), groups i < NG at g + i * gs, over the nb blocks, with the tokens'
+ * rounded activations xw ((NT, ldxw) blocks). With few chains (NG x NT <= 4)
+ * each (group, token) keeps three, the weights masked in place (nibbles
+ * j = 1, 2 weigh 16 and 256 times, shifted out of the sums at the end of the
+ * block); with more, one. The integer sums are exact either way, so a
+ * token's result does not depend on how many tokens or groups share its pass. */
 CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, const int NG, int64_t nb,
-                                  const float *x, size_t ldx, const float *xs, size_t ldxs, const int NT, float *y,
-                                  size_t ldy) {
-    const bool q41 = type == OP_TYPE_Q4_1_R16;
+                                  const cpu_xw_block *xw, size_t ldxw, const int NT, float *y, size_t ldy) {
+    const bool q41 = type == OP_TYPE_Q4_1_R16, split = NG * NT <= 4;
     const size_t bb = cpu_r16_block_bytes(type), hdr = q41 ? 64 : 32;
-    const __m512 tbl = cpu_r16_table(type);
+    const __m512i m0 = _mm512_set1_epi32(0x000F000F), m1 = _mm512_set1_epi32(0x00F000F0),
+                  m2 = _mm512_set1_epi32(0x0F000F00);
     __m512 acc[4][8];
     cpu_avx512_zero(acc, NG, NT);
     for (int64_t b = 0; b < nb; b++) {
-        __m512 s[4][8];
+        __m512i sa[4][8], sb[4][8], sc[4][8];
 #pragma GCC unroll 4
-        for (int i = 0; i < NG; i++) /* without it, well under 0.7 of the bandwidth */
+        for (int i = 0; i < NG; i++) { /* without it, well under 0.7 of the bandwidth */
             for (size_t o = 0; o < bb; o += 64)
                 _mm_prefetch((const char *)g + i * gs + (size_t)b * bb + o + CPU_PF_DIST, _MM_HINT_T0);
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                sa[i][t] = q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(xw[(size_t)t * ldxw + b].off);
+                sb[i][t] = sc[i][t] = _mm512_setzero_si512();
+            }
+        }
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            __m512i v[4];
 #pragma GCC unroll 4
-            for (int i = 0; i < NG; i++) v[i] = _mm512_loadu_si512(g + i * gs + (size_t)b * bb + hdr + 64 * c);
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) {
-#pragma GCC unroll 4
-                for (int i = 0; i < NG; i++) {
-                    const __m512 w = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(v[i], 4 * j) : v[i], tbl);
+            for (int i = 0; i < NG; i++) {
+                const __m512i v = _mm512_loadu_si512(g + i * gs + (size_t)b * bb + hdr + 64 * c);
+                if (split) {
+                    const __m512i w0 = _mm512_and_si512(v, m0), w1 = _mm512_and_si512(v, m1),
+                                  w2 = _mm512_and_si512(v, m2), w3 = _mm512_and_si512(_mm512_srli_epi32(v, 12), m0);
 #pragma GCC unroll 8
                     for (int t = 0; t < NT; t++) {
-                        const __m512 xv = _mm512_set1_ps(x[(size_t)t * ldx + (size_t)b * 32 + 8 * c + j]);
-                        s[i][t] = c == 0 && j == 0 ? _mm512_mul_ps(w, xv) : _mm512_fmadd_ps(w, xv, s[i][t]);
+                        const int32_t *q2 = xw[(size_t)t * ldxw + b].q2 + 4 * c;
+                        sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], w0, _mm512_set1_epi32(q2[0]));
+                        sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], w1, _mm512_set1_epi32(q2[1]));
+                        sc[i][t] = _mm512_dpwssd_epi32(sc[i][t], w2, _mm512_set1_epi32(q2[2]));
+                        sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], w3, _mm512_set1_epi32(q2[3]));
+                    }
+                } else {
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i w = _mm512_and_si512(j ? _mm512_srli_epi32(v, 4 * j) : v, m0);
+#pragma GCC unroll 8
+                        for (int t = 0; t < NT; t++)
+                            sa[i][t] = _mm512_dpwssd_epi32(
+                                sa[i][t], w, _mm512_set1_epi32(xw[(size_t)t * ldxw + b].q2[4 * c + j]));
                     }
                 }
             }
@@ -760,8 +804,14 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
             const __m512 mn = q41 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 32))) : d;
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
-                acc[i][t] = _mm512_fmadd_ps(d, s[i][t], acc[i][t]);
-                if (q41) acc[i][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[(size_t)t * ldxs + b]), acc[i][t]);
+                const cpu_xw_block *xb = xw + (size_t)t * ldxw + b;
+                __m512i sum = sa[i][t];
+                if (split)
+                    sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_srai_epi32(sb[i][t], 4),
+                                                                 _mm512_srai_epi32(sc[i][t], 8)));
+                acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(sum),
+                                            acc[i][t]);
+                if (q41) acc[i][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xb->s), acc[i][t]);
             }
         }
     }
@@ -849,8 +899,7 @@ CPU_INLINE void cpu_avx512_mv_r16_pass(op_type type, const cpu_mm *m, const uint
     if (type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16)
         cpu_avx512_mv_r16h(type, g, gs, NG, m->k, x, m->ldx, NT, y, m->ldy);
     else
-        cpu_avx512_mv_r16(type, g, gs, NG, nb, x, m->ldx, m->xs ? m->xs + (size_t)t0 * (size_t)nb : NULL,
-                          (size_t)nb, NT, y, m->ldy);
+        cpu_avx512_mv_r16(type, g, gs, NG, nb, m->xw + (size_t)t0 * (size_t)nb, (size_t)nb, NT, y, m->ldy);
 }
 
 /* NT tokens from t0 over the ng groups from g. ng never exceeds CPU_R16_NG(NT)
@@ -1019,44 +1068,96 @@ CPU_INLINE __mmask16 cpu_avx512_mask(int left) {
     return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
-static void cpu_avx512_scores(const float *q, const uint8_t *k, op_type kt, size_t stride, int n,
-                              int hd, float scale, float *s) {
-    for (int j = 0; j < n; j++) {
-        const uint8_t *row = k + (size_t)j * stride;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        int d = 0;
-        for (; d + 32 <= hd; d += 32) {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), cpu_avx512_kv(row, kt, d, 0xffff), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 16), cpu_avx512_kv(row, kt, d + 16, 0xffff), a1);
+/* The 16 sums of v[0..15]'s lanes, as one vector (lane j: sum of v[j]):
+ * pairs of vectors are interleaved and added, 45 instructions where 16
+ * separate reductions take about 130. */
+CPU_INLINE __m512 cpu_avx512_hsum16(__m512 v[16]) {
+    __m512 r[8], s[4];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) */
+        r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: v[4i .. 4i + 3]'s sums over that lane */
+        s[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* 16 positions at a time: each head's 16 dot products (the block's K rows
+ * stay in L1 across the heads), reduced together by cpu_avx512_hsum16. */
+static void cpu_avx512_scores(const float *q, size_t ldq, int nh, const uint8_t *k, op_type kt, size_t stride,
+                              int n, int hd, float scale, float *s) {
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int jn = n - j0 < 16 ? n - j0 : 16;
+        for (int h = 0; h < nh; h++) {
+            const float *qh = q + (size_t)h * ldq;
+            __m512 a[16];
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+            for (int d = 0; d < hd; d += 16) {
+                const __mmask16 mk = cpu_avx512_mask(hd - d);
+                const __m512 qv = _mm512_maskz_loadu_ps(mk, qh + d);
+                if (jn == 16) {
+#pragma GCC unroll 16
+                    for (int j = 0; j < 16; j++)
+                        a[j] = _mm512_fmadd_ps(qv, cpu_avx512_kv(k + (size_t)(j0 + j) * stride, kt, d, mk), a[j]);
+                } else {
+                    for (int j = 0; j < jn; j++)
+                        a[j] = _mm512_fmadd_ps(qv, cpu_avx512_kv(k + (size_t)(j0 + j) * stride, kt, d, mk), a[j]);
+                }
+            }
+            _mm512_mask_storeu_ps(s + h * CPU_ATTN_CHUNK + j0, cpu_avx512_mask(jn),
+                                  _mm512_mul_ps(_mm512_set1_ps(scale), cpu_avx512_hsum16(a)));
         }
-        for (; d < hd; d += 16) {
-            __mmask16 mk = cpu_avx512_mask(hd - d);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q + d), cpu_avx512_kv(row, kt, d, mk), a0);
-        }
-        s[j] = scale * _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
     }
 }
 
-static void cpu_avx512_accum(const float *p, const uint8_t *v, op_type vt, size_t stride, int n,
-                             int hd, float *acc) {
+/* 64 columns at a time: each V row is read once for the NH heads (up to 16
+ * accumulators). */
+CPU_INLINE void cpu_avx512_accum_nh(const float *p, const int NH, const uint8_t *v, op_type vt, size_t stride, int n,
+                                    int hd, float *acc) {
     for (int d0 = 0; d0 < hd; d0 += 64) {
         __mmask16 mk[4];
-        __m512 a[4];
-        #pragma GCC unroll 16
+        __m512 a[CPU_ATTN_GROUP][4];
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
             int left = hd - d0 - 16 * i;
             mk[i] = left > 0 ? cpu_avx512_mask(left) : 0;
-            a[i] = _mm512_maskz_loadu_ps(mk[i], acc + d0 + 16 * i);
         }
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; h++)
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) a[h][i] = _mm512_maskz_loadu_ps(mk[i], acc + (size_t)h * hd + d0 + 16 * i);
         for (int j = 0; j < n; j++) {
             const uint8_t *row = v + (size_t)j * stride;
-            __m512 pj = _mm512_set1_ps(p[j]);
-            #pragma GCC unroll 16
-            for (int i = 0; i < 4; i++)
-                if (mk[i]) a[i] = _mm512_fmadd_ps(pj, cpu_avx512_kv(row, vt, d0 + 16 * i, mk[i]), a[i]);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                if (!mk[i]) continue;
+                const __m512 vv = cpu_avx512_kv(row, vt, d0 + 16 * i, mk[i]);
+#pragma GCC unroll 4
+                for (int h = 0; h < NH; h++)
+                    a[h][i] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * CPU_ATTN_CHUNK + j]), vv, a[h][i]);
+            }
         }
-        #pragma GCC unroll 16
-        for (int i = 0; i < 4; i++) _mm512_mask_storeu_ps(acc + d0 + 16 * i, mk[i], a[i]);
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; h++)
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) _mm512_mask_storeu_ps(acc + (size_t)h * hd + d0 + 16 * i, mk[i], a[h][i]);
+    }
+}
+
+static void cpu_avx512_accum(const float *p, int nh, const uint8_t *v, op_type vt, size_t stride, int n, int hd,
+                             float *acc) {
+    switch (nh) {
+    case 1: cpu_avx512_accum_nh(p, 1, v, vt, stride, n, hd, acc); break;
+    case 2: cpu_avx512_accum_nh(p, 2, v, vt, stride, n, hd, acc); break;
+    case 3: cpu_avx512_accum_nh(p, 3, v, vt, stride, n, hd, acc); break;
+    default: cpu_avx512_accum_nh(p, 4, v, vt, stride, n, hd, acc); break;
     }
 }
 
@@ -1111,4 +1212,5 @@ const cpu_kernels cpu_kernels_avx512 = {
             [OP_TYPE_Q4_0] = cpu_avx512_quant_x_q4_0,
             [OP_TYPE_Q4_1] = cpu_avx512_quant_x_q4_1,
         },
+    .quant_xw = cpu_avx512_quant_xw,
 };

@@ -68,6 +68,8 @@
 #define CPU_ATTN_MAX_HD 1024
 /* Positions scored per chunk of the attention kernel (online softmax). */
 #define CPU_ATTN_CHUNK 64
+/* Query heads an attention task takes at most: they read each K and V row once. */
+#define CPU_ATTN_GROUP 4
 
 /* Integer decode path, only with op_cpu_options.quantized_activations (Q8_0/
  * Q4_0/Q4_1 weights, K % 64 == 0, AVX2 maddubs or AVX-512 VNNI): each token row is quantized to int8 per 32-block
@@ -76,6 +78,21 @@
  * layouts: cpu_quant_x_natural below, cpu_avx512_quant_x_q4 in cpu-avx512.c). Results then match the f32 computation over the rounded x. */
 #define CPU_XQ_PAIR 192
 #define CPU_XQ_BYTES(k) ((size_t)((k) / 64) * CPU_XQ_PAIR)
+
+/* Activations of the interleaved Q4 matvecs (Q4_0_R16 / Q4_1_R16 on AVX-512),
+ * one per block of 32 inputs of a token: x rounded to int16 (d = amax / 32767,
+ * q = rint(x / d)) so that the kernel multiplies 16 rows' nibbles by two
+ * inputs per instruction with exact integer sums (vpdpwssd); see
+ * cpu_avx512_mv_r16. The rounding error is at most d/2 per input, 2^-16 of
+ * the block's largest |x|, and a token's values do not depend on the others
+ * in its batch. */
+typedef struct cpu_xw_block {
+    int32_t q2[16]; /* word 4c + j: q[8c + j] (low half), q[8c + j + 4] (high), c, j < 4 */
+    float d;        /* amax / 32767 (0 for a block of zeros) */
+    int32_t off;    /* -8 * sum(q): Q4_0's offset, folded into the integer sum */
+    float s;        /* sum of the block's x: Q4_1's minimum term */
+    int32_t pad;
+} cpu_xw_block;
 
 /* One matmul, as the kernels see it. */
 typedef struct cpu_mm {
@@ -92,8 +109,8 @@ typedef struct cpu_mm {
     const float *xt;        /* (ceil(T/tb), K, tb) transposed activations (prefill) */
     const uint8_t *xq;      /* (T, CPU_XQ_BYTES(K)) quantized activations (decode, opt-in),
                                or NULL: f32 activations */
-    const float *xs;        /* (T, K / 32) sums of each token's activations per block of 32
-                               (decode with Q4_1_R16 weights), else NULL */
+    const cpu_xw_block *xw; /* (T, K / 32) int16 activations for the Q4_0_R16 / Q4_1_R16
+                               matvec of kernels that have quant_xw, else NULL */
 } cpu_mm;
 
 /* Decode kernel: y[t][r] = W[r] . x[t] for r in [r0, r1) and every t < m->t. */
@@ -125,13 +142,15 @@ typedef struct cpu_gemm_pf {
 typedef void (*cpu_gemm_fn)(const float *wf, int64_t ldw, const float *xt, int64_t kc, float *c,
                             int accumulate, const cpu_gemm_pf *pf);
 
-/* Attention: s[j] = scale * q . K[j] for j < n, K rows of hd elements of type
- * kt (F32 or F16) at `stride` bytes. */
-typedef void (*cpu_scores_fn)(const float *q, const uint8_t *k, op_type kt, size_t stride, int n,
-                              int hd, float scale, float *s);
-/* Attention: acc[d] += sum_j p[j] * V[j][d] for j < n. */
-typedef void (*cpu_accum_fn)(const float *p, const uint8_t *v, op_type vt, size_t stride, int n,
-                             int hd, float *acc);
+/* Attention for nh (1..CPU_ATTN_GROUP) query heads that share a KV head, each
+ * head's results independent of nh: s[h * CPU_ATTN_CHUNK + j] = scale *
+ * q[h * ldq ..] . K[j] for h < nh, j < n (<= CPU_ATTN_CHUNK), K rows of hd
+ * elements of type kt (F32 or F16) at `stride` bytes. */
+typedef void (*cpu_scores_fn)(const float *q, size_t ldq, int nh, const uint8_t *k, op_type kt, size_t stride,
+                              int n, int hd, float scale, float *s);
+/* acc[h * hd + d] += sum_j p[h * CPU_ATTN_CHUNK + j] * V[j][d] for h < nh, j < n. */
+typedef void (*cpu_accum_fn)(const float *p, int nh, const uint8_t *v, op_type vt, size_t stride, int n, int hd,
+                             float *acc);
 
 /* Row conversion f32 -> f16 (kv_store). */
 typedef void (*cpu_to_f16_fn)(const float *x, uint16_t *y, int64_t n);
@@ -139,6 +158,9 @@ typedef void (*cpu_to_f16_fn)(const float *x, uint16_t *y, int64_t n);
 /* Quantizes one activation row x (k floats, k % 64 == 0) into CPU_XQ_BYTES(k)
  * bytes at dst, in the layout the `type` matvec kernel reads. */
 typedef void (*cpu_quant_x_fn)(const float *x, int64_t k, uint8_t *dst);
+
+/* Rounds one activation row x (k floats, k % 32 == 0) into k / 32 blocks at dst. */
+typedef void (*cpu_quant_xw_fn)(const float *x, int64_t k, cpu_xw_block *dst);
 
 typedef struct cpu_kernels {
     const char *name;                     /* "portable", "avx2", "avx512" */
@@ -153,6 +175,8 @@ typedef struct cpu_kernels {
     cpu_to_f16_fn to_f16;
     cpu_quant_x_fn quant_x[OP_TYPE_COUNT]; /* opt-in integer decode path (quantized_activations);
                                               NULL: the type has none */
+    cpu_quant_xw_fn quant_xw;              /* int16 activations of the Q4 _R16 matvecs, or NULL:
+                                              those matvecs take f32 activations */
 } cpu_kernels;
 
 extern const cpu_kernels cpu_kernels_portable;

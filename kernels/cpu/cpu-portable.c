@@ -159,28 +159,33 @@ static void cpu_portable_gemm(const float *wf, int64_t ldw, const float *xt, int
 
 /* ---- attention ------------------------------------------------------------ */
 
-static void cpu_portable_scores(const float *q, const uint8_t *k, op_type kt, size_t stride, int n,
-                                int hd, float scale, float *s) {
-    for (int j = 0; j < n; j++) {
-        const uint8_t *row = k + (size_t)j * stride;
-        float sum = 0;
-        if (kt == OP_TYPE_F16)
-            for (int d = 0; d < hd; d++) sum += q[d] * op_f16_to_f32(cpu_ld16(row + 2 * d));
-        else
-            for (int d = 0; d < hd; d++) sum += q[d] * ((const float *)row)[d];
-        s[j] = sum * scale;
-    }
+static void cpu_portable_scores(const float *q, size_t ldq, int nh, const uint8_t *k, op_type kt, size_t stride,
+                                int n, int hd, float scale, float *s) {
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < n; j++) {
+            const uint8_t *row = k + (size_t)j * stride;
+            const float *qh = q + (size_t)h * ldq;
+            float sum = 0;
+            if (kt == OP_TYPE_F16)
+                for (int d = 0; d < hd; d++) sum += qh[d] * op_f16_to_f32(cpu_ld16(row + 2 * d));
+            else
+                for (int d = 0; d < hd; d++) sum += qh[d] * ((const float *)row)[d];
+            s[h * CPU_ATTN_CHUNK + j] = sum * scale;
+        }
 }
 
-static void cpu_portable_accum(const float *p, const uint8_t *v, op_type vt, size_t stride, int n,
-                               int hd, float *acc) {
-    for (int j = 0; j < n; j++) {
-        const uint8_t *row = v + (size_t)j * stride;
-        if (vt == OP_TYPE_F16)
-            for (int d = 0; d < hd; d++) acc[d] += p[j] * op_f16_to_f32(cpu_ld16(row + 2 * d));
-        else
-            for (int d = 0; d < hd; d++) acc[d] += p[j] * ((const float *)row)[d];
-    }
+static void cpu_portable_accum(const float *p, int nh, const uint8_t *v, op_type vt, size_t stride, int n, int hd,
+                               float *acc) {
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < n; j++) {
+            const uint8_t *row = v + (size_t)j * stride;
+            const float pj = p[h * CPU_ATTN_CHUNK + j];
+            float *ah = acc + (size_t)h * (size_t)hd;
+            if (vt == OP_TYPE_F16)
+                for (int d = 0; d < hd; d++) ah[d] += pj * op_f16_to_f32(cpu_ld16(row + 2 * d));
+            else
+                for (int d = 0; d < hd; d++) ah[d] += pj * ((const float *)row)[d];
+        }
 }
 
 static void cpu_portable_to_f16(const float *x, uint16_t *y, int64_t n) {

@@ -17,8 +17,8 @@ typedef struct cpu_backend {
     size_t xt_cap;   /* bytes in xt */
     uint8_t *xq;     /* quantized activations for integer decode matvecs */
     size_t xq_cap;   /* bytes in xq */
-    float *xs;       /* per-block sums of decode activations (Q4_1_R16 matvecs) */
-    size_t xs_cap;   /* bytes in xs */
+    cpu_xw_block *xw; /* int16 activations of the Q4 _R16 matvecs (kern->quant_xw) */
+    size_t xw_cap;    /* bytes in xw */
     float *wf;       /* (n_threads, CPU_NR_MAX, CPU_WF_LD) dequantized weight panels */
     float *cbuf;     /* (n_threads, CPU_PG, CPU_NR_MAX, CPU_TC) partial sums of panel groups */
 } cpu_backend;
@@ -64,7 +64,7 @@ static void cpu_free(op_backend *be) {
     cpu_pool_free(c->pool);
     free(c->xt);
     free(c->xq);
-    free(c->xs);
+    free(c->xw);
     free(c->wf);
     free(c->cbuf);
     free(c);
@@ -141,10 +141,43 @@ static int cpu_reserve_xq(cpu_backend *c, int64_t t, int64_t k) {
     return p ? (c->xq = p, FU_OK) : FU_ERR_NOMEM;
 }
 
-/* Makes room for the per-block activation sums of a (t, k) Q4_1_R16 matmul. */
-static int cpu_reserve_xs(cpu_backend *c, int64_t t, int64_t k) {
-    float *p = cpu_grow(c->xs, &c->xs_cap, (size_t)t * (size_t)(k / OP_QK) * sizeof(float));
-    return p ? (c->xs = p, FU_OK) : FU_ERR_NOMEM;
+/* Makes room for the int16 activations of a (t, k) Q4 _R16 matmul (only
+ * kernels with quant_xw take them). */
+static int cpu_reserve_xw(cpu_backend *c, int64_t t, int64_t k) {
+    if (!c->kern->quant_xw) return FU_OK;
+    cpu_xw_block *p = cpu_grow(c->xw, &c->xw_cap, (size_t)t * (size_t)(k / OP_QK) * sizeof(cpu_xw_block));
+    return p ? (c->xw = p, FU_OK) : FU_ERR_NOMEM;
+}
+
+typedef struct cpu_xw_job {
+    _Atomic int64_t next; /* next token to round */
+    const cpu_backend *c;
+    const cpu_mm *m;
+} cpu_xw_job;
+
+static void cpu_xw_job_run(void *arg, int ith, int nth) {
+    (void)ith;
+    (void)nth;
+    cpu_xw_job *j = arg;
+    const int64_t nb = j->m->k / OP_QK;
+    for (int64_t t; (t = atomic_fetch_add(&j->next, 1)) < j->m->t;)
+        j->c->kern->quant_xw(j->m->x + t * (int64_t)j->m->ldx, j->m->k, j->c->xw + t * nb);
+}
+
+/* Rounds m's activations for a Q4 _R16 matvec into c->xw and points m at
+ * them; a no-op for kernels without quant_xw. Prefill spreads the tokens over
+ * the pool. */
+static int cpu_round_xw(cpu_backend *c, cpu_mm *m) {
+    if (!c->kern->quant_xw || (m->type != OP_TYPE_Q4_0_R16 && m->type != OP_TYPE_Q4_1_R16)) return FU_OK;
+    int rc = cpu_reserve_xw(c, m->t, m->k);
+    if (rc) return rc;
+    cpu_xw_job j = {.c = c, .m = m};
+    if (m->t * m->k < CPU_SERIAL_ELEMS)
+        cpu_xw_job_run(&j, 0, 1);
+    else
+        cpu_pool_run(c->pool, cpu_xw_job_run, &j);
+    m->xw = c->xw;
+    return FU_OK;
 }
 
 /* Puts F16 / BF16 / Q4_0 / Q4_1 matrices into the interleaved layout where
@@ -183,7 +216,7 @@ static int cpu_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out
  * larger than reserved grows the scratch once (an allocation on that call). */
 static int cpu_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
     if (max_tokens < 0 || max_k < 0) return fu_errorf(FU_ERR_INVALID, "cpu reserve: negative size");
-    int rc = cpu_reserve_xs(cpu_be(be), max_tokens, max_k);
+    int rc = cpu_reserve_xw(cpu_be(be), max_tokens, max_k);
     if (rc) return rc;
     if (cpu_be(be)->quant_x) {
         rc = cpu_reserve_xq(cpu_be(be), max_tokens < CPU_DECODE_MAX_T ? max_tokens : CPU_DECODE_MAX_T, max_k);
@@ -391,19 +424,8 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
             for (int64_t t = 0; t < j.m.t; t++) qx(j.m.x + t * j.m.ldx, j.m.k, c->xq + t * CPU_XQ_BYTES(j.m.k));
             j.m.xq = c->xq;
         }
-        if (j.m.type == OP_TYPE_Q4_1_R16) {
-            int rc = cpu_reserve_xs(c, j.m.t, j.m.k);
-            if (rc) return rc;
-            const int64_t nb = j.m.k / OP_QK;
-            for (int64_t t = 0; t < j.m.t; t++)
-                for (int64_t b = 0; b < nb; b++) {
-                    const float *x = j.m.x + t * j.m.ldx + b * OP_QK;
-                    float sum = 0;
-                    for (int i = 0; i < OP_QK; i++) sum += x[i];
-                    c->xs[t * nb + b] = sum;
-                }
-            j.m.xs = c->xs;
-        }
+        int rc = cpu_round_xw(c, &j.m);
+        if (rc) return rc;
         cpu_pool_run(c->pool, cpu_matvec_job, &j);
         return FU_OK;
     }
@@ -610,49 +632,64 @@ typedef struct cpu_attn_job {
     const op_tensor *q;
     const op_attn *a;
     op_tensor *out;
-    int64_t ntasks;        /* T * H */
+    int sg;                /* query heads per task (<= CPU_ATTN_GROUP) */
+    int nsub;              /* tasks per KV head: ceil(group / sg) */
+    int64_t ntasks;        /* T * n_kv_heads * nsub */
     _Atomic int64_t next;  /* next task to take */
 } cpu_attn_job;
 
-/* One (token, head): online softmax over chunks of CPU_ATTN_CHUNK positions
- * (scores of a chunk, then a rescale of the running sum when the maximum
- * grows). Scratch rule: none is needed -- the chunk's scores and the (hd)
- * accumulator live on the worker's stack, so any cache length works without
+/* One (token, KV head, up to sg of its query heads): online softmax over
+ * chunks of CPU_ATTN_CHUNK positions (scores of a chunk, then a rescale of a
+ * head's running sum when its maximum grows), each K and V row read once for
+ * the task's heads. A head's result does not depend on which heads share its
+ * task. Scratch rule: none is needed -- the chunk's scores and the (sg, hd)
+ * accumulators live on the worker's stack, so any cache length works without
  * op_reserve; head_dim is limited to CPU_ATTN_MAX_HD. */
 static void cpu_attn_task(cpu_attn_job *j, int64_t task) {
     const op_attn *a = j->a;
     const cpu_kernels *kern = j->c->kern;
     const int hd = a->head_dim, group = a->n_heads / a->n_kv_heads;
-    const int64_t t = task / a->n_heads;
-    const int h = (int)(task % a->n_heads), g = h / group;
+    const int64_t t = task / ((int64_t)a->n_kv_heads * j->nsub);
+    const int g = (int)(task / j->nsub % a->n_kv_heads), h0 = g * group + (int)(task % j->nsub) * j->sg;
+    const int nh = g * group + group - h0 < j->sg ? g * group + group - h0 : j->sg;
     const op_tensor *kc = &a->k[a->seq[t]], *vc = &a->v[a->seq[t]];
-    const float *q = (const float *)((const uint8_t *)j->q->data + t * j->q->nb[2] + h * j->q->nb[1]);
-    float *out = (float *)((uint8_t *)j->out->data + t * j->out->nb[2] + h * j->out->nb[1]);
+    const float *q = (const float *)((const uint8_t *)j->q->data + t * j->q->nb[2] + h0 * j->q->nb[1]);
     const uint8_t *kbase = (const uint8_t *)kc->data + g * kc->nb[1];
     const uint8_t *vbase = (const uint8_t *)vc->data + g * vc->nb[1];
-    float acc[CPU_ATTN_MAX_HD], s[CPU_ATTN_CHUNK];
-    float mx = -INFINITY, l = 0;
-    memset(acc, 0, (size_t)hd * sizeof(float));
+    float acc[CPU_ATTN_GROUP * CPU_ATTN_MAX_HD], s[CPU_ATTN_GROUP * CPU_ATTN_CHUNK];
+    float mx[CPU_ATTN_GROUP], l[CPU_ATTN_GROUP];
+    for (int h = 0; h < nh; h++) {
+        mx[h] = -INFINITY;
+        l[h] = 0;
+    }
+    memset(acc, 0, (size_t)(nh * hd) * sizeof(float));
     const int n = a->pos[t] + 1;
     for (int j0 = 0; j0 < n; j0 += CPU_ATTN_CHUNK) {
         int cn = n - j0 < CPU_ATTN_CHUNK ? n - j0 : CPU_ATTN_CHUNK;
-        kern->scores(q, kbase + (size_t)j0 * kc->nb[2], kc->type, kc->nb[2], cn, hd, a->scale, s);
-        float cm = s[0];
-        for (int i = 1; i < cn; i++) cm = s[i] > cm ? s[i] : cm;
-        if (cm > mx) {
-            float f = expf(mx - cm); /* 0 on the first chunk */
-            l *= f;
-            for (int d = 0; d < hd; d++) acc[d] *= f;
-            mx = cm;
+        kern->scores(q, j->q->nb[1] / sizeof(float), nh, kbase + (size_t)j0 * kc->nb[2], kc->type, kc->nb[2], cn,
+                     hd, a->scale, s);
+        for (int h = 0; h < nh; h++) {
+            float *sh = s + h * CPU_ATTN_CHUNK, *ah = acc + h * hd;
+            float cm = sh[0];
+            for (int i = 1; i < cn; i++) cm = sh[i] > cm ? sh[i] : cm;
+            if (cm > mx[h]) {
+                float f = expf(mx[h] - cm); /* 0 on the first chunk */
+                l[h] *= f;
+                for (int d = 0; d < hd; d++) ah[d] *= f;
+                mx[h] = cm;
+            }
+            for (int i = 0; i < cn; i++) {
+                sh[i] = expf(sh[i] - mx[h]);
+                l[h] += sh[i];
+            }
         }
-        for (int i = 0; i < cn; i++) {
-            s[i] = expf(s[i] - mx);
-            l += s[i];
-        }
-        kern->accum(s, vbase + (size_t)j0 * vc->nb[2], vc->type, vc->nb[2], cn, hd, acc);
+        kern->accum(s, nh, vbase + (size_t)j0 * vc->nb[2], vc->type, vc->nb[2], cn, hd, acc);
     }
-    float inv = 1.0f / l;
-    for (int d = 0; d < hd; d++) out[d] = acc[d] * inv;
+    for (int h = 0; h < nh; h++) {
+        float *out = (float *)((uint8_t *)j->out->data + t * j->out->nb[2] + (h0 + h) * j->out->nb[1]);
+        float inv = 1.0f / l[h];
+        for (int d = 0; d < hd; d++) out[d] = acc[h * hd + d] * inv;
+    }
 }
 
 static void cpu_attn_job_run(void *arg, int ith, int nth) {
@@ -691,7 +728,13 @@ static int cpu_attention(op_backend *be, const op_tensor *q, const op_attn *a, o
             return fu_errorf(FU_ERR_RANGE, "attention: token %lld at position %d outside cache of %lld",
                              (long long)t, a->pos[t], (long long)k->ne[2]);
     }
-    cpu_attn_job j = {.c = c, .q = q, .a = a, .out = out, .ntasks = nt * a->n_heads};
+    /* as many heads per task as CPU_ATTN_GROUP allows, unless that leaves
+     * fewer than two tasks per thread */
+    const int group = a->n_heads / a->n_kv_heads;
+    int sg = group < CPU_ATTN_GROUP ? group : CPU_ATTN_GROUP;
+    while (sg > 1 && nt * a->n_kv_heads * ((group + sg - 1) / sg) < 2 * (int64_t)c->base.n_threads) sg = (sg + 1) / 2;
+    cpu_attn_job j = {.c = c, .q = q, .a = a, .out = out, .sg = sg, .nsub = (group + sg - 1) / sg};
+    j.ntasks = nt * a->n_kv_heads * j.nsub;
     atomic_init(&j.next, 0);
     if (j.ntasks == 1)
         cpu_attn_job_run(&j, 0, 1);
