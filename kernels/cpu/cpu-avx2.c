@@ -363,6 +363,34 @@ static void cpu_avx2_accum(const float *p, int nh, const uint8_t *v, op_type vt,
     for (int h = 0; h < nh; h++) cpu_avx2_accum1(p + h * CPU_ATTN_CHUNK, v, vt, stride, n, hd, acc + (size_t)h * (size_t)hd);
 }
 
+/* glibc's vector expf (libmvec), 8 lanes */
+__m256 _ZGVdN8v_expf(__m256 x);
+
+static void cpu_avx2_swiglu(const float *g, const float *u, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                                _mm256_loadu_ps(u + i)));
+    }
+    cpu_portable_swiglu(g + i, u + i, out + i, n - i);
+}
+
+static double cpu_avx2_sumsq(const float *x, int64_t n) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        a0 = _mm256_fmadd_pd(lo, lo, a0);
+        a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    double t[4];
+    _mm256_storeu_pd(t, _mm256_add_pd(a0, a1));
+    return t[0] + t[1] + t[2] + t[3] + cpu_portable_sumsq(x + i, n - i);
+}
+
 static void cpu_avx2_to_f16(const float *x, uint16_t *y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -408,6 +436,9 @@ const cpu_kernels cpu_kernels_avx2 = {
     .scores = cpu_avx2_scores,
     .accum = cpu_avx2_accum,
     .to_f16 = cpu_avx2_to_f16,
+    .exp_sum = cpu_portable_exp_sum,
+    .swiglu = cpu_avx2_swiglu,
+    .sumsq = cpu_avx2_sumsq,
     .quant_x =
         {
             [OP_TYPE_Q8_0] = cpu_quant_x_natural,

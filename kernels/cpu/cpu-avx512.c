@@ -1161,6 +1161,43 @@ static void cpu_avx512_accum(const float *p, int nh, const uint8_t *v, op_type v
     }
 }
 
+/* glibc's vector expf (libmvec), 16 lanes */
+__m512 _ZGVeN16v_expf(__m512 x);
+
+static float cpu_avx512_exp_sum(float *s, int n, float m) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 mk = cpu_avx512_mask(n - j);
+        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, s + j), _mm512_set1_ps(m)));
+        _mm512_mask_storeu_ps(s + j, mk, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mk, e));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+static void cpu_avx512_swiglu(const float *g, const float *u, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 mk = cpu_avx512_mask(n - i > 16 ? 16 : (int)(n - i));
+        const __m512 gv = _mm512_maskz_loadu_ps(mk, g + i);
+        const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_mask_storeu_ps(out + i, mk,
+                              _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                            _mm512_maskz_loadu_ps(mk, u + i)));
+    }
+}
+
+static double cpu_avx512_sumsq(const float *x, int64_t n) {
+    __m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = _mm512_maskz_loadu_ps(cpu_avx512_mask(n - i > 16 ? 16 : (int)(n - i)), x + i);
+        const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v)),
+                      hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        a0 = _mm512_fmadd_pd(lo, lo, a0);
+        a1 = _mm512_fmadd_pd(hi, hi, a1);
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(a0, a1));
+}
+
 static void cpu_avx512_to_f16(const float *x, uint16_t *y, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -1206,6 +1243,9 @@ const cpu_kernels cpu_kernels_avx512 = {
     .scores = cpu_avx512_scores,
     .accum = cpu_avx512_accum,
     .to_f16 = cpu_avx512_to_f16,
+    .exp_sum = cpu_avx512_exp_sum,
+    .swiglu = cpu_avx512_swiglu,
+    .sumsq = cpu_avx512_sumsq,
     .quant_x =
         {
             [OP_TYPE_Q8_0] = cpu_quant_x_natural,

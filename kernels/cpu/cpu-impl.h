@@ -155,6 +155,14 @@ typedef void (*cpu_accum_fn)(const float *p, int nh, const uint8_t *v, op_type v
 /* Row conversion f32 -> f16 (kv_store). */
 typedef void (*cpu_to_f16_fn)(const float *x, uint16_t *y, int64_t n);
 
+/* Attention's softmax step: s[j] = exp(s[j] - m) for j < n; returns their sum. */
+typedef float (*cpu_exp_sum_fn)(float *s, int n, float m);
+
+/* Row kernels: out[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i]
+ * (out may be g); and sum(x[i]^2) in double, for RMSNorm. */
+typedef void (*cpu_swiglu_fn)(const float *g, const float *u, float *out, int64_t n);
+typedef double (*cpu_sumsq_fn)(const float *x, int64_t n);
+
 /* Quantizes one activation row x (k floats, k % 64 == 0) into CPU_XQ_BYTES(k)
  * bytes at dst, in the layout the `type` matvec kernel reads. */
 typedef void (*cpu_quant_x_fn)(const float *x, int64_t k, uint8_t *dst);
@@ -173,6 +181,9 @@ typedef struct cpu_kernels {
     cpu_scores_fn scores;
     cpu_accum_fn accum;
     cpu_to_f16_fn to_f16;
+    cpu_exp_sum_fn exp_sum;
+    cpu_swiglu_fn swiglu;
+    cpu_sumsq_fn sumsq;
     cpu_quant_x_fn quant_x[OP_TYPE_COUNT]; /* opt-in integer decode path (quantized_activations);
                                               NULL: the type has none */
     cpu_quant_xw_fn quant_xw;              /* int16 activations of the Q4 _R16 matvecs, or NULL:
@@ -199,6 +210,10 @@ void cpu_portable_dequant_f16_r16(const uint8_t *w, size_t stride, int64_t r, in
                                   float scale, float *out);
 void cpu_portable_dequant_bf16_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
                                    float scale, float *out);
+/* expf one element at a time (see cpu_exp_sum_fn, cpu_swiglu_fn, cpu_sumsq_fn). */
+float cpu_portable_exp_sum(float *s, int n, float m);
+void cpu_portable_swiglu(const float *g, const float *u, float *out, int64_t n);
+double cpu_portable_sumsq(const float *x, int64_t n);
 /* The generic matvec (any weight type, f32 math over cpu_portable_dequant). */
 void cpu_portable_matvec(const cpu_mm *m, int64_t r0, int64_t r1);
 

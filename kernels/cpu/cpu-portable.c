@@ -188,6 +188,25 @@ static void cpu_portable_accum(const float *p, int nh, const uint8_t *v, op_type
         }
 }
 
+float cpu_portable_exp_sum(float *s, int n, float m) {
+    float sum = 0;
+    for (int j = 0; j < n; j++) {
+        s[j] = expf(s[j] - m);
+        sum += s[j];
+    }
+    return sum;
+}
+
+void cpu_portable_swiglu(const float *g, const float *u, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+double cpu_portable_sumsq(const float *x, int64_t n) {
+    double ss = 0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    return ss;
+}
+
 static void cpu_portable_to_f16(const float *x, uint16_t *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = op_f32_to_f16(x[i]);
 }
@@ -227,4 +246,7 @@ const cpu_kernels cpu_kernels_portable = {
     .scores = cpu_portable_scores,
     .accum = cpu_portable_accum,
     .to_f16 = cpu_portable_to_f16,
+    .exp_sum = cpu_portable_exp_sum,
+    .swiglu = cpu_portable_swiglu,
+    .sumsq = cpu_portable_sumsq,
 };

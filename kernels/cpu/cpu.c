@@ -469,6 +469,7 @@ typedef struct cpu_row_job {
     const float *a;    /* (rows, d) first operand */
     const float *b;    /* (rows, d), or (d) for add_row / rmsnorm weight (may be NULL) */
     float eps;
+    const cpu_kernels *kern; /* set by cpu_rows_run */
 } cpu_row_job;
 
 static void cpu_row_one(const cpu_row_job *j, int64_t r) {
@@ -477,8 +478,7 @@ static void cpu_row_one(const cpu_row_job *j, int64_t r) {
     const float *a = j->a + r * d;
     switch (j->kind) {
     case CPU_ROW_RMSNORM: {
-        double ss = 0;
-        for (int64_t i = 0; i < d; i++) ss += (double)a[i] * a[i];
+        double ss = j->kern->sumsq(a, d);
         float inv = (float)(1.0 / sqrt(ss / (double)d + (double)j->eps));
         if (j->b)
             for (int64_t i = 0; i < d; i++) o[i] = a[i] * inv * j->b[i];
@@ -507,8 +507,7 @@ static void cpu_row_one(const cpu_row_job *j, int64_t r) {
         break;
     }
     case CPU_ROW_SWIGLU: {
-        const float *u = j->b + r * d;
-        for (int64_t i = 0; i < d; i++) o[i] = a[i] / (1.0f + expf(-a[i])) * u[i];
+        j->kern->swiglu(a, j->b + r * d, o, d);
         break;
     }
     case CPU_ROW_ADD: {
@@ -536,6 +535,7 @@ static void cpu_row_job_run(void *arg, int ith, int nth) {
 
 static int cpu_rows_run(cpu_backend *c, cpu_row_job *j) {
     int nth = c->base.n_threads;
+    j->kern = c->kern;
     j->chunk = (j->rows + 4 * nth - 1) / (4 * nth);
     if (j->rows * j->d < CPU_SERIAL_ELEMS || j->rows == 1)
         cpu_row_job_run(j, 0, 1);
@@ -552,7 +552,7 @@ static int cpu_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, f
     if (!cpu_f32_contig(x) || !cpu_f32_contig(y) || (w && !cpu_f32_contig(w)))
         return fu_errorf(FU_ERR_INVALID, "rmsnorm: tensors must be contiguous f32");
     cpu_row_job j = {0, 0, CPU_ROW_RMSNORM, op_tensor_nelems(x) / (x->ne[0] ? x->ne[0] : 1), x->ne[0],
-                     y->data, x->data, w ? w->data : NULL, eps};
+                     y->data, x->data, w ? w->data : NULL, eps, NULL};
     if (x->ne[0] == 0) return FU_OK;
     return cpu_rows_run(cpu_be(be), &j);
 }
@@ -560,7 +560,7 @@ static int cpu_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, f
 static int cpu_softmax_any(op_backend *be, op_tensor *x, cpu_row_kind kind) {
     if (!cpu_f32_contig(x)) return fu_errorf(FU_ERR_INVALID, "softmax: x must be contiguous f32");
     if (x->ne[0] == 0) return FU_OK;
-    cpu_row_job j = {0, 0, kind, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data, NULL, 0};
+    cpu_row_job j = {0, 0, kind, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data, NULL, 0, NULL};
     return cpu_rows_run(cpu_be(be), &j);
 }
 
@@ -574,7 +574,7 @@ static int cpu_swiglu(op_backend *be, const op_tensor *gate, const op_tensor *up
     if (!cpu_f32_contig(gate) || !cpu_f32_contig(up) || !cpu_f32_contig(out))
         return fu_errorf(FU_ERR_INVALID, "swiglu: tensors must be contiguous f32");
     int64_t n = op_tensor_nelems(gate), d = gate->ne[0] ? gate->ne[0] : 1;
-    cpu_row_job j = {0, 0, CPU_ROW_SWIGLU, n / d, d, out->data, gate->data, up->data, 0};
+    cpu_row_job j = {0, 0, CPU_ROW_SWIGLU, n / d, d, out->data, gate->data, up->data, 0, NULL};
     return cpu_rows_run(cpu_be(be), &j);
 }
 
@@ -582,7 +582,7 @@ static int cpu_add(op_backend *be, op_tensor *x, const op_tensor *y) {
     if (!cpu_f32_contig(x) || !cpu_f32_contig(y))
         return fu_errorf(FU_ERR_INVALID, "add: tensors must be contiguous f32");
     int64_t n = op_tensor_nelems(x), d = x->ne[0] ? x->ne[0] : 1;
-    cpu_row_job j = {0, 0, CPU_ROW_ADD, n / d, d, x->data, x->data, y->data, 0};
+    cpu_row_job j = {0, 0, CPU_ROW_ADD, n / d, d, x->data, x->data, y->data, 0, NULL};
     return cpu_rows_run(cpu_be(be), &j);
 }
 
@@ -591,7 +591,7 @@ static int cpu_add_row(op_backend *be, op_tensor *x, const op_tensor *b) {
         return fu_errorf(FU_ERR_INVALID, "add_row: tensors must be contiguous f32");
     if (x->ne[0] == 0) return FU_OK;
     cpu_row_job j = {0, 0, CPU_ROW_ADD_ROW, op_tensor_nelems(x) / x->ne[0], x->ne[0], x->data, x->data,
-                     b->data, 0};
+                     b->data, 0, NULL};
     return cpu_rows_run(cpu_be(be), &j);
 }
 
@@ -645,6 +645,12 @@ typedef struct cpu_attn_job {
  * task. Scratch rule: none is needed -- the chunk's scores and the (sg, hd)
  * accumulators live on the worker's stack, so any cache length works without
  * op_reserve; head_dim is limited to CPU_ATTN_MAX_HD. */
+/* Prefetches rows [r0, r1) of row_bytes each, `stride` bytes apart from base. */
+static void cpu_prefetch_rows(const uint8_t *base, size_t stride, int r0, int r1, size_t row_bytes) {
+    for (int r = r0; r < r1; r++)
+        for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(base + (size_t)r * stride + o);
+}
+
 static void cpu_attn_task(cpu_attn_job *j, int64_t task) {
     const op_attn *a = j->a;
     const cpu_kernels *kern = j->c->kern;
@@ -664,8 +670,16 @@ static void cpu_attn_task(cpu_attn_job *j, int64_t task) {
     }
     memset(acc, 0, (size_t)(nh * hd) * sizeof(float));
     const int n = a->pos[t] + 1;
+    const size_t row_bytes = (size_t)hd * op_type_block_bytes(kc->type);
+    cpu_prefetch_rows(kbase, kc->nb[2], 0, n < CPU_ATTN_CHUNK ? n : CPU_ATTN_CHUNK, row_bytes);
     for (int j0 = 0; j0 < n; j0 += CPU_ATTN_CHUNK) {
         int cn = n - j0 < CPU_ATTN_CHUNK ? n - j0 : CPU_ATTN_CHUNK;
+        /* this chunk's V rows and the next chunk's K rows, while the chunk
+         * is scored: the rows of one KV head are a whole cache row apart,
+         * too far for the hardware prefetchers to follow */
+        cpu_prefetch_rows(vbase, vc->nb[2], j0, j0 + cn, row_bytes);
+        cpu_prefetch_rows(kbase, kc->nb[2], j0 + cn, n < j0 + cn + CPU_ATTN_CHUNK ? n : j0 + cn + CPU_ATTN_CHUNK,
+                          row_bytes);
         kern->scores(q, j->q->nb[1] / sizeof(float), nh, kbase + (size_t)j0 * kc->nb[2], kc->type, kc->nb[2], cn,
                      hd, a->scale, s);
         for (int h = 0; h < nh; h++) {
@@ -678,10 +692,7 @@ static void cpu_attn_task(cpu_attn_job *j, int64_t task) {
                 for (int d = 0; d < hd; d++) ah[d] *= f;
                 mx[h] = cm;
             }
-            for (int i = 0; i < cn; i++) {
-                sh[i] = expf(sh[i] - mx[h]);
-                l[h] += sh[i];
-            }
+            l[h] += kern->exp_sum(sh, cn, mx[h]);
         }
         kern->accum(s, nh, vbase + (size_t)j0 * vc->nb[2], vc->type, vc->nb[2], cn, hd, acc);
     }

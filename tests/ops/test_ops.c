@@ -327,6 +327,38 @@ static void test_matmul_interleaved(void **state) {
         for (size_t s = 0; op_type_block_elems(r16_types[ti]) == 1 && s < sizeof odd_k / sizeof odd_k[0]; s++)
             matmul_case(r16_types[ti], odd_k[s][0], odd_k[s][1], odd_k[s][2]);
     }
+    /* a NaN or inf among a token's activations makes its outputs NaN or inf,
+     * as in f32 (the int16 rounding must not turn it into a finite number) */
+    for (size_t ti = 0; ti < sizeof r16_types / sizeof r16_types[0]; ti++) {
+        enum { N = 32, K = 64 };
+        const op_type plain = op_type_plain(r16_types[ti]);
+        const size_t rb = op_row_bytes(plain, K);
+        uint8_t *w = malloc(rb * N), *wr = malloc(rb * N);
+        float row[K], x[K], y[N];
+        assert_true(w && wr);
+        for (int r = 0; r < N; r++) {
+            fill(row, K, 1.0);
+            op_quantize_row(plain, row, K, w + (size_t)r * rb, NULL);
+        }
+        op_tensor pt = op_tensor_2d(plain, w, K, N), wt = pt;
+        assert_int_equal(op_repack_weight(&pt, r16_types[ti], wr), FU_OK);
+        wt.type = r16_types[ti];
+        wt.data = wr;
+        static const float bad[] = {NAN, INFINITY, -INFINITY};
+        for (int bi = 0; bi < 3; bi++)
+            for (int b = 0; b < n_bes; b++) {
+                fill(x, K, 1.0);
+                x[37] = bad[bi];
+                op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, K, 1), yt = op_tensor_2d(OP_TYPE_F32, y, N, 1);
+                assert_int_equal(op_matmul(bes[b].be, &wt, &xt, &yt), FU_OK);
+                for (int r = 0; r < N; r++)
+                    if (isfinite(y[r]))
+                        fail_msg("matmul %s [%s]: x holds %g, row %d is finite (%g)", op_type_name(wt.type),
+                                 bes[b].label, (double)bad[bi], r, (double)y[r]);
+            }
+        free(w);
+        free(wr);
+    }
     /* what cannot be interleaved is refused */
     static uint8_t q[17 * sizeof(op_block_q4_0)], out[sizeof q];
     op_tensor w = op_tensor_2d(OP_TYPE_Q4_0, q, 32, 17);
