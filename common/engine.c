@@ -11,8 +11,7 @@ struct eng_seq {
     int len;          /* positions held */
     int max_len;
     void *kv;         /* backend memory: n_span x {K, V} x (max_len, KVH * hd) */
-    op_tensor *k3, *v3; /* (n_span) (max_len, KVH, hd) views for attention */
-    op_tensor *k2, *v2; /* (n_span) (max_len, KVH * hd) views for kv_store */
+    op_tensor *k3, *v3; /* (n_span) (max_len, KVH, hd) head-major caches (op_tensor_kv_cache) */
 };
 
 struct eng_engine {
@@ -183,9 +182,7 @@ int eng_seq_new(eng_engine *e, int max_len, eng_seq **out) {
     s->kv = op_buffer_alloc(e->be, layer_bytes * 2 * (size_t)n);
     s->k3 = calloc((size_t)n, sizeof *s->k3);
     s->v3 = calloc((size_t)n, sizeof *s->v3);
-    s->k2 = calloc((size_t)n, sizeof *s->k2);
-    s->v2 = calloc((size_t)n, sizeof *s->v2);
-    if (!s->kv || !s->k3 || !s->v3 || !s->k2 || !s->v2) {
+    if (!s->kv || !s->k3 || !s->v3) {
         eng_seq_free(e, s);
         return fu_errorf(FU_ERR_NOMEM, "KV cache of %d positions (%zu bytes)", max_len,
                          layer_bytes * 2 * (size_t)n);
@@ -193,10 +190,8 @@ int eng_seq_new(eng_engine *e, int max_len, eng_seq **out) {
     for (int l = 0; l < e->n_span; l++) {
         uint8_t *kp = (uint8_t *)s->kv + layer_bytes * (size_t)(2 * l);
         uint8_t *vp = kp + layer_bytes;
-        s->k3[l] = op_tensor_3d(e->opts.kv_type, kp, c->head_dim, c->n_kv_heads, max_len);
-        s->v3[l] = op_tensor_3d(e->opts.kv_type, vp, c->head_dim, c->n_kv_heads, max_len);
-        s->k2[l] = op_tensor_2d(e->opts.kv_type, kp, e->kd, max_len);
-        s->v2[l] = op_tensor_2d(e->opts.kv_type, vp, e->kd, max_len);
+        s->k3[l] = op_tensor_kv_cache(e->opts.kv_type, kp, c->head_dim, c->n_kv_heads, max_len);
+        s->v3[l] = op_tensor_kv_cache(e->opts.kv_type, vp, c->head_dim, c->n_kv_heads, max_len);
     }
     *out = s;
     return FU_OK;
@@ -207,8 +202,6 @@ void eng_seq_free(eng_engine *e, eng_seq *s) {
     op_buffer_free(e->be, s->kv);
     free(s->k3);
     free(s->v3);
-    free(s->k2);
-    free(s->v2);
     free(s);
 }
 
@@ -281,8 +274,8 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
             e->vview[j] = e->useq[j]->v3[l];
         }
         for (int j = 0; j < n_useq; j++) {
-            e->kptr[j] = &e->useq[j]->k2[l];
-            e->vptr[j] = &e->useq[j]->v2[l];
+            e->kptr[j] = &e->useq[j]->k3[l];
+            e->vptr[j] = &e->useq[j]->v3[l];
         }
         /* attention */
         if ((rc = op_rmsnorm(be, &x, &L->attn_norm, c->norm_eps, &xn)) ||

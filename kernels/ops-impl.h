@@ -43,6 +43,21 @@ typedef struct op_backend_vtbl {
 void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r, int64_t k0, int64_t n,
                     float *out);
 
+/* Where op_kv_store puts a row of C values in a cache (see op_kv_store):
+ * C / hd heads of hd elements, head h of position p at
+ * p * pos_stride + h * head_stride bytes. */
+typedef struct op_kv_layout {
+    int64_t len;        /* positions */
+    int64_t hd;         /* elements per head (C for a (max_len, C) matrix) */
+    size_t pos_stride;  /* bytes between positions */
+    size_t head_stride; /* bytes between heads */
+} op_kv_layout;
+
+/* The layout of cache d for rows of C values; FU_ERR_INVALID (naming cache
+ * `index`) unless d is F32/F16, a (max_len, C) matrix or a (max_len, KVH, hd)
+ * cache with KVH * hd = C, with elements contiguous and data set. */
+int op_kv_layout_of(const op_tensor *d, int64_t cols, int index, op_kv_layout *out);
+
 /* Every backend struct begins with this header, set up by op_backend_base_init. */
 struct op_backend {
     const op_backend_vtbl *v;

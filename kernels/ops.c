@@ -97,6 +97,14 @@ op_tensor op_tensor_3d(op_type type, void *data, int64_t ne0, int64_t ne1, int64
     return op_tensor_make(type, data, 3, ne);
 }
 
+op_tensor op_tensor_kv_cache(op_type type, void *data, int64_t head_dim, int64_t n_kv_heads, int64_t max_len) {
+    op_tensor t = op_tensor_3d(type, data, head_dim, n_kv_heads, max_len);
+    t.nb[2] = t.nb[1];
+    t.nb[1] = t.nb[1] * (size_t)max_len;
+    t.nb[3] = t.nb[1] * (size_t)n_kv_heads;
+    return t;
+}
+
 int64_t op_tensor_nelems(const op_tensor *t) { return t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3]; }
 
 size_t op_tensor_nbytes(const op_tensor *t) {
@@ -514,6 +522,17 @@ int op_attention(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor
         q->ne[1] != a->n_heads || op_tensor_nelems(out) != op_tensor_nelems(q))
         return fu_errorf(FU_ERR_INVALID, "attention: shape mismatch");
     OP_LOCKED(be, be->v->attention(be, q, a, out));
+}
+
+int op_kv_layout_of(const op_tensor *d, int64_t cols, int index, op_kv_layout *out) {
+    const bool heads = d->ndim >= 3 && d->ne[3] == 1 && d->ne[0] > 0 && d->ne[0] * d->ne[1] == cols;
+    const int last = heads ? 2 : d->ndim > 1 ? d->ndim - 1 : 1;
+    *out = (op_kv_layout){d->ne[last], heads ? d->ne[0] : cols, d->nb[last], heads ? d->nb[1] : 0};
+    if ((d->type != OP_TYPE_F32 && d->type != OP_TYPE_F16) || op_tensor_nelems(d) != out->len * cols ||
+        d->nb[0] != op_type_block_bytes(d->type) || !d->data)
+        return fu_errorf(FU_ERR_INVALID, "kv_store: cache %d must be F32/F16 rows of %lld", index,
+                         (long long)cols);
+    return FU_OK;
 }
 
 int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, int n_seqs,

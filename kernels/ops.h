@@ -231,17 +231,28 @@ typedef struct op_attn {
     int n_seqs;           /* number of caches in k / v */
     const int32_t *seq;   /* (T) host: cache index of token t */
     const int32_t *pos;   /* (T) host: token t attends to positions [0, pos[t]] of its cache */
-    const op_tensor *k;   /* (n_seqs) each (max_len, KVH, hd), F32 or F16 */
+    const op_tensor *k;   /* (n_seqs) each (max_len, KVH, hd), F32 or F16, any strides
+                             (nb[1] between heads, nb[2] between positions) */
     const op_tensor *v;   /* (n_seqs) each (max_len, KVH, hd), same type as k */
 } op_attn;
+
+/* A KV cache view (hd, KVH, max_len) over `data`, laid out head by head: the
+ * max_len positions of head 0, then of head 1, ... (nb[1] = max_len * hd
+ * elements, nb[2] = hd), so that attention reads each head's rows in
+ * sequence, which the hardware prefetchers follow, instead of one row per
+ * whole cache row. Takes the bytes of a (max_len, KVH, hd) tensor. */
+op_tensor op_tensor_kv_cache(op_type type, void *data, int64_t head_dim, int64_t n_kv_heads, int64_t max_len);
 
 /* Causal attention with grouped-query heads over per-sequence KV caches:
  * out (T, H, hd) = softmax(q . K^T * scale) V for each token and head.
  * The caches must already hold positions [0, pos[t]] (see op_kv_store). */
 int op_attention(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor *out);
 
-/* Writes row t of src (T, C) f32 into row pos[t] of dst[seq[t]] ((max_len, C),
- * F32 or F16), converting. dst holds n_seqs caches; seq/pos host memory (T).
+/* Writes row t of src (T, C) f32 into position pos[t] of dst[seq[t]], F32 or
+ * F16, converting: a (max_len, C) matrix, or a (max_len, KVH, hd) cache with
+ * KVH * hd = C and any strides (op_tensor_kv_cache), where head h takes
+ * elements [h * hd, (h + 1) * hd) of the row. dst holds n_seqs caches;
+ * seq/pos host memory (T).
  * A sequence index outside [0, n_seqs) or a position outside its cache is an
  * error (FU_ERR_RANGE) and nothing is written. */
 int op_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *dst, int n_seqs,

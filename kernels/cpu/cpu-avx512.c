@@ -736,7 +736,9 @@ static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
         _mm512_storeu_si512(dst[b].q2, _mm512_permutexvar_epi16(pairs, q));
         if (!(s - s == 0)) d = s - s; /* an inf or NaN in x: NaN out, as in f32 */
         dst[b].d = d;
-        dst[b].off = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        /* from the 16-bit values the kernel multiplies (what an inf or NaN
+         * rounds to is undefined, and does not matter then: d is NaN) */
+        dst[b].off = -8 * _mm512_reduce_add_epi32(_mm512_madd_epi16(q, _mm512_set1_epi16(1)));
         dst[b].s = s;
         dst[b].pad = 0;
     }

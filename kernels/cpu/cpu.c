@@ -764,21 +764,20 @@ static int cpu_kv_store(op_backend *be, const op_tensor *src, op_tensor *const *
     for (int64_t t = 0; t < nt; t++) {
         if (seq[t] < 0) return fu_errorf(FU_ERR_RANGE, "kv_store: negative sequence %d", seq[t]);
         const op_tensor *d = dst[seq[t]];
-        int last = d->ndim > 1 ? d->ndim - 1 : 1;
-        int64_t len = d->ne[last];
-        if ((d->type != OP_TYPE_F32 && d->type != OP_TYPE_F16) || op_tensor_nelems(d) != len * cols ||
-            d->nb[0] != op_type_block_bytes(d->type) || !d->data)
-            return fu_errorf(FU_ERR_INVALID, "kv_store: cache %d must be F32/F16 rows of %lld", seq[t],
-                             (long long)cols);
-        if (pos[t] < 0 || pos[t] >= len)
+        op_kv_layout kl;
+        int rc = op_kv_layout_of(d, cols, seq[t], &kl);
+        if (rc) return rc;
+        if (pos[t] < 0 || pos[t] >= kl.len)
             return fu_errorf(FU_ERR_RANGE, "kv_store: position %d outside cache of %lld", pos[t],
-                             (long long)len);
-        const float *s = (const float *)src->data + t * cols;
-        uint8_t *row = (uint8_t *)d->data + (size_t)pos[t] * d->nb[last];
-        if (d->type == OP_TYPE_F32)
-            memcpy(row, s, (size_t)cols * sizeof(float));
-        else
-            c->kern->to_f16(s, (uint16_t *)row, cols);
+                             (long long)kl.len);
+        for (int64_t h = 0; h < cols / kl.hd; h++) {
+            const float *s = (const float *)src->data + t * cols + h * kl.hd;
+            uint8_t *row = (uint8_t *)d->data + (size_t)pos[t] * kl.pos_stride + (size_t)h * kl.head_stride;
+            if (d->type == OP_TYPE_F32)
+                memcpy(row, s, (size_t)kl.hd * sizeof(float));
+            else
+                c->kern->to_f16(s, (uint16_t *)row, kl.hd);
+        }
     }
     return FU_OK;
 }

@@ -3,8 +3,10 @@
 
 /* Where token t goes, worked out on the host. */
 typedef struct kv_row {
-    uint8_t *row; /* device: cache row (C elements) */
-    int32_t f16;  /* 1: F16 cache, 0: F32 */
+    uint8_t *row;         /* device: head 0 of the cache row */
+    uint64_t head_stride; /* bytes between heads */
+    int64_t hd;           /* elements per head */
+    int32_t f16;          /* 1: F16 cache, 0: F32 */
     int32_t pad;
 } kv_row;
 
@@ -19,10 +21,11 @@ CU_DEV void kv_store_body(const cu_ctx *c, const kv_store_args *a) {
     for (int64_t g = cu_gid(c); g < n; g += cu_gstride(c)) {
         const int64_t t = g / a->cols, i = g % a->cols;
         kv_row r = a->rows[t];
+        uint8_t *head = r.row + (uint64_t)(i / r.hd) * r.head_stride;
         if (r.f16)
-            ((uint16_t *)r.row)[i] = cu_f32_to_f16(a->src[g]);
+            ((uint16_t *)head)[i % r.hd] = cu_f32_to_f16(a->src[g]);
         else
-            ((float *)r.row)[i] = a->src[g];
+            ((float *)head)[i % r.hd] = a->src[g];
     }
 }
 CU_KERNEL(kv_store, kv_store_args)
@@ -38,17 +41,18 @@ CU_INTERNAL int cuda_kv_store(op_backend *be, const op_tensor *src, op_tensor *c
     for (int64_t t = 0; t < nt; t++) {
         if (seq[t] < 0) return fu_errorf(FU_ERR_RANGE, "kv_store: negative sequence %d", seq[t]);
         const op_tensor *d = dst[seq[t]];
-        int last = d->ndim > 1 ? d->ndim - 1 : 1;
-        int64_t len = d->ne[last];
+        op_kv_layout kl;
+        int rc = op_kv_layout_of(d, cols, seq[t], &kl);
+        if (rc) return rc;
         size_t es = d->type == OP_TYPE_F16 ? 2 : 4;
-        if ((d->type != OP_TYPE_F32 && d->type != OP_TYPE_F16) || op_tensor_nelems(d) != len * cols ||
-            d->nb[0] != es || !d->data || d->nb[last] % es || (uintptr_t)d->data % es)
-            return fu_errorf(FU_ERR_INVALID, "kv_store: cache %d must be F32/F16 rows of %lld", seq[t],
-                             (long long)cols);
-        if (pos[t] < 0 || pos[t] >= len)
+        if (kl.pos_stride % es || kl.head_stride % es || (uintptr_t)d->data % es)
+            return fu_errorf(FU_ERR_INVALID, "kv_store: cache %d is not aligned to its elements", seq[t]);
+        if (pos[t] < 0 || pos[t] >= kl.len)
             return fu_errorf(FU_ERR_RANGE, "kv_store: position %d outside cache of %lld", pos[t],
-                             (long long)len);
-        rows[t].row = (uint8_t *)d->data + (size_t)pos[t] * d->nb[last];
+                             (long long)kl.len);
+        rows[t].row = (uint8_t *)d->data + (size_t)pos[t] * kl.pos_stride;
+        rows[t].head_stride = kl.head_stride;
+        rows[t].hd = kl.hd;
         rows[t].f16 = d->type == OP_TYPE_F16;
         rows[t].pad = 0;
     }

@@ -396,8 +396,9 @@ static void cmp_test_rope(void **state) {
 
 /* Fills CMP_SEQS caches of (CMP_LEN, kvh, hd) of `type` on both backends
  * through op_kv_store (prefill of lens[s] positions), checks the device caches
- * equal the CPU's bit for bit, then runs a mixed batch of attention. */
-static void cmp_attention_case(op_type type, int nh, int kvh, int hd) {
+ * equal the CPU's bit for bit, then runs a mixed batch of attention.
+ * head_major: op_tensor_kv_cache views (the engine's layout). */
+static void cmp_attention_case(op_type type, int nh, int kvh, int hd, bool head_major) {
     const int lens[CMP_SEQS] = {40, 5, 34};
     const int64_t cols = (int64_t)kvh * hd, es = type == OP_TYPE_F16 ? 2 : 4;
     const size_t cache_bytes = (size_t)(CMP_LEN * cols * es);
@@ -410,10 +411,11 @@ static void cmp_attention_case(op_type type, int nh, int kvh, int hd) {
         kd[s] = op_buffer_alloc(cmp_dev, cache_bytes);
         vd[s] = op_buffer_alloc(cmp_dev, cache_bytes);
         assert_true(kd[s] && vd[s]);
-        kt[s] = op_tensor_3d(type, kc[s], hd, kvh, CMP_LEN);
-        vt[s] = op_tensor_3d(type, vc[s], hd, kvh, CMP_LEN);
-        kdt[s] = op_tensor_3d(type, kd[s], hd, kvh, CMP_LEN);
-        vdt[s] = op_tensor_3d(type, vd[s], hd, kvh, CMP_LEN);
+        op_tensor (*view)(op_type, void *, int64_t, int64_t, int64_t) = head_major ? op_tensor_kv_cache : op_tensor_3d;
+        kt[s] = view(type, kc[s], hd, kvh, CMP_LEN);
+        vt[s] = view(type, vc[s], hd, kvh, CMP_LEN);
+        kdt[s] = view(type, kd[s], hd, kvh, CMP_LEN);
+        vdt[s] = view(type, vd[s], hd, kvh, CMP_LEN);
         kp[s] = &kt[s];
         vp[s] = &vt[s];
         kdp[s] = &kdt[s];
@@ -477,7 +479,8 @@ static void cmp_attention_case(op_type type, int nh, int kvh, int hd) {
     cmp_ok(op_attention(cmp_dev, &qdv, &ad, &odv), "attention");
     cmp_get(outd, odv.data, (size_t)qn * 4);
     char what[80];
-    snprintf(what, sizeof what, "attention %s H=%d KVH=%d hd=%d", op_type_name(type), nh, kvh, hd);
+    snprintf(what, sizeof what, "attention %s H=%d KVH=%d hd=%d%s", op_type_name(type), nh, kvh, hd,
+             head_major ? " head-major" : "");
     cmp_close(what, outd, out, qn, NULL, 1e-4 * vmax + 1e-6);
     /* a token past its cache is a range error */
     int32_t far[NT];
@@ -505,10 +508,12 @@ static void cmp_attention_case(op_type type, int nh, int kvh, int hd) {
 static void cmp_test_attention(void **state) {
     (void)state;
     CMP_SKIP_WITHOUT_DEVICE();
-    cmp_attention_case(OP_TYPE_F32, 4, 2, 16);
-    cmp_attention_case(OP_TYPE_F16, 4, 2, 16);
-    cmp_attention_case(OP_TYPE_F32, 2, 2, 64);
-    cmp_attention_case(OP_TYPE_F16, 6, 2, 40);
+    cmp_attention_case(OP_TYPE_F32, 4, 2, 16, false);
+    cmp_attention_case(OP_TYPE_F16, 4, 2, 16, false);
+    cmp_attention_case(OP_TYPE_F32, 2, 2, 64, false);
+    cmp_attention_case(OP_TYPE_F16, 6, 2, 40, false);
+    cmp_attention_case(OP_TYPE_F32, 4, 2, 16, true);
+    cmp_attention_case(OP_TYPE_F16, 6, 2, 40, true);
     /* head_dim beyond the kernel's limit */
     float *buf = op_buffer_alloc(cmp_dev, 300 * 4);
     assert_non_null(buf);

@@ -877,16 +877,19 @@ static double cache_val(const op_tensor *c, int64_t p, int g, int d) {
 }
 
 /* Fills caches through op_kv_store (checked bit-exactly), then checks
- * op_attention on a batch mixing sequences and positions. */
-static void attention_case(op_type ctype, int hd, int nh, int nkv) {
+ * op_attention on a batch mixing sequences and positions. head_major: the
+ * caches are op_tensor_kv_cache views (head by head) instead of
+ * position-major (max_len, KVH, hd) tensors. */
+static void attention_case(op_type ctype, int hd, int nh, int nkv, bool head_major) {
     enum { NS = 3, MAXLEN = 200 };
     const int lens[NS] = {150, 1, 67}; /* positions filled per sequence */
     const int c = nkv * hd;
     op_tensor kc[NS], vc[NS];
     size_t esz = op_type_block_bytes(ctype);
     for (int s = 0; s < NS; s++) {
-        kc[s] = op_tensor_3d(ctype, calloc((size_t)MAXLEN * c, esz), hd, nkv, MAXLEN);
-        vc[s] = op_tensor_3d(ctype, calloc((size_t)MAXLEN * c, esz), hd, nkv, MAXLEN);
+        void *kd = calloc((size_t)MAXLEN * c, esz), *vd = calloc((size_t)MAXLEN * c, esz);
+        kc[s] = head_major ? op_tensor_kv_cache(ctype, kd, hd, nkv, MAXLEN) : op_tensor_3d(ctype, kd, hd, nkv, MAXLEN);
+        vc[s] = head_major ? op_tensor_kv_cache(ctype, vd, hd, nkv, MAXLEN) : op_tensor_3d(ctype, vd, hd, nkv, MAXLEN);
         assert_true(kc[s].data && vc[s].data);
     }
     /* store every position of every sequence in one batch, converting */
@@ -912,14 +915,10 @@ static void attention_case(op_type ctype, int hd, int nh, int nkv) {
     assert_int_equal(op_kv_store(be0, &vt, vp, NS, sq, ps), FU_OK);
     for (int i = 0; i < total; i++)
         for (int j = 0; j < c; j++) {
-            const uint8_t *row = (const uint8_t *)kc[sq[i]].data + (size_t)ps[i] * kc[sq[i]].nb[2];
-            if (ctype == OP_TYPE_F16) {
-                uint16_t h;
-                memcpy(&h, row + 2 * j, 2);
-                if (h != op_f32_to_f16(kr[(size_t)i * c + j])) fail_msg("kv_store f16 mismatch at %d/%d", i, j);
-            } else if (memcmp(row + 4 * j, &kr[(size_t)i * c + j], 4) != 0) {
-                fail_msg("kv_store f32 mismatch at %d/%d", i, j);
-            }
+            const float want = ctype == OP_TYPE_F16 ? op_f16_to_f32(op_f32_to_f16(kr[(size_t)i * c + j]))
+                                                    : kr[(size_t)i * c + j];
+            const double got = cache_val(&kc[sq[i]], ps[i], j / hd, j % hd);
+            if (memcmp(&(float){(float)got}, &want, 4) != 0) fail_msg("kv_store mismatch at %d/%d", i, j);
         }
     int32_t badpos[1] = {MAXLEN};
     op_tensor k1 = op_tensor_2d(OP_TYPE_F32, kr, c, 1);
@@ -935,7 +934,8 @@ static void attention_case(op_type ctype, int hd, int nh, int nkv) {
     double *sc = malloc(MAXLEN * sizeof(double));
     for (int b = 0; b < n_bes; b++) {
         char what[64];
-        snprintf(what, sizeof what, "attention %s hd=%d H=%d KVH=%d", op_type_name(ctype), hd, nh, nkv);
+        snprintf(what, sizeof what, "attention %s hd=%d H=%d KVH=%d%s", op_type_name(ctype), hd, nh, nkv,
+                 head_major ? " head-major" : "");
         for (int i = 0; i < T * nh * hd; i++) out[i] = NAN;
         int rc = op_attention(bes[b].be, &qt, &a, &ot);
         if (rc) fail_msg("%s [%s]: %s", what, bes[b].label, fu_last_error());
@@ -1003,13 +1003,15 @@ static void test_attention(void **state) {
     (void)state;
     static const op_type ctypes[] = {OP_TYPE_F32, OP_TYPE_F16};
     for (int ci = 0; ci < 2; ci++) {
-        attention_case(ctypes[ci], 64, 4, 4); /* MHA */
-        attention_case(ctypes[ci], 64, 4, 2); /* GQA 2 */
-        attention_case(ctypes[ci], 40, 8, 2); /* GQA 4, head_dim not a multiple of 16 */
-        attention_case(ctypes[ci], 64, 9, 3); /* GQA 3 (SmolLM2) */
-        attention_case(ctypes[ci], 72, 12, 2); /* GQA 6: tasks of 4 and 2 heads */
-        attention_case(ctypes[ci], 16, 8, 1); /* MQA 8 */
-        if (!sanitized()) attention_case(ctypes[ci], 128, 8, 2);
+        for (int hm = 0; hm < 2; hm++) { /* position-major caches, then head-major (the engine's) */
+            attention_case(ctypes[ci], 64, 4, 4, hm);   /* MHA */
+            attention_case(ctypes[ci], 64, 4, 2, hm);   /* GQA 2 */
+            attention_case(ctypes[ci], 40, 8, 2, hm);   /* GQA 4, head_dim not a multiple of 16 */
+            attention_case(ctypes[ci], 64, 9, 3, hm);   /* GQA 3 (SmolLM2) */
+            attention_case(ctypes[ci], 72, 12, 2, hm);  /* GQA 6: tasks of 4 and 2 heads */
+            attention_case(ctypes[ci], 16, 8, 1, hm);   /* MQA 8 */
+            if (!sanitized()) attention_case(ctypes[ci], 128, 8, 2, hm);
+        }
     }
 }
 
