@@ -211,7 +211,8 @@ static int cpu_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out
 }
 
 /* Scratch for matmuls of up to max_tokens x max_k: the transposed activations
- * of prefill and (opt-in only) the quantized activations of decode. Every other op uses
+ * of prefill, the int16 activations of the interleaved Q4 matvecs (AVX-512)
+ * and (opt-in only) the int8 activations of decode. Every other op uses
  * fixed per-thread buffers allocated with the backend, or the stack. A matmul
  * larger than reserved grows the scratch once (an allocation on that call). */
 static int cpu_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
