@@ -355,12 +355,14 @@ static void cpu_avx2_accum1(const float *p, const uint8_t *v, op_type vt, size_t
 
 static void cpu_avx2_scores(const float *q, size_t ldq, int nh, const uint8_t *k, op_type kt, size_t stride,
                             int n, int hd, float scale, float *s) {
-    for (int h = 0; h < nh; h++) cpu_avx2_scores1(q + (size_t)h * ldq, k, kt, stride, n, hd, scale, s + h * CPU_ATTN_CHUNK);
+    for (int h = 0; h < nh; h++)
+        cpu_avx2_scores1(q + (size_t)h * ldq, k, kt, stride, n, hd, scale, s + h * CPU_ATTN_CHUNK);
 }
 
 static void cpu_avx2_accum(const float *p, int nh, const uint8_t *v, op_type vt, size_t stride, int n, int hd,
                            float *acc) {
-    for (int h = 0; h < nh; h++) cpu_avx2_accum1(p + h * CPU_ATTN_CHUNK, v, vt, stride, n, hd, acc + (size_t)h * (size_t)hd);
+    for (int h = 0; h < nh; h++)
+        cpu_avx2_accum1(p + h * CPU_ATTN_CHUNK, v, vt, stride, n, hd, acc + (size_t)h * (size_t)hd);
 }
 
 /* glibc's vector expf (libmvec), 8 lanes */
@@ -382,7 +384,8 @@ static double cpu_avx2_sumsq(const float *x, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         const __m256 v = _mm256_loadu_ps(x + i);
-        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
         a0 = _mm256_fmadd_pd(lo, lo, a0);
         a1 = _mm256_fmadd_pd(hi, hi, a1);
     }

@@ -729,8 +729,9 @@ static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
         const float s = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
         float d = amax / 32767.0f;
         const __m512 id = _mm512_set1_ps(d > 0 ? 1.0f / d : 0.0f);
-        const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        enum { rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC };
+        const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, id), rn);
+        const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, id), rn);
         const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)),
                                              _mm512_cvtepi32_epi16(q1), 1);
         _mm512_storeu_si512(dst[b].q2, _mm512_permutexvar_epi16(pairs, q));

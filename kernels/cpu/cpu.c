@@ -639,6 +639,12 @@ typedef struct cpu_attn_job {
     _Atomic int64_t next;  /* next task to take */
 } cpu_attn_job;
 
+/* Prefetches rows [r0, r1) of row_bytes each, `stride` bytes apart from base. */
+static void cpu_prefetch_rows(const uint8_t *base, size_t stride, int r0, int r1, size_t row_bytes) {
+    for (int r = r0; r < r1; r++)
+        for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(base + (size_t)r * stride + o);
+}
+
 /* One (token, KV head, up to sg of its query heads): online softmax over
  * chunks of CPU_ATTN_CHUNK positions (scores of a chunk, then a rescale of a
  * head's running sum when its maximum grows), each K and V row read once for
@@ -646,12 +652,6 @@ typedef struct cpu_attn_job {
  * task. Scratch rule: none is needed -- the chunk's scores and the (sg, hd)
  * accumulators live on the worker's stack, so any cache length works without
  * op_reserve; head_dim is limited to CPU_ATTN_MAX_HD. */
-/* Prefetches rows [r0, r1) of row_bytes each, `stride` bytes apart from base. */
-static void cpu_prefetch_rows(const uint8_t *base, size_t stride, int r0, int r1, size_t row_bytes) {
-    for (int r = r0; r < r1; r++)
-        for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(base + (size_t)r * stride + o);
-}
-
 static void cpu_attn_task(cpu_attn_job *j, int64_t task) {
     const op_attn *a = j->a;
     const cpu_kernels *kern = j->c->kern;
@@ -676,8 +676,9 @@ static void cpu_attn_task(cpu_attn_job *j, int64_t task) {
     for (int j0 = 0; j0 < n; j0 += CPU_ATTN_CHUNK) {
         int cn = n - j0 < CPU_ATTN_CHUNK ? n - j0 : CPU_ATTN_CHUNK;
         /* this chunk's V rows and the next chunk's K rows, while the chunk
-         * is scored: the rows of one KV head are a whole cache row apart,
-         * too far for the hardware prefetchers to follow */
+         * is scored: in a position-major cache a KV head's rows are a whole
+         * cache row apart, too far for the hardware prefetchers to follow
+         * (in a head-major one, op_tensor_kv_cache, they are in sequence) */
         cpu_prefetch_rows(vbase, vc->nb[2], j0, j0 + cn, row_bytes);
         cpu_prefetch_rows(kbase, kc->nb[2], j0 + cn, n < j0 + cn + CPU_ATTN_CHUNK ? n : j0 + cn + CPU_ATTN_CHUNK,
                           row_bytes);
