@@ -423,8 +423,8 @@ static void test_matmul_interleaved_batch_invariant(void **state) {
 
 /* Two threads share one backend (a shard serving two spans during a move):
  * each op runs whole, so every result equals the one computed alone. Q4_1
- * interleaved weights use the backend's scratch (block sums of x) on every
- * decode matmul. */
+ * interleaved weights use the backend's scratch (the int16-rounded x, on
+ * AVX-512) on every decode matmul. */
 typedef struct shared_job {
     op_backend *be;
     const op_tensor *w;
