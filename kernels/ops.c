@@ -27,6 +27,7 @@ static const struct {
     [OP_TYPE_Q4_1_R16] = {"q4_1_r16", OP_QK, sizeof(op_block_q4_1), true},
     [OP_TYPE_F16_R16] = {"f16_r16", 1, 2, true},
     [OP_TYPE_BF16_R16] = {"bf16_r16", 1, 2, true},
+    [OP_TYPE_Q8_0_R16] = {"q8_0_r16", OP_QK, sizeof(op_block_q8_0), true},
 };
 
 _Static_assert(sizeof(op_block_q8_0) == 34, "q8_0 block layout");
@@ -63,6 +64,7 @@ op_type op_type_plain(op_type type) {
     case OP_TYPE_Q4_1_R16: return OP_TYPE_Q4_1;
     case OP_TYPE_F16_R16: return OP_TYPE_F16;
     case OP_TYPE_BF16_R16: return OP_TYPE_BF16;
+    case OP_TYPE_Q8_0_R16: return OP_TYPE_Q8_0;
     default: return type;
     }
 }
@@ -208,6 +210,14 @@ void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r,
         uint16_t h;
         memcpy(&h, blk + 2 * lane, 2);
         float d = op_f16_to_f32(h), m = 0.0f;
+        if (type == OP_TYPE_Q8_0_R16) {
+            for (int c = 0; c < 8; c++) {
+                const uint8_t *q = blk + hdr + 64 * c + 4 * lane;
+                const int e = 8 * (c / 2) + 2 * (c % 2); /* the word's inputs: e, e + 1, e + 4, e + 5 */
+                for (int j = 0; j < 4; j++) out[b * OP_QK + e + j % 2 + 4 * (j / 2)] = d * (float)(q[j] - 128);
+            }
+            continue;
+        }
         if (type == OP_TYPE_Q4_1_R16) {
             memcpy(&h, blk + 32 + 2 * lane, 2);
             m = op_f16_to_f32(h);
@@ -250,6 +260,14 @@ int op_repack_weight(const op_tensor *src, op_type type, void *dst) {
                 memcpy(o + 2 * r, blk, 2);
                 if (q41) memcpy(o + 32 + 2 * r, blk + 2, 2);
                 const uint8_t *qs = blk + qoff;
+                if (src->type == OP_TYPE_Q8_0) { /* chunk 2c + i: inputs 8c + 2i + {0, 1, 4, 5}, offset by 128 */
+                    for (int c = 0; c < 8; c++) {
+                        uint8_t *word = o + hdr + 64 * c + 4 * r;
+                        const int e = 8 * (c / 2) + 2 * (c % 2);
+                        for (int j = 0; j < 4; j++) word[j] = (uint8_t)((int8_t)qs[e + j % 2 + 4 * (j / 2)] + 128);
+                    }
+                    continue;
+                }
                 for (int c = 0; c < 4; c++) {
                     uint8_t *word = o + hdr + 64 * c + 4 * r;
                     for (int j = 0; j < 8; j += 2) { /* element e < 16: low nibble of qs[e], else high of qs[e - 16] */

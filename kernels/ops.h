@@ -37,6 +37,7 @@ typedef enum op_type {
     OP_TYPE_Q4_1_R16, /* Q4_1 with rows interleaved in groups of 16 */
     OP_TYPE_F16_R16,  /* f16 with rows interleaved in groups of 16 */
     OP_TYPE_BF16_R16, /* bf16 with rows interleaved in groups of 16 */
+    OP_TYPE_Q8_0_R16, /* Q8_0 with rows interleaved in groups of 16 */
     OP_TYPE_COUNT
 } op_type;
 
@@ -57,19 +58,22 @@ typedef struct op_block_q4_1 {
     uint8_t qs[OP_QK / 2];
 } op_block_q4_1;
 
-/* Row-interleaved weights (the _R16 types): the values of F16 / BF16 / Q4_0 /
- * Q4_1, laid out so that a vector of 16 lanes holds one weight of 16
+/* Row-interleaved weights (the _R16 types): the values of F16 / BF16 / Q8_0 /
+ * Q4_0 / Q4_1, laid out so that a vector of 16 lanes holds one weight of 16
  * consecutive rows, which is how the AVX-512 decode kernels want them. They
  * are made from a plain matrix with op_repack_weight() (the number of rows
  * must be a multiple of 16) and never read from files. Rows are stored in
  * groups of 16, group g at byte g * 16 * nb[1]. F16_R16 / BF16_R16: input k
- * of the group's 16 rows at 32k (row r at 32k + 2r). Q4: for block b (inputs
- * 32b .. 32b + 31) of group g, at byte (g * K/32 + b) * 16 * block_bytes:
+ * of the group's 16 rows at 32k (row r at 32k + 2r). Block types: for block b
+ * (inputs 32b .. 32b + 31) of group g, at byte (g * K/32 + b) * 16 * block_bytes:
  *   - the 16 rows' f16 scales d (row r at 2r), for Q4_1 followed by their 16
  *     f16 minimums m;
- *   - 4 chunks of 64 bytes: in chunk c, the 32-bit little-endian word r holds
- *     row r's inputs 32b + 8c + j (j = 0..7) as nibbles, input 32b + 8c + j
- *     in bits 4j .. 4j + 3.
+ *   - Q4: 4 chunks of 64 bytes: in chunk c, the 32-bit little-endian word r
+ *     holds row r's inputs 32b + 8c + j (j = 0..7) as nibbles, input
+ *     32b + 8c + j in bits 4j .. 4j + 3;
+ *   - Q8_0: 8 chunks of 64 bytes: in chunk 2c + i (c < 4, i < 2), word r
+ *     holds row r's inputs 32b + 8c + 2i + {0, 1, 4, 5} in its bytes 0..3,
+ *     each as q + 128 (0..255).
  * A tensor of such a type has the plain type's sizes (nb[0], nb[1], total
  * bytes); rows are only addressed through the group layout. */
 #define OP_R16_ROWS 16
@@ -126,7 +130,7 @@ void op_dequantize_row(const op_tensor *t, int64_t row, float *out);
  * the interleaved (_R16) types, which op_repack_weight() makes. */
 void op_quantize_row(op_type type, const float *x, int64_t n, void *dst, float *row_scale);
 
-/* Writes the 2-D host tensor src (F16, BF16, Q4_0 or Q4_1, rows a multiple of
+/* Writes the 2-D host tensor src (F16, BF16, Q8_0, Q4_0 or Q4_1, rows a multiple of
  * OP_R16_ROWS) into dst (op_tensor_nbytes(src) bytes of host memory) as
  * `type` (its _R16 type). FU_ERR_INVALID for any other pairing or shape. */
 int op_repack_weight(const op_tensor *src, op_type type, void *dst);
@@ -147,11 +151,11 @@ typedef struct op_cpu_options {
     op_cpu_isa isa; /* forced level; one the CPU lacks falls back to the best it has */
     /* false (the default, also for zero-initialised or positional {n_threads, isa}
      * options): every matmul is f32 math on the dequantized weights, whatever T,
-     * except Q4_0 / Q4_1 weights on the AVX-512 path (run as Q4_0_R16 /
-     * Q4_1_R16), whose kernels round each token's activations to int16 per
-     * block of 32 (d = amax/32767, so at most 2^-16 of the block's largest |x|
-     * off, far below the weights' own 4-bit rounding) and sum exactly in
-     * integers: results are the same whatever T.
+     * except Q8_0 / Q4_0 / Q4_1 weights on the AVX-512 path (run as Q8_0_R16 /
+     * Q4_0_R16 / Q4_1_R16), whose kernels round each token's activations to
+     * int16 per block of 32 (d = amax/32767, so at most 2^-16 of the block's
+     * largest |x| off, far below the weights' own 8- or 4-bit rounding) and
+     * sum exactly in integers: results are the same whatever T.
      * true (opt-in, llama.cpp style): decode matmuls (T <= 8) with Q8_0/Q4_0/Q4_1
      * weights and K % 64 == 0 on the AVX2/AVX-512 paths first round each token's
      * activations to int8 per block of 32 (d = amax/127) and use integer dot
@@ -182,8 +186,8 @@ int op_buffer_set(op_backend *be, void *dst, const void *src_host, size_t nbytes
 int op_buffer_get(op_backend *be, void *dst_host, const void *src, size_t nbytes);
 
 /* Puts a matmul weight into the layout the backend runs fastest (the CPU
- * backend on AVX-512: F16 / BF16 / Q4_0 / Q4_1 with a multiple of 16 rows become the
- * _R16 types). w is host memory. Returns 1 with *out describing a new backend
+ * backend on AVX-512: F16 / BF16 / Q8_0 / Q4_0 / Q4_1 with a multiple of 16
+ * rows become the _R16 types). w is host memory. Returns 1 with *out describing a new backend
  * buffer (the caller frees out->data with op_buffer_free), 0 with *out = *w
  * when the backend uses w as it is, or a negative fu_status. */
 int op_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out);

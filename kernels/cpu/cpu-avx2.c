@@ -420,6 +420,7 @@ const cpu_kernels cpu_kernels_avx2 = {
             [OP_TYPE_Q4_1_R16] = cpu_portable_matvec,
             [OP_TYPE_F16_R16] = cpu_portable_matvec,
             [OP_TYPE_BF16_R16] = cpu_portable_matvec,
+            [OP_TYPE_Q8_0_R16] = cpu_portable_matvec,
         },
     .dequant =
         {
@@ -434,6 +435,7 @@ const cpu_kernels cpu_kernels_avx2 = {
             [OP_TYPE_Q4_1_R16] = cpu_portable_dequant_q4_1_r16,
             [OP_TYPE_F16_R16] = cpu_portable_dequant_f16_r16,
             [OP_TYPE_BF16_R16] = cpu_portable_dequant_bf16_r16,
+            [OP_TYPE_Q8_0_R16] = cpu_portable_dequant_q8_0_r16,
         },
     .gemm = cpu_avx2_gemm,
     .scores = cpu_avx2_scores,

@@ -689,7 +689,7 @@ CPU_AVX512_TYPE(q4_0, OP_TYPE_Q4_0)
 CPU_AVX512_TYPE(q4_1, OP_TYPE_Q4_1)
 CPU_AVX512_TYPE(i8, OP_TYPE_I8)
 
-/* ---- interleaved Q4 (Q4_0_R16, Q4_1_R16) ----------------------------------------
+/* ---- interleaved Q4 and Q8_0 (Q4_0_R16, Q4_1_R16, Q8_0_R16) ----------------------
  *
  * One weight row per vector lane (the layout in ops.h): for each input k the
  * 16 rows' nibbles sit in one 32-bit word per lane, 8 inputs to a word. The
@@ -824,6 +824,69 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
         for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + i * OP_R16_ROWS + (size_t)t * ldy, acc[i][t]);
 }
 
+/* Q8_0_R16: the same scheme on bytes. A weight word holds one row's inputs
+ * 8c + 2i + {0, 1, 4, 5} as q + 128 (0..255), so masking its bytes 0 and 2
+ * into the 16-bit halves gives the weights of the activation word 4c + 2i
+ * (inputs 8c + 2i and 8c + 2i + 4), and a byte shuffle that moves bytes 1
+ * and 3 down gives those of word 4c + 2i + 1; the shuffle runs on the other
+ * port than vpdpwssd, which a shift would share. The + 128 adds 128 * sum(q)
+ * to each block's sums, taken off by starting them at -128 * sum(q) = 16 *
+ * off. Every sum is exact (|sum| < 2^29), as for Q4. */
+CPU_INLINE void cpu_avx512_mv_r16q8(const uint8_t *g, size_t gs, const int NG, int64_t nb, const cpu_xw_block *xw,
+                                    size_t ldxw, const int NT, float *y, size_t ldy) {
+    const bool split = NG * NT <= 4;
+    const size_t bb = OP_R16_ROWS * sizeof(op_block_q8_0);
+    const __m512i even = _mm512_set1_epi32(0x00FF00FF);
+    const __m512i odd = _mm512_broadcast_i32x4(
+        _mm_setr_epi32((int)0x80038001u, (int)0x80078005u, (int)0x800B8009u, (int)0x800F800Du));
+    __m512 acc[4][8];
+    cpu_avx512_zero(acc, NG, NT);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i sa[4][8], sb[4][8];
+#pragma GCC unroll 4
+        for (int i = 0; i < NG; i++) {
+            for (size_t o = 0; o < bb; o += 64)
+                _mm_prefetch((const char *)g + i * gs + (size_t)b * bb + o + CPU_PF_DIST, _MM_HINT_T0);
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                sa[i][t] = _mm512_set1_epi32(16 * xw[(size_t)t * ldxw + b].off);
+                sb[i][t] = _mm512_setzero_si512();
+            }
+        }
+#pragma GCC unroll 8
+        for (int h = 0; h < 8; h++) {
+#pragma GCC unroll 4
+            for (int i = 0; i < NG; i++) {
+                const __m512i v = _mm512_loadu_si512(g + i * gs + (size_t)b * bb + 32 + 64 * h);
+                const __m512i we = _mm512_and_si512(v, even), wo = _mm512_shuffle_epi8(v, odd);
+#pragma GCC unroll 8
+                for (int t = 0; t < NT; t++) {
+                    const int32_t *q2 = xw[(size_t)t * ldxw + b].q2 + 2 * h; /* words 4c + 2i, + 1 */
+                    sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], we, _mm512_set1_epi32(q2[0]));
+                    if (split)
+                        sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], wo, _mm512_set1_epi32(q2[1]));
+                    else
+                        sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], wo, _mm512_set1_epi32(q2[1]));
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int i = 0; i < NG; i++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + i * gs + (size_t)b * bb)));
+#pragma GCC unroll 8
+            for (int t = 0; t < NT; t++) {
+                const __m512i sum = split ? _mm512_add_epi32(sa[i][t], sb[i][t]) : sa[i][t];
+                acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xw[(size_t)t * ldxw + b].d)),
+                                            _mm512_cvtepi32_ps(sum), acc[i][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NG; i++)
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + i * OP_R16_ROWS + (size_t)t * ldy, acc[i][t]);
+}
+
 /* ---- interleaved 16-bit weights (F16_R16, BF16_R16) ----------------------------
  *
  * The same scheme without blocks: input k of the group's 16 rows is one
@@ -901,6 +964,8 @@ CPU_INLINE void cpu_avx512_mv_r16_pass(op_type type, const cpu_mm *m, const uint
     const float *x = m->x + (size_t)t0 * m->ldx;
     if (type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16)
         cpu_avx512_mv_r16h(type, g, gs, NG, m->k, x, m->ldx, NT, y, m->ldy);
+    else if (type == OP_TYPE_Q8_0_R16)
+        cpu_avx512_mv_r16q8(g, gs, NG, nb, m->xw + (size_t)t0 * (size_t)nb, (size_t)nb, NT, y, m->ldy);
     else
         cpu_avx512_mv_r16(type, g, gs, NG, nb, m->xw + (size_t)t0 * (size_t)nb, (size_t)nb, NT, y, m->ldy);
 }
@@ -987,6 +1052,10 @@ CPU_AVX512_R16(q4_0_r16, OP_TYPE_Q4_0_R16)
 CPU_AVX512_R16(q4_1_r16, OP_TYPE_Q4_1_R16)
 CPU_AVX512_R16(f16_r16, OP_TYPE_F16_R16)
 CPU_AVX512_R16(bf16_r16, OP_TYPE_BF16_R16)
+
+static void cpu_avx512_matvec_q8_0_r16(const cpu_mm *m, int64_t r0, int64_t r1) {
+    cpu_avx512_matvec_r16(OP_TYPE_Q8_0_R16, m, r0, r1);
+}
 
 /* ---- gemm micro-kernel: 12 outputs x 32 tokens, 24 zmm accumulators ----------- */
 
@@ -1226,6 +1295,7 @@ const cpu_kernels cpu_kernels_avx512 = {
             [OP_TYPE_Q4_1_R16] = cpu_avx512_matvec_q4_1_r16,
             [OP_TYPE_F16_R16] = cpu_avx512_matvec_f16_r16,
             [OP_TYPE_BF16_R16] = cpu_avx512_matvec_bf16_r16,
+            [OP_TYPE_Q8_0_R16] = cpu_avx512_matvec_q8_0_r16,
         },
     .dequant =
         {
@@ -1240,6 +1310,7 @@ const cpu_kernels cpu_kernels_avx512 = {
             [OP_TYPE_Q4_1_R16] = cpu_avx512_dequant_q4_1_r16,
             [OP_TYPE_F16_R16] = cpu_avx512_dequant_f16_r16,
             [OP_TYPE_BF16_R16] = cpu_avx512_dequant_bf16_r16,
+            [OP_TYPE_Q8_0_R16] = cpu_portable_dequant_q8_0_r16,
         },
     .gemm = cpu_avx512_gemm,
     .gemm16 = cpu_avx512_gemm16,

@@ -24,8 +24,10 @@
  * op_dequantize_row) and FMA'd with the f32 activations of up to
  * CPU_QMV_T tokens, over a few rows at a time (cpu-avx512.c; the AVX2 and
  * portable tables use their generic matvec, also f32). On AVX-512,
- * op_weight_prepare repacks F16/BF16/Q4_0/Q4_1 into the interleaved _R16 layouts,
- * whose matvec keeps 16 rows in the lanes of a vector and takes every matmul
+ * op_weight_prepare repacks F16/BF16/Q8_0/Q4_0/Q4_1 into the interleaved _R16
+ * layouts (the block types' exact kernels then serve only matrices whose rows
+ * are not a multiple of 16, and weights used as they are), whose matvec keeps
+ * 16 rows in the lanes of a vector and takes every matmul
  * of those types, prefill included: a token's result then has the same bits
  * whatever else shares its batch, so that a session replayed on another
  * server after a failure rebuilds exactly the KV cache it had (the other
@@ -79,17 +81,17 @@
 #define CPU_XQ_PAIR 192
 #define CPU_XQ_BYTES(k) ((size_t)((k) / 64) * CPU_XQ_PAIR)
 
-/* Activations of the interleaved Q4 matvecs (Q4_0_R16 / Q4_1_R16 on AVX-512),
- * one per block of 32 inputs of a token: x rounded to int16 (d = amax / 32767,
- * q = rint(x / d)) so that the kernel multiplies 16 rows' nibbles by two
- * inputs per instruction with exact integer sums (vpdpwssd); see
- * cpu_avx512_mv_r16. The rounding error is at most d/2 per input, 2^-16 of
+/* Activations of the interleaved Q8_0 / Q4 matvecs (Q8_0_R16, Q4_0_R16,
+ * Q4_1_R16 on AVX-512), one per block of 32 inputs of a token: x rounded to
+ * int16 (d = amax / 32767, q = rint(x / d)) so that the kernels multiply 16
+ * rows' weights by two inputs per instruction with exact integer sums
+ * (vpdpwssd); see cpu_avx512_mv_r16 and cpu_avx512_mv_r16q8. The rounding error is at most d/2 per input, 2^-16 of
  * the block's largest |x|, and a token's values do not depend on the others
  * in its batch. */
 typedef struct cpu_xw_block {
     int32_t q2[16]; /* word 4c + j: q[8c + j] (low half), q[8c + j + 4] (high), c, j < 4 */
     float d;        /* amax / 32767 (0 for a block of zeros) */
-    int32_t off;    /* -8 * sum(q): Q4_0's offset, folded into the integer sum */
+    int32_t off;    /* -8 * sum(q): Q4_0's offset, folded into the integer sum (16 x for Q8_0's) */
     float s;        /* sum of the block's x: Q4_1's minimum term */
     int32_t pad;
 } cpu_xw_block;
@@ -109,8 +111,8 @@ typedef struct cpu_mm {
     const float *xt;        /* (ceil(T/tb), K, tb) transposed activations (prefill) */
     const uint8_t *xq;      /* (T, CPU_XQ_BYTES(K)) quantized activations (decode, opt-in),
                                or NULL: f32 activations */
-    const cpu_xw_block *xw; /* (T, K / 32) int16 activations for the Q4_0_R16 / Q4_1_R16
-                               matvec of kernels that have quant_xw, else NULL */
+    const cpu_xw_block *xw; /* (T, K / 32) int16 activations for the Q8_0_R16 / Q4_0_R16 /
+                               Q4_1_R16 matvec of kernels that have quant_xw, else NULL */
 } cpu_mm;
 
 /* Decode kernel: y[t][r] = W[r] . x[t] for r in [r0, r1) and every t < m->t. */
@@ -186,7 +188,7 @@ typedef struct cpu_kernels {
     cpu_sumsq_fn sumsq;
     cpu_quant_x_fn quant_x[OP_TYPE_COUNT]; /* opt-in integer decode path (quantized_activations);
                                               NULL: the type has none */
-    cpu_quant_xw_fn quant_xw;              /* int16 activations of the Q4 _R16 matvecs, or NULL:
+    cpu_quant_xw_fn quant_xw;              /* int16 activations of the Q8_0 / Q4 _R16 matvecs, or NULL:
                                               those matvecs take f32 activations */
 } cpu_kernels;
 
@@ -209,6 +211,8 @@ void cpu_portable_dequant_q4_1_r16(const uint8_t *w, size_t stride, int64_t r, i
 void cpu_portable_dequant_f16_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
                                   float scale, float *out);
 void cpu_portable_dequant_bf16_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
+                                   float scale, float *out);
+void cpu_portable_dequant_q8_0_r16(const uint8_t *w, size_t stride, int64_t r, int64_t k0, int64_t n,
                                    float scale, float *out);
 /* expf one element at a time (see cpu_exp_sum_fn, cpu_swiglu_fn, cpu_sumsq_fn). */
 float cpu_portable_exp_sum(float *s, int n, float m);

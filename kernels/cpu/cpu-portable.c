@@ -95,6 +95,7 @@ CPU_PORTABLE_R16(q4_0_r16, OP_TYPE_Q4_0_R16)
 CPU_PORTABLE_R16(q4_1_r16, OP_TYPE_Q4_1_R16)
 CPU_PORTABLE_R16(f16_r16, OP_TYPE_F16_R16)
 CPU_PORTABLE_R16(bf16_r16, OP_TYPE_BF16_R16)
+CPU_PORTABLE_R16(q8_0_r16, OP_TYPE_Q8_0_R16)
 
 /* ---- matvec -------------------------------------------------------------- */
 
@@ -227,6 +228,7 @@ const cpu_kernels cpu_kernels_portable = {
             [OP_TYPE_Q4_1_R16] = cpu_portable_matvec,
             [OP_TYPE_F16_R16] = cpu_portable_matvec,
             [OP_TYPE_BF16_R16] = cpu_portable_matvec,
+            [OP_TYPE_Q8_0_R16] = cpu_portable_matvec,
         },
     .dequant =
         {
@@ -241,6 +243,7 @@ const cpu_kernels cpu_kernels_portable = {
             [OP_TYPE_Q4_1_R16] = cpu_portable_dequant_q4_1_r16,
             [OP_TYPE_F16_R16] = cpu_portable_dequant_f16_r16,
             [OP_TYPE_BF16_R16] = cpu_portable_dequant_bf16_r16,
+            [OP_TYPE_Q8_0_R16] = cpu_portable_dequant_q8_0_r16,
         },
     .gemm = cpu_portable_gemm,
     .scores = cpu_portable_scores,

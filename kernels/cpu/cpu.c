@@ -17,7 +17,7 @@ typedef struct cpu_backend {
     size_t xt_cap;   /* bytes in xt */
     uint8_t *xq;     /* quantized activations for integer decode matvecs */
     size_t xq_cap;   /* bytes in xq */
-    cpu_xw_block *xw; /* int16 activations of the Q4 _R16 matvecs (kern->quant_xw) */
+    cpu_xw_block *xw; /* int16 activations of the Q8_0 / Q4 _R16 matvecs (kern->quant_xw) */
     size_t xw_cap;    /* bytes in xw */
     float *wf;       /* (n_threads, CPU_NR_MAX, CPU_WF_LD) dequantized weight panels */
     float *cbuf;     /* (n_threads, CPU_PG, CPU_NR_MAX, CPU_TC) partial sums of panel groups */
@@ -141,7 +141,7 @@ static int cpu_reserve_xq(cpu_backend *c, int64_t t, int64_t k) {
     return p ? (c->xq = p, FU_OK) : FU_ERR_NOMEM;
 }
 
-/* Makes room for the int16 activations of a (t, k) Q4 _R16 matmul (only
+/* Makes room for the int16 activations of a (t, k) Q8_0 / Q4 _R16 matmul (only
  * kernels with quant_xw take them). */
 static int cpu_reserve_xw(cpu_backend *c, int64_t t, int64_t k) {
     if (!c->kern->quant_xw) return FU_OK;
@@ -164,11 +164,13 @@ static void cpu_xw_job_run(void *arg, int ith, int nth) {
         j->c->kern->quant_xw(j->m->x + t * (int64_t)j->m->ldx, j->m->k, j->c->xw + t * nb);
 }
 
-/* Rounds m's activations for a Q4 _R16 matvec into c->xw and points m at
+/* Rounds m's activations for a Q8_0 / Q4 _R16 matvec into c->xw and points m at
  * them; a no-op for kernels without quant_xw. Prefill spreads the tokens over
  * the pool. */
 static int cpu_round_xw(cpu_backend *c, cpu_mm *m) {
-    if (!c->kern->quant_xw || (m->type != OP_TYPE_Q4_0_R16 && m->type != OP_TYPE_Q4_1_R16)) return FU_OK;
+    if (!c->kern->quant_xw ||
+        (m->type != OP_TYPE_Q8_0_R16 && m->type != OP_TYPE_Q4_0_R16 && m->type != OP_TYPE_Q4_1_R16))
+        return FU_OK;
     int rc = cpu_reserve_xw(c, m->t, m->k);
     if (rc) return rc;
     cpu_xw_job j = {.c = c, .m = m};
@@ -180,12 +182,13 @@ static int cpu_round_xw(cpu_backend *c, cpu_mm *m) {
     return FU_OK;
 }
 
-/* Puts F16 / BF16 / Q4_0 / Q4_1 matrices into the interleaved layout where
+/* Puts F16 / BF16 / Q8_0 / Q4_0 / Q4_1 matrices into the interleaved layout where
  * the AVX-512 kernels are in use (see the _R16 kernels in cpu-avx512.c);
  * other types and ISAs keep their weights as they are. */
 static op_type cpu_weight_layout(const op_backend *be, op_type type, int64_t rows) {
     if (((const cpu_backend *)be)->kern != &cpu_kernels_avx512 || rows % OP_R16_ROWS) return type;
     switch (type) {
+    case OP_TYPE_Q8_0: return OP_TYPE_Q8_0_R16;
     case OP_TYPE_Q4_0: return OP_TYPE_Q4_0_R16;
     case OP_TYPE_Q4_1: return OP_TYPE_Q4_1_R16;
     case OP_TYPE_F16: return OP_TYPE_F16_R16;
@@ -211,7 +214,7 @@ static int cpu_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out
 }
 
 /* Scratch for matmuls of up to max_tokens x max_k: the transposed activations
- * of prefill, the int16 activations of the interleaved Q4 matvecs (AVX-512)
+ * of prefill, the int16 activations of the interleaved Q8_0 / Q4 matvecs (AVX-512)
  * and (opt-in only) the int8 activations of decode. Every other op uses
  * fixed per-thread buffers allocated with the backend, or the stack. A matmul
  * larger than reserved grows the scratch once (an allocation on that call). */

@@ -14,10 +14,10 @@
  *               same tolerance against the double reference over x rounded
  *               to int8 per 32-block (d = amax/127, q = rint(x/d)), which the
  *               exact path must NOT match at long K (the checks discriminate);
- *               elsewhere ref. Q4_0_R16 / Q4_1_R16 on AVX-512 (every T): the
+ *               elsewhere ref. Q8_0_R16 / Q4_0_R16 / Q4_1_R16 on AVX-512 (every T): the
  *               same tolerance against the reference over x rounded to int16
- *               per 32-block (d = amax/32767), and within that plus
- *               sum_blocks d/2 * sum |w| of ref;
+ *               per 32-block (d = amax/32767; Q4_1's minimum times the exact
+ *               sum of x), and within that plus sum_blocks d/2 * sum |w| of ref;
  *   get_rows:   bit-exact with op_dequantize_row;
  *   kv_store:   bit-exact with op_f32_to_f16 / memcpy;
  *   attention:  |out - ref| <= 2e-5 * max|v| + 1e-6 (online softmax in f32);
@@ -127,7 +127,8 @@ static void test_backend_basics(void **state) {
         static const struct { op_type type; int64_t rows; bool repacked; } cases[] = {
             {OP_TYPE_Q4_0, 48, true}, {OP_TYPE_Q4_1, 16, true}, {OP_TYPE_Q4_0, 40, false},
             {OP_TYPE_F16, 32, true},  {OP_TYPE_BF16, 16, true}, {OP_TYPE_BF16, 24, false},
-            {OP_TYPE_Q8_0, 48, false}, {OP_TYPE_F32, 32, false}, {OP_TYPE_I8, 32, false}};
+            {OP_TYPE_Q8_0, 48, true}, {OP_TYPE_Q8_0, 24, false}, {OP_TYPE_F32, 32, false},
+            {OP_TYPE_I8, 32, false}};
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             op_tensor w = op_tensor_2d(cases[i].type, q, 32, cases[i].rows), pw;
             int rc = op_weight_prepare(be, &w, &pw);
@@ -167,7 +168,8 @@ static void test_backend_basics(void **state) {
 static const op_type weight_types[] = {OP_TYPE_F32,  OP_TYPE_F16,  OP_TYPE_BF16, OP_TYPE_Q8_0,
                                        OP_TYPE_Q4_0, OP_TYPE_Q4_1, OP_TYPE_I8};
 /* the row-interleaved layouts (N a multiple of 16) */
-static const op_type r16_types[] = {OP_TYPE_Q4_0_R16, OP_TYPE_Q4_1_R16, OP_TYPE_F16_R16, OP_TYPE_BF16_R16};
+static const op_type r16_types[] = {OP_TYPE_Q8_0_R16, OP_TYPE_Q4_0_R16, OP_TYPE_Q4_1_R16, OP_TYPE_F16_R16,
+                                    OP_TYPE_BF16_R16};
 
 /* One (type, T, N, K) case on every backend against a double reference over
  * the dequantized weights (and, for the opt-in int8-activation backends where
@@ -219,9 +221,9 @@ static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
         float d = am / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
         for (int64_t c = i; c < i + 32; c++) xr[c] = (double)d * (double)rintf(x[c] * id);
     }
-    /* the Q4 interleaved matvecs on AVX-512 round x to int16 per 32-block
-     * (d = amax/32767, q = rint(x/d)) whatever T */
-    const bool int16_x = type == OP_TYPE_Q4_0_R16 || type == OP_TYPE_Q4_1_R16;
+    /* the Q8_0 and Q4 interleaved matvecs on AVX-512 round x to int16 per
+     * 32-block (d = amax/32767, q = rint(x/d)) whatever T */
+    const bool int16_x = type == OP_TYPE_Q8_0_R16 || type == OP_TYPE_Q4_0_R16 || type == OP_TYPE_Q4_1_R16;
     for (int64_t i = 0; int16_x && i < t * k; i += 32) {
         float am = 0;
         for (int64_t c = i; c < i + 32; c++) am = fmaxf(am, fabsf(x[c]));
@@ -240,7 +242,14 @@ static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
                 a += fabs(p);
                 if (int8_x) q += (double)wd[r * k + c] * xr[i * k + c];
                 if (int16_x) {
-                    qw += (double)wd[r * k + c] * xw[i * k + c];
+                    /* Q4_1's minimum m multiplies the block's exact sum of x */
+                    double mn = 0;
+                    if (plain == OP_TYPE_Q4_1) {
+                        uint16_t h;
+                        memcpy(&h, w + (size_t)r * rb + (size_t)(c / 32) * sizeof(op_block_q4_1) + 2, 2);
+                        mn = op_f16_to_f32(h);
+                    }
+                    qw += ((double)wd[r * k + c] - mn) * xw[i * k + c] + mn * x[i * k + c];
                     e += fabs((double)wd[r * k + c]) * xwd[i * k + c] / 2;
                 }
             }
@@ -366,6 +375,7 @@ static void test_matmul_interleaved(void **state) {
     w.ne[1] = 16;
     assert_int_equal(op_repack_weight(&w, OP_TYPE_Q4_1_R16, out), FU_ERR_INVALID);
     assert_int_equal(op_repack_weight(&w, OP_TYPE_Q8_0, out), FU_ERR_INVALID);
+    assert_int_equal(op_repack_weight(&w, OP_TYPE_Q8_0_R16, out), FU_ERR_INVALID); /* a Q4_0 source */
     op_tensor r = op_tensor_2d(OP_TYPE_Q4_0_R16, out, 32, 17);
     float x[32] = {0}, y[17];
     op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, 32, 1), yt = op_tensor_2d(OP_TYPE_F32, y, 17, 1);

@@ -171,7 +171,8 @@ static void test_weights_prepared_for_the_backend(void **state) {
     mdl_config c = small_config(MDL_ARCH_LLAMA);
     c.vocab_size = 112; /* the head repacks too (whole groups of 16 rows) */
     mdl_open_options all = mdl_open_options_all();
-    static const op_type types[][2] = {{OP_TYPE_Q4_0, OP_TYPE_Q4_0_R16},
+    static const op_type types[][2] = {{OP_TYPE_Q8_0, OP_TYPE_Q8_0_R16},
+                                       {OP_TYPE_Q4_0, OP_TYPE_Q4_0_R16},
                                        {OP_TYPE_Q4_1, OP_TYPE_Q4_1_R16},
                                        {OP_TYPE_F16, OP_TYPE_F16_R16},
                                        {OP_TYPE_BF16, OP_TYPE_BF16_R16}};
