@@ -745,19 +745,30 @@ static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
     }
 }
 
+/* A byte shuffle that moves bytes 1 and 3 of every 32-bit word down to 0 and
+ * 2 and zeroes 1 and 3. It runs on port 5, beside the multiply-adds on port
+ * 0, where a shift would compete with them. */
+CPU_INLINE __m512i cpu_avx512_odd_bytes_down(void) {
+    return _mm512_broadcast_i32x4(
+        _mm_setr_epi32((int)0x80038001u, (int)0x80078005u, (int)0x800B8009u, (int)0x800F800Du));
+}
+
 /* y[i * 16 + t * ldy + r] = W[16 (g + i) + r] . x[t] for r < 16, t < NT
  * (1..8), groups i < NG at g + i * gs, over the nb blocks, with the tokens'
  * rounded activations xw ((NT, ldxw) blocks). With few chains (NG x NT <= 4)
- * each (group, token) keeps three, the weights masked in place (nibbles
- * j = 1, 2 weigh 16 and 256 times, shifted out of the sums at the end of the
- * block); with more, one. The integer sums are exact either way, so a
- * token's result does not depend on how many tokens or groups share its pass. */
+ * each (group, token) keeps three, the weights masked in place: nibbles
+ * j = 1, 2 weigh 16 and 256 times, and nibble 3, moved down a byte by
+ * cpu_avx512_odd_bytes_down, 16 times like nibble 1 (the weights are shifted
+ * out of the sums at the end of the block); with more, one. The integer sums
+ * are exact either way, so a token's result does not depend on how many
+ * tokens or groups share its pass. */
 CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, const int NG, int64_t nb,
                                   const cpu_xw_block *xw, size_t ldxw, const int NT, float *y, size_t ldy) {
     const bool q41 = type == OP_TYPE_Q4_1_R16, split = NG * NT <= 4;
     const size_t bb = cpu_r16_block_bytes(type), hdr = q41 ? 64 : 32;
     const __m512i m0 = _mm512_set1_epi32(0x000F000F), m1 = _mm512_set1_epi32(0x00F000F0),
                   m2 = _mm512_set1_epi32(0x0F000F00);
+    const __m512i hi = cpu_avx512_odd_bytes_down(); /* nibbles 3 and 7 to where m1 keeps them */
     __m512 acc[4][8];
     cpu_avx512_zero(acc, NG, NT);
     for (int64_t b = 0; b < nb; b++) {
@@ -779,14 +790,15 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
                 const __m512i v = _mm512_loadu_si512(g + i * gs + (size_t)b * bb + hdr + 64 * c);
                 if (split) {
                     const __m512i w0 = _mm512_and_si512(v, m0), w1 = _mm512_and_si512(v, m1),
-                                  w2 = _mm512_and_si512(v, m2), w3 = _mm512_and_si512(_mm512_srli_epi32(v, 12), m0);
+                                  w2 = _mm512_and_si512(v, m2),
+                                  w3 = _mm512_and_si512(_mm512_shuffle_epi8(v, hi), m1);
 #pragma GCC unroll 8
                     for (int t = 0; t < NT; t++) {
                         const int32_t *q2 = xw[(size_t)t * ldxw + b].q2 + 4 * c;
                         sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], w0, _mm512_set1_epi32(q2[0]));
                         sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], w1, _mm512_set1_epi32(q2[1]));
                         sc[i][t] = _mm512_dpwssd_epi32(sc[i][t], w2, _mm512_set1_epi32(q2[2]));
-                        sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], w3, _mm512_set1_epi32(q2[3]));
+                        sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], w3, _mm512_set1_epi32(q2[3]));
                     }
                 } else {
 #pragma GCC unroll 4
@@ -827,18 +839,16 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
 /* Q8_0_R16: the same scheme on bytes. A weight word holds one row's inputs
  * 8c + 2i + {0, 1, 4, 5} as q + 128 (0..255), so masking its bytes 0 and 2
  * into the 16-bit halves gives the weights of the activation word 4c + 2i
- * (inputs 8c + 2i and 8c + 2i + 4), and a byte shuffle that moves bytes 1
- * and 3 down gives those of word 4c + 2i + 1; the shuffle runs on the other
- * port than vpdpwssd, which a shift would share. The + 128 adds 128 * sum(q)
- * to each block's sums, taken off by starting them at -128 * sum(q) = 16 *
- * off. Every sum is exact (|sum| < 2^29), as for Q4. */
+ * (inputs 8c + 2i and 8c + 2i + 4), and moving bytes 1 and 3 down
+ * (cpu_avx512_odd_bytes_down) those of word 4c + 2i + 1. The + 128 adds
+ * 128 * sum(q) to each block's sums, taken off by starting them at
+ * -128 * sum(q) = 16 * off. Every sum is exact (|sum| < 2^29), as for Q4. */
 CPU_INLINE void cpu_avx512_mv_r16q8(const uint8_t *g, size_t gs, const int NG, int64_t nb, const cpu_xw_block *xw,
                                     size_t ldxw, const int NT, float *y, size_t ldy) {
     const bool split = NG * NT <= 4;
     const size_t bb = OP_R16_ROWS * sizeof(op_block_q8_0);
     const __m512i even = _mm512_set1_epi32(0x00FF00FF);
-    const __m512i odd = _mm512_broadcast_i32x4(
-        _mm_setr_epi32((int)0x80038001u, (int)0x80078005u, (int)0x800B8009u, (int)0x800F800Du));
+    const __m512i odd = cpu_avx512_odd_bytes_down();
     __m512 acc[4][8];
     cpu_avx512_zero(acc, NG, NT);
     for (int64_t b = 0; b < nb; b++) {
