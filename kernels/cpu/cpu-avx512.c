@@ -756,23 +756,22 @@ CPU_INLINE __m512i cpu_avx512_odd_bytes_down(void) {
 /* y[i * 16 + t * ldy + r] = W[16 (g + i) + r] . x[t] for r < 16, t < NT
  * (1..8), groups i < NG at g + i * gs, over the nb blocks, with the tokens'
  * rounded activations xw ((NT, ldxw) blocks). With few chains (NG x NT <= 4)
- * each (group, token) keeps three, the weights masked in place: nibbles
- * j = 1, 2 weigh 16 and 256 times, and nibble 3, moved down a byte by
- * cpu_avx512_odd_bytes_down, 16 times like nibble 1 (the weights are shifted
- * out of the sums at the end of the block); with more, one. The integer sums
+ * each (group, token) keeps two, the weights masked in place: nibble 0
+ * into one, nibble 1 (weighing 16 times) into the other, and the same for
+ * nibbles 2 and 3 after cpu_avx512_odd_bytes_down moves them down a byte
+ * (the 16 is shifted out of the sum at the end of the block); with more, one. The integer sums
  * are exact either way, so a token's result does not depend on how many
  * tokens or groups share its pass. */
 CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, const int NG, int64_t nb,
                                   const cpu_xw_block *xw, size_t ldxw, const int NT, float *y, size_t ldy) {
     const bool q41 = type == OP_TYPE_Q4_1_R16, split = NG * NT <= 4;
     const size_t bb = cpu_r16_block_bytes(type), hdr = q41 ? 64 : 32;
-    const __m512i m0 = _mm512_set1_epi32(0x000F000F), m1 = _mm512_set1_epi32(0x00F000F0),
-                  m2 = _mm512_set1_epi32(0x0F000F00);
-    const __m512i hi = cpu_avx512_odd_bytes_down(); /* nibbles 3 and 7 to where m1 keeps them */
+    const __m512i m0 = _mm512_set1_epi32(0x000F000F), m1 = _mm512_set1_epi32(0x00F000F0);
+    const __m512i hi = cpu_avx512_odd_bytes_down(); /* nibbles 2, 3 (6, 7) to where m0, m1 keep 0, 1 */
     __m512 acc[4][8];
     cpu_avx512_zero(acc, NG, NT);
     for (int64_t b = 0; b < nb; b++) {
-        __m512i sa[4][8], sb[4][8], sc[4][8];
+        __m512i sa[4][8], sb[4][8];
 #pragma GCC unroll 4
         for (int i = 0; i < NG; i++) { /* without it, well under 0.7 of the bandwidth */
             for (size_t o = 0; o < bb; o += 64)
@@ -780,7 +779,7 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
                 sa[i][t] = q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(xw[(size_t)t * ldxw + b].off);
-                sb[i][t] = sc[i][t] = _mm512_setzero_si512();
+                sb[i][t] = _mm512_setzero_si512();
             }
         }
 #pragma GCC unroll 4
@@ -789,15 +788,15 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
             for (int i = 0; i < NG; i++) {
                 const __m512i v = _mm512_loadu_si512(g + i * gs + (size_t)b * bb + hdr + 64 * c);
                 if (split) {
+                    const __m512i u = _mm512_shuffle_epi8(v, hi);
                     const __m512i w0 = _mm512_and_si512(v, m0), w1 = _mm512_and_si512(v, m1),
-                                  w2 = _mm512_and_si512(v, m2),
-                                  w3 = _mm512_and_si512(_mm512_shuffle_epi8(v, hi), m1);
+                                  w2 = _mm512_and_si512(u, m0), w3 = _mm512_and_si512(u, m1);
 #pragma GCC unroll 8
                     for (int t = 0; t < NT; t++) {
                         const int32_t *q2 = xw[(size_t)t * ldxw + b].q2 + 4 * c;
                         sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], w0, _mm512_set1_epi32(q2[0]));
                         sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], w1, _mm512_set1_epi32(q2[1]));
-                        sc[i][t] = _mm512_dpwssd_epi32(sc[i][t], w2, _mm512_set1_epi32(q2[2]));
+                        sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], w2, _mm512_set1_epi32(q2[2]));
                         sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], w3, _mm512_set1_epi32(q2[3]));
                     }
                 } else {
@@ -821,9 +820,7 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
             for (int t = 0; t < NT; t++) {
                 const cpu_xw_block *xb = xw + (size_t)t * ldxw + b;
                 __m512i sum = sa[i][t];
-                if (split)
-                    sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_srai_epi32(sb[i][t], 4),
-                                                                 _mm512_srai_epi32(sc[i][t], 8)));
+                if (split) sum = _mm512_add_epi32(sum, _mm512_srai_epi32(sb[i][t], 4));
                 acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(sum),
                                             acc[i][t]);
                 if (q41) acc[i][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xb->s), acc[i][t]);
