@@ -44,6 +44,7 @@ static void usage(FILE *f) {
                "  --threads N   (default: all CPUs)     --isa auto|portable|avx2|avx512\n"
                "  --prompt N    prefill tokens (default 128)\n"
                "  --decode N    decode steps (default 32)\n"
+               "  --kv f32|f16  KV cache type (default f32, as in fusion-generate and fusion-shard)\n"
                "  --no-head     leave out the LM head (span-only figures)\n"
                "  --blocks A:B  load only blocks [A, B) (embeddings if A = 0, head if B = all)\n"
                "presets:");
@@ -53,7 +54,7 @@ static void usage(FILE *f) {
 
 int main(int argc, char **argv) {
     const char *model_path = NULL, *random_name = NULL;
-    op_type dtype = OP_TYPE_F16;
+    op_type dtype = OP_TYPE_F16, kv_type = OP_TYPE_F32;
     int threads = 0, n_prompt = 128, n_decode = 32, no_head = 0, first = 0, last = -1;
     op_cpu_isa isa = OP_CPU_ISA_AUTO;
     static const struct option opts[] = {
@@ -61,10 +62,10 @@ int main(int argc, char **argv) {
         {"dtype", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
         {"prompt", required_argument, 0, 'p'}, {"decode", required_argument, 0, 'n'},
         {"isa", required_argument, 0, 'i'},   {"no-head", no_argument, 0, 'H'},
-        {"blocks", required_argument, 0, 'b'},
+        {"blocks", required_argument, 0, 'b'}, {"kv", required_argument, 0, 'k'},
         {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
     int c;
-    while ((c = getopt_long(argc, argv, "m:r:d:t:p:n:i:b:Hh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "m:r:d:t:p:n:i:b:k:Hh", opts, NULL)) != -1) {
         char *end = NULL;
         switch (c) {
         case 'm': model_path = optarg; break;
@@ -80,6 +81,11 @@ int main(int argc, char **argv) {
             else if (!strcmp(optarg, "portable")) isa = OP_CPU_ISA_PORTABLE;
             else if (!strcmp(optarg, "avx2")) isa = OP_CPU_ISA_AVX2;
             else if (!strcmp(optarg, "avx512")) isa = OP_CPU_ISA_AVX512;
+            else goto bad;
+            break;
+        case 'k':
+            if (!strcmp(optarg, "f32")) kv_type = OP_TYPE_F32;
+            else if (!strcmp(optarg, "f16")) kv_type = OP_TYPE_F16;
             else goto bad;
             break;
         case 'H': no_head = 1; break;
@@ -149,7 +155,7 @@ int main(int argc, char **argv) {
                 n_decode, cfg->max_seq_len);
         return 2;
     }
-    eng_options eo = {n_prompt < 512 ? n_prompt : 512, OP_TYPE_F32};
+    eng_options eo = {n_prompt < 512 ? n_prompt : 512, kv_type};
     eng_engine *e = NULL;
     eng_seq *s = NULL;
     int32_t *ids = malloc((size_t)max_len * sizeof *ids);
@@ -255,8 +261,9 @@ int main(int argc, char **argv) {
     } else {
         printf("paired       no memory for a %.1f MB read buffer\n", (double)pbytes / 1e6);
     }
-    printf("memory       peak RSS %.0f MiB (weights %.0f MiB, KV cache %.1f MiB)\n", peak_rss,
-           (double)wbytes / 1048576.0, (double)eng_kv_bytes_per_pos(e) * max_len / 1048576.0);
+    printf("memory       peak RSS %.0f MiB (weights %.0f MiB, KV cache %.1f MiB %s)\n", peak_rss,
+           (double)wbytes / 1048576.0, (double)eng_kv_bytes_per_pos(e) * max_len / 1048576.0,
+           op_type_name(kv_type));
 fail:
     if (rc) fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
     eng_seq_free(e, s);
