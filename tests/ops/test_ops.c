@@ -175,7 +175,7 @@ static const op_type r16_types[] = {OP_TYPE_Q8_0_R16, OP_TYPE_Q4_0_R16, OP_TYPE_
  * the dequantized weights (and, for the opt-in int8-activation backends where
  * that path applies, over the int8-rounded x). Returns the largest
  * |y - ref| / tol seen on the opt-in backends where they use int8 x (0 if none). */
-static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
+static double matmul_case_full(op_type type, int64_t t, int64_t n, int64_t k, bool full_range) {
     const op_type plain = op_type_plain(type); /* quantized as this, then repacked as type */
     size_t rb = op_row_bytes(plain, k);
     uint8_t *w = malloc(rb * (size_t)n + 1), *wr = NULL;
@@ -195,6 +195,17 @@ static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
     for (int64_t r = 0; r < n; r++) {
         fill(row, k, 1.0);
         op_quantize_row(plain, row, k, w + (size_t)r * rb, &scales[r]);
+    }
+    if (full_range) { /* Q8_0 values over all 256 bytes, -128 too (files may hold it; op_quantize_row does not) */
+        assert_int_equal(plain, OP_TYPE_Q8_0);
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t b = 0; b < k / 32; b++) {
+                op_block_q8_0 *blk = (op_block_q8_0 *)(w + (size_t)r * rb) + b;
+                for (int i = 0; i < 32; i++) {
+                    int v = (int)floor((rnd() + 1.0) * 128.0);
+                    blk->qs[i] = (int8_t)(r == 0 && b == 0 ? -128 : r == 1 && b == 0 ? 127 : v - 128);
+                }
+            }
     }
     op_tensor wt = op_tensor_2d(plain, w, k, n);
     wt.row_scale = scales;
@@ -303,6 +314,10 @@ static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
     return worst;
 }
 
+static double matmul_case(op_type type, int64_t t, int64_t n, int64_t k) {
+    return matmul_case_full(type, t, n, k, false);
+}
+
 static void test_matmul_decode(void **state) {
     (void)state;
     /* T <= 8 takes the matvec path (T <= 6 where the narrow GEMM kernel takes
@@ -336,6 +351,11 @@ static void test_matmul_interleaved(void **state) {
         for (size_t s = 0; op_type_block_elems(r16_types[ti]) == 1 && s < sizeof odd_k / sizeof odd_k[0]; s++)
             matmul_case(r16_types[ti], odd_k[s][0], odd_k[s][1], odd_k[s][2]);
     }
+    /* Q8_0_R16 stores q + 128: every byte value, rows of all -128 and all 127 among them */
+    matmul_case_full(OP_TYPE_Q8_0_R16, 1, 48, 2048, true);
+    matmul_case_full(OP_TYPE_Q8_0_R16, 3, 32, 544, true);
+    matmul_case_full(OP_TYPE_Q8_0_R16, 9, 16, 96, true);
+    matmul_case_full(OP_TYPE_Q8_0, 2, 19, 160, true);
     /* a NaN or inf among a token's activations makes its outputs NaN or inf,
      * as in f32 (the int16 rounding must not turn it into a finite number) */
     for (size_t ti = 0; ti < sizeof r16_types / sizeof r16_types[0]; ti++) {
