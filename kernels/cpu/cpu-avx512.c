@@ -860,7 +860,9 @@ CPU_INLINE void cpu_avx512_mv_r16q8(const uint8_t *g, size_t gs, const int NG, i
                 sb[i][t] = _mm512_setzero_si512();
             }
         }
-#pragma GCC unroll 8
+        /* the chunks only index memory: two at a time are enough, and whole
+         * blocks unrolled over every (NG, NT) make the sanitizer builds slow */
+#pragma GCC unroll 2
         for (int h = 0; h < 8; h++) {
 #pragma GCC unroll 4
             for (int i = 0; i < NG; i++) {
