@@ -130,9 +130,10 @@ void op_dequantize_row(const op_tensor *t, int64_t row, float *out);
  * the interleaved (_R16) types, which op_repack_weight() makes. */
 void op_quantize_row(op_type type, const float *x, int64_t n, void *dst, float *row_scale);
 
-/* Writes the 2-D host tensor src (F16, BF16, Q8_0, Q4_0 or Q4_1, rows a multiple of
- * OP_R16_ROWS) into dst (op_tensor_nbytes(src) bytes of host memory) as
- * `type` (its _R16 type). FU_ERR_INVALID for any other pairing or shape. */
+/* Writes the 2-D host tensor src (F16, BF16, Q8_0, Q4_0 or Q4_1, rows a
+ * multiple of OP_R16_ROWS) into dst (op_tensor_nbytes(src) bytes of host
+ * memory) as `type` (its _R16 type). FU_ERR_INVALID for any other pairing or
+ * shape. */
 int op_repack_weight(const op_tensor *src, op_type type, void *dst);
 
 /* ---- backends --------------------------------------------------------- */
@@ -187,9 +188,10 @@ int op_buffer_get(op_backend *be, void *dst_host, const void *src, size_t nbytes
 
 /* Puts a matmul weight into the layout the backend runs fastest (the CPU
  * backend on AVX-512: F16 / BF16 / Q8_0 / Q4_0 / Q4_1 with a multiple of 16
- * rows become the _R16 types). w is host memory. Returns 1 with *out describing a new backend
- * buffer (the caller frees out->data with op_buffer_free), 0 with *out = *w
- * when the backend uses w as it is, or a negative fu_status. */
+ * rows become the _R16 types). w is host memory. Returns 1 with *out
+ * describing a new backend buffer (the caller frees out->data with
+ * op_buffer_free), 0 with *out = *w when the backend uses w as it is, or a
+ * negative fu_status. */
 int op_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out);
 /* The type op_weight_prepare gives a 2-D weight of `type` with `rows` rows on
  * this backend (`type` itself when the backend keeps it). */

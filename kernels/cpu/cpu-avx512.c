@@ -756,12 +756,12 @@ CPU_INLINE __m512i cpu_avx512_odd_bytes_down(void) {
 /* y[i * 16 + t * ldy + r] = W[16 (g + i) + r] . x[t] for r < 16, t < NT
  * (1..8), groups i < NG at g + i * gs, over the nb blocks, with the tokens'
  * rounded activations xw ((NT, ldxw) blocks). With few chains (NG x NT <= 4)
- * each (group, token) keeps two, the weights masked in place: nibble 0
- * into one, nibble 1 (weighing 16 times) into the other, and the same for
- * nibbles 2 and 3 after cpu_avx512_odd_bytes_down moves them down a byte
- * (the 16 is shifted out of the sum at the end of the block); with more, one. The integer sums
- * are exact either way, so a token's result does not depend on how many
- * tokens or groups share its pass. */
+ * each (group, token) keeps two, the weights masked in place: nibble 0 into
+ * one, nibble 1 (weighing 16 times) into the other, and the same for nibbles
+ * 2 and 3 after cpu_avx512_odd_bytes_down moves them down a byte (the 16 is
+ * shifted out of the sum at the end of the block); with more, one. The
+ * integer sums are exact either way, so a token's result does not depend on
+ * how many tokens or groups share its pass. */
 CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, const int NG, int64_t nb,
                                   const cpu_xw_block *xw, size_t ldxw, const int NT, float *y, size_t ldy) {
     const bool q41 = type == OP_TYPE_Q4_1_R16, split = NG * NT <= 4;
