@@ -27,11 +27,11 @@
  * op_weight_prepare repacks F16/BF16/Q8_0/Q4_0/Q4_1 into the interleaved _R16
  * layouts (the block types' exact kernels then serve only matrices whose rows
  * are not a multiple of 16, and weights used as they are), whose matvec keeps
- * 16 rows in the lanes of a vector and takes every matmul
- * of those types, prefill included: a token's result then has the same bits
- * whatever else shares its batch, so that a session replayed on another
- * server after a failure rebuilds exactly the KV cache it had (the other
- * paths run those layouts only through cpu_portable_dequant, for correctness).
+ * 16 rows in the lanes of a vector and takes every matmul of those types,
+ * prefill included: a token's result then has the same bits whatever else
+ * shares its batch, so that a session replayed on another server after a
+ * failure rebuilds exactly the KV cache it had (the other paths run those
+ * layouts only through cpu_portable_dequant, for correctness).
  *
  * Prefill and batched decode (larger T): the activations are first transposed
  * into xT blocks of tb tokens, xt[b][k][j] = x[b*tb + j][k] (zero past T).
@@ -85,9 +85,9 @@
  * Q4_1_R16 on AVX-512), one per block of 32 inputs of a token: x rounded to
  * int16 (d = amax / 32767, q = rint(x / d)) so that the kernels multiply 16
  * rows' weights by two inputs per instruction with exact integer sums
- * (vpdpwssd); see cpu_avx512_mv_r16 and cpu_avx512_mv_r16q8. The rounding error is at most d/2 per input, 2^-16 of
- * the block's largest |x|, and a token's values do not depend on the others
- * in its batch. */
+ * (vpdpwssd); see cpu_avx512_mv_r16 and cpu_avx512_mv_r16q8. The rounding
+ * error is at most d/2 per input, 2^-16 of the block's largest |x|, and a
+ * token's values do not depend on the others in its batch. */
 typedef struct cpu_xw_block {
     int32_t q2[16]; /* word 4c + j: q[8c + j] (low half), q[8c + j + 4] (high), c, j < 4 */
     float d;        /* amax / 32767 (0 for a block of zeros) */

@@ -14,10 +14,12 @@
  *               same tolerance against the double reference over x rounded
  *               to int8 per 32-block (d = amax/127, q = rint(x/d)), which the
  *               exact path must NOT match at long K (the checks discriminate);
- *               elsewhere ref. Q8_0_R16 / Q4_0_R16 / Q4_1_R16 on AVX-512 (every T): the
- *               same tolerance against the reference over x rounded to int16
- *               per 32-block (d = amax/32767; Q4_1's minimum times the exact
- *               sum of x), and within that plus sum_blocks d/2 * sum |w| of ref;
+ *               elsewhere ref. Q8_0_R16 / Q4_0_R16 / Q4_1_R16 on AVX-512
+ *               (every T): the same tolerance against the reference over x
+ *               rounded to int16 per 32-block (d = amax/32767; Q4_1's minimum
+ *               times the exact sum of x), and within that plus
+ *               sum_blocks d/2 * sum |w| of ref; Q8_0 also over all 256 byte
+ *               values;
  *   get_rows:   bit-exact with op_dequantize_row;
  *   kv_store:   bit-exact with op_f32_to_f16 / memcpy;
  *   attention:  |out - ref| <= 2e-5 * max|v| + 1e-6 (online softmax in f32);
