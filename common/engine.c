@@ -272,8 +272,6 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
         for (int j = 0; j < n_useq; j++) {
             e->kview[j] = e->useq[j]->k3[l];
             e->vview[j] = e->useq[j]->v3[l];
-        }
-        for (int j = 0; j < n_useq; j++) {
             e->kptr[j] = &e->useq[j]->k3[l];
             e->vptr[j] = &e->useq[j]->v3[l];
         }

@@ -190,6 +190,10 @@ uint16_t op_f32_to_bf16(float f) {
 
 /* ---- rows --------------------------------------------------------------- */
 
+/* Q8_0_R16: the input (within its block) that byte j of a row's word in chunk
+ * c holds: chunk 2c' + i holds inputs 8c' + 2i + {0, 1, 4, 5} (see ops.h). */
+static int op_r16_q8_input(int c, int j) { return 8 * (c / 2) + 2 * (c % 2) + j % 2 + 4 * (j / 2); }
+
 void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r, int64_t k0, int64_t n,
                     float *out) {
     if (type == OP_TYPE_F16_R16 || type == OP_TYPE_BF16_R16) {
@@ -213,8 +217,7 @@ void op_r16_dequant(op_type type, const uint8_t *w, size_t row_bytes, int64_t r,
         if (type == OP_TYPE_Q8_0_R16) {
             for (int c = 0; c < 8; c++) {
                 const uint8_t *q = blk + hdr + 64 * c + 4 * lane;
-                const int e = 8 * (c / 2) + 2 * (c % 2); /* the word's inputs: e, e + 1, e + 4, e + 5 */
-                for (int j = 0; j < 4; j++) out[b * OP_QK + e + j % 2 + 4 * (j / 2)] = d * (float)(q[j] - 128);
+                for (int j = 0; j < 4; j++) out[b * OP_QK + op_r16_q8_input(c, j)] = d * (float)(q[j] - 128);
             }
             continue;
         }
@@ -260,11 +263,10 @@ int op_repack_weight(const op_tensor *src, op_type type, void *dst) {
                 memcpy(o + 2 * r, blk, 2);
                 if (q41) memcpy(o + 32 + 2 * r, blk + 2, 2);
                 const uint8_t *qs = blk + qoff;
-                if (src->type == OP_TYPE_Q8_0) { /* chunk 2c + i: inputs 8c + 2i + {0, 1, 4, 5}, offset by 128 */
+                if (src->type == OP_TYPE_Q8_0) { /* each q offset by 128 */
                     for (int c = 0; c < 8; c++) {
                         uint8_t *word = o + hdr + 64 * c + 4 * r;
-                        const int e = 8 * (c / 2) + 2 * (c % 2);
-                        for (int j = 0; j < 4; j++) word[j] = (uint8_t)((int8_t)qs[e + j % 2 + 4 * (j / 2)] + 128);
+                        for (int j = 0; j < 4; j++) word[j] = (uint8_t)((int8_t)qs[op_r16_q8_input(c, j)] + 128);
                     }
                     continue;
                 }

@@ -168,9 +168,8 @@ static void cpu_xw_job_run(void *arg, int ith, int nth) {
  * them; a no-op for kernels without quant_xw. Prefill spreads the tokens over
  * the pool. */
 static int cpu_round_xw(cpu_backend *c, cpu_mm *m) {
-    if (!c->kern->quant_xw ||
-        (m->type != OP_TYPE_Q8_0_R16 && m->type != OP_TYPE_Q4_0_R16 && m->type != OP_TYPE_Q4_1_R16))
-        return FU_OK;
+    /* the interleaved block types; F16_R16 / BF16_R16 take f32 activations */
+    if (!c->kern->quant_xw || op_type_row_group(m->type) == 1 || op_type_block_elems(m->type) == 1) return FU_OK;
     int rc = cpu_reserve_xw(c, m->t, m->k);
     if (rc) return rc;
     cpu_xw_job j = {.c = c, .m = m};
