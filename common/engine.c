@@ -277,8 +277,8 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
         }
         /* attention */
         if ((rc = op_rmsnorm(be, &x, &L->attn_norm, c->norm_eps, &xn)) ||
-            (rc = op_matmul(be, &L->wq, &xn, &q)) || (rc = op_matmul(be, &L->wk, &xn, &k)) ||
-            (rc = op_matmul(be, &L->wv, &xn, &v)))
+            (rc = op_matmul_n(be, 3, (const op_tensor *[]){&L->wq, &L->wk, &L->wv}, &xn,
+                              (op_tensor *[]){&q, &k, &v})))
             return rc;
         if (c->qkv_bias && ((rc = op_add_row(be, &q, &L->bq)) || (rc = op_add_row(be, &k, &L->bk)) ||
                             (rc = op_add_row(be, &v, &L->bv))))
@@ -296,7 +296,8 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
             return rc;
         /* MLP */
         if ((rc = op_rmsnorm(be, &x, &L->ffn_norm, c->norm_eps, &xn)) ||
-            (rc = op_matmul(be, &L->w_gate, &xn, &gate)) || (rc = op_matmul(be, &L->w_up, &xn, &up)) ||
+            (rc = op_matmul_n(be, 2, (const op_tensor *[]){&L->w_gate, &L->w_up}, &xn,
+                              (op_tensor *[]){&gate, &up})) ||
             (rc = op_swiglu(be, &gate, &up, &gate)) || (rc = op_matmul(be, &L->w_down, &gate, &tmp)) ||
             (rc = op_add(be, &x, &tmp)))
             return rc;

@@ -24,6 +24,9 @@ typedef struct op_backend_vtbl {
     int (*synchronize)(op_backend *be);
 
     int (*matmul)(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y);
+    /* optional (NULL: op_matmul_n calls matmul n times); called with checked
+     * arguments */
+    int (*matmul_n)(op_backend *be, int n, const op_tensor *const *w, const op_tensor *x, op_tensor *const *y);
     int (*rmsnorm)(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y);
     int (*rope)(op_backend *be, op_tensor *x, const int32_t *pos, const op_rope_params *p);
     int (*attention)(op_backend *be, const op_tensor *q, const op_attn *a, op_tensor *out);

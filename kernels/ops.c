@@ -508,7 +508,7 @@ int op_synchronize(op_backend *be) {
     OP_LOCKED(be, be->v->synchronize(be));
 }
 
-int op_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
+static int op_matmul_check(const op_backend *be, const op_tensor *w, const op_tensor *x, const op_tensor *y) {
     if (w->ne[0] != x->ne[0] || y->ne[0] != w->ne[1] || y->ne[1] != x->ne[1])
         return fu_errorf(FU_ERR_INVALID,
                          "matmul %s: W (%lld, %lld) x (%lld, %lld) -> y (%lld, %lld) mismatch",
@@ -520,7 +520,32 @@ int op_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor 
     if (!be->v->supports(be, w->type))
         return fu_errorf(FU_ERR_UNSUPPORTED, "matmul: backend %s has no %s weights", be->v->name,
                          op_type_name(w->type));
+    return FU_OK;
+}
+
+int op_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
+    int rc = op_matmul_check(be, w, x, y);
+    if (rc) return rc;
     OP_LOCKED(be, be->v->matmul(be, w, x, y));
+}
+
+static int op_matmul_each(op_backend *be, int n, const op_tensor *const *w, const op_tensor *x,
+                          op_tensor *const *y) {
+    for (int i = 0; i < n; i++) {
+        int rc = be->v->matmul(be, w[i], x, y[i]);
+        if (rc) return rc;
+    }
+    return FU_OK;
+}
+
+int op_matmul_n(op_backend *be, int n, const op_tensor *const *w, const op_tensor *x, op_tensor *const *y) {
+    if (n < 1 || n > OP_MATMUL_N_MAX)
+        return fu_errorf(FU_ERR_INVALID, "matmul_n: %d weights, not 1..%d", n, OP_MATMUL_N_MAX);
+    for (int i = 0; i < n; i++) {
+        int rc = op_matmul_check(be, w[i], x, y[i]);
+        if (rc) return rc;
+    }
+    OP_LOCKED(be, be->v->matmul_n ? be->v->matmul_n(be, n, w, x, y) : op_matmul_each(be, n, w, x, y));
 }
 
 int op_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y) {

@@ -209,6 +209,16 @@ int op_synchronize(op_backend *be);
 /* y (T, N) f32 = x (T, K) f32 @ W (N, K)^T, W of any weight type; f32 accumulation. */
 int op_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y);
 
+/* The most weights one op_matmul_n takes. */
+#define OP_MATMUL_N_MAX 4
+
+/* y[i] = x @ w[i]^T for i < n (1..OP_MATMUL_N_MAX): matmuls of the same
+ * activations (a layer's q, k and v projections; its gate and up), each as
+ * op_matmul would compute it, bit for bit. A backend may run them as one:
+ * the CPU backend rounds x once and streams all the weights in one pass over
+ * its threads, so that the small ones do not each pay a start and a join. */
+int op_matmul_n(op_backend *be, int n, const op_tensor *const *w, const op_tensor *x, op_tensor *const *y);
+
 /* y (R, D) = x (R, D) / sqrt(mean(x^2) + eps) * w (D); w may be NULL (no scale).
  * y may alias x. */
 int op_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y);

@@ -238,10 +238,14 @@ static int cpu_synchronize(op_backend *be) {
 
 /* Matmul work is handed out in chunks from a shared counter, so that a thread
  * that the OS delays (2 vCPUs shared with other processes) does not hold up
- * the others at the join. */
+ * the others at the join. A matvec job may cover several matmuls of the same
+ * activations (op_matmul_n): their rows are handed out as one range, matmul i
+ * taking rows [end[i - 1], end[i]), its N rounded up to 16. */
 typedef struct cpu_mm_job {
     cpu_backend *c;
-    cpu_mm m;
+    cpu_mm m[OP_MATMUL_N_MAX]; /* the matmuls (gemm: one) */
+    int nm;
+    int64_t end[OP_MATMUL_N_MAX];
     int64_t share;        /* matvec: a chunk is 1/share of the rows left */
     int64_t pg;           /* gemm: panels per unit of work (<= CPU_PG) */
     _Atomic int64_t next; /* first row not yet taken (matvec) or next (token block, panel
@@ -250,14 +254,15 @@ typedef struct cpu_mm_job {
 
 /* Matvec chunks shrink as the rows run out (guided scheduling): the first
  * ones are long, so that each thread streams long runs of consecutive weight
- * rows (the prefetchers restart at every chunk), and the last ones are short,
- * so that the threads finish together. Chunks are multiples of 16 rows from
- * row 0, so the kernels group rows the same way whatever the thread count. */
+ * rows (the prefetchers restart at every chunk: the first is 1/nth of all
+ * the rows), and the last ones are short, so that the threads finish together. Chunks are multiples of 16 rows from
+ * each matmul's row 0, so the kernels group rows the same way whatever the
+ * thread count and whichever matmuls share the job. */
 static void cpu_matvec_job(void *arg, int ith, int nth) {
     (void)ith;
     (void)nth;
     cpu_mm_job *j = arg;
-    const int64_t n = j->m.n;
+    const int64_t n = j->end[j->nm - 1];
     int64_t r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
     while (r0 < n) {
         int64_t size = (n - r0 + j->share - 1) / j->share;
@@ -265,7 +270,12 @@ static void cpu_matvec_job(void *arg, int ith, int nth) {
         int64_t r1 = r0 + size < n ? r0 + size : n;
         if (atomic_compare_exchange_weak_explicit(&j->next, &r0, r1, memory_order_relaxed,
                                                   memory_order_relaxed)) {
-            j->c->kern->matvec[j->m.type](&j->m, r0, r1);
+            for (int i = 0; i < j->nm; i++) {
+                const cpu_mm *m = &j->m[i];
+                const int64_t at = i ? j->end[i - 1] : 0;
+                const int64_t a = r0 > at ? r0 - at : 0, b = r1 - at < m->n ? r1 - at : m->n;
+                if (a < b) j->c->kern->matvec[m->type](m, a, b);
+            }
             r0 = atomic_load_explicit(&j->next, memory_order_relaxed);
         }
     }
@@ -277,7 +287,7 @@ static void cpu_transpose_job(void *arg, int ith, int nth) {
     (void)ith;
     (void)nth;
     cpu_mm_job *j = arg;
-    const cpu_mm *m = &j->m;
+    const cpu_mm *m = &j->m[0];
     const int64_t tbw = m->tb, ntb = (m->t + tbw - 1) / tbw, nkc = (m->k + 255) / 256;
     float *xt = j->c->xt;
     for (;;) {
@@ -305,7 +315,7 @@ static void cpu_transpose_job(void *arg, int ith, int nth) {
 static void cpu_gemm_job(void *arg, int ith, int nth) {
     (void)nth;
     cpu_mm_job *j = arg;
-    const cpu_mm *m = &j->m;
+    const cpu_mm *m = &j->m[0];
     const cpu_kernels *kern = j->c->kern;
     const bool narrow = m->tb == CPU_TB16;
     const int nr = narrow ? kern->nr16 : kern->nr, tbw = m->tb;
@@ -388,8 +398,8 @@ static bool cpu_rows_ok(const op_tensor *t) {
     return true;
 }
 
-static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
-    cpu_backend *c = cpu_be(be);
+/* Checks W, x and y and describes the matmul in m. */
+static int cpu_mm_setup(const op_tensor *w, const op_tensor *x, const op_tensor *y, cpu_mm *m) {
     if (!cpu_rows_ok(w) || !cpu_rows_ok(x) || !cpu_rows_ok(y) || w->ne[2] * w->ne[3] != 1)
         return fu_errorf(FU_ERR_INVALID, "matmul %s: W must be 2-D and all rows contiguous",
                          w->name ? w->name : "");
@@ -401,48 +411,59 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
     if (w->ne[1] % op_type_row_group(w->type) || (op_type_row_group(w->type) > 1 && !op_tensor_is_contiguous(w)))
         return fu_errorf(FU_ERR_INVALID, "matmul %s: %s weights must be contiguous, rows a multiple of %d",
                          w->name ? w->name : "", op_type_name(w->type), op_type_row_group(w->type));
-    cpu_mm_job j = {.c = c,
-                    .m = {.type = w->type,
-                          .w = w->data,
-                          .w_stride = w->nb[1],
-                          .row_scale = w->type == OP_TYPE_I8 ? w->row_scale : NULL,
-                          .n = w->ne[1],
-                          .k = w->ne[0],
-                          .t = x->ne[1] * x->ne[2] * x->ne[3],
-                          .x = x->data,
-                          .ldx = x->nb[1] / sizeof(float),
-                          .y = y->data,
-                          .ldy = y->nb[1] / sizeof(float)}};
-    if (j.m.t == 0 || j.m.n == 0) return FU_OK;
-    if (j.m.k == 0) {
-        for (int64_t t = 0; t < j.m.t; t++) memset(j.m.y + t * j.m.ldy, 0, (size_t)j.m.n * sizeof(float));
-        return FU_OK;
-    }
-    if (j.m.t <= cpu_decode_max_t(c, j.m.type)) {
-        cpu_quant_x_fn qx = c->quant_x ? c->kern->quant_x[j.m.type] : NULL;
-        j.share = 2 * (int64_t)c->base.n_threads;
-        if (qx && j.m.k % 64 == 0) {
-            int rc = cpu_reserve_xq(c, j.m.t, j.m.k);
-            if (rc) return rc;
-            for (int64_t t = 0; t < j.m.t; t++) qx(j.m.x + t * j.m.ldx, j.m.k, c->xq + t * CPU_XQ_BYTES(j.m.k));
-            j.m.xq = c->xq;
-        }
-        int rc = cpu_round_xw(c, &j.m);
+    *m = (cpu_mm){.type = w->type,
+                  .w = w->data,
+                  .w_stride = w->nb[1],
+                  .row_scale = w->type == OP_TYPE_I8 ? w->row_scale : NULL,
+                  .n = w->ne[1],
+                  .k = w->ne[0],
+                  .t = x->ne[1] * x->ne[2] * x->ne[3],
+                  .x = x->data,
+                  .ldx = x->nb[1] / sizeof(float),
+                  .y = y->data,
+                  .ldy = y->nb[1] / sizeof(float)};
+    return FU_OK;
+}
+
+/* The matvec of j's nm matmuls (same type and activations) over the pool,
+ * the activations rounded once for all of them. */
+static int cpu_matvec_run(cpu_backend *c, cpu_mm_job *j) {
+    cpu_mm *m = &j->m[0];
+    cpu_quant_x_fn qx = c->quant_x ? c->kern->quant_x[m->type] : NULL;
+    j->share = c->base.n_threads;
+    if (qx && m->k % 64 == 0) {
+        int rc = cpu_reserve_xq(c, m->t, m->k);
         if (rc) return rc;
-        cpu_pool_run(c->pool, cpu_matvec_job, &j);
-        return FU_OK;
+        for (int64_t t = 0; t < m->t; t++) qx(m->x + t * m->ldx, m->k, c->xq + t * CPU_XQ_BYTES(m->k));
+        m->xq = c->xq;
     }
-    int rc = cpu_reserve_xt(c, j.m.t, j.m.k);
+    int rc = cpu_round_xw(c, m);
     if (rc) return rc;
-    j.m.xt = c->xt;
-    const int64_t tail = j.m.t % CPU_TB;
-    j.m.tb = c->kern->gemm16 && tail >= 1 && tail <= CPU_TB16 && j.m.t < 4 * CPU_TB ? CPU_TB16 : CPU_TB;
+    for (int i = 0; i < j->nm; i++) {
+        j->m[i].xq = m->xq;
+        j->m[i].xw = m->xw;
+        j->end[i] = (i ? j->end[i - 1] : 0) + (j->m[i].n + 15) / 16 * 16;
+    }
+    cpu_pool_run(c->pool, cpu_matvec_job, j);
+    return FU_OK;
+}
+
+/* One matmul m (T, N, K > 0): the matvec up to cpu_decode_max_t tokens, else
+ * the GEMM. */
+static int cpu_mm_run(cpu_backend *c, const cpu_mm *m) {
+    cpu_mm_job j = {.c = c, .m = {*m}, .nm = 1};
+    if (m->t <= cpu_decode_max_t(c, m->type)) return cpu_matvec_run(c, &j);
+    int rc = cpu_reserve_xt(c, m->t, m->k);
+    if (rc) return rc;
+    j.m[0].xt = c->xt;
+    const int64_t tail = m->t % CPU_TB;
+    j.m[0].tb = c->kern->gemm16 && tail >= 1 && tail <= CPU_TB16 && m->t < 4 * CPU_TB ? CPU_TB16 : CPU_TB;
     /* panels per unit: all CPU_PG when the slices serve many token blocks,
      * else few enough that every thread gets several units */
-    const int nr = j.m.tb == CPU_TB16 ? c->kern->nr16 : c->kern->nr;
-    const int64_t npanels = (j.m.n + nr - 1) / nr;
+    const int nr = j.m[0].tb == CPU_TB16 ? c->kern->nr16 : c->kern->nr;
+    const int64_t npanels = (m->n + nr - 1) / nr;
     j.pg = CPU_PG;
-    if (j.m.t <= CPU_TB) {
+    if (m->t <= CPU_TB) {
         j.pg = npanels / (4 * (int64_t)c->base.n_threads);
         j.pg = j.pg < 1 ? 1 : j.pg > CPU_PG ? CPU_PG : j.pg;
     }
@@ -450,6 +471,37 @@ static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op
     atomic_store(&j.next, 0);
     cpu_pool_run(c->pool, cpu_gemm_job, &j);
     return FU_OK;
+}
+
+/* n matmuls of the same x: one matvec job when they share a type and take the
+ * matvec path, else one after another. */
+static int cpu_matmul_n(op_backend *be, int n, const op_tensor *const *w, const op_tensor *x, op_tensor *const *y) {
+    cpu_backend *c = cpu_be(be);
+    cpu_mm_job j = {.c = c};
+    bool joint = true;
+    for (int i = 0; i < n; i++) {
+        int rc = cpu_mm_setup(w[i], x, y[i], &j.m[j.nm]);
+        if (rc) return rc;
+        const cpu_mm *m = &j.m[j.nm];
+        if (m->t == 0 || m->n == 0) continue;
+        if (m->k == 0) {
+            for (int64_t t = 0; t < m->t; t++) memset(m->y + t * m->ldy, 0, (size_t)m->n * sizeof(float));
+            continue;
+        }
+        joint = joint && m->type == j.m[0].type && m->t <= cpu_decode_max_t(c, m->type);
+        j.nm++;
+    }
+    if (j.nm == 0) return FU_OK;
+    if (joint) return cpu_matvec_run(c, &j);
+    for (int i = 0; i < j.nm; i++) {
+        int rc = cpu_mm_run(c, &j.m[i]);
+        if (rc) return rc;
+    }
+    return FU_OK;
+}
+
+static int cpu_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
+    return cpu_matmul_n(be, 1, &w, x, &y);
 }
 
 /* ---- row-wise ops ---------------------------------------------------------- */
@@ -822,6 +874,7 @@ static const op_backend_vtbl cpu_vtbl = {
     .weight_layout = cpu_weight_layout,
     .synchronize = cpu_synchronize,
     .matmul = cpu_matmul,
+    .matmul_n = cpu_matmul_n,
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
     .attention = cpu_attention,

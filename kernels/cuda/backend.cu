@@ -151,6 +151,7 @@ static const op_backend_vtbl cuda_vtbl = {
     NULL, /* weight_layout */
     cuda_synchronize,
     cuda_matmul,
+    NULL, /* matmul_n: op_matmul_n runs the matmuls one by one */
     cuda_rmsnorm,
     cuda_rope,
     cuda_attention,

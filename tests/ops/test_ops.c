@@ -635,6 +635,114 @@ static void test_matmul_errors(void **state) {
     assert_int_equal(op_matmul(be, &w32, &xt, &yt), FU_ERR_UNSUPPORTED);
 }
 
+/* W (N, K) of `type`: random rows quantized as its plain type, repacked when
+ * it is interleaved; row scales for I8. Free data and row_scale. */
+static op_tensor random_weight(op_type type, int64_t n, int64_t k) {
+    const op_type plain = op_type_plain(type);
+    const size_t rb = op_row_bytes(plain, k);
+    uint8_t *w = malloc(rb * (size_t)n);
+    float *scales = malloc((size_t)n * sizeof(float)), *row = malloc((size_t)k * sizeof(float));
+    assert_true(w && scales && row);
+    for (int64_t r = 0; r < n; r++) {
+        fill(row, k, 1.0);
+        op_quantize_row(plain, row, k, w + (size_t)r * rb, &scales[r]);
+    }
+    free(row);
+    op_tensor t = op_tensor_2d(plain, w, k, n);
+    t.row_scale = plain == OP_TYPE_I8 ? scales : (free(scales), NULL);
+    if (type != plain) {
+        uint8_t *wr = malloc(rb * (size_t)n);
+        assert_non_null(wr);
+        assert_int_equal(op_repack_weight(&t, type, wr), FU_OK);
+        free(w);
+        t.type = type;
+        t.data = wr;
+    }
+    return t;
+}
+
+/* op_matmul_n gives each weight's op_matmul result bit for bit: weights of
+ * one type (the CPU backend's joint matvec, whose row ranges meet at N not a
+ * multiple of 16 for the plain types), of mixed types (one by one), at decode
+ * and prefill sizes, on every backend; bad arguments fail before anything
+ * is written. */
+static void test_matmul_n(void **state) {
+    (void)state;
+    enum { K = 544, TMAX = 40 };
+    static const int ts[] = {1, 3, 8, 20, TMAX};
+    op_type types[sizeof weight_types / sizeof weight_types[0] + sizeof r16_types / sizeof r16_types[0] + 1][3];
+    size_t nt = 0;
+    for (size_t i = 0; i < sizeof weight_types / sizeof weight_types[0]; i++, nt++)
+        types[nt][0] = types[nt][1] = types[nt][2] = weight_types[i];
+    for (size_t i = 0; i < sizeof r16_types / sizeof r16_types[0]; i++, nt++)
+        types[nt][0] = types[nt][1] = types[nt][2] = r16_types[i];
+    types[nt][0] = OP_TYPE_Q8_0_R16, types[nt][1] = OP_TYPE_F16, types[nt][2] = OP_TYPE_Q4_0, nt++;
+    float *x = malloc((size_t)TMAX * K * sizeof(float));
+    assert_non_null(x);
+    fill(x, (int64_t)TMAX * K, 2.0);
+    for (size_t ti = 0; ti < nt; ti++) {
+        op_tensor w[3];
+        float *want[3], *got[3];
+        for (int i = 0; i < 3; i++) {
+            const bool r16 = op_type_row_group(types[ti][i]) > 1;
+            const int64_t n = r16 ? 32 * (i + 1) : (int64_t[]){40, 17, 33}[i];
+            w[i] = random_weight(types[ti][i], n, K);
+            want[i] = malloc((size_t)TMAX * (size_t)n * sizeof(float));
+            got[i] = malloc((size_t)TMAX * (size_t)n * sizeof(float));
+            assert_true(want[i] && got[i]);
+        }
+        for (int b = 0; b < n_bes + n_qbes; b++) {
+            const test_be *tb = b < n_bes ? &bes[b] : &qbes[b - n_bes];
+            for (size_t s = 0; s < sizeof ts / sizeof ts[0]; s++) {
+                op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, K, ts[s]), yw[3], yg[3];
+                for (int i = 0; i < 3; i++) {
+                    yw[i] = op_tensor_2d(OP_TYPE_F32, want[i], w[i].ne[1], ts[s]);
+                    yg[i] = op_tensor_2d(OP_TYPE_F32, got[i], w[i].ne[1], ts[s]);
+                    assert_int_equal(op_matmul(tb->be, &w[i], &xt, &yw[i]), FU_OK);
+                    memset(got[i], 0xff, (size_t)(ts[s] * w[i].ne[1]) * sizeof(float));
+                }
+                for (int n = 1; n <= 3; n++) {
+                    assert_int_equal(op_matmul_n(tb->be, n, (const op_tensor *[]){&w[0], &w[1], &w[2]}, &xt,
+                                                 (op_tensor *[]){&yg[0], &yg[1], &yg[2]}),
+                                     FU_OK);
+                    for (int i = 0; i < n; i++)
+                        if (memcmp(got[i], want[i], (size_t)(ts[s] * w[i].ne[1]) * sizeof(float)) != 0)
+                            fail_msg("matmul_n of %d (%s, %s, %s) [%s] T=%d: weight %d differs from op_matmul", n,
+                                     op_type_name(types[ti][0]), op_type_name(types[ti][1]),
+                                     op_type_name(types[ti][2]), tb->label, ts[s], i);
+                }
+            }
+        }
+        for (int i = 0; i < 3; i++) {
+            free(w[i].data);
+            free((void *)w[i].row_scale);
+            free(want[i]);
+            free(got[i]);
+        }
+    }
+    /* a K mismatch in the second weight, too many weights, none */
+    op_tensor w0 = random_weight(OP_TYPE_Q4_0, 32, K), w1 = random_weight(OP_TYPE_Q4_0, 32, K - 32);
+    float *y0 = malloc(32 * sizeof(float)), *y1 = malloc(32 * sizeof(float));
+    assert_true(y0 && y1);
+    memset(y0, 0, 32 * sizeof(float));
+    op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, K, 1), yt0 = op_tensor_2d(OP_TYPE_F32, y0, 32, 1),
+              yt1 = op_tensor_2d(OP_TYPE_F32, y1, 32, 1);
+    const op_tensor *ws[OP_MATMUL_N_MAX + 1] = {&w0, &w1, &w0, &w0, &w0};
+    op_tensor *ys[OP_MATMUL_N_MAX + 1] = {&yt0, &yt1, &yt0, &yt0, &yt0};
+    assert_int_equal(op_matmul_n(bes[0].be, 2, ws, &xt, ys), FU_ERR_INVALID);
+    for (int i = 0; i < 32; i++) assert_true(y0[i] == 0.0f);
+    ws[1] = &w0;
+    ys[1] = &yt0;
+    assert_int_equal(op_matmul_n(bes[0].be, OP_MATMUL_N_MAX + 1, ws, &xt, ys), FU_ERR_INVALID);
+    assert_int_equal(op_matmul_n(bes[0].be, 0, ws, &xt, ys), FU_ERR_INVALID);
+    assert_int_equal(op_matmul_n(bes[0].be, OP_MATMUL_N_MAX, ws, &xt, ys), FU_OK);
+    free(w0.data);
+    free(w1.data);
+    free(y0);
+    free(y1);
+    free(x);
+}
+
 /* Many back-to-back ops of different kinds: the fork-join pool must not lose,
  * repeat or mix jobs (a late worker must never run a finished job). */
 static void test_pool_many_small_ops(void **state) {
@@ -1060,6 +1168,7 @@ int main(void) {
         cmocka_unit_test(test_matmul_prefill),
         cmocka_unit_test(test_matmul_plain_odd_k),
         cmocka_unit_test(test_matmul_errors),
+        cmocka_unit_test(test_matmul_n),
         cmocka_unit_test(test_pool_many_small_ops),
         cmocka_unit_test(test_get_rows),
         cmocka_unit_test(test_rmsnorm),
