@@ -154,9 +154,9 @@ typedef struct op_cpu_options {
      * options): every matmul is f32 math on the dequantized weights, whatever T,
      * except Q8_0 / Q4_0 / Q4_1 weights on the AVX-512 path (run as Q8_0_R16 /
      * Q4_0_R16 / Q4_1_R16), whose kernels round each token's activations to
-     * int16 per block of 32 (d = amax/32767, so at most 2^-16 of the block's
-     * largest |x| off, far below the weights' own 8- or 4-bit rounding) and
-     * sum exactly in integers: results are the same whatever T.
+     * integers per block of 32 (d = amax/32639, so at most 1/65278 of the
+     * block's largest |x| off, far below the weights' own 8- or 4-bit
+     * rounding) and sum exactly in integers: results are the same whatever T.
      * true (opt-in, llama.cpp style): decode matmuls (T <= 8) with Q8_0/Q4_0/Q4_1
      * weights and K % 64 == 0 on the AVX2/AVX-512 paths first round each token's
      * activations to int8 per block of 32 (d = amax/127) and use integer dot

@@ -693,17 +693,17 @@ CPU_AVX512_TYPE(i8, OP_TYPE_I8)
  *
  * One weight row per vector lane (the layout in ops.h): for each input k the
  * 16 rows' nibbles sit in one 32-bit word per lane, 8 inputs to a word. The
- * activations come rounded to int16 per block of 32 (cpu_xw_block), two
- * inputs to a word, so masking a word's nibbles j and j + 4 into its two
- * 16-bit halves gives 16 rows' weights for inputs j and j + 4, and one
- * vpdpwssd multiplies them by the pair and adds both products: 32
- * multiply-adds for about two instructions. The f32 kernel this replaces
- * needed a shift, a table permute and an FMA per 16, twice as many
- * instructions as the memory bus leaves time for. Per block the integer sums
- * (exact) are scaled by the 16 rows' d times the block's activation scale in
- * one FMA (Q4_0's -8 is folded in as -8 * sum(q); Q4_1 adds m times the
- * block's sum of x), and the 16 outputs are stored together: no horizontal
- * sums. */
+ * activations come rounded to integers per block of 32 (cpu_xw_block). A mask
+ * of a word's low nibbles gives 16 rows' weights for its inputs 0, 2, 4, 6 as
+ * bytes, a shift and the same mask those for 1, 3, 5, 7, and one vpdpbusd
+ * multiplies either by four activation bytes and adds the products: 64
+ * multiply-adds per instruction. Each activation is two signed bytes
+ * (q = 256 hi + lo), so a chunk of 8 inputs takes four: seven instructions
+ * for 128 multiply-adds, where int16 pairs (vpdpwssd) took nine. Per block
+ * the integer sums (exact) are combined (lo + 256 hi) and scaled by the 16
+ * rows' d times the block's activation scale in one FMA (Q4_0's -8 is folded
+ * in as -8 * sum(q); Q4_1 adds m times the block's sum of x), and the 16
+ * outputs are stored together: no horizontal sums. */
 
 CPU_INLINE size_t cpu_r16_block_bytes(op_type type) {
     return OP_R16_ROWS * (type == OP_TYPE_Q4_1_R16 ? sizeof(op_block_q4_1) : sizeof(op_block_q4_0));
@@ -723,11 +723,17 @@ static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
     static const uint16_t order[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
                                        16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
     const __m512i pairs = _mm512_loadu_si512(order);
+    /* q4: in each 16-input lane (low or high bytes of inputs 16l .. 16l + 15),
+     * the even inputs of its first 8, then the odd, then the same for its
+     * second 8; then the lanes' words interleaved into q4's order */
+    const __m512i evens_odds =
+        _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    const __m512i words = _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
     for (int64_t b = 0; b < k / 32; b++) {
         const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
         const float s = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
-        float d = amax / 32767.0f;
+        float d = amax / (float)CPU_XW_QMAX;
         const __m512 id = _mm512_set1_ps(d > 0 ? 1.0f / d : 0.0f);
         enum { rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC };
         const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, id), rn);
@@ -735,6 +741,16 @@ static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
         const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)),
                                              _mm512_cvtepi32_epi16(q1), 1);
         _mm512_storeu_si512(dst[b].q2, _mm512_permutexvar_epi16(pairs, q));
+        /* lo = q's low byte as a signed value, hi = (q - lo) / 256 */
+        const __m512i lo0 = _mm512_srai_epi32(_mm512_slli_epi32(q0, 24), 24);
+        const __m512i lo1 = _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24);
+        const __m512i hi0 = _mm512_srai_epi32(_mm512_sub_epi32(q0, lo0), 8);
+        const __m512i hi1 = _mm512_srai_epi32(_mm512_sub_epi32(q1, lo1), 8);
+        __m512i v = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(lo0));
+        v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(lo1), 1);
+        v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(hi0), 2);
+        v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(hi1), 3);
+        _mm512_storeu_si512(dst[b].q4, _mm512_permutexvar_epi32(words, _mm512_shuffle_epi8(v, evens_odds)));
         if (!(s - s == 0)) d = s - s; /* an inf or NaN in x: NaN out, as in f32 */
         dst[b].d = d;
         /* from the 16-bit values the kernel multiplies (what an inf or NaN
@@ -746,8 +762,8 @@ static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
 }
 
 /* A byte shuffle that moves bytes 1 and 3 of every 32-bit word down to 0 and
- * 2 and zeroes 1 and 3. It runs on port 5, beside the multiply-adds on port
- * 0, where a shift would compete with them. */
+ * 2 and zeroes 1 and 3 (for Q8_0_R16). It runs on port 5, where a shift
+ * would take port 0. */
 CPU_INLINE __m512i cpu_avx512_odd_bytes_down(void) {
     return _mm512_broadcast_i32x4(
         _mm_setr_epi32((int)0x80038001u, (int)0x80078005u, (int)0x800B8009u, (int)0x800F800Du));
@@ -755,31 +771,27 @@ CPU_INLINE __m512i cpu_avx512_odd_bytes_down(void) {
 
 /* y[i * 16 + t * ldy + r] = W[16 (g + i) + r] . x[t] for r < 16, t < NT
  * (1..8), groups i < NG at g + i * gs, over the nb blocks, with the tokens'
- * rounded activations xw ((NT, ldxw) blocks). With few chains (NG x NT <= 4)
- * each (group, token) keeps two, the weights masked in place: nibble 0 into
- * one, nibble 1 (weighing 16 times) into the other, and the same for nibbles
- * 2 and 3 after cpu_avx512_odd_bytes_down moves them down a byte (the 16 is
- * shifted out of the sum at the end of the block); with more, one. The
- * integer sums are exact either way, so a token's result does not depend on
- * how many tokens or groups share its pass. */
+ * rounded activations xw ((NT, ldxw) blocks). Each (group, token) sums the
+ * products with the activations' low bytes and those with their high bytes
+ * in two chains. The integer sums are exact, so a token's result does not
+ * depend on how many tokens or groups share its pass. */
 CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, const int NG, int64_t nb,
                                   const cpu_xw_block *xw, size_t ldxw, const int NT, float *y, size_t ldy) {
-    const bool q41 = type == OP_TYPE_Q4_1_R16, split = NG * NT <= 4;
+    const bool q41 = type == OP_TYPE_Q4_1_R16;
     const size_t bb = cpu_r16_block_bytes(type), hdr = q41 ? 64 : 32;
-    const __m512i m0 = _mm512_set1_epi32(0x000F000F), m1 = _mm512_set1_epi32(0x00F000F0);
-    const __m512i hi = cpu_avx512_odd_bytes_down(); /* nibbles 2, 3 (6, 7) to where m0, m1 keep 0, 1 */
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[4][8];
     cpu_avx512_zero(acc, NG, NT);
     for (int64_t b = 0; b < nb; b++) {
-        __m512i sa[4][8], sb[4][8];
+        __m512i sl[4][8], sh[4][8];
 #pragma GCC unroll 4
         for (int i = 0; i < NG; i++) { /* without it, well under 0.7 of the bandwidth */
             for (size_t o = 0; o < bb; o += 64)
                 _mm_prefetch((const char *)g + i * gs + (size_t)b * bb + o + CPU_PF_DIST, _MM_HINT_T0);
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
-                sa[i][t] = q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(xw[(size_t)t * ldxw + b].off);
-                sb[i][t] = _mm512_setzero_si512();
+                sl[i][t] = q41 ? _mm512_setzero_si512() : _mm512_set1_epi32(xw[(size_t)t * ldxw + b].off);
+                sh[i][t] = _mm512_setzero_si512();
             }
         }
 #pragma GCC unroll 4
@@ -787,27 +799,14 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
 #pragma GCC unroll 4
             for (int i = 0; i < NG; i++) {
                 const __m512i v = _mm512_loadu_si512(g + i * gs + (size_t)b * bb + hdr + 64 * c);
-                if (split) {
-                    const __m512i u = _mm512_shuffle_epi8(v, hi);
-                    const __m512i w0 = _mm512_and_si512(v, m0), w1 = _mm512_and_si512(v, m1),
-                                  w2 = _mm512_and_si512(u, m0), w3 = _mm512_and_si512(u, m1);
+                const __m512i we = _mm512_and_si512(v, low), wo = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
 #pragma GCC unroll 8
-                    for (int t = 0; t < NT; t++) {
-                        const int32_t *q2 = xw[(size_t)t * ldxw + b].q2 + 4 * c;
-                        sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], w0, _mm512_set1_epi32(q2[0]));
-                        sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], w1, _mm512_set1_epi32(q2[1]));
-                        sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], w2, _mm512_set1_epi32(q2[2]));
-                        sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], w3, _mm512_set1_epi32(q2[3]));
-                    }
-                } else {
-#pragma GCC unroll 4
-                    for (int j = 0; j < 4; j++) {
-                        const __m512i w = _mm512_and_si512(j ? _mm512_srli_epi32(v, 4 * j) : v, m0);
-#pragma GCC unroll 8
-                        for (int t = 0; t < NT; t++)
-                            sa[i][t] = _mm512_dpwssd_epi32(
-                                sa[i][t], w, _mm512_set1_epi32(xw[(size_t)t * ldxw + b].q2[4 * c + j]));
-                    }
+                for (int t = 0; t < NT; t++) {
+                    const int32_t *q4 = xw[(size_t)t * ldxw + b].q4 + 4 * c;
+                    sl[i][t] = _mm512_dpbusd_epi32(sl[i][t], we, _mm512_set1_epi32(q4[0]));
+                    sl[i][t] = _mm512_dpbusd_epi32(sl[i][t], wo, _mm512_set1_epi32(q4[1]));
+                    sh[i][t] = _mm512_dpbusd_epi32(sh[i][t], we, _mm512_set1_epi32(q4[2]));
+                    sh[i][t] = _mm512_dpbusd_epi32(sh[i][t], wo, _mm512_set1_epi32(q4[3]));
                 }
             }
         }
@@ -819,8 +818,7 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
                 const cpu_xw_block *xb = xw + (size_t)t * ldxw + b;
-                __m512i sum = sa[i][t];
-                if (split) sum = _mm512_add_epi32(sum, _mm512_srai_epi32(sb[i][t], 4));
+                const __m512i sum = _mm512_add_epi32(sl[i][t], _mm512_slli_epi32(sh[i][t], 8));
                 acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xb->d)), _mm512_cvtepi32_ps(sum),
                                             acc[i][t]);
                 if (q41) acc[i][t] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xb->s), acc[i][t]);
@@ -833,11 +831,12 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
         for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + i * OP_R16_ROWS + (size_t)t * ldy, acc[i][t]);
 }
 
-/* Q8_0_R16: the same scheme on bytes. A weight word holds one row's inputs
- * 8c + 2i + {0, 1, 4, 5} as q + 128 (0..255), so masking its bytes 0 and 2
- * into the 16-bit halves gives the weights of the activation word 4c + 2i
- * (inputs 8c + 2i and 8c + 2i + 4), and moving bytes 1 and 3 down
- * (cpu_avx512_odd_bytes_down) those of word 4c + 2i + 1. The + 128 adds
+/* Q8_0_R16: the activations as int16 pairs (q2), two inputs per vpdpwssd. A
+ * weight word holds one row's inputs 8c + 2i + {0, 1, 4, 5} as q + 128
+ * (0..255), so masking its bytes 0 and 2 into the 16-bit halves gives the
+ * weights of the activation word 4c + 2i (inputs 8c + 2i and 8c + 2i + 4),
+ * and moving bytes 1 and 3 down (cpu_avx512_odd_bytes_down) those of word
+ * 4c + 2i + 1. The + 128 adds
  * 128 * sum(q) to each block's sums, taken off by starting them at
  * -128 * sum(q) = 16 * off. Every sum is exact (|sum| < 2^29), as for Q4. */
 CPU_INLINE void cpu_avx512_mv_r16q8(const uint8_t *g, size_t gs, const int NG, int64_t nb, const cpu_xw_block *xw,

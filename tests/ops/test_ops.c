@@ -16,7 +16,7 @@
  *               exact path must NOT match at long K (the checks discriminate);
  *               elsewhere ref. Q8_0_R16 / Q4_0_R16 / Q4_1_R16 on AVX-512
  *               (every T): the same tolerance against the reference over x
- *               rounded to int16 per 32-block (d = amax/32767; Q4_1's minimum
+ *               rounded to integers per 32-block (d = amax/32639; Q4_1's minimum
  *               times the exact sum of x), and within that plus
  *               sum_blocks d/2 * sum |w| of ref; Q8_0 also over all 256 byte
  *               values;
@@ -234,13 +234,13 @@ static double matmul_case_full(op_type type, int64_t t, int64_t n, int64_t k, bo
         float d = am / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
         for (int64_t c = i; c < i + 32; c++) xr[c] = (double)d * (double)rintf(x[c] * id);
     }
-    /* the Q8_0 and Q4 interleaved matvecs on AVX-512 round x to int16 per
-     * 32-block (d = amax/32767, q = rint(x/d)) whatever T */
+    /* the Q8_0 and Q4 interleaved matvecs on AVX-512 round x to integers per
+     * 32-block (d = amax/32639, q = rint(x/d)) whatever T */
     const bool int16_x = type == OP_TYPE_Q8_0_R16 || type == OP_TYPE_Q4_0_R16 || type == OP_TYPE_Q4_1_R16;
     for (int64_t i = 0; int16_x && i < t * k; i += 32) {
         float am = 0;
         for (int64_t c = i; c < i + 32; c++) am = fmaxf(am, fabsf(x[c]));
-        float d = am / 32767.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        float d = am / 32639.0f, id = d > 0 ? 1.0f / d : 0.0f;
         for (int64_t c = i; c < i + 32; c++) {
             xw[c] = (double)d * (double)rintf(x[c] * id);
             xwd[c] = d;
