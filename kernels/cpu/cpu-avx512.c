@@ -719,16 +719,16 @@ CPU_INLINE __m512 cpu_r16_table(op_type type) {
 #define CPU_R16_NG(nt) ((nt) == 1 ? 4 : (nt) <= 5 ? 2 : 1)
 
 static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
-    /* word 2 (4c + j) + h of a block's q2 holds input 8c + j + 4h */
-    static const uint16_t order[32] = {0,  4,  1,  5,  2,  6,  3,  7,  8,  12, 9,  13, 10, 14, 11, 15,
-                                       16, 20, 17, 21, 18, 22, 19, 23, 24, 28, 25, 29, 26, 30, 27, 31};
-    const __m512i pairs = _mm512_loadu_si512(order);
-    /* q4: in each 16-input lane (low or high bytes of inputs 16l .. 16l + 15),
-     * the even inputs of its first 8, then the odd, then the same for its
-     * second 8; then the lanes' words interleaved into q4's order */
-    const __m512i evens_odds =
+    /* The low bytes of inputs 0..15, 16..31, then their high bytes, one
+     * 16-byte lane each, are shuffled within the lanes into the words of q4
+     * (inputs 8c + 2i, then 8c + 2i + 1, c < 2 per lane) and of q8 (inputs
+     * 8c + 2i + {0, 1, 4, 5}), whose words are then put in order. */
+    const __m512i q4_bytes =
         _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
-    const __m512i words = _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    const __m512i q4_words = _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+    const __m512i q8_bytes =
+        _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+    const __m512i q8_words = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     for (int64_t b = 0; b < k / 32; b++) {
         const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -740,7 +740,6 @@ static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
         const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, id), rn);
         const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(q0)),
                                              _mm512_cvtepi32_epi16(q1), 1);
-        _mm512_storeu_si512(dst[b].q2, _mm512_permutexvar_epi16(pairs, q));
         /* lo = q's low byte as a signed value, hi = (q - lo) / 256 */
         const __m512i lo0 = _mm512_srai_epi32(_mm512_slli_epi32(q0, 24), 24);
         const __m512i lo1 = _mm512_srai_epi32(_mm512_slli_epi32(q1, 24), 24);
@@ -750,23 +749,16 @@ static void cpu_avx512_quant_xw(const float *x, int64_t k, cpu_xw_block *dst) {
         v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(lo1), 1);
         v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(hi0), 2);
         v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(hi1), 3);
-        _mm512_storeu_si512(dst[b].q4, _mm512_permutexvar_epi32(words, _mm512_shuffle_epi8(v, evens_odds)));
+        _mm512_storeu_si512(dst[b].q4, _mm512_permutexvar_epi32(q4_words, _mm512_shuffle_epi8(v, q4_bytes)));
+        _mm512_storeu_si512(dst[b].q8, _mm512_permutexvar_epi32(q8_words, _mm512_shuffle_epi8(v, q8_bytes)));
         if (!(s - s == 0)) d = s - s; /* an inf or NaN in x: NaN out, as in f32 */
         dst[b].d = d;
-        /* from the 16-bit values the kernel multiplies (what an inf or NaN
-         * rounds to is undefined, and does not matter then: d is NaN) */
+        /* from the values the kernels multiply (what an inf or NaN rounds
+         * to is undefined, and does not matter then: d is NaN) */
         dst[b].off = -8 * _mm512_reduce_add_epi32(_mm512_madd_epi16(q, _mm512_set1_epi16(1)));
         dst[b].s = s;
         dst[b].pad = 0;
     }
-}
-
-/* A byte shuffle that moves bytes 1 and 3 of every 32-bit word down to 0 and
- * 2 and zeroes 1 and 3 (for Q8_0_R16). It runs on port 5, where a shift
- * would take port 0. */
-CPU_INLINE __m512i cpu_avx512_odd_bytes_down(void) {
-    return _mm512_broadcast_i32x4(
-        _mm_setr_epi32((int)0x80038001u, (int)0x80078005u, (int)0x800B8009u, (int)0x800F800Du));
 }
 
 /* y[i * 16 + t * ldy + r] = W[16 (g + i) + r] . x[t] for r < 16, t < NT
@@ -831,32 +823,27 @@ CPU_INLINE void cpu_avx512_mv_r16(op_type type, const uint8_t *g, size_t gs, con
         for (int t = 0; t < NT; t++) _mm512_storeu_ps(y + i * OP_R16_ROWS + (size_t)t * ldy, acc[i][t]);
 }
 
-/* Q8_0_R16: the activations as int16 pairs (q2), two inputs per vpdpwssd. A
- * weight word holds one row's inputs 8c + 2i + {0, 1, 4, 5} as q + 128
- * (0..255), so masking its bytes 0 and 2 into the 16-bit halves gives the
- * weights of the activation word 4c + 2i (inputs 8c + 2i and 8c + 2i + 4),
- * and moving bytes 1 and 3 down (cpu_avx512_odd_bytes_down) those of word
- * 4c + 2i + 1. The + 128 adds
+/* Q8_0_R16: the same bytes without masks. A weight word holds one row's
+ * inputs 8c + 2i + {0, 1, 4, 5} as q + 128 (0..255), which one vpdpbusd
+ * multiplies by the same inputs' low activation bytes, and one by their high
+ * bytes (q8): two instructions for 64 multiply-adds. The + 128 adds
  * 128 * sum(q) to each block's sums, taken off by starting them at
  * -128 * sum(q) = 16 * off. Every sum is exact (|sum| < 2^29), as for Q4. */
 CPU_INLINE void cpu_avx512_mv_r16q8(const uint8_t *g, size_t gs, const int NG, int64_t nb, const cpu_xw_block *xw,
                                     size_t ldxw, const int NT, float *y, size_t ldy) {
-    const bool split = NG * NT <= 4;
     const size_t bb = OP_R16_ROWS * sizeof(op_block_q8_0);
-    const __m512i even = _mm512_set1_epi32(0x00FF00FF);
-    const __m512i odd = cpu_avx512_odd_bytes_down();
     __m512 acc[4][8];
     cpu_avx512_zero(acc, NG, NT);
     for (int64_t b = 0; b < nb; b++) {
-        __m512i sa[4][8], sb[4][8];
+        __m512i sl[4][8], sh[4][8];
 #pragma GCC unroll 4
         for (int i = 0; i < NG; i++) {
             for (size_t o = 0; o < bb; o += 64)
                 _mm_prefetch((const char *)g + i * gs + (size_t)b * bb + o + CPU_PF_DIST, _MM_HINT_T0);
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
-                sa[i][t] = _mm512_set1_epi32(16 * xw[(size_t)t * ldxw + b].off);
-                sb[i][t] = _mm512_setzero_si512();
+                sl[i][t] = _mm512_set1_epi32(16 * xw[(size_t)t * ldxw + b].off);
+                sh[i][t] = _mm512_setzero_si512();
             }
         }
         /* the chunks only index memory: two at a time are enough, and whole
@@ -866,15 +853,11 @@ CPU_INLINE void cpu_avx512_mv_r16q8(const uint8_t *g, size_t gs, const int NG, i
 #pragma GCC unroll 4
             for (int i = 0; i < NG; i++) {
                 const __m512i v = _mm512_loadu_si512(g + i * gs + (size_t)b * bb + 32 + 64 * h);
-                const __m512i we = _mm512_and_si512(v, even), wo = _mm512_shuffle_epi8(v, odd);
 #pragma GCC unroll 8
                 for (int t = 0; t < NT; t++) {
-                    const int32_t *q2 = xw[(size_t)t * ldxw + b].q2 + 2 * h; /* words 4c + 2i, + 1 */
-                    sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], we, _mm512_set1_epi32(q2[0]));
-                    if (split)
-                        sb[i][t] = _mm512_dpwssd_epi32(sb[i][t], wo, _mm512_set1_epi32(q2[1]));
-                    else
-                        sa[i][t] = _mm512_dpwssd_epi32(sa[i][t], wo, _mm512_set1_epi32(q2[1]));
+                    const int32_t *q8 = xw[(size_t)t * ldxw + b].q8 + 2 * h;
+                    sl[i][t] = _mm512_dpbusd_epi32(sl[i][t], v, _mm512_set1_epi32(q8[0]));
+                    sh[i][t] = _mm512_dpbusd_epi32(sh[i][t], v, _mm512_set1_epi32(q8[1]));
                 }
             }
         }
@@ -883,7 +866,7 @@ CPU_INLINE void cpu_avx512_mv_r16q8(const uint8_t *g, size_t gs, const int NG, i
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + i * gs + (size_t)b * bb)));
 #pragma GCC unroll 8
             for (int t = 0; t < NT; t++) {
-                const __m512i sum = split ? _mm512_add_epi32(sa[i][t], sb[i][t]) : sa[i][t];
+                const __m512i sum = _mm512_add_epi32(sl[i][t], _mm512_slli_epi32(sh[i][t], 8));
                 acc[i][t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(xw[(size_t)t * ldxw + b].d)),
                                             _mm512_cvtepi32_ps(sum), acc[i][t]);
             }

@@ -83,18 +83,18 @@
 
 /* Activations of the interleaved Q8_0 / Q4 matvecs (Q8_0_R16, Q4_0_R16,
  * Q4_1_R16 on AVX-512), one per block of 32 inputs of a token: x rounded to
- * integers q = rint(x / d), d = amax / CPU_XW_QMAX, so that the kernels
- * multiply 16 rows' weights by 2 (vpdpwssd, Q8_0) or 4 (vpdpbusd, Q4) inputs
- * per instruction with exact integer sums; see cpu_avx512_mv_r16 and
- * cpu_avx512_mv_r16q8. The Q4 kernel takes q as two signed bytes,
- * q = 256 hi + lo, hence the bound 127 * 256 + 127. The rounding error is at
- * most d/2 per input, 1/65278 of the block's largest |x|, and a token's values
- * do not depend on the others in its batch. */
+ * integers q = rint(x / d), d = amax / CPU_XW_QMAX, each stored as two signed
+ * bytes, q = 256 hi + lo (hence the bound 127 * 256 + 127), so that the
+ * kernels multiply 16 rows' weights by 4 bytes per instruction (vpdpbusd)
+ * with exact integer sums; see cpu_avx512_mv_r16 and cpu_avx512_mv_r16q8. The
+ * rounding error is at most d/2 per input, 1/65278 of the block's largest |x|,
+ * and a token's values do not depend on the others in its batch. */
 #define CPU_XW_QMAX 32639
 typedef struct cpu_xw_block {
-    int32_t q2[16]; /* word 4c + j: q[8c + j] (low half), q[8c + j + 4] (high), c, j < 4 */
     int32_t q4[16]; /* word 4c + h, byte i: the low (h = 0, 1) or high (h = 2, 3) byte of
-                       q[8c + 2i + (h & 1)], c, i < 4 */
+                       q[8c + 2i + (h & 1)], c, i < 4 (the Q4 layout's order) */
+    int32_t q8[16]; /* word 2 (2c + i) + h, byte j: the low (h = 0) or high (h = 1) byte of
+                       q[8c + 2i + {0, 1, 4, 5}[j]], c < 4, i < 2 (Q8_0_R16's order) */
     float d;        /* amax / CPU_XW_QMAX (0 for a block of zeros) */
     int32_t off;    /* -8 * sum(q): Q4_0's offset, folded into the integer sum (16 x for Q8_0's) */
     float s;        /* sum of the block's x: Q4_1's minimum term */
