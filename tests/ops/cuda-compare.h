@@ -206,6 +206,56 @@ static void cmp_test_matmul_errors(void **state) {
     op_buffer_free(cmp_dev, buf);
 }
 
+/* op_matmul_n on the device (its backend runs the matmuls one by one): each
+ * output bit-exact with the device's own op_matmul. */
+static void cmp_test_matmul_n(void **state) {
+    (void)state;
+    CMP_SKIP_WITHOUT_DEVICE();
+    enum { K = 96, T = 9 };
+    static const op_type types[] = {OP_TYPE_F16, OP_TYPE_Q4_0};
+    static const int64_t ns[] = {37, 16};
+    float *x = cmp_malloc(T * K * sizeof(float)), *row = cmp_malloc(K * sizeof(float));
+    cmp_fill(x, T * K, 2.0);
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++)
+        for (int64_t t = 1; t <= T; t += T - 1) {
+            op_tensor w[2], y[2], yn[2];
+            op_tensor xd = op_tensor_2d(OP_TYPE_F32, cmp_put(x, (size_t)(t * K) * sizeof(float)), K, t);
+            float *got[2], *want[2];
+            for (int i = 0; i < 2; i++) {
+                const size_t rb = op_row_bytes(types[ti], K);
+                uint8_t *wh = cmp_malloc(rb * (size_t)ns[i]);
+                for (int64_t r = 0; r < ns[i]; r++) {
+                    cmp_fill(row, K, 1.0);
+                    op_quantize_row(types[ti], row, K, wh + (size_t)r * rb, NULL);
+                }
+                w[i] = op_tensor_2d(types[ti], cmp_put(wh, rb * (size_t)ns[i]), K, ns[i]);
+                free(wh);
+                got[i] = cmp_malloc((size_t)(t * ns[i]) * sizeof(float));
+                want[i] = cmp_malloc((size_t)(t * ns[i]) * sizeof(float));
+                y[i] = op_tensor_2d(OP_TYPE_F32, cmp_put(want[i], (size_t)(t * ns[i]) * sizeof(float)), ns[i], t);
+                yn[i] = op_tensor_2d(OP_TYPE_F32, cmp_put(got[i], (size_t)(t * ns[i]) * sizeof(float)), ns[i], t);
+                cmp_ok(op_matmul(cmp_dev, &w[i], &xd, &y[i]), "matmul");
+            }
+            cmp_ok(op_matmul_n(cmp_dev, 2, (const op_tensor *[]){&w[0], &w[1]}, &xd, (op_tensor *[]){&yn[0], &yn[1]}),
+                   "matmul_n");
+            for (int i = 0; i < 2; i++) {
+                cmp_get(want[i], y[i].data, (size_t)(t * ns[i]) * sizeof(float));
+                cmp_get(got[i], yn[i].data, (size_t)(t * ns[i]) * sizeof(float));
+                if (memcmp(got[i], want[i], (size_t)(t * ns[i]) * sizeof(float)) != 0)
+                    fail_msg("matmul_n %s T=%lld: weight %d differs from op_matmul", op_type_name(types[ti]),
+                             (long long)t, i);
+                op_buffer_free(cmp_dev, w[i].data);
+                op_buffer_free(cmp_dev, y[i].data);
+                op_buffer_free(cmp_dev, yn[i].data);
+                free(got[i]);
+                free(want[i]);
+            }
+            op_buffer_free(cmp_dev, xd.data);
+        }
+    free(x);
+    free(row);
+}
+
 /* ---- get_rows ------------------------------------------------------------------------- */
 
 static void cmp_test_get_rows(void **state) {
@@ -527,7 +577,8 @@ static void cmp_test_attention(void **state) {
 
 #define CMP_TESTS                                                                                  \
     cmocka_unit_test(cmp_test_basics), cmocka_unit_test(cmp_test_matmul),                          \
-        cmocka_unit_test(cmp_test_matmul_errors), cmocka_unit_test(cmp_test_get_rows),             \
+        cmocka_unit_test(cmp_test_matmul_errors), cmocka_unit_test(cmp_test_matmul_n),             \
+        cmocka_unit_test(cmp_test_get_rows),                                                       \
         cmocka_unit_test(cmp_test_rmsnorm), cmocka_unit_test(cmp_test_softmax),                    \
         cmocka_unit_test(cmp_test_elementwise), cmocka_unit_test(cmp_test_rope),                   \
         cmocka_unit_test(cmp_test_attention)
