@@ -254,10 +254,11 @@ typedef struct cpu_mm_job {
 
 /* Matvec chunks shrink as the rows run out (guided scheduling): the first
  * ones are long, so that each thread streams long runs of consecutive weight
- * rows (the prefetchers restart at every chunk: the first is 1/nth of all
- * the rows), and the last ones are short, so that the threads finish together. Chunks are multiples of 16 rows from
- * each matmul's row 0, so the kernels group rows the same way whatever the
- * thread count and whichever matmuls share the job. */
+ * rows (the prefetchers restart at every chunk; the first chunk is 1/nth of
+ * all the rows), and the last ones are short, so that the threads finish
+ * together. Chunks are multiples of 16 rows from each matmul's row 0, so the
+ * kernels group rows the same way whatever the thread count and whichever
+ * matmuls share the job. */
 static void cpu_matvec_job(void *arg, int ith, int nth) {
     (void)ith;
     (void)nth;
@@ -477,19 +478,22 @@ static int cpu_mm_run(cpu_backend *c, const cpu_mm *m) {
  * matvec path, else one after another. */
 static int cpu_matmul_n(op_backend *be, int n, const op_tensor *const *w, const op_tensor *x, op_tensor *const *y) {
     cpu_backend *c = cpu_be(be);
+    cpu_mm all[OP_MATMUL_N_MAX];
+    for (int i = 0; i < n; i++) { /* all checked before any is written */
+        int rc = cpu_mm_setup(w[i], x, y[i], &all[i]);
+        if (rc) return rc;
+    }
     cpu_mm_job j = {.c = c};
     bool joint = true;
     for (int i = 0; i < n; i++) {
-        int rc = cpu_mm_setup(w[i], x, y[i], &j.m[j.nm]);
-        if (rc) return rc;
-        const cpu_mm *m = &j.m[j.nm];
+        const cpu_mm *m = &all[i];
         if (m->t == 0 || m->n == 0) continue;
         if (m->k == 0) {
             for (int64_t t = 0; t < m->t; t++) memset(m->y + t * m->ldy, 0, (size_t)m->n * sizeof(float));
             continue;
         }
-        joint = joint && m->type == j.m[0].type && m->t <= cpu_decode_max_t(c, m->type);
-        j.nm++;
+        joint = joint && (j.nm == 0 || m->type == j.m[0].type) && m->t <= cpu_decode_max_t(c, m->type);
+        j.m[j.nm++] = *m;
     }
     if (j.nm == 0) return FU_OK;
     if (joint) return cpu_matvec_run(c, &j);
