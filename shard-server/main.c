@@ -274,8 +274,11 @@ static int shard_span_open(shard_span *sp, int first, int last, int embed, int h
 /* Frees the span given up by the last move once its sessions are done; past drain_ms its sessions
  * are ended (the gateway replays them elsewhere). */
 static void shard_span_reap(shard_span *sp) {
-    if (!sp->old_core) return;
-    bool late = mono_now() - sp->moved_at >= sp->drain_ms / 1000.0;
+    pthread_mutex_lock(&sp->mu);
+    const bool draining = sp->old_core != NULL;
+    const bool late = draining && mono_now() - sp->moved_at >= sp->drain_ms / 1000.0;
+    pthread_mutex_unlock(&sp->mu);
+    if (!draining) return;
     shard_core *c = shard_server_old_core(sp->srv, late);
     if (!c) return;
     pthread_mutex_lock(&sp->mu);
@@ -289,12 +292,15 @@ static void shard_span_reap(shard_span *sp) {
 }
 
 /* shard_join_config.load: loads the span the gateway assigned and serves it; a serving shard
- * (a move) loads it beside its span, which then drains. */
+ * (a move) loads it beside its span, which then drains. It runs beside shard_span_status, on the
+ * loader thread, and is the only writer of core and m. */
 static int shard_span_load(void *ctx, int first, int last) {
     shard_span *sp = ctx;
-    if (sp->old_core)
-        return fu_errorf(FU_ERR_INVALID, "blocks [%d, %d) still drain after the last move", sp->old_m->first,
-                         sp->old_m->last);
+    pthread_mutex_lock(&sp->mu);
+    const int dfirst = sp->old_core ? sp->old_m->first : 0, dlast = sp->old_core ? sp->old_m->last : 0;
+    pthread_mutex_unlock(&sp->mu);
+    if (dlast > dfirst)
+        return fu_errorf(FU_ERR_INVALID, "blocks [%d, %d) still drain after the last move", dfirst, dlast);
     mdl_model *m = NULL;
     shard_core *core = NULL;
     double tps = 0;
@@ -307,7 +313,8 @@ static int shard_span_load(void *ctx, int first, int last) {
         return rc;
     }
     pthread_mutex_lock(&sp->mu);
-    if (sp->core) {
+    const bool moved = sp->core != NULL;
+    if (moved) {
         sp->old_m = sp->m;
         sp->old_core = sp->core;
         sp->moved_at = mono_now();
@@ -319,7 +326,7 @@ static int shard_span_load(void *ctx, int first, int last) {
     pthread_mutex_unlock(&sp->mu);
     FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s at %s, %.1f tokens/s measured%s", first, last, sp->name,
             m->has_embed ? " +embeddings" : "", m->has_head ? " +head" : "", shard_server_address(sp->srv), tps,
-            sp->old_core ? " (the previous span drains)" : "");
+            moved ? " (the previous span drains)" : "");
     return FU_OK;
 }
 

@@ -42,6 +42,14 @@ struct shard_join {
     int n_peers;
     int fail_first, fail_last; /* the last assignment that failed to load; equal: none */
     char load_error[200];
+    /* the loader thread: an assignment loads beside the heartbeats, which go on reporting the span served
+     * (a load can take longer than the gateway waits between heartbeats) */
+    pthread_t loader;
+    bool loading;                 /* a loader thread was started and not yet joined */
+    bool loaded;                  /* it has finished (under mu): load_rc, load_msg hold the result */
+    int load_first, load_last;
+    int load_rc;
+    char load_msg[200];
 };
 
 static double mono_s(void) {
@@ -161,10 +169,48 @@ static void set_peers(shard_join *j, char **peers, size_t n) {
     }
 }
 
-/* Loads an assigned span unless it is served already, it failed already or the span is fixed.
- * Returns true if the next heartbeat should follow at once (loaded, or failed). */
+static void *join_loader(void *arg) {
+    shard_join *j = arg;
+    int rc = j->cfg.load(j->cfg.ctx, j->load_first, j->load_last);
+    pthread_mutex_lock(&j->mu);
+    j->load_rc = rc;
+    if (rc) snprintf(j->load_msg, sizeof j->load_msg, "%s: %s", fu_status_str(rc), fu_last_error());
+    j->loaded = true;
+    pthread_cond_broadcast(&j->cv); /* the result goes to the gateway at once */
+    pthread_mutex_unlock(&j->mu);
+    return NULL;
+}
+
+/* Keeps the result of the load that ended for the next heartbeat. */
+static void load_report(shard_join *j) {
+    j->loading = j->loaded = false;
+    if (j->load_rc) {
+        j->fail_first = j->load_first;
+        j->fail_last = j->load_last;
+        snprintf(j->load_error, sizeof j->load_error, "%s", j->load_msg);
+        FU_WARN("join: loading [%d, %d) failed: %s", j->load_first, j->load_last, j->load_error);
+    } else {
+        j->fail_first = j->fail_last = 0;
+        j->load_error[0] = '\0';
+    }
+}
+
+/* Takes the result of a finished load (joining its thread); true if there was one. */
+static bool load_finished(shard_join *j) {
+    pthread_mutex_lock(&j->mu);
+    bool done = j->loading && j->loaded;
+    pthread_mutex_unlock(&j->mu);
+    if (!done) return false;
+    pthread_join(j->loader, NULL);
+    load_report(j);
+    return true;
+}
+
+/* Starts loading an assigned span unless it is served already, it failed already, the span is fixed
+ * or a load is under way. Returns true if the next heartbeat should follow at once (a load finished). */
 static bool maybe_load(shard_join *j, const Fusion__SpanAssignment *span) {
-    if (!span || j->cfg.fixed_span) return false;
+    if (load_finished(j)) return true;
+    if (!span || j->cfg.fixed_span || j->loading) return false;
     shard_join_status st;
     memset(&st, 0, sizeof st);
     j->cfg.status(j->cfg.ctx, &st);
@@ -180,17 +226,16 @@ static bool maybe_load(shard_join *j, const Fusion__SpanAssignment *span) {
                 first, last);
     else
         FU_INFO("join: the gateway assigns blocks [%d, %d): loading", first, last);
-    int rc = j->cfg.load(j->cfg.ctx, first, last);
-    if (rc) {
-        j->fail_first = first;
-        j->fail_last = last;
-        snprintf(j->load_error, sizeof j->load_error, "%s: %s", fu_status_str(rc), fu_last_error());
-        FU_WARN("join: loading [%d, %d) failed: %s", first, last, j->load_error);
+    j->load_first = first;
+    j->load_last = last;
+    j->loaded = false;
+    j->loading = true;
+    if (pthread_create(&j->loader, NULL, join_loader, j)) { /* no thread: load here */
+        join_loader(j);
+        load_report(j);
         return true;
     }
-    j->fail_first = j->fail_last = 0;
-    j->load_error[0] = '\0';
-    return true;
+    return false;
 }
 
 /* Warns about a failed call to the gateway: the first failure, then every 10 s while it lasts. */
@@ -268,10 +313,11 @@ static void *join_main(void *arg) {
         long ns = ts.tv_nsec + (long)(j->interval_ms % 1000) * 1000000L;
         ts.tv_sec += j->interval_ms / 1000 + ns / 1000000000L;
         ts.tv_nsec = ns % 1000000000L;
-        while (!j->stopping && pthread_cond_timedwait(&j->cv, &j->mu, &ts) == 0) {
+        while (!j->stopping && !(j->loading && j->loaded) && pthread_cond_timedwait(&j->cv, &j->mu, &ts) == 0) {
         }
     }
     pthread_mutex_unlock(&j->mu);
+    if (j->loading) pthread_join(j->loader, NULL); /* a load cannot be cut short */
     join_round(j, true);
     return NULL;
 }

@@ -3,11 +3,14 @@
  * A background thread registers with the gateway's fusion.Swarm service, then
  * heartbeats every interval the gateway asks for with the shard's current
  * figures. A span assignment (in the Join reply or a heartbeat reply) is
- * passed to the `load` callback, on that thread; once it returns the next
- * heartbeat (sent at once) reports the span as served, or the failure and its
- * message (the gateway then withdraws the assignment). An assignment differing
- * from the span served is a move: the new span loads beside the old one. A heartbeat the gateway
- * refuses with NOT_FOUND (it retired the shard or restarted) makes it join
+ * passed to the `load` callback on a thread of its own, while the heartbeats
+ * go on (reporting the span served until then: a load may take longer than
+ * the gateway waits for a heartbeat); once it returns the next heartbeat
+ * (sent at once) reports the span as served, or the failure and its message
+ * (the gateway then withdraws the assignment). `status` may be called while
+ * `load` runs. An assignment differing from the span served is a move: the
+ * new span loads beside the old one. A heartbeat the gateway refuses with
+ * NOT_FOUND (it retired the shard or restarted) makes it join
  * again; an unreachable gateway is retried every interval. The thread also
  * measures the links to the peers the gateway names (Echo round trip and a
  * 256 KiB reply) and reports them.
