@@ -232,21 +232,16 @@ static bool wait_reported(gw *g, int first, int last, int ff, int fl) {
     return ok;
 }
 
-/* A load that lasts: the heartbeats go on meanwhile, saying the shard serves nothing yet; once it
- * returns, the next says it serves the span, and the assignment repeated in every reply is not
- * loaded again. */
-static void test_heartbeats_while_loading(void **state) {
-    (void)state;
+/* A stand-in gateway and a membership thread joined to it, its first load under way. */
+static fixture *started(shard_join **j) {
     fixture *f = fixture_new();
-    shard_join *j = join_start(f);
+    *j = join_start(f);
     assert_true(wait_in_load(&f->s));
-    const int at = f->s.beats_at_start;
-    assert_true(wait_beats(&f->g, at + 3)); /* three heartbeats while load() has not returned */
-    pthread_mutex_lock(&f->g.mu);
-    assert_int_equal(f->g.last, f->g.first); /* nothing served yet */
-    pthread_mutex_unlock(&f->g.mu);
-    release_load(&f->s, FU_OK);
-    assert_true(wait_reported(&f->g, 0, 4, 0, 0));
+    return f;
+}
+
+/* Three more heartbeats (the assignment repeated in each reply) and still one load. */
+static void assert_loaded_once(fixture *f) {
     pthread_mutex_lock(&f->g.mu);
     const int beats = f->g.beats;
     pthread_mutex_unlock(&f->g.mu);
@@ -254,6 +249,23 @@ static void test_heartbeats_while_loading(void **state) {
     pthread_mutex_lock(&f->s.mu);
     assert_int_equal(f->s.loads, 1);
     pthread_mutex_unlock(&f->s.mu);
+}
+
+/* A load that lasts: the heartbeats go on meanwhile, saying the shard serves nothing yet; once it
+ * returns, the next says it serves the span, and the assignment repeated in every reply is not
+ * loaded again. */
+static void test_heartbeats_while_loading(void **state) {
+    (void)state;
+    shard_join *j;
+    fixture *f = started(&j);
+    const int at = f->s.beats_at_start;
+    assert_true(wait_beats(&f->g, at + 3)); /* three heartbeats while load() has not returned */
+    pthread_mutex_lock(&f->g.mu);
+    assert_int_equal(f->g.last, f->g.first); /* nothing served yet */
+    pthread_mutex_unlock(&f->g.mu);
+    release_load(&f->s, FU_OK);
+    assert_true(wait_reported(&f->g, 0, 4, 0, 0));
+    assert_loaded_once(f);
     shard_join_stop(j);
     pthread_mutex_lock(&f->g.mu);
     assert_true(f->g.leaving);
@@ -266,19 +278,14 @@ static void test_heartbeats_while_loading(void **state) {
  * assignment is not tried again. */
 static void test_failed_load_reported(void **state) {
     (void)state;
-    fixture *f = fixture_new();
-    shard_join *j = join_start(f);
-    assert_true(wait_in_load(&f->s));
+    shard_join *j;
+    fixture *f = started(&j);
     release_load(&f->s, FU_ERR_NOMEM);
     assert_true(wait_reported(&f->g, 0, 0, 0, 4));
     pthread_mutex_lock(&f->g.mu);
     assert_non_null(strstr(f->g.load_error, "no memory for blocks [0, 4)"));
-    const int beats = f->g.beats;
     pthread_mutex_unlock(&f->g.mu);
-    assert_true(wait_beats(&f->g, beats + 3));
-    pthread_mutex_lock(&f->s.mu);
-    assert_int_equal(f->s.loads, 1);
-    pthread_mutex_unlock(&f->s.mu);
+    assert_loaded_once(f);
     shard_join_stop(j);
     fixture_free(f);
 }
@@ -297,9 +304,8 @@ static void *stop_run(void *arg) {
 
 static void test_stop_during_load(void **state) {
     (void)state;
-    fixture *f = fixture_new();
-    shard_join *j = join_start(f);
-    assert_true(wait_in_load(&f->s));
+    shard_join *j;
+    fixture *f = started(&j);
     stopper st = {j, f};
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, stop_run, &st), 0);
