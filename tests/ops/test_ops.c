@@ -404,6 +404,32 @@ static void test_matmul_interleaved(void **state) {
     for (int b = 0; b < n_bes; b++) assert_int_equal(op_matmul(bes[b].be, &r, &xt, &yt), FU_ERR_INVALID);
 }
 
+/* W (N, K) of `type`: random rows quantized as its plain type, repacked when
+ * it is interleaved; row scales for I8. Free data and row_scale. */
+static op_tensor random_weight(op_type type, int64_t n, int64_t k) {
+    const op_type plain = op_type_plain(type);
+    const size_t rb = op_row_bytes(plain, k);
+    uint8_t *w = malloc(rb * (size_t)n);
+    float *scales = malloc((size_t)n * sizeof(float)), *row = malloc((size_t)k * sizeof(float));
+    assert_true(w && scales && row);
+    for (int64_t r = 0; r < n; r++) {
+        fill(row, k, 1.0);
+        op_quantize_row(plain, row, k, w + (size_t)r * rb, &scales[r]);
+    }
+    free(row);
+    op_tensor t = op_tensor_2d(plain, w, k, n);
+    t.row_scale = plain == OP_TYPE_I8 ? scales : (free(scales), NULL);
+    if (type != plain) {
+        uint8_t *wr = malloc(rb * (size_t)n);
+        assert_non_null(wr);
+        assert_int_equal(op_repack_weight(&t, type, wr), FU_OK);
+        free(w);
+        t.type = type;
+        t.data = wr;
+    }
+    return t;
+}
+
 /* On AVX-512 the interleaved layouts give a token the same bits whatever
  * else shares its matmul (decode, batched decode and prefill alike): results
  * do not depend on batching (greedy output is the same alone or with other
@@ -414,21 +440,12 @@ static void test_matmul_interleaved_batch_invariant(void **state) {
     enum { N = 80, TB = 64 };
     static const int64_t ks[] = {544, 70};
     for (size_t ti = 0; ti < sizeof r16_types / sizeof r16_types[0]; ti++) {
-        const op_type type = r16_types[ti], plain = op_type_plain(type);
+        const op_type type = r16_types[ti];
         const int64_t K = ks[op_type_block_elems(type) == 1];
-        const size_t rb = op_row_bytes(plain, K);
-        uint8_t *w = malloc(rb * N), *wr = malloc(rb * N);
-        float *row = malloc((size_t)K * sizeof(float)), *x = malloc((size_t)(TB * K) * sizeof(float));
+        op_tensor wt = random_weight(type, N, K);
+        float *x = malloc((size_t)(TB * K) * sizeof(float));
         float *yb = malloc((size_t)(TB * N) * sizeof(float)), *ys = malloc((size_t)(TB * N) * sizeof(float));
-        assert_true(w && wr && row && x && yb && ys);
-        for (int r = 0; r < N; r++) {
-            fill(row, K, 1.0);
-            op_quantize_row(plain, row, K, w + (size_t)r * rb, NULL);
-        }
-        op_tensor pt = op_tensor_2d(plain, w, K, N), wt = pt;
-        assert_int_equal(op_repack_weight(&pt, type, wr), FU_OK);
-        wt.type = type;
-        wt.data = wr;
+        assert_true(x && yb && ys);
         fill(x, (int64_t)TB * K, 2.0);
         for (int b = 0; b < n_bes; b++) {
             if (strncmp(bes[b].label, "avx512", 6) != 0) continue;
@@ -444,9 +461,7 @@ static void test_matmul_interleaved_batch_invariant(void **state) {
                              bes[b].label, ts[s], TB);
             }
         }
-        free(w);
-        free(wr);
-        free(row);
+        free(wt.data);
         free(x);
         free(yb);
         free(ys);
@@ -633,32 +648,6 @@ static void test_matmul_errors(void **state) {
     assert_int_equal(op_matmul(be, &wi, &xt, &yt), FU_ERR_INVALID); /* no row scales */
     op_tensor w32 = op_tensor_2d(OP_TYPE_I32, w, 64, 8);
     assert_int_equal(op_matmul(be, &w32, &xt, &yt), FU_ERR_UNSUPPORTED);
-}
-
-/* W (N, K) of `type`: random rows quantized as its plain type, repacked when
- * it is interleaved; row scales for I8. Free data and row_scale. */
-static op_tensor random_weight(op_type type, int64_t n, int64_t k) {
-    const op_type plain = op_type_plain(type);
-    const size_t rb = op_row_bytes(plain, k);
-    uint8_t *w = malloc(rb * (size_t)n);
-    float *scales = malloc((size_t)n * sizeof(float)), *row = malloc((size_t)k * sizeof(float));
-    assert_true(w && scales && row);
-    for (int64_t r = 0; r < n; r++) {
-        fill(row, k, 1.0);
-        op_quantize_row(plain, row, k, w + (size_t)r * rb, &scales[r]);
-    }
-    free(row);
-    op_tensor t = op_tensor_2d(plain, w, k, n);
-    t.row_scale = plain == OP_TYPE_I8 ? scales : (free(scales), NULL);
-    if (type != plain) {
-        uint8_t *wr = malloc(rb * (size_t)n);
-        assert_non_null(wr);
-        assert_int_equal(op_repack_weight(&t, type, wr), FU_OK);
-        free(w);
-        t.type = type;
-        t.data = wr;
-    }
-    return t;
 }
 
 /* op_matmul_n gives each weight's op_matmul result bit for bit: weights of
