@@ -1,5 +1,6 @@
 /* generate.c -- fusion-bench-generate: prefill and decode tokens/s of the engine, next to the
- * machine's measured memory bandwidth (decode as a fraction of its bandwidth bound). */
+ * machine's measured memory bandwidth (decode as a fraction of its bandwidth bound; on the CPU
+ * backend, whose bandwidth it can measure). */
 #include <errno.h>
 #include <getopt.h>
 #include <stdbool.h>
@@ -8,6 +9,7 @@
 #include <string.h>
 
 #include "bench-util.h"
+#include "cli.h"
 #include "engine.h"
 #include "model.h"
 #include "ops.h"
@@ -41,6 +43,7 @@ static int parse_type(const char *s, op_type *t) {
 static void usage(FILE *f) {
     fprintf(f, "usage: fusion-bench-generate (--model PATH | --random PRESET) [options]\n"
                "  --dtype f32|f16|bf16|q8_0|q4_0|q4_1|i8   random weights' type (default f16)\n"
+               "  --device cpu|cuda|cuda:N   (default cpu; the bandwidth bound is for the CPU only)\n"
                "  --threads N   (default: all CPUs)     --isa auto|portable|avx2|avx512\n"
                "  --prompt N    prefill tokens (default 128)\n"
                "  --decode N    decode steps (default 32)\n"
@@ -57,15 +60,17 @@ int main(int argc, char **argv) {
     op_type dtype = OP_TYPE_F16, kv_type = OP_TYPE_F32;
     int threads = 0, n_prompt = 128, n_decode = 32, no_head = 0, first = 0, last = -1;
     op_cpu_isa isa = OP_CPU_ISA_AUTO;
+    const char *device = "cpu";
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'}, {"random", required_argument, 0, 'r'},
         {"dtype", required_argument, 0, 'd'}, {"threads", required_argument, 0, 't'},
         {"prompt", required_argument, 0, 'p'}, {"decode", required_argument, 0, 'n'},
         {"isa", required_argument, 0, 'i'},   {"no-head", no_argument, 0, 'H'},
         {"blocks", required_argument, 0, 'b'}, {"kv", required_argument, 0, 'k'},
-        {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
+        {"device", required_argument, 0, 'D'}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
     int c;
-    while ((c = getopt_long(argc, argv, "m:r:d:t:p:n:i:b:k:Hh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "m:r:d:t:p:n:i:b:k:HhD:", opts, NULL)) != -1) {
         char *end = NULL;
         switch (c) {
         case 'm': model_path = optarg; break;
@@ -89,6 +94,7 @@ int main(int argc, char **argv) {
             else goto bad;
             break;
         case 'H': no_head = 1; break;
+        case 'D': device = optarg; break;
         case 'b':
             if (sscanf(optarg, "%d:%d", &first, &last) != 2 || first < 0 || last <= first) goto bad;
             break;
@@ -106,12 +112,14 @@ int main(int argc, char **argv) {
     mdl_open_options mo = {first, last, first == 0, !no_head};
     mdl_model *m = NULL;
     int rc;
-    op_cpu_options co = {.n_threads = threads, .isa = isa};
-    op_backend *be = op_backend_cpu_new(&co);
-    if (!be) {
+    op_backend *be = NULL;
+    char device_desc[300];
+    if (fu_backend_open(device, threads, isa, &be, device_desc, sizeof device_desc)) {
         fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
         return 1;
     }
+    /* the read bandwidth measured is host memory's: the bound applies to the CPU backend */
+    const bool on_cpu = !strcmp(op_backend_name(be), "cpu");
     /* the layout the engine runs matrices of whole row groups in */
     const op_type run_type = op_weight_layout(be, dtype, OP_R16_ROWS);
     double t_load = bench_now();
@@ -208,7 +216,7 @@ int main(int argc, char **argv) {
     /* the pairs: ratio = time to read a token's weight bytes / time per token */
     double pair[BENCH_PAIRS];
     const size_t pbytes = ((size_t)wbytes + 63) / 64 * 64;
-    uint8_t *pbuf = bench_read_buffer(pbytes);
+    uint8_t *pbuf = on_cpu ? bench_read_buffer(pbytes) : NULL;
     const bool paired = pbuf != NULL;
     for (int r = 0; paired && r < BENCH_PAIRS; r++) {
         const double gbs = bench_read_once(pbuf, pbytes, op_backend_n_threads(be));
@@ -222,7 +230,7 @@ int main(int argc, char **argv) {
         pair[r] = (double)pbytes / (gbs * 1e9) / (bench_now() - t);
     }
     free(pbuf);
-    double bw = bench_read_bandwidth(op_backend_n_threads(be), (size_t)1 << 30, 5);
+    double bw = on_cpu ? bench_read_bandwidth(op_backend_n_threads(be), (size_t)1 << 30, 5) : 0;
     double prefill_tps = n_prompt / t_prefill, decode_tps = n_decode / t_decode;
     double bound_tps = bw * 1e9 / (double)wbytes;
     /* matmul flops per token: 2 x weights' elements (the head only for the last token) */
@@ -238,27 +246,32 @@ int main(int argc, char **argv) {
            cfg->ffn_dim, cfg->n_heads, cfg->n_kv_heads, cfg->vocab_size,
            model_path ? op_type_name(m->layers[0].wq.type) : op_type_name(dtype));
     const op_type wtype = model_path ? m->layers[0].wq.type : dtype;
-    printf("backend      cpu/%s, %d threads, %s weights run as %s; load %.2f s\n", op_backend_isa(be),
-           op_backend_n_threads(be), op_type_name(wtype),
+    printf("backend      %s, %s weights run as %s; load %.2f s\n", device_desc, op_type_name(wtype),
            op_type_name(op_weight_layout(be, wtype, m->layers[0].wq.ne[1])), t_load);
-    printf("bandwidth    %.2f GB/s measured (read, %d threads)\n", bw, op_backend_n_threads(be));
+    if (on_cpu) printf("bandwidth    %.2f GB/s measured (read, %d threads)\n", bw, op_backend_n_threads(be));
     printf("prefill      %d tokens in %.3f s: %.1f tokens/s, %.1f GFLOP/s in block matmuls\n", n_prompt,
            t_prefill, prefill_tps, 2.0 * params * n_prompt / t_prefill / 1e9);
     printf("decode       %d tokens in %.3f s: %.2f tokens/s (%.2f ms/token)", n_decode, t_decode,
            decode_tps, 1e3 / decode_tps);
     if (best_round > 0) printf("; best round of %d: %.2f tokens/s", BENCH_ROUND, best_round);
-    printf("\nbound        %.1f MB of weights per token -> %.2f tokens/s at the measured bandwidth\n",
-           (double)wbytes / 1e6, bound_tps);
-    printf("ratio        decode / bandwidth bound = %.3f over all tokens", decode_tps / bound_tps);
-    if (best_round > 0) printf(", %.3f for the best round (best read vs best round)", best_round / bound_tps);
     printf("\n");
+    if (on_cpu) {
+        printf("bound        %.1f MB of weights per token -> %.2f tokens/s at the measured bandwidth\n",
+               (double)wbytes / 1e6, bound_tps);
+        printf("ratio        decode / bandwidth bound = %.3f over all tokens", decode_tps / bound_tps);
+        if (best_round > 0) printf(", %.3f for the best round (best read vs best round)", best_round / bound_tps);
+        printf("\n");
+    } else {
+        printf("weights      %.1f MB read per token: %.1f GB/s at the decode rate\n", (double)wbytes / 1e6,
+               (double)wbytes * decode_tps / 1e9);
+    }
     if (paired) {
         qsort(pair, BENCH_PAIRS, sizeof pair[0], bench_cmp_double);
         printf("paired       %d tokens, each right after a read of %.1f MB: decode / bound = %.3f median, "
                "%.3f - %.3f middle half, %.3f - %.3f all\n",
                BENCH_PAIRS, (double)pbytes / 1e6, (pair[(BENCH_PAIRS - 1) / 2] + pair[BENCH_PAIRS / 2]) / 2,
                pair[BENCH_PAIRS / 4], pair[BENCH_PAIRS - 1 - BENCH_PAIRS / 4], pair[0], pair[BENCH_PAIRS - 1]);
-    } else {
+    } else if (on_cpu) {
         printf("paired       no memory for a %.1f MB read buffer\n", (double)pbytes / 1e6);
     }
     printf("memory       peak RSS %.0f MiB (weights %.0f MiB, KV cache %.1f MiB %s)\n", peak_rss,

@@ -22,11 +22,15 @@ struct eng_engine {
     int64_t qd, kd;        /* H * hd, KVH * hd */
     size_t kv_elem;        /* bytes per cached element */
 
-    /* the span's matmul weights as the backend runs them (op_weight_prepare):
-     * the model's tensors, or the engine's own copies in another layout */
-    mdl_layer *lw;         /* (n_span) the model's layers with prepared matrices */
+    /* the span's tensors as the backend reads them: matrices through
+     * op_weight_prepare (the model's tensors, or the engine's own copies in
+     * another layout or in device memory), vectors and the embeddings through
+     * op_tensor_upload (copies only where the backend cannot read host memory) */
+    mdl_layer *lw;         /* (n_span) the model's layers, prepared */
     op_tensor head;        /* the LM head, prepared, when the model has it */
-    void **owned;          /* backend buffers of the prepared copies */
+    op_tensor out_norm;    /* when the model has its head */
+    op_tensor embd;        /* the token embeddings, when the model has them */
+    void **owned;          /* backend buffers of the copies */
     int n_owned;
 
     /* scratch, backend memory, sized for max_batch_tokens rows */
@@ -76,35 +80,58 @@ void eng_free(eng_engine *e) {
     free(e);
 }
 
-/* *w as the backend runs it: the model's tensor, or a prepared copy that the
- * engine owns (after which the model may give back the original's pages). */
-static int eng_prepare(eng_engine *e, const op_tensor *src, op_tensor *w) {
-    int rc = op_weight_prepare(e->be, src, w);
+/* *w as the backend runs it: the model's tensor, or a copy that the engine
+ * owns (after which the model may give back the original's pages). A matrix
+ * goes through op_weight_prepare, anything else through op_tensor_upload. */
+static int eng_prepare(eng_engine *e, const op_tensor *src, op_tensor *w, bool matrix) {
+    int rc = matrix ? op_weight_prepare(e->be, src, w) : op_tensor_upload(e->be, src, w);
     if (rc <= 0) return rc;
     e->owned[e->n_owned++] = w->data;
     mdl_release_tensor(e->m, src);
     return FU_OK;
 }
 
-/* Prepares the span's matrices and the LM head (see eng_prepare). */
+/* Prepares the span's tensors, the final norm and LM head, and the
+ * embeddings (see eng_prepare). */
 static int eng_prepare_weights(eng_engine *e) {
     const mdl_model *m = e->m;
+    const mdl_config *c = &m->cfg;
     e->lw = calloc((size_t)e->n_span + 1, sizeof *e->lw);
-    e->owned = calloc(7 * (size_t)e->n_span + 1, sizeof *e->owned);
+    e->owned = calloc(14 * (size_t)e->n_span + 3, sizeof *e->owned);
     if (!e->lw || !e->owned) return fu_errorf(FU_ERR_NOMEM, "engine weights");
     int rc = FU_OK;
     for (int l = 0; l < e->n_span && !rc; l++) {
         const mdl_layer *src = &m->layers[l];
         mdl_layer *L = &e->lw[l];
         *L = *src;
-        if ((rc = eng_prepare(e, &src->wq, &L->wq)) || (rc = eng_prepare(e, &src->wk, &L->wk)) ||
-            (rc = eng_prepare(e, &src->wv, &L->wv)) || (rc = eng_prepare(e, &src->wo, &L->wo)) ||
-            (rc = eng_prepare(e, &src->w_gate, &L->w_gate)) || (rc = eng_prepare(e, &src->w_up, &L->w_up)) ||
-            (rc = eng_prepare(e, &src->w_down, &L->w_down)))
+        if ((rc = eng_prepare(e, &src->wq, &L->wq, true)) || (rc = eng_prepare(e, &src->wk, &L->wk, true)) ||
+            (rc = eng_prepare(e, &src->wv, &L->wv, true)) || (rc = eng_prepare(e, &src->wo, &L->wo, true)) ||
+            (rc = eng_prepare(e, &src->w_gate, &L->w_gate, true)) ||
+            (rc = eng_prepare(e, &src->w_up, &L->w_up, true)) ||
+            (rc = eng_prepare(e, &src->w_down, &L->w_down, true)) ||
+            (rc = eng_prepare(e, &src->attn_norm, &L->attn_norm, false)) ||
+            (rc = eng_prepare(e, &src->ffn_norm, &L->ffn_norm, false)))
+            break;
+        if (c->qkv_bias && ((rc = eng_prepare(e, &src->bq, &L->bq, false)) ||
+                            (rc = eng_prepare(e, &src->bk, &L->bk, false)) ||
+                            (rc = eng_prepare(e, &src->bv, &L->bv, false))))
+            break;
+        if (c->qk_norm && ((rc = eng_prepare(e, &src->q_norm, &L->q_norm, false)) ||
+                           (rc = eng_prepare(e, &src->k_norm, &L->k_norm, false))))
             break;
     }
-    if (!rc && m->has_head) rc = eng_prepare(e, &m->lm_head, &e->head);
-    return rc;
+    if (!rc && m->has_head)
+        (void)((rc = eng_prepare(e, &m->lm_head, &e->head, true)) ||
+               (rc = eng_prepare(e, &m->out_norm, &e->out_norm, false)));
+    if (rc || !m->has_embed) return rc;
+    /* tied embeddings that the head's preparation copied as they are: one copy serves both */
+    if (m->has_head && m->lm_head.data == m->tok_embd.data && e->head.data != m->lm_head.data &&
+        e->head.type == m->tok_embd.type) {
+        e->embd = e->head;
+        e->embd.name = m->tok_embd.name;
+        return FU_OK;
+    }
+    return eng_prepare(e, &m->tok_embd, &e->embd, false);
 }
 
 int eng_new(const mdl_model *m, op_backend *be, const eng_options *opts, eng_engine **out) {
@@ -260,7 +287,7 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
     op_rope_params rp = {c->rope_mode, m->rot_dim, m->inv_freq, 1.0f};
 
     if (m->has_embed) {
-        if ((rc = op_get_rows(be, &m->tok_embd, tokens, &x))) return rc;
+        if ((rc = op_get_rows(be, &e->embd, tokens, &x))) return rc;
     } else {
         if ((rc = op_buffer_set(be, e->x, embd, (size_t)T * (size_t)D * sizeof(float)))) return rc;
     }
@@ -303,21 +330,18 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
             return rc;
     }
 
-    /* gather the wanted rows */
+    /* the wanted rows: all of x, or gathered into xn */
     int n = 0;
     for (int t = 0; t < T; t++)
         if (!want || want[t]) e->rows[n++] = t;
     *n_out = n;
     if (n == 0) return FU_OK;
     const size_t row = (size_t)D * sizeof(float);
-    if (n < T) /* compact into xn (rows in order, so in-place forward copy is safe) */
-        for (int i = 0; i < n; i++) memmove(e->xn + (size_t)i * D, e->x + (size_t)e->rows[i] * D, row);
-    else
-        memcpy(e->xn, e->x, (size_t)T * row);
     op_tensor h = op_tensor_2d(OP_TYPE_F32, e->xn, D, n);
-    if (!m->has_head) return op_buffer_get(be, out, e->xn, (size_t)n * row);
+    if (n < T && (rc = op_get_rows(be, &x, e->rows, &h))) return rc;
+    if (!m->has_head) return op_buffer_get(be, out, n < T ? e->xn : e->x, (size_t)n * row);
     op_tensor logits = op_tensor_2d(OP_TYPE_F32, e->logits, c->vocab_size, n);
-    if ((rc = op_rmsnorm(be, &h, &m->out_norm, c->norm_eps, &h)) ||
+    if ((rc = op_rmsnorm(be, n < T ? &h : &x, &e->out_norm, c->norm_eps, &h)) ||
         (rc = op_matmul(be, &e->head, &h, &logits)))
         return rc;
     return op_buffer_get(be, out, e->logits, (size_t)n * (size_t)c->vocab_size * sizeof(float));

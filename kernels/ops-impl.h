@@ -17,10 +17,12 @@ typedef struct op_backend_vtbl {
     int (*buffer_set)(op_backend *be, void *dst, const void *src, size_t nbytes);
     int (*buffer_get)(op_backend *be, void *dst, const void *src, size_t nbytes);
     int (*reserve)(op_backend *be, int64_t max_tokens, int64_t max_k);
-    /* optional, both or neither (NULL: weights are used as they are); see
+    /* optional (NULL: weights are used as they are, in their own type); see
      * op_weight_prepare and op_weight_layout */
     int (*weight_prepare)(op_backend *be, const op_tensor *w, op_tensor *out);
     op_type (*weight_layout)(const op_backend *be, op_type type, int64_t rows);
+    /* optional (NULL: the backend's ops read host memory); see op_tensor_upload */
+    int (*upload)(op_backend *be, const op_tensor *t, op_tensor *out);
     int (*synchronize)(op_backend *be);
 
     int (*matmul)(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y);

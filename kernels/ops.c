@@ -495,6 +495,12 @@ int op_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out) {
     OP_LOCKED(be, be->v->weight_prepare(be, w, out));
 }
 
+int op_tensor_upload(op_backend *be, const op_tensor *t, op_tensor *out) {
+    *out = *t;
+    if (!be->v->upload) return 0;
+    OP_LOCKED(be, be->v->upload(be, t, out));
+}
+
 op_type op_weight_layout(const op_backend *be, op_type type, int64_t rows) {
     return be->v->weight_layout ? be->v->weight_layout(be, type, rows) : type;
 }

@@ -175,7 +175,8 @@ op_backend *op_backend_cuda_new(int device);
 
 void op_backend_free(op_backend *be); /* NULL is a no-op */
 const char *op_backend_name(const op_backend *be);
-/* For the CPU backend: the ISA actually in use ("portable", "avx2", "avx512"). */
+/* For the CPU backend: the ISA actually in use ("portable", "avx2", "avx512");
+ * for the CUDA backend: the device's name. */
 const char *op_backend_isa(const op_backend *be);
 int op_backend_n_threads(const op_backend *be);
 bool op_backend_supports(const op_backend *be, op_type weight_type);
@@ -188,7 +189,8 @@ int op_buffer_get(op_backend *be, void *dst_host, const void *src, size_t nbytes
 
 /* Puts a matmul weight into the layout the backend runs fastest (the CPU
  * backend on AVX-512: F16 / BF16 / Q8_0 / Q4_0 / Q4_1 with a multiple of 16
- * rows become the _R16 types). w is host memory. Returns 1 with *out
+ * rows become the _R16 types; the CUDA backend copies w to the device as it
+ * is). w is host memory. Returns 1 with *out
  * describing a new backend buffer (the caller frees out->data with
  * op_buffer_free), 0 with *out = *w when the backend uses w as it is, or a
  * negative fu_status. */
@@ -196,6 +198,14 @@ int op_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out);
 /* The type op_weight_prepare gives a 2-D weight of `type` with `rows` rows on
  * this backend (`type` itself when the backend keeps it). */
 op_type op_weight_layout(const op_backend *be, op_type type, int64_t rows);
+
+/* Makes host tensor t (contiguous; an I8 tensor with its row scales) readable
+ * by the backend's ops, as it is: for the vectors and tables that ops read
+ * besides matmul weights (norm weights, biases, embeddings). Returns 0 with
+ * *out = *t on a backend whose ops read host memory (the CPU), 1 with *out
+ * describing a copy in a new backend buffer (the caller frees out->data with
+ * op_buffer_free), or a negative fu_status. */
+int op_tensor_upload(op_backend *be, const op_tensor *t, op_tensor *out);
 
 /* Pre-sizes scratch so that ops over at most max_tokens rows with inner
  * dimension at most max_k never allocate afterwards. */

@@ -37,6 +37,7 @@ typedef struct shard_args {
     int drain_ms;
     char *port_file;
     char *join;          /* gateway's swarm address */
+    char *device;        /* "cpu", "cuda", "cuda:N"; NULL: cpu */
     int max_blocks;      /* most blocks to load when the gateway places it (0: all) */
 } shard_args;
 
@@ -59,6 +60,7 @@ static void usage(FILE *f) {
             "  --kv-budget-mib N     KV cache memory for all sessions (default 1024)\n"
             "  --kv f32|f16          KV cache type (default f32)\n"
             "  --max-batch N         tokens per batched forward (default 512)\n"
+            "  --device cpu|cuda|cuda:N   where the span runs (default cpu)\n"
             "  --threads N           CPU threads (default: all)\n"
             "  --idle-timeout-ms N   expire idle sessions (default 120000)\n"
             "  --drain-ms N          on SIGTERM, let sessions finish this long (default 10000)\n"
@@ -124,6 +126,7 @@ static int apply_option(shard_args *a, const char *name, const char *val) {
     if (!strcmp(name, "tls-ca") || !strcmp(name, "tls_ca")) return set_str(&a->tls_ca, val);
     if (!strcmp(name, "port-file") || !strcmp(name, "port_file")) return set_str(&a->port_file, val);
     if (!strcmp(name, "join")) return set_str(&a->join, val);
+    if (!strcmp(name, "device")) return set_str(&a->device, val);
     if (!strcmp(name, "kv")) {
         if (!strcmp(val, "f16")) a->kv_f16 = 1;
         else if (!strcmp(val, "f32")) a->kv_f16 = 0;
@@ -220,6 +223,7 @@ static void free_args(shard_args *a) {
     free(a->tls_ca);
     free(a->port_file);
     free(a->join);
+    free(a->device);
 }
 
 /* The span this process serves: opened at start-up (--blocks) or when the gateway assigns one. */
@@ -228,7 +232,7 @@ typedef struct shard_span {
     char *path;
     op_backend *be;
     int n_layers;
-    char name[128], dtype[16], device[64];
+    char name[128], dtype[16], device[300];
     uint64_t kv_budget;
     int max_batch;
     bool kv_f16;
@@ -391,6 +395,7 @@ int main(int argc, char **argv) {
         {"idle-timeout-ms", required_argument, 0, 1}, {"drain-ms", required_argument, 0, 1},
         {"port-file", required_argument, 0, 1},  {"insecure", no_argument, 0, 'i'},
         {"join", required_argument, 0, 1},       {"max-blocks", required_argument, 0, 1},
+        {"device", required_argument, 0, 1},
         {"embed", no_argument, 0, 'e'},          {"no-embed", no_argument, 0, 'E'},
         {"head", no_argument, 0, 'H'},           {"no-head", no_argument, 0, 'N'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
@@ -457,11 +462,9 @@ int main(int argc, char **argv) {
     sp.max_batch = a.max_batch;
     sp.kv_f16 = a.kv_f16 != 0;
     sp.drain_ms = a.drain_ms;
-    op_cpu_options co = {.n_threads = a.threads, .isa = OP_CPU_ISA_AUTO};
-    if (!(sp.be = op_backend_cpu_new(&co))) {
-        rc = fu_errorf(FU_ERR_INTERNAL, "no CPU backend");
+    if ((rc = fu_backend_open(a.device ? a.device : "cpu", a.threads, OP_CPU_ISA_AUTO, &sp.be, sp.device,
+                              sizeof sp.device)))
         goto done;
-    }
     /* the block count, name and weight type first */
     {
         mdl_model *probe = NULL;
@@ -493,7 +496,6 @@ int main(int argc, char **argv) {
         if (sp.m->last > sp.m->first)
             snprintf(sp.dtype, sizeof sp.dtype, "%s", op_type_name(sp.m->layers[0].wq.type));
     }
-    snprintf(sp.device, sizeof sp.device, "cpu (%s, %d threads)", op_backend_isa(sp.be), op_backend_n_threads(sp.be));
     shard_server_config cfg = {a.listen, a.advertise, a.tls_cert, a.tls_key, a.tls_ca, a.insecure != 0,
                                a.secret, 0, a.idle_timeout_ms, 4, sp.name, sp.device, sp.tps};
     if ((rc = shard_server_new(sp.core, &cfg, &srv)) || (rc = shard_server_start(srv))) goto done;

@@ -31,6 +31,7 @@ typedef struct gen_args {
     int max_tokens;
     int threads;
     int batch;
+    const char *device;
     op_cpu_isa isa;
     op_type kv_type;
     int recompute;
@@ -47,6 +48,7 @@ static void usage(FILE *f) {
             "  --temperature T       0 = greedy (default 0)\n"
             "  --top-k K --top-p P --min-p P --seed S\n"
             "  --ignore-eos          keep going past end-of-generation tokens\n"
+            "  --device cpu|cuda|cuda:N   where the model runs (default cpu)\n"
             "  --threads N           CPU threads (default: all)\n"
             "  --isa auto|portable|avx2|avx512\n"
             "  --kv f32|f16          KV cache type (default f32)\n"
@@ -86,7 +88,7 @@ static int render_chat(const tok_tokenizer *tok, const char *system, const char 
 }
 
 int main(int argc, char **argv) {
-    gen_args a = {.max_tokens = 128, .isa = OP_CPU_ISA_AUTO, .kv_type = OP_TYPE_F32};
+    gen_args a = {.max_tokens = 128, .device = "cpu", .isa = OP_CPU_ISA_AUTO, .kv_type = OP_TYPE_F32};
     a.sp = smp_params_default();
     a.sp.temperature = 0;
     static const struct option opts[] = {
@@ -100,10 +102,10 @@ int main(int argc, char **argv) {
         {"kv", required_argument, 0, 'K'},         {"batch", required_argument, 0, 'b'},
         {"recompute", no_argument, 0, 'r'},        {"logits-out", required_argument, 0, 'L'},
         {"json", no_argument, 0, 'j'},             {"help", no_argument, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"device", required_argument, 0, 'D'},     {0, 0, 0, 0}};
     int c;
     long v;
-    while ((c = getopt_long(argc, argv, "m:i:P:c:S:En:t:k:p:M:s:T:I:K:b:rL:jh", opts, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "m:i:P:c:S:En:t:k:p:M:s:T:I:K:b:rL:jhD:", opts, NULL)) != -1) {
         switch (c) {
         case 'm': a.model = optarg; break;
         case 'i': a.prompt_ids = optarg; break;
@@ -147,6 +149,7 @@ int main(int argc, char **argv) {
             a.batch = (int)v;
             break;
         case 'r': a.recompute = 1; break;
+        case 'D': a.device = optarg; break;
         case 'L': a.logits_out = optarg; break;
         case 'j': a.json = 1; break;
         case 'h': usage(stdout); return 0;
@@ -213,11 +216,8 @@ int main(int argc, char **argv) {
         goto done;
     }
 
-    op_cpu_options co = {.n_threads = a.threads, .isa = a.isa};
-    if (!(be = op_backend_cpu_new(&co))) {
-        rc = FU_ERR_INTERNAL;
-        goto done;
-    }
+    char device[300];
+    if ((rc = fu_backend_open(a.device, a.threads, a.isa, &be, device, sizeof device))) goto done;
     eng_options eo = {a.batch, a.kv_type};
     if ((rc = eng_new(m, be, &eo, &e))) goto done;
     if ((rc = smp_new(&a.sp, V, &smp))) goto done;
@@ -303,9 +303,9 @@ int main(int argc, char **argv) {
     if (a.json) {
         json_t *ids = json_array();
         for (size_t i = n_prompt; i < n; i++) json_array_append_new(ids, json_integer(tokens[i]));
-        json_t *res = json_pack("{s:I, s:o, s:O, s:s, s:f, s:f}", "prompt_tokens", (json_int_t)n_prompt,
+        json_t *res = json_pack("{s:I, s:o, s:O, s:s, s:f, s:f, s:s}", "prompt_tokens", (json_int_t)n_prompt,
                                 "tokens", ids, "text", text_out, "finish_reason", finish,
-                                "prefill_s", t_prefill, "decode_s", t_decode);
+                                "prefill_s", t_prefill, "decode_s", t_decode, "device", device);
         char *s = json_dumps(res, JSON_COMPACT);
         printf("%s\n", s);
         free(s);
@@ -315,8 +315,8 @@ int main(int argc, char **argv) {
             for (size_t i = n_prompt; i < n; i++) printf("%s%d", i > n_prompt ? "," : "", tokens[i]);
         }
         printf("\n");
-        fprintf(stderr, "[%s] prompt %zu tokens %.1f tok/s, generated %zu tokens %.1f tok/s\n", finish,
-                n_prompt, n_prompt / t_prefill, n_gen, n_gen > 1 ? (double)(n_gen - 1) / t_decode : 0.0);
+        fprintf(stderr, "[%s] prompt %zu tokens %.1f tok/s, generated %zu tokens %.1f tok/s on %s\n", finish,
+                n_prompt, n_prompt / t_prefill, n_gen, n_gen > 1 ? (double)(n_gen - 1) / t_decode : 0.0, device);
     }
     status = 0;
 done:

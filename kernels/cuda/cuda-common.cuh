@@ -15,6 +15,7 @@
 #define FU_CUDA_COMMON_CUH
 
 #include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -52,6 +53,11 @@ extern "C" {
 
 struct cu_rt; /* runtime-private state (CUDA stream handle's owner, cuBLAS) */
 
+typedef struct cuda_buf {
+    uintptr_t base;
+    size_t size;
+} cuda_buf;
+
 typedef struct cuda_backend {
     op_backend base;
     int device;
@@ -67,6 +73,13 @@ typedef struct cuda_backend {
     size_t wh_cap;        /* bytes */
     size_t chunk_elems;   /* weight elements dequantized per cuBLAS call */
     bool bf16_gemm;       /* cuBLAS takes bf16 operands (compute capability >= 8.0) */
+    char device_name[256]; /* e.g. "NVIDIA H100 80GB HBM3" */
+    /* the op_buffer_alloc buffers, sorted by address, so that every op can
+     * refuse tensors outside them (host memory would fault on the GPU); under
+     * their own lock, since buffers come and go outside the op lock */
+    cuda_buf *bufs;
+    size_t n_bufs, bufs_cap;
+    pthread_mutex_t bufs_mu;
 } cuda_backend;
 
 static inline cuda_backend *cuda_be(op_backend *be) { return (cuda_backend *)be; }
@@ -117,6 +130,10 @@ CU_INTERNAL int cuda_scratch(cuda_backend *cb, void **p, size_t *cap, size_t n);
 /* True if t is a set of rows: contiguous along ne[0] and dims 2, 3 continuing nb[1]. */
 CU_INTERNAL bool cuda_rows_ok(const op_tensor *t);
 CU_INTERNAL bool cuda_f32_contig(const op_tensor *t);
+/* FU_OK when every byte op `op` may read or write of t (and of an I8 tensor's
+ * row scales) lies in one buffer of this backend; else FU_ERR_INVALID saying
+ * so. A NULL t or one without elements passes. */
+CU_INTERNAL int cuda_mem_check(cuda_backend *cb, const char *op, const op_tensor *t);
 /* Alignment the element loads of a weight type need (bytes). */
 static inline size_t cuda_type_align(op_type type) {
     return type == OP_TYPE_F32 ? 4 : type == OP_TYPE_I8 ? 1 : 2;

@@ -34,6 +34,8 @@ CU_INTERNAL int cuda_kv_store(op_backend *be, const op_tensor *src, op_tensor *c
                               const int32_t *pos) {
     cuda_backend *cb = cuda_be(be);
     if (!cuda_f32_contig(src)) return fu_errorf(FU_ERR_INVALID, "kv_store: src must be contiguous f32");
+    int rc = cuda_mem_check(cb, "kv_store", src);
+    if (rc) return rc;
     const int64_t nt = src->ne[1] * src->ne[2] * src->ne[3], cols = src->ne[0];
     if (nt == 0 || cols == 0) return FU_OK;
     kv_row *rows = (kv_row *)cuda_meta_host(cb, (size_t)nt * sizeof(kv_row));
@@ -42,8 +44,9 @@ CU_INTERNAL int cuda_kv_store(op_backend *be, const op_tensor *src, op_tensor *c
         if (seq[t] < 0) return fu_errorf(FU_ERR_RANGE, "kv_store: negative sequence %d", seq[t]);
         const op_tensor *d = dst[seq[t]];
         op_kv_layout kl;
-        int rc = op_kv_layout_of(d, cols, seq[t], &kl);
-        if (rc) return rc;
+        if ((rc = op_kv_layout_of(d, cols, seq[t], &kl)) ||
+            ((t == 0 || seq[t - 1] != seq[t]) && (rc = cuda_mem_check(cb, "kv_store", d))))
+            return rc;
         size_t es = d->type == OP_TYPE_F16 ? 2 : 4;
         if (kl.pos_stride % es || kl.head_stride % es || (uintptr_t)d->data % es)
             return fu_errorf(FU_ERR_INVALID, "kv_store: cache %d is not aligned to its elements", seq[t]);
@@ -56,8 +59,7 @@ CU_INTERNAL int cuda_kv_store(op_backend *be, const op_tensor *src, op_tensor *c
         rows[t].f16 = d->type == OP_TYPE_F16;
         rows[t].pad = 0;
     }
-    int rc = cu_rt_enter(cb);
-    if (rc) return rc;
+    if ((rc = cu_rt_enter(cb))) return rc;
     kv_store_args a;
     void *dev;
     if ((rc = cuda_meta_upload(cb, (size_t)nt * sizeof(kv_row), &dev))) return rc;

@@ -205,6 +205,10 @@ CU_INTERNAL int cuda_matmul(op_backend *be, const op_tensor *w, const op_tensor 
         return fu_errorf(FU_ERR_INVALID, "matmul %s: i8 weights need row scales", name);
     if (!cuda_supports_type(w->type))
         return fu_errorf(FU_ERR_UNSUPPORTED, "matmul %s: no %s kernel", name, op_type_name(w->type));
+    int rc;
+    if ((rc = cuda_mem_check(cb, "matmul", w)) || (rc = cuda_mem_check(cb, "matmul", x)) ||
+        (rc = cuda_mem_check(cb, "matmul", y)))
+        return rc;
     if (w->nb[1] % cuda_type_align(w->type) || (uintptr_t)w->data % cuda_type_align(w->type) ||
         x->nb[1] % 4 || y->nb[1] % 4 || (uintptr_t)x->data % 4 || (uintptr_t)y->data % 4)
         return fu_errorf(FU_ERR_INVALID, "matmul %s: misaligned rows", name);
@@ -222,7 +226,7 @@ CU_INTERNAL int cuda_matmul(op_backend *be, const op_tensor *w, const op_tensor 
     if (m.n > INT32_MAX || m.k > INT32_MAX || t > INT32_MAX || m.ldx > INT32_MAX || m.ldy > INT32_MAX)
         return fu_errorf(FU_ERR_UNSUPPORTED, "matmul %s: dimensions beyond 2^31", name);
     m.t = (int)t;
-    int rc = cu_rt_enter(cb);
+    rc = cu_rt_enter(cb);
     if (rc || m.t == 0 || m.n == 0) return rc;
     if (m.k == 0) {
         mm_zero_args z;

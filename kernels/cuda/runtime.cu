@@ -8,6 +8,7 @@
 
 #include <cublas_v2.h>
 #include <dlfcn.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 /* FU_ERR_NOMEM for allocation failures, FU_ERR_INTERNAL otherwise. */
@@ -82,6 +83,9 @@ CU_INTERNAL int cu_rt_open(cuda_backend *cb, int device) {
     int major = 0;
     CU_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     cb->bf16_gemm = major >= 8;
+    cudaDeviceProp prop;
+    CU_CHECK(cudaGetDeviceProperties(&prop, device));
+    snprintf(cb->device_name, sizeof cb->device_name, "%s", prop.name);
     CU_CHECK(cudaStreamCreateWithFlags(&rt->stream, cudaStreamNonBlocking));
     rt->stream_ok = true;
     cb->stream = rt->stream;

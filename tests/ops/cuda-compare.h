@@ -14,6 +14,8 @@
  *   softmax / log_softmax:                     1e-5 relative, NaN where the CPU has NaN
  *   kv_store:                                  bit-exact caches
  *   attention:                                 1e-4 * max|v| + 1e-6
+ *   the engine (whole random models):          5e-3 * max|logit| + 1e-4 (CMP_ENG_TOL),
+ *                                              and the same greedy tokens
  */
 #ifndef FU_TEST_CUDA_COMPARE_H
 #define FU_TEST_CUDA_COMPARE_H
@@ -23,8 +25,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine.h"
+#include "model.h"
 #include "ops.h"
 #include "status.h"
+#include "../unit/test-model.h"
 
 static op_backend *cmp_dev;
 static op_backend *cmp_cpu;
@@ -575,12 +580,216 @@ static void cmp_test_attention(void **state) {
     op_buffer_free(cmp_dev, buf);
 }
 
+/* ---- memory: uploads, and host memory refused ---------------------------------------------- */
+
+static void cmp_test_memory(void **state) {
+    (void)state;
+    CMP_SKIP_WITHOUT_DEVICE();
+    /* an I8 table with its row scales, uploaded, read back through get_rows */
+    enum { R = 5, D = 64 };
+    float rows[R * D], scales[R], want[2 * D], got[2 * D];
+    int8_t q[R * D];
+    cmp_fill(rows, R * D, 3.0);
+    for (int r = 0; r < R; r++) op_quantize_row(OP_TYPE_I8, rows + r * D, D, q + r * D, &scales[r]);
+    op_tensor t = op_tensor_2d(OP_TYPE_I8, q, D, R), td;
+    t.row_scale = scales;
+    t.name = "table";
+    assert_int_equal(op_tensor_upload(cmp_dev, &t, &td), 1);
+    assert_ptr_not_equal(td.data, t.data);
+    assert_ptr_not_equal(td.row_scale, t.row_scale);
+    const int32_t ids[2] = {4, 1};
+    op_tensor o = op_tensor_2d(OP_TYPE_F32, want, D, 2);
+    cmp_ok(op_get_rows(cmp_cpu, &t, ids, &o), "get_rows cpu");
+    float *od = op_buffer_alloc(cmp_dev, sizeof got);
+    assert_non_null(od);
+    op_tensor odv = op_tensor_2d(OP_TYPE_F32, od, D, 2);
+    cmp_ok(op_get_rows(cmp_dev, &td, ids, &odv), "get_rows of an uploaded table");
+    cmp_get(got, od, sizeof got);
+    assert_memory_equal(got, want, sizeof got);
+    /* the CPU reads host memory as it is */
+    op_tensor tc;
+    assert_int_equal(op_tensor_upload(cmp_cpu, &t, &tc), 0);
+    assert_ptr_equal(tc.data, t.data);
+
+    /* host memory, or bytes past a buffer's end, are refused with an error, not read */
+    float host[D];
+    cmp_fill(host, D, 1.0);
+    op_tensor xh = op_tensor_2d(OP_TYPE_F32, host, D, 1), xd = op_tensor_2d(OP_TYPE_F32, od, D, 1);
+    xh.name = "x";
+    assert_int_equal(op_rmsnorm(cmp_dev, &xh, NULL, 1e-5f, &xd), FU_ERR_INVALID);
+    assert_non_null(strstr(fu_last_error(), "x is not in this backend's memory"));
+    assert_int_equal(op_rmsnorm(cmp_dev, &xd, &xh, 1e-5f, &xd), FU_ERR_INVALID);
+    assert_int_equal(op_add(cmp_dev, &xd, &xh), FU_ERR_INVALID);
+    assert_int_equal(op_softmax(cmp_dev, &xh), FU_ERR_INVALID);
+    assert_int_equal(op_get_rows(cmp_dev, &t, ids, &odv), FU_ERR_INVALID); /* the host table */
+    op_tensor past = op_tensor_2d(OP_TYPE_F32, od, D, 3);                  /* 2 rows allocated */
+    assert_int_equal(op_softmax(cmp_dev, &past), FU_ERR_INVALID);
+    assert_int_equal(op_buffer_set(cmp_dev, host, host, sizeof host), FU_ERR_INVALID);
+    assert_int_equal(op_buffer_get(cmp_dev, host, od, sizeof got + 4), FU_ERR_INVALID);
+    op_tensor wh = op_tensor_2d(OP_TYPE_F32, host, D, 1), yd = op_tensor_2d(OP_TYPE_F32, od + D, 1, 1);
+    wh.name = "w";
+    assert_int_equal(op_matmul(cmp_dev, &wh, &xd, &yd), FU_ERR_INVALID);
+    /* a freed buffer is no longer the backend's */
+    op_buffer_free(cmp_dev, td.data);
+    assert_int_equal(op_get_rows(cmp_dev, &td, ids, &odv), FU_ERR_INVALID);
+    op_buffer_free(cmp_dev, od);
+}
+
+/* ---- the engine ------------------------------------------------------------------------------ */
+
+#define CMP_ENG_TOL 5e-3
+
+static double cmp_eng_tol(const float *want, int64_t n) { return CMP_ENG_TOL * cmp_absmax(want, n) + 1e-4; }
+
+static void cmp_eng_close(const char *what, int step, const float *got, const float *want, int64_t n) {
+    char w[128];
+    snprintf(w, sizeof w, "%s, step %d", what, step);
+    cmp_close(w, got, want, n, NULL, cmp_eng_tol(want, n));
+}
+
+static int cmp_argmax(const float *x, int64_t n) {
+    int64_t b = 0;
+    for (int64_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return (int)b;
+}
+
+/* The device's greedy token must be the CPU's unless the CPU's best two are
+ * closer than the logits' tolerance allows to tell apart. */
+static void cmp_eng_same_token(const float *got, const float *want, int64_t n) {
+    int best = cmp_argmax(want, n), g = cmp_argmax(got, n);
+    if (g == best) return;
+    double second = -INFINITY;
+    for (int64_t i = 0; i < n; i++)
+        if (i != best) second = fmax(second, want[i]);
+    if (want[best] - second > 2 * cmp_eng_tol(want, n))
+        fail_msg("greedy token %d on the device, %d on the CPU", g, best);
+}
+
+/* Two sequences on the CPU and on the device: a batched prefill of their
+ * prompts (12 and 7 tokens, in chunks of 16 and 3, so that both the cuBLAS and
+ * the matvec paths run; only the last token of each wanted), then 6 batched
+ * decode steps on the CPU's greedy tokens. Logits must agree (CMP_ENG_TOL) and
+ * the device's greedy tokens must be the CPU's (cmp_eng_same_token). */
+static void cmp_engine_case(mdl_arch arch, op_type wt, op_type kv, bool tied) {
+    mdl_config c = test_small_config(arch);
+    c.tied_embeddings = tied;
+    mdl_open_options mo = mdl_open_options_all();
+    mdl_model *m;
+    cmp_ok(mdl_random(&c, wt, 7, &mo, &m), "random model");
+    char what[96];
+    snprintf(what, sizeof what, "engine arch %d, %s weights, %s cache%s", (int)arch, op_type_name(wt),
+             op_type_name(kv), tied ? ", tied" : "");
+    eng_options eo = {16, kv};
+    eng_engine *e[2];
+    eng_seq *s[2][2];
+    op_backend *be[2] = {cmp_cpu, cmp_dev};
+    for (int b = 0; b < 2; b++) {
+        cmp_ok(eng_new(m, be[b], &eo, &e[b]), what);
+        for (int j = 0; j < 2; j++) cmp_ok(eng_seq_new(e[b], 40, &s[b][j]), "sequence");
+    }
+    const int64_t V = c.vocab_size;
+    enum { P0 = 12, P1 = 7, N = P0 + P1, STEPS = 6 };
+    int32_t tok[N];
+    uint8_t want[N] = {0};
+    eng_seq *seqs[2][N];
+    for (int t = 0; t < N; t++) {
+        tok[t] = (int32_t)((t * 37 + 11) % V);
+        for (int b = 0; b < 2; b++) seqs[b][t] = s[b][t < P0 ? 0 : 1];
+    }
+    want[P0 - 1] = want[N - 1] = 1;
+    float *lg[2];
+    for (int b = 0; b < 2; b++) {
+        lg[b] = cmp_malloc(2 * (size_t)V * sizeof(float));
+        eng_batch bt = {N, tok, NULL, seqs[b], want};
+        cmp_ok(eng_forward(e[b], &bt, lg[b]), what);
+    }
+    cmp_eng_close(what, 0, lg[1], lg[0], 2 * V);
+    for (int step = 1; step <= STEPS; step++) {
+        int32_t next[2];
+        for (int j = 0; j < 2; j++) {
+            next[j] = cmp_argmax(lg[0] + j * V, V);
+            cmp_eng_same_token(lg[1] + j * V, lg[0] + j * V, V);
+        }
+        for (int b = 0; b < 2; b++) {
+            eng_batch bt = {2, next, NULL, s[b], NULL};
+            cmp_ok(eng_forward(e[b], &bt, lg[b]), what);
+        }
+        cmp_eng_close(what, step, lg[1], lg[0], 2 * V);
+    }
+    for (int b = 0; b < 2; b++) {
+        for (int j = 0; j < 2; j++) eng_seq_free(e[b], s[b][j]);
+        eng_free(e[b]);
+        free(lg[b]);
+    }
+    mdl_free(m);
+}
+
+/* A model split in two spans, [0, 1) from the embeddings to hidden states and
+ * [1, 2) from hidden states to logits, on the device, against the whole
+ * model on the CPU. */
+static void cmp_engine_spans(void) {
+    mdl_config c = test_small_config(MDL_ARCH_LLAMA);
+    mdl_open_options all = mdl_open_options_all(), a = {0, 1, true, false}, b = {1, -1, false, true};
+    mdl_model *m, *ma, *mb;
+    cmp_ok(mdl_random(&c, OP_TYPE_Q8_0, 9, &all, &m), "model");
+    cmp_ok(mdl_random(&c, OP_TYPE_Q8_0, 9, &a, &ma), "span a");
+    cmp_ok(mdl_random(&c, OP_TYPE_Q8_0, 9, &b, &mb), "span b");
+    eng_options eo = {16, OP_TYPE_F32};
+    eng_engine *e, *ea, *eb;
+    eng_seq *s, *sa, *sb;
+    cmp_ok(eng_new(m, cmp_cpu, &eo, &e), "engine");
+    cmp_ok(eng_new(ma, cmp_dev, &eo, &ea), "engine a");
+    cmp_ok(eng_new(mb, cmp_dev, &eo, &eb), "engine b");
+    cmp_ok(eng_seq_new(e, 32, &s), "seq");
+    cmp_ok(eng_seq_new(ea, 32, &sa), "seq a");
+    cmp_ok(eng_seq_new(eb, 32, &sb), "seq b");
+    enum { N = 5 };
+    const int64_t V = c.vocab_size, D = c.dim;
+    int32_t tok[N] = {3, 14, 15, 92, 65};
+    eng_seq *ss[N], *ssa[N], *ssb[N];
+    for (int t = 0; t < N; t++) ss[t] = s, ssa[t] = sa, ssb[t] = sb;
+    float *want = cmp_malloc((size_t)(N * V) * sizeof(float)), *got = cmp_malloc((size_t)(N * V) * sizeof(float));
+    float *h = cmp_malloc((size_t)(N * D) * sizeof(float));
+    eng_batch bt = {N, tok, NULL, ss, NULL}, bta = {N, tok, NULL, ssa, NULL};
+    cmp_ok(eng_forward(e, &bt, want), "whole model");
+    cmp_ok(eng_forward(ea, &bta, h), "span a");
+    eng_batch btb = {N, NULL, h, ssb, NULL};
+    cmp_ok(eng_forward(eb, &btb, got), "span b");
+    cmp_eng_close("spans [0, 1) + [1, 2)", 0, got, want, N * V);
+    eng_seq_free(e, s);
+    eng_seq_free(ea, sa);
+    eng_seq_free(eb, sb);
+    eng_free(e);
+    eng_free(ea);
+    eng_free(eb);
+    mdl_free(m);
+    mdl_free(ma);
+    mdl_free(mb);
+    free(want);
+    free(got);
+    free(h);
+}
+
+static void cmp_test_engine(void **state) {
+    (void)state;
+    CMP_SKIP_WITHOUT_DEVICE();
+    cmp_engine_case(MDL_ARCH_LLAMA, OP_TYPE_Q4_0, OP_TYPE_F32, false);
+    cmp_engine_case(MDL_ARCH_LLAMA, OP_TYPE_Q4_1, OP_TYPE_F16, true);
+    cmp_engine_case(MDL_ARCH_QWEN2, OP_TYPE_F16, OP_TYPE_F32, false);
+    cmp_engine_case(MDL_ARCH_QWEN3, OP_TYPE_BF16, OP_TYPE_F16, true);
+    cmp_engine_case(MDL_ARCH_QWEN3, OP_TYPE_Q8_0, OP_TYPE_F32, false);
+    cmp_engine_case(MDL_ARCH_LLAMA, OP_TYPE_F32, OP_TYPE_F32, false);
+    cmp_engine_spans();
+}
+
 #define CMP_TESTS                                                                                  \
     cmocka_unit_test(cmp_test_basics), cmocka_unit_test(cmp_test_matmul),                          \
         cmocka_unit_test(cmp_test_matmul_errors), cmocka_unit_test(cmp_test_matmul_n),             \
         cmocka_unit_test(cmp_test_get_rows),                                                       \
         cmocka_unit_test(cmp_test_rmsnorm), cmocka_unit_test(cmp_test_softmax),                    \
         cmocka_unit_test(cmp_test_elementwise), cmocka_unit_test(cmp_test_rope),                   \
-        cmocka_unit_test(cmp_test_attention)
+        cmocka_unit_test(cmp_test_attention), cmocka_unit_test(cmp_test_memory),                   \
+        cmocka_unit_test(cmp_test_engine)
 
 #endif

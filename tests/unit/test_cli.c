@@ -50,11 +50,40 @@ static void test_ids(void **state) {
         assert_int_equal(fu_parse_ids(bad[i], &ids, &n), FU_ERR_INVALID);
 }
 
+static void test_backend_open(void **state) {
+    (void)state;
+    op_backend *be = NULL;
+    char desc[300];
+    assert_int_equal(fu_backend_open("cpu", 2, OP_CPU_ISA_PORTABLE, &be, desc, sizeof desc), FU_OK);
+    assert_string_equal(op_backend_name(be), "cpu");
+    assert_string_equal(desc, "cpu (portable, 2 threads)");
+    op_backend_free(be);
+    static const char *bad[] = {"gpu", "", "cuda:", "cuda:x", "cuda:-1", "cuda0", "cudax", "CPU", "cuda:1:2"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        be = (op_backend *)1;
+        assert_int_equal(fu_backend_open(bad[i], 0, OP_CPU_ISA_AUTO, &be, desc, sizeof desc), FU_ERR_INVALID);
+        assert_null(be);
+        assert_non_null(strstr(fu_last_error(), "unknown device"));
+    }
+    /* a GPU where there is one; else a clear refusal */
+    int rc = fu_backend_open("cuda:0", 0, OP_CPU_ISA_AUTO, &be, desc, sizeof desc);
+    if (rc == FU_OK) {
+        assert_string_equal(op_backend_name(be), "cuda");
+        assert_memory_equal(desc, "cuda:0 (", 8);
+        op_backend_free(be);
+    } else {
+        assert_int_equal(rc, FU_ERR_UNSUPPORTED);
+        assert_null(be);
+        assert_true(fu_last_error()[0] != '\0');
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_long),
         cmocka_unit_test(test_float),
         cmocka_unit_test(test_ids),
+        cmocka_unit_test(test_backend_open),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -12,26 +12,7 @@
 #include "engine.h"
 #include "model.h"
 #include "status.h"
-
-static mdl_config small_config(mdl_arch arch) {
-    mdl_config c;
-    memset(&c, 0, sizeof c);
-    c.arch = arch;
-    c.n_layers = 2;
-    c.dim = 64;
-    c.ffn_dim = 96;
-    c.n_heads = 4;
-    c.n_kv_heads = 2;
-    c.head_dim = 16;
-    c.vocab_size = 100;
-    c.max_seq_len = 64;
-    c.norm_eps = 1e-5f;
-    c.rope_theta = 10000.0f;
-    c.rope_mode = OP_ROPE_NEOX;
-    c.qkv_bias = arch == MDL_ARCH_QWEN2;
-    c.qk_norm = arch == MDL_ARCH_QWEN3;
-    return c;
-}
+#include "test-model.h"
 
 typedef struct fixture {
     mdl_model *m;
@@ -40,7 +21,7 @@ typedef struct fixture {
 } fixture;
 
 static void fixture_open(fixture *f, mdl_arch arch, op_type wt, int max_batch) {
-    mdl_config c = small_config(arch);
+    mdl_config c = test_small_config(arch);
     mdl_open_options o = mdl_open_options_all();
     assert_int_equal(mdl_random(&c, wt, 42, &o, &f->m), FU_OK);
     op_cpu_options co = {.n_threads = 2, .isa = OP_CPU_ISA_AUTO};
@@ -168,7 +149,7 @@ static void forward_logits(const mdl_model *m, op_backend *be, const int32_t *id
  * back a model's pages leave the model usable by the next one. */
 static void test_weights_prepared_for_the_backend(void **state) {
     (void)state;
-    mdl_config c = small_config(MDL_ARCH_LLAMA);
+    mdl_config c = test_small_config(MDL_ARCH_LLAMA);
     c.vocab_size = 112; /* the head repacks too (whole groups of 16 rows) */
     mdl_open_options all = mdl_open_options_all();
     static const op_type types[][2] = {{OP_TYPE_Q8_0, OP_TYPE_Q8_0_R16},
@@ -210,7 +191,7 @@ static void test_weights_prepared_for_the_backend(void **state) {
 
 static void test_span_without_embeddings_takes_hidden_states(void **state) {
     /* blocks [0, 1) with embeddings then [1, 2) with the head equal the whole model */
-    mdl_config c = small_config(MDL_ARCH_LLAMA);
+    mdl_config c = test_small_config(MDL_ARCH_LLAMA);
     mdl_open_options all = mdl_open_options_all();
     mdl_open_options first = {0, 1, true, false}, second = {1, 2, false, true};
     mdl_model *mw, *m1, *m2;
@@ -285,11 +266,11 @@ static void test_bad_input(void **state) {
     eng_seq_free(f.e, s);
     fixture_close(&f);
 
-    mdl_config c = small_config(MDL_ARCH_LLAMA);
+    mdl_config c = test_small_config(MDL_ARCH_LLAMA);
     c.n_kv_heads = 3; /* 4 heads are not a multiple of 3 kv heads */
     mdl_model *m;
     assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, NULL, &m), FU_ERR_FORMAT);
-    c = small_config(MDL_ARCH_LLAMA);
+    c = test_small_config(MDL_ARCH_LLAMA);
     mdl_open_options o = {1, 5, false, false};
     assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &o, &m), FU_ERR_RANGE);
     assert_int_equal(mdl_open("/nonexistent/model", NULL, &m), FU_ERR_NOT_FOUND);

@@ -4,6 +4,7 @@
 
 #include "../cuda-common.cuh"
 
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "../cuda-emu.h"
@@ -23,6 +24,7 @@
 CU_INTERNAL int cu_rt_open(cuda_backend *cb, int device) {
     if (device != 0) return fu_errorf(FU_ERR_NOT_FOUND, "cuda emulator: device %d not present", device);
     cb->bf16_gemm = true;
+    snprintf(cb->device_name, sizeof cb->device_name, "CPU emulator");
     return FU_OK;
 }
 
