@@ -191,6 +191,9 @@ static void cmp_test_matmul(void **state) {
         if (op_type_block_elems(type) == 1) {
             cmp_matmul_case(type, 4, 19, 40, 40, 19); /* K not a multiple of 32 */
             cmp_matmul_case(type, 10, 19, 40, 40, 19);
+            /* rows of 34 and 36 elements: not whole 16-byte units */
+            cmp_matmul_case(type, 1, 7, 34, 34, 7);
+            cmp_matmul_case(type, 5, 7, 36, 36, 7);
         }
     }
 }
