@@ -120,9 +120,8 @@ static int eng_prepare_weights(eng_engine *e) {
                            (rc = eng_prepare(e, &src->k_norm, &L->k_norm, false))))
             break;
     }
-    if (!rc && m->has_head)
-        (void)((rc = eng_prepare(e, &m->lm_head, &e->head, true)) ||
-               (rc = eng_prepare(e, &m->out_norm, &e->out_norm, false)));
+    if (!rc && m->has_head && !(rc = eng_prepare(e, &m->lm_head, &e->head, true)))
+        rc = eng_prepare(e, &m->out_norm, &e->out_norm, false);
     if (rc || !m->has_embed) return rc;
     /* tied embeddings that the head's preparation copied as they are: one copy serves both */
     if (m->has_head && m->lm_head.data == m->tok_embd.data && e->head.data != m->lm_head.data &&

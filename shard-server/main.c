@@ -328,9 +328,9 @@ static int shard_span_load(void *ctx, int first, int last) {
     sp->tps = tps;
     snprintf(sp->dtype, sizeof sp->dtype, "%s", op_type_name(m->layers[0].wq.type));
     pthread_mutex_unlock(&sp->mu);
-    FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s at %s, %.1f tokens/s measured%s", first, last, sp->name,
-            m->has_embed ? " +embeddings" : "", m->has_head ? " +head" : "", shard_server_address(sp->srv), tps,
-            moved ? " (the previous span drains)" : "");
+    FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s at %s on %s, %.1f tokens/s measured%s", first, last,
+            sp->name, m->has_embed ? " +embeddings" : "", m->has_head ? " +head" : "", shard_server_address(sp->srv),
+            sp->device, tps, moved ? " (the previous span drains)" : "");
     return FU_OK;
 }
 
@@ -502,9 +502,9 @@ int main(int argc, char **argv) {
     sp.srv = srv;
     int port = shard_server_port(srv);
     if (sp.m)
-        FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s on %s (port %d), %.1f tokens/s measured",
+        FU_INFO("fusion-shard serving blocks [%d, %d) of %s%s%s on %s (port %d) on %s, %.1f tokens/s measured",
                 sp.m->first, sp.m->last, sp.name, sp.m->has_embed ? " +embeddings" : "",
-                sp.m->has_head ? " +head" : "", a.listen, port, sp.tps);
+                sp.m->has_head ? " +head" : "", a.listen, port, sp.device, sp.tps);
     else
         FU_INFO("fusion-shard on %s (port %d) holds no span yet: joining %s (%.1f tokens/s for one block)", a.listen,
                 port, a.join, sp.block_tps);

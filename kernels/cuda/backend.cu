@@ -4,10 +4,10 @@
  * upload weights, caches and activations with op_buffer_set (or
  * op_weight_prepare / op_tensor_upload) and read results with op_buffer_get
  * (which waits for all queued work). op_tensor.data and .row_scale must point
- * into such buffers: every op checks that they do (cuda_mem_check). Host arrays that ops take (ids,
- * positions, sequence indices, inv_freq, cache descriptors) are packed into a
- * host staging buffer and uploaded per call. Every op is queued on the
- * backend's own stream and returns without waiting. */
+ * into such buffers: every op checks that they do (cuda_mem_check). Host
+ * arrays that ops take (ids, positions, sequence indices, inv_freq, cache
+ * descriptors) are packed into a host staging buffer and uploaded per call.
+ * Every op is queued on the backend's own stream and returns without waiting. */
 #include "attention.cuh"
 #include "elementwise.cuh"
 #include "get-rows.cuh"
