@@ -783,6 +783,7 @@ static void cmp_test_engine(void **state) {
     cmp_engine_case(MDL_ARCH_QWEN3, OP_TYPE_BF16, OP_TYPE_F16, true);
     cmp_engine_case(MDL_ARCH_QWEN3, OP_TYPE_Q8_0, OP_TYPE_F32, false);
     cmp_engine_case(MDL_ARCH_LLAMA, OP_TYPE_F32, OP_TYPE_F32, false);
+    cmp_engine_case(MDL_ARCH_QWEN2, OP_TYPE_I8, OP_TYPE_F32, true); /* row scales uploaded with their rows */
     cmp_engine_spans();
 }
 
