@@ -3,6 +3,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 static _Thread_local char fu_error_buf[1024];
 
@@ -18,10 +19,13 @@ const char *fu_status_str(int status) {
 }
 
 int fu_errorf(int status, const char *fmt, ...) {
+    /* formatted aside first: the arguments may quote the previous message */
+    char msg[sizeof fu_error_buf];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(fu_error_buf, sizeof fu_error_buf, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    memcpy(fu_error_buf, msg, sizeof msg);
     return status;
 }
 

@@ -30,7 +30,8 @@ typedef enum fu_status {
 const char *fu_status_str(int status);
 
 /* Records a detailed message for the calling thread's last error and returns
- * `status`, so callers can write `return fu_errorf(FU_ERR_FORMAT, "...")`. */
+ * `status`, so callers can write `return fu_errorf(FU_ERR_FORMAT, "...")`.
+ * The arguments may include fu_last_error() to wrap the previous message. */
 int fu_errorf(int status, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 

@@ -862,8 +862,8 @@ static int encode_fragment(tok_enc *e, const char *s, size_t n, bool origin) {
         if (t->has_norm_added) return split_added(e, &t->match_norm, s, n, origin, pretok_model);
         return pretok_model(e, s, n, origin);
     }
-    char *ns;
-    size_t nn;
+    char *ns = NULL;
+    size_t nn = 0;
     int rc = tok__normalize(t, s, n, &ns, &nn);
     if (rc) return rc;
     if (t->has_norm_added) rc = split_added(e, &t->match_norm, ns, nn, origin, pretok_model);

@@ -86,7 +86,7 @@ static int load_vocab(const json_t *root, const json_t *model, tok_tokenizer **o
     if (!json_is_object(vocab)) return fu_errorf(FU_ERR_FORMAT, "tokenizer.json: model.vocab is not an object");
     if (added && !json_is_null(added) && !json_is_array(added))
         return fu_errorf(FU_ERR_FORMAT, "tokenizer.json: added_tokens is not an array");
-    int32_t max_id = -1, id;
+    int32_t max_id = -1, id = -1;
     int rc;
     for (void *it = json_object_iter((json_t *)vocab); it; it = json_object_iter_next((json_t *)vocab, it)) {
         if ((rc = get_id(json_object_iter_value(it), "model.vocab", &id))) return rc;
@@ -432,7 +432,7 @@ static int load_post(tok_tokenizer *t, const json_t *n, int depth) {
             size_t k;
             const json_t *idv;
             json_array_foreach(ids, k, idv) {
-                int32_t id;
+                int32_t id = -1;
                 if ((rc = get_id(idv, "TemplateProcessing", &id))) return rc;
                 if (id >= t->n_vocab) return fu_errorf(FU_ERR_FORMAT, "tokenizer.json: TemplateProcessing id %d out of range", (int)id);
                 if ((rc = after ? ids_push(&t->suffix_ids, &t->n_suffix, id) : ids_push(&t->prefix_ids, &t->n_prefix, id)))
@@ -443,7 +443,7 @@ static int load_post(tok_tokenizer *t, const json_t *n, int depth) {
     }
     if (!strcmp(type, "RobertaProcessing") || !strcmp(type, "BertProcessing")) {
         const json_t *cls = json_object_get(n, "cls"), *sep = json_object_get(n, "sep");
-        int32_t c, s;
+        int32_t c = 0, s = 0;
         if ((rc = get_id(json_array_get(cls, 1), "cls", &c)) || (rc = get_id(json_array_get(sep, 1), "sep", &s))) return rc;
         if (c >= t->n_vocab || s >= t->n_vocab) return fu_errorf(FU_ERR_FORMAT, "tokenizer.json: cls/sep out of range");
         if ((rc = ids_push(&t->prefix_ids, &t->n_prefix, c))) return rc;

@@ -187,13 +187,12 @@ void op_buffer_free(op_backend *be, void *ptr);
 int op_buffer_set(op_backend *be, void *dst, const void *src_host, size_t nbytes);
 int op_buffer_get(op_backend *be, void *dst_host, const void *src, size_t nbytes);
 
-/* Puts a matmul weight into the layout the backend runs fastest (the CPU
- * backend on AVX-512: F16 / BF16 / Q8_0 / Q4_0 / Q4_1 with a multiple of 16
- * rows become the _R16 types; the CUDA backend copies w to the device as it
- * is). w is host memory. Returns 1 with *out
- * describing a new backend buffer (the caller frees out->data with
- * op_buffer_free), 0 with *out = *w when the backend uses w as it is, or a
- * negative fu_status. */
+/* Puts a matmul weight into the layout and memory the backend runs it from
+ * (the CPU backend on AVX-512: F16 / BF16 / Q8_0 / Q4_0 / Q4_1 with a
+ * multiple of 16 rows become the _R16 types; the CUDA backend copies w to the
+ * device as it is). w is host memory. Returns 1 with *out describing a new
+ * backend buffer (the caller frees out->data with op_buffer_free), 0 with
+ * *out = *w when the backend uses w as it is, or a negative fu_status. */
 int op_weight_prepare(op_backend *be, const op_tensor *w, op_tensor *out);
 /* The type op_weight_prepare gives a 2-D weight of `type` with `rows` rows on
  * this backend (`type` itself when the backend keeps it). */

@@ -185,8 +185,8 @@ static int cuda_buffer_set(op_backend *be, void *dst, const void *src, size_t nb
     int rc = cu_rt_enter(cb);
     if (rc || nbytes == 0) return rc;
     if (!cuda_buf_holds(cb, dst, nbytes))
-        return fu_errorf(FU_ERR_INVALID, "cuda: buffer_set: %zu bytes at the destination are not in this backend's memory",
-                         nbytes);
+        return fu_errorf(FU_ERR_INVALID,
+                         "cuda: buffer_set: %zu bytes at the destination are not in this backend's memory", nbytes);
     return cu_rt_upload(cb, dst, src, nbytes);
 }
 
@@ -221,7 +221,8 @@ static int cuda_buffer_get(op_backend *be, void *dst, const void *src, size_t nb
     if (rc) return rc;
     if (nbytes == 0) return cu_rt_sync(cb);
     if (!cuda_buf_holds(cb, src, nbytes))
-        return fu_errorf(FU_ERR_INVALID, "cuda: buffer_get: %zu bytes at the source are not in this backend's memory", nbytes);
+        return fu_errorf(FU_ERR_INVALID, "cuda: buffer_get: %zu bytes at the source are not in this backend's memory",
+                         nbytes);
     return cu_rt_download(cb, dst, src, nbytes);
 }
 

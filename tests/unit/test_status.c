@@ -23,6 +23,9 @@ static void test_errorf_returns_status_and_message(void **state) {
     int rc = fu_errorf(FU_ERR_RANGE, "tensor '%s' row %d", "w", 7);
     assert_int_equal(rc, FU_ERR_RANGE);
     assert_string_equal(fu_last_error(), "tensor 'w' row 7");
+    /* wrapping the previous message */
+    fu_errorf(FU_ERR_IO, "%s: %s", "model.gguf", fu_last_error());
+    assert_string_equal(fu_last_error(), "model.gguf: tensor 'w' row 7");
 }
 
 static void *other_thread(void *arg) {
