@@ -671,7 +671,7 @@ static void cmp_eng_same_token(const float *got, const float *want, int64_t n) {
 
 /* Two sequences on the CPU and on the device: a batched prefill of their
  * prompts (12 and 7 tokens, in chunks of 16 and 3, so that both the cuBLAS and
- * the matvec paths run; only the last token of each wanted), then 6 batched
+ * the matvec paths run; only the last token of each wanted), then 3 batched
  * decode steps on the CPU's greedy tokens. Logits must agree (CMP_ENG_TOL) and
  * the device's greedy tokens must be the CPU's (cmp_eng_same_token). */
 static void cmp_engine_case(mdl_arch arch, op_type wt, op_type kv, bool tied) {
@@ -692,7 +692,7 @@ static void cmp_engine_case(mdl_arch arch, op_type wt, op_type kv, bool tied) {
         for (int j = 0; j < 2; j++) cmp_ok(eng_seq_new(e[b], 40, &s[b][j]), "sequence");
     }
     const int64_t V = c.vocab_size;
-    enum { P0 = 12, P1 = 7, N = P0 + P1, STEPS = 6 };
+    enum { P0 = 12, P1 = 7, N = P0 + P1, STEPS = 3 };
     int32_t tok[N];
     uint8_t want[N] = {0};
     eng_seq *seqs[2][N];
@@ -777,13 +777,13 @@ static void cmp_engine_spans(void) {
 static void cmp_test_engine(void **state) {
     (void)state;
     CMP_SKIP_WITHOUT_DEVICE();
+    /* a few models (each launch is costly in the emulator): quantized, i8 with
+     * its row scales, the direct f16 / bf16 cuBLAS paths, every architecture,
+     * tied embeddings and f16 caches; Q8_0 in the spans */
     cmp_engine_case(MDL_ARCH_LLAMA, OP_TYPE_Q4_0, OP_TYPE_F32, false);
-    cmp_engine_case(MDL_ARCH_LLAMA, OP_TYPE_Q4_1, OP_TYPE_F16, true);
-    cmp_engine_case(MDL_ARCH_QWEN2, OP_TYPE_F16, OP_TYPE_F32, false);
+    cmp_engine_case(MDL_ARCH_QWEN2, OP_TYPE_I8, OP_TYPE_F32, true);
     cmp_engine_case(MDL_ARCH_QWEN3, OP_TYPE_BF16, OP_TYPE_F16, true);
-    cmp_engine_case(MDL_ARCH_QWEN3, OP_TYPE_Q8_0, OP_TYPE_F32, false);
-    cmp_engine_case(MDL_ARCH_LLAMA, OP_TYPE_F32, OP_TYPE_F32, false);
-    cmp_engine_case(MDL_ARCH_QWEN2, OP_TYPE_I8, OP_TYPE_F32, true); /* row scales uploaded with their rows */
+    cmp_engine_case(MDL_ARCH_LLAMA, OP_TYPE_F16, OP_TYPE_F16, false);
     cmp_engine_spans();
 }
 
