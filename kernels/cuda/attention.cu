@@ -98,7 +98,7 @@ CU_INTERNAL int cuda_attention(op_backend *be, const op_tensor *q, const op_attn
         return fu_errorf(FU_ERR_UNSUPPORTED, "attention: head_dim %d outside [1, %d]", a->head_dim,
                          CU_ATTN_MAX_HD);
     int rc;
-    if ((rc = cuda_mem_check(cb, "attention", q)) || (rc = cuda_mem_check(cb, "attention", out))) return rc;
+    if ((rc = cuda_mem_check(cb, "attention", q, out, NULL))) return rc;
     const int64_t nt = q->ne[2] * q->ne[3];
     if (nt == 0) return FU_OK;
     attn_tok *tok = (attn_tok *)cuda_meta_host(cb, (size_t)nt * sizeof(attn_tok));
@@ -120,9 +120,7 @@ CU_INTERNAL int cuda_attention(op_backend *be, const op_tensor *q, const op_attn
         if (a->pos[t] < 0 || a->pos[t] >= k->ne[2] || a->pos[t] >= v->ne[2])
             return fu_errorf(FU_ERR_RANGE, "attention: token %lld at position %d outside cache of %lld",
                              (long long)t, a->pos[t], (long long)k->ne[2]);
-        if ((t == 0 || a->seq[t - 1] != s) &&
-            ((rc = cuda_mem_check(cb, "attention", k)) || (rc = cuda_mem_check(cb, "attention", v))))
-            return rc;
+        if ((t == 0 || a->seq[t - 1] != s) && (rc = cuda_mem_check(cb, "attention", k, v, NULL))) return rc;
         tok[t].k = (const uint8_t *)k->data;
         tok[t].v = (const uint8_t *)v->data;
         tok[t].k_nb1 = k->nb[1];

@@ -124,7 +124,7 @@ static bool cuda_buf_holds(cuda_backend *cb, const void *p, size_t n) {
     return ok;
 }
 
-CU_INTERNAL int cuda_mem_check(cuda_backend *cb, const char *op, const op_tensor *t) {
+static int cuda_mem_check1(cuda_backend *cb, const char *op, const op_tensor *t) {
     if (!t) return FU_OK;
     for (int i = 0; i < 4; i++)
         if (t->ne[i] <= 0) return FU_OK;
@@ -139,6 +139,13 @@ CU_INTERNAL int cuda_mem_check(cuda_backend *cb, const char *op, const op_tensor
         !cuda_buf_holds(cb, t->row_scale, (size_t)(t->ne[1] * t->ne[2] * t->ne[3]) * sizeof(float)))
         return fu_errorf(FU_ERR_INVALID, "%s: the row scales of %s are not in this backend's memory", op, name);
     return FU_OK;
+}
+
+CU_INTERNAL int cuda_mem_check(cuda_backend *cb, const char *op, const op_tensor *a, const op_tensor *b,
+                               const op_tensor *c) {
+    int rc;
+    if ((rc = cuda_mem_check1(cb, op, a)) || (rc = cuda_mem_check1(cb, op, b))) return rc;
+    return cuda_mem_check1(cb, op, c);
 }
 
 /* ---- vtable ------------------------------------------------------------------------------ */

@@ -130,10 +130,11 @@ CU_INTERNAL int cuda_scratch(cuda_backend *cb, void **p, size_t *cap, size_t n);
 /* True if t is a set of rows: contiguous along ne[0] and dims 2, 3 continuing nb[1]. */
 CU_INTERNAL bool cuda_rows_ok(const op_tensor *t);
 CU_INTERNAL bool cuda_f32_contig(const op_tensor *t);
-/* FU_OK when every byte op `op` may read or write of t (and of an I8 tensor's
- * row scales) lies in one buffer of this backend; else FU_ERR_INVALID saying
- * so. A NULL t or one without elements passes. */
-CU_INTERNAL int cuda_mem_check(cuda_backend *cb, const char *op, const op_tensor *t);
+/* FU_OK when every byte op `op` may read or write of a, b and c (and of an
+ * I8 tensor's row scales) lies in one buffer of this backend; else
+ * FU_ERR_INVALID saying so. NULL tensors and ones without elements pass. */
+CU_INTERNAL int cuda_mem_check(cuda_backend *cb, const char *op, const op_tensor *a, const op_tensor *b,
+                               const op_tensor *c);
 /* Alignment the element loads of a weight type need (bytes). */
 static inline size_t cuda_type_align(op_type type) {
     return type == OP_TYPE_F32 ? 4 : type == OP_TYPE_I8 ? 1 : 2;

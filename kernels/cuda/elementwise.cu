@@ -51,10 +51,8 @@ static int ew_run(op_backend *be, ew_kind kind, float *out, const float *x, cons
 CU_INTERNAL int cuda_swiglu(op_backend *be, const op_tensor *gate, const op_tensor *up, op_tensor *out) {
     if (!cuda_f32_contig(gate) || !cuda_f32_contig(up) || !cuda_f32_contig(out))
         return fu_errorf(FU_ERR_INVALID, "swiglu: tensors must be contiguous f32");
-    int rc;
-    if ((rc = cuda_mem_check(cuda_be(be), "swiglu", gate)) || (rc = cuda_mem_check(cuda_be(be), "swiglu", up)) ||
-        (rc = cuda_mem_check(cuda_be(be), "swiglu", out)))
-        return rc;
+    int rc = cuda_mem_check(cuda_be(be), "swiglu", gate, up, out);
+    if (rc) return rc;
     return ew_run(be, EW_SWIGLU, (float *)out->data, (const float *)gate->data, (const float *)up->data,
                   op_tensor_nelems(gate), 1);
 }
@@ -62,8 +60,8 @@ CU_INTERNAL int cuda_swiglu(op_backend *be, const op_tensor *gate, const op_tens
 CU_INTERNAL int cuda_add(op_backend *be, op_tensor *x, const op_tensor *y) {
     if (!cuda_f32_contig(x) || !cuda_f32_contig(y))
         return fu_errorf(FU_ERR_INVALID, "add: tensors must be contiguous f32");
-    int rc;
-    if ((rc = cuda_mem_check(cuda_be(be), "add", x)) || (rc = cuda_mem_check(cuda_be(be), "add", y))) return rc;
+    int rc = cuda_mem_check(cuda_be(be), "add", x, y, NULL);
+    if (rc) return rc;
     return ew_run(be, EW_ADD, (float *)x->data, (const float *)x->data, (const float *)y->data,
                   op_tensor_nelems(x), 1);
 }
@@ -71,9 +69,8 @@ CU_INTERNAL int cuda_add(op_backend *be, op_tensor *x, const op_tensor *y) {
 CU_INTERNAL int cuda_add_row(op_backend *be, op_tensor *x, const op_tensor *b) {
     if (!cuda_f32_contig(x) || !cuda_f32_contig(b))
         return fu_errorf(FU_ERR_INVALID, "add_row: tensors must be contiguous f32");
-    int rc;
-    if ((rc = cuda_mem_check(cuda_be(be), "add_row", x)) || (rc = cuda_mem_check(cuda_be(be), "add_row", b)))
-        return rc;
+    int rc = cuda_mem_check(cuda_be(be), "add_row", x, b, NULL);
+    if (rc) return rc;
     if (x->ne[0] == 0) return FU_OK;
     return ew_run(be, EW_ADD_ROW, (float *)x->data, (const float *)x->data, (const float *)b->data,
                   op_tensor_nelems(x), x->ne[0]);

@@ -32,8 +32,7 @@ CU_INTERNAL int cuda_get_rows(op_backend *be, const op_tensor *table, const int3
         return fu_errorf(FU_ERR_INVALID, "get_rows: i8 table needs row scales");
     const int64_t d = table->ne[0], nt = out->ne[1] * out->ne[2] * out->ne[3];
     int rc;
-    if ((rc = cuda_mem_check(cb, "get_rows", table)) || (rc = cuda_mem_check(cb, "get_rows", out)) ||
-        (rc = cu_rt_enter(cb)) || nt == 0 || d == 0)
+    if ((rc = cuda_mem_check(cb, "get_rows", table, out, NULL)) || (rc = cu_rt_enter(cb)) || nt == 0 || d == 0)
         return rc;
     int32_t *h = (int32_t *)cuda_meta_host(cb, (size_t)nt * sizeof(int32_t));
     if (!h) return FU_ERR_NOMEM;

@@ -34,7 +34,7 @@ CU_INTERNAL int cuda_kv_store(op_backend *be, const op_tensor *src, op_tensor *c
                               const int32_t *pos) {
     cuda_backend *cb = cuda_be(be);
     if (!cuda_f32_contig(src)) return fu_errorf(FU_ERR_INVALID, "kv_store: src must be contiguous f32");
-    int rc = cuda_mem_check(cb, "kv_store", src);
+    int rc = cuda_mem_check(cb, "kv_store", src, NULL, NULL);
     if (rc) return rc;
     const int64_t nt = src->ne[1] * src->ne[2] * src->ne[3], cols = src->ne[0];
     if (nt == 0 || cols == 0) return FU_OK;
@@ -45,7 +45,7 @@ CU_INTERNAL int cuda_kv_store(op_backend *be, const op_tensor *src, op_tensor *c
         const op_tensor *d = dst[seq[t]];
         op_kv_layout kl;
         if ((rc = op_kv_layout_of(d, cols, seq[t], &kl)) ||
-            ((t == 0 || seq[t - 1] != seq[t]) && (rc = cuda_mem_check(cb, "kv_store", d))))
+            ((t == 0 || seq[t - 1] != seq[t]) && (rc = cuda_mem_check(cb, "kv_store", d, NULL, NULL))))
             return rc;
         size_t es = d->type == OP_TYPE_F16 ? 2 : 4;
         if (kl.pos_stride % es || kl.head_stride % es || (uintptr_t)d->data % es)

@@ -205,10 +205,8 @@ CU_INTERNAL int cuda_matmul(op_backend *be, const op_tensor *w, const op_tensor 
         return fu_errorf(FU_ERR_INVALID, "matmul %s: i8 weights need row scales", name);
     if (!cuda_supports_type(w->type))
         return fu_errorf(FU_ERR_UNSUPPORTED, "matmul %s: no %s kernel", name, op_type_name(w->type));
-    int rc;
-    if ((rc = cuda_mem_check(cb, "matmul", w)) || (rc = cuda_mem_check(cb, "matmul", x)) ||
-        (rc = cuda_mem_check(cb, "matmul", y)))
-        return rc;
+    int rc = cuda_mem_check(cb, "matmul", w, x, y);
+    if (rc) return rc;
     if (w->nb[1] % cuda_type_align(w->type) || (uintptr_t)w->data % cuda_type_align(w->type) ||
         x->nb[1] % 4 || y->nb[1] % 4 || (uintptr_t)x->data % 4 || (uintptr_t)y->data % 4)
         return fu_errorf(FU_ERR_INVALID, "matmul %s: misaligned rows", name);

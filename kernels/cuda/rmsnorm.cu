@@ -37,9 +37,7 @@ CU_INTERNAL int cuda_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor
     if (!cuda_f32_contig(x) || !cuda_f32_contig(y) || (w && !cuda_f32_contig(w)))
         return fu_errorf(FU_ERR_INVALID, "rmsnorm: tensors must be contiguous f32");
     int rc;
-    if ((rc = cuda_mem_check(cb, "rmsnorm", x)) || (rc = cuda_mem_check(cb, "rmsnorm", w)) ||
-        (rc = cuda_mem_check(cb, "rmsnorm", y)) || (rc = cu_rt_enter(cb)) || x->ne[0] == 0)
-        return rc;
+    if ((rc = cuda_mem_check(cb, "rmsnorm", x, w, y)) || (rc = cu_rt_enter(cb)) || x->ne[0] == 0) return rc;
     rmsnorm_args a;
     a.x = (const float *)x->data;
     a.w = w ? (const float *)w->data : NULL;

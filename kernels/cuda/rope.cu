@@ -34,7 +34,7 @@ CU_INTERNAL int cuda_rope(op_backend *be, op_tensor *x, const int32_t *pos, cons
     if (!cuda_f32_contig(x)) return fu_errorf(FU_ERR_INVALID, "rope: x must be contiguous f32");
     if (!p->inv_freq || !pos) return fu_errorf(FU_ERR_INVALID, "rope: no inv_freq or positions");
     int rc;
-    if ((rc = cuda_mem_check(cb, "rope", x)) || (rc = cu_rt_enter(cb))) return rc;
+    if ((rc = cuda_mem_check(cb, "rope", x, NULL, NULL)) || (rc = cu_rt_enter(cb))) return rc;
     rope_args a;
     a.nt = x->ne[2] * x->ne[3];
     a.nh = x->ne[1];

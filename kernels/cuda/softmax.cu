@@ -35,7 +35,7 @@ static int softmax_run(op_backend *be, op_tensor *x, int log) {
     cuda_backend *cb = cuda_be(be);
     if (!cuda_f32_contig(x)) return fu_errorf(FU_ERR_INVALID, "softmax: x must be contiguous f32");
     int rc;
-    if ((rc = cuda_mem_check(cb, "softmax", x)) || (rc = cu_rt_enter(cb)) || x->ne[0] == 0) return rc;
+    if ((rc = cuda_mem_check(cb, "softmax", x, NULL, NULL)) || (rc = cu_rt_enter(cb)) || x->ne[0] == 0) return rc;
     softmax_args a;
     a.x = (float *)x->data;
     a.d = x->ne[0];

@@ -28,6 +28,7 @@
 #include "engine.h"
 #include "model.h"
 #include "ops.h"
+#include "sampler.h"
 #include "status.h"
 #include "../unit/test-model.h"
 
@@ -650,17 +651,10 @@ static void cmp_eng_close(const char *what, int step, const float *got, const fl
     cmp_close(w, got, want, n, NULL, cmp_eng_tol(want, n));
 }
 
-static int cmp_argmax(const float *x, int64_t n) {
-    int64_t b = 0;
-    for (int64_t i = 1; i < n; i++)
-        if (x[i] > x[b]) b = i;
-    return (int)b;
-}
-
 /* The device's greedy token must be the CPU's unless the CPU's best two are
  * closer than the logits' tolerance allows to tell apart. */
 static void cmp_eng_same_token(const float *got, const float *want, int64_t n) {
-    int best = cmp_argmax(want, n), g = cmp_argmax(got, n);
+    int best = smp_argmax(want, (int)n), g = smp_argmax(got, (int)n);
     if (g == best) return;
     double second = -INFINITY;
     for (int64_t i = 0; i < n; i++)
@@ -711,7 +705,7 @@ static void cmp_engine_case(mdl_arch arch, op_type wt, op_type kv, bool tied) {
     for (int step = 1; step <= STEPS; step++) {
         int32_t next[2];
         for (int j = 0; j < 2; j++) {
-            next[j] = cmp_argmax(lg[0] + j * V, V);
+            next[j] = smp_argmax(lg[0] + j * V, (int)V);
             cmp_eng_same_token(lg[1] + j * V, lg[0] + j * V, V);
         }
         for (int b = 0; b < 2; b++) {
