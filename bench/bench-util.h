@@ -1,4 +1,4 @@
-/* bench-util.h -- what the benchmarks share: wall clock, measured read bandwidth, peak RSS. */
+/* bench-util.h -- what the benchmarks share: measured read bandwidth, peak RSS. */
 #ifndef FU_BENCH_UTIL_H
 #define FU_BENCH_UTIL_H
 
@@ -10,11 +10,7 @@
 #include <time.h>
 #include <immintrin.h>
 
-static inline double bench_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+#include "clock.h"
 
 /* Peak resident set size of this process, in MiB. */
 static inline double bench_peak_rss_mib(void) {
@@ -82,7 +78,7 @@ static inline double bench_read_once(const uint8_t *buf, size_t bytes, int n_thr
     size_t part = bytes / (size_t)n_threads / 128 * 128;
     pthread_t th[64];
     bench_bw_part parts[64];
-    double t0 = bench_now();
+    double t0 = fu_now_s();
     for (int t = 0; t < n_threads; t++) {
         parts[t] = (bench_bw_part){buf + part * (size_t)t, part, 0};
         pthread_create(&th[t], NULL, bench_bw_worker, &parts[t]);
@@ -91,7 +87,7 @@ static inline double bench_read_once(const uint8_t *buf, size_t bytes, int n_thr
         pthread_join(th[t], NULL);
         sink += parts[t].sum;
     }
-    return (double)(part * (size_t)n_threads) / (bench_now() - t0) / 1e9;
+    return (double)(part * (size_t)n_threads) / (fu_now_s() - t0) / 1e9;
 }
 
 /* A buffer of `bytes` (a multiple of 64) to read, every page touched; NULL

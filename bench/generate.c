@@ -9,10 +9,10 @@
 #include <string.h>
 
 #include "bench-util.h"
-#include "cli.h"
 #include "engine.h"
 #include "model.h"
 #include "ops.h"
+#include "parse.h"
 #include "status.h"
 
 typedef struct preset {
@@ -114,7 +114,7 @@ int main(int argc, char **argv) {
     int rc;
     op_backend *be = NULL;
     char device_desc[300];
-    if (fu_backend_open(device, threads, isa, &be, device_desc, sizeof device_desc)) {
+    if (op_backend_open(device, threads, isa, &be, device_desc, sizeof device_desc)) {
         fprintf(stderr, "fusion-bench-generate: %s\n", fu_last_error());
         return 1;
     }
@@ -122,7 +122,7 @@ int main(int argc, char **argv) {
     const bool on_cpu = !strcmp(op_backend_name(be), "cpu");
     /* the layout the engine runs matrices of whole row groups in */
     const op_type run_type = op_weight_layout(be, dtype, OP_R16_ROWS);
-    double t_load = bench_now();
+    double t_load = fu_now_s();
     if (model_path) {
         rc = mdl_open(model_path, &mo, &m);
         if (rc == FU_OK && mo.head && m->last != m->cfg.n_layers) { /* a span that ends early */
@@ -174,7 +174,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "fusion-bench-generate: %s\n", rc ? fu_last_error() : "out of memory");
         return 1;
     }
-    t_load = bench_now() - t_load; /* the engine's repacking included */
+    t_load = fu_now_s() - t_load; /* the engine's repacking included */
     for (int i = 0; i < max_len; i++) {
         ids[i] = (int32_t)((i * 7919 + 13) % cfg->vocab_size);
         seqs[i] = s;
@@ -190,26 +190,26 @@ int main(int argc, char **argv) {
     uint8_t *want = calloc((size_t)n_prompt, 1);
     if (!want) goto fail;
     want[n_prompt - 1] = 1;
-    double t0 = bench_now();
+    double t0 = fu_now_s();
     eng_batch pb = {n_prompt, tok_in, BENCH_EMBD_(0), seqs, want};
     rc = eng_forward(e, &pb, out);
-    double t_prefill = bench_now() - t0;
+    double t_prefill = fu_now_s() - t0;
     free(want);
     if (rc) goto fail;
     /* decode; the best round is the figure comparable with the best of
      * several bandwidth reads */
-    double best_round = 0, t_round = bench_now();
+    double best_round = 0, t_round = fu_now_s();
     t0 = t_round;
     for (int i = 0; i < n_decode; i++) {
         eng_batch db = {1, tok_in ? tok_in + n_prompt + i : NULL, BENCH_EMBD_(n_prompt + i), seqs, NULL};
         if ((rc = eng_forward(e, &db, out))) goto fail;
         if ((i + 1) % BENCH_ROUND == 0) {
-            double now = bench_now(), tps = BENCH_ROUND / (now - t_round);
+            double now = fu_now_s(), tps = BENCH_ROUND / (now - t_round);
             if (tps > best_round) best_round = tps;
             t_round = now;
         }
     }
-    double t_decode = bench_now() - t0;
+    double t_decode = fu_now_s() - t0;
 
     double peak_rss = bench_peak_rss_mib(); /* before the bandwidth buffers */
     uint64_t wbytes = mdl_weight_bytes_per_token(m);
@@ -220,14 +220,14 @@ int main(int argc, char **argv) {
     const bool paired = pbuf != NULL;
     for (int r = 0; paired && r < BENCH_PAIRS; r++) {
         const double gbs = bench_read_once(pbuf, pbytes, op_backend_n_threads(be));
-        const double t = bench_now();
+        const double t = fu_now_s();
         const int at = n_prompt + n_decode + r;
         eng_batch db = {1, tok_in ? tok_in + at : NULL, BENCH_EMBD_(at), seqs, NULL};
         if ((rc = eng_forward(e, &db, out))) {
             free(pbuf);
             goto fail;
         }
-        pair[r] = (double)pbytes / (gbs * 1e9) / (bench_now() - t);
+        pair[r] = (double)pbytes / (gbs * 1e9) / (fu_now_s() - t);
     }
     free(pbuf);
     double bw = on_cpu ? bench_read_bandwidth(op_backend_n_threads(be), (size_t)1 << 30, 5) : 0;

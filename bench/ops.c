@@ -32,8 +32,8 @@
 #include <unistd.h>
 
 #include "bench-util.h"
-#include "cli.h"
 #include "ops.h"
+#include "parse.h"
 #include "status.h"
 
 static uint64_t bench_rng = 0x9e3779b97f4a7c15ull;
@@ -71,13 +71,13 @@ static double bench_sum_pass(const op_tensor *t, int copies, int nth) {
     pthread_t th[64];
     bench_sum_list args[64];
     if (nth > 64) nth = 64;
-    double t0 = bench_now();
+    double t0 = fu_now_s();
     for (int i = 0; i < nth; i++) {
         args[i] = (bench_sum_list){t, copies, i, nth, 0};
         pthread_create(&th[i], NULL, bench_sum_list_thread, &args[i]);
     }
     for (int i = 0; i < nth; i++) pthread_join(th[i], NULL);
-    return bench_now() - t0;
+    return fu_now_s() - t0;
 }
 
 static double bench_thread_cpu_now(void) {
@@ -186,9 +186,9 @@ static double bench_matmul(op_backend *be, bench_weight *w, int64_t t, double mi
     /* warm up every copy once, then time */
     for (int c = 0; c < w->copies; c++) op_matmul(be, &w->t[c], &xt, &yt);
     while (total < min_s || it < 3) {
-        double t0 = bench_now();
+        double t0 = fu_now_s();
         int rc = op_matmul(be, &w->t[it % w->copies], &xt, &yt);
-        double dt = bench_now() - t0;
+        double dt = fu_now_s() - t0;
         if (rc) {
             fprintf(stderr, "matmul failed: %s\n", fu_last_error());
             best = -1;
@@ -221,9 +221,9 @@ static double bench_decode(op_backend *be, bench_weight *w, int reps, double *su
     for (int r = 0; r < reps; r++) {
         double s = bench_sum_pass(w->t, w->copies, op_backend_n_threads(be));
         if (s < best_sum) best_sum = s;
-        double t0 = bench_now();
+        double t0 = fu_now_s();
         for (int c = 0; c < w->copies; c++) op_matmul(be, &w->t[c], &xt, &yt);
-        double dt = bench_now() - t0;
+        double dt = fu_now_s() - t0;
         if (dt < best) best = dt;
     }
     free(x);

@@ -69,10 +69,10 @@ static int bench_unary(rpc_channel *ch, size_t len, int n, const char *label) {
     rpc_status st;
     for (int i = -n / 10 - 1; i < n; i++) {
         ProtobufCMessage *reply;
-        double t0 = bench_now();
+        double t0 = fu_now_s();
         int rc = rpc_call_unary(ch, ECHO, &t.base, &fusion__tensor__descriptor, &reply, 10000,
                                 &st);
-        double dt = (bench_now() - t0) * 1e6;
+        double dt = (fu_now_s() - t0) * 1e6;
         if (rc != RPC_OK) {
             fprintf(stderr, "unary: %s: %s\n", rpc_code_str(rc), st.message);
             return 1;
@@ -100,10 +100,10 @@ static int bench_stream(rpc_channel *ch, size_t len, int n, const char *label) {
     if (rpc_stream_open(ch, CHAT, 0, &s, &st) != RPC_OK) return 1;
     for (int i = -n / 10 - 1; i < n; i++) {
         ProtobufCMessage *m;
-        double t0 = bench_now();
+        double t0 = fu_now_s();
         int rc = rpc_stream_send(s, &t.base, &st);
         if (rc == RPC_OK) rc = rpc_stream_recv(s, &fusion__tensor__descriptor, &m, 10000, &st);
-        double dt = (bench_now() - t0) * 1e6;
+        double dt = (fu_now_s() - t0) * 1e6;
         if (rc != RPC_OK) {
             fprintf(stderr, "stream: %s: %s\n", rpc_code_str(rc), st.message);
             return 1;

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "chain.h"
+#include "clock.h"
 #include "gw-swarm.h"
 #include "gw-tools.h"
 #include "log.h"
@@ -24,7 +25,7 @@ typedef struct gw_choice {
     int prompt;        /* which prompt */
     int n_gen;         /* tokens generated (EOG included) */
     const char *finish;
-    gw_buf text;       /* non-streaming: the whole text */
+    fu_buf text;       /* non-streaming: the whole text */
     json_t *lp;        /* non-streaming logprobs: chat array / completions object */
     size_t text_off;   /* completions text_offset of the next token */
     gw_tool_stream tools; /* streaming chat with tools: calls split from the content */
@@ -80,19 +81,13 @@ struct gw_job {
     /* response state (mu) */
     gw_job_phase phase;
     gw_error err;
-    gw_buf out;                 /* streaming: SSE bytes not yet taken */
+    fu_buf out;                 /* streaming: SSE bytes not yet taken */
     bool finished;
     char *body;
     gw_wake_fn wake;
     void *wake_arg;
     int64_t prompt_tokens, completion_tokens;
 };
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* ---- job bookkeeping ---------------------------------------------------------------------- */
 
@@ -113,7 +108,7 @@ size_t gw_job_take(gw_job *j, char *buf, size_t max) {
     size_t n = j->out.len < max ? j->out.len : max;
     if (n) {
         memcpy(buf, j->out.data, n);
-        gw_buf_consume(&j->out, n);
+        fu_buf_consume(&j->out, n);
     }
     return n;
 }
@@ -126,7 +121,7 @@ static void gw_job_wake_locked(gw_job *j) {
 
 static void gw_job_free(gw_job *j) {
     for (int i = 0; i < j->n_choices; i++) {
-        gw_buf_free(&j->choices[i].text);
+        fu_buf_free(&j->choices[i].text);
         json_decref(j->choices[i].lp);
         gw_tool_stream_free(&j->choices[i].tools);
     }
@@ -135,7 +130,7 @@ static void gw_job_free(gw_job *j) {
         for (int i = 0; i < j->n_prompts; i++) free(j->pids[i]);
     free(j->pids);
     free(j->pn);
-    gw_buf_free(&j->out);
+    fu_buf_free(&j->out);
     free(j->body);
     gw_request_free(&j->req);
     pthread_mutex_destroy(&j->mu);
@@ -158,7 +153,7 @@ static uint64_t random_seed(void) {
         if (read(fd, &s, sizeof s) != (ssize_t)sizeof s) s = 0;
         close(fd);
     }
-    return s ^ (uint64_t)(now_s() * 1e9);
+    return s ^ (uint64_t)(fu_now_s() * 1e9);
 }
 
 int gw_job_new(gw_engine *e, gw_request *req, gw_job **out) {
@@ -175,7 +170,7 @@ int gw_job_new(gw_engine *e, gw_request *req, gw_job **out) {
     snprintf(j->id, sizeof j->id, "%s-%llx%06llu", j->req.kind == GW_KIND_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)time(NULL), (unsigned long long)id);
     j->created = (long long)time(NULL);
-    j->t_arrival = now_s();
+    j->t_arrival = fu_now_s();
     j->seed = j->req.has_seed ? j->req.seed : random_seed();
     j->tools_on = j->req.kind == GW_KIND_CHAT && gw_tools_active(j->req.tools, j->req.tool_choice);
     j->call_salt = random_seed();
@@ -445,7 +440,7 @@ static void gw_choice_done(gw_job *j, gw_choice *c, const gw_error *failure) {
     bool last = ++j->n_done == j->n_choices;
     if (last) {
         gw_metrics_tokens(e->metrics, j->phase == GW_JOB_FAILED ? 0 : j->prompt_tokens, j->completion_tokens);
-        gw_metrics_e2e(e->metrics, now_s() - j->t_arrival);
+        gw_metrics_e2e(e->metrics, fu_now_s() - j->t_arrival);
         gw_metrics_running(e->metrics, -1);
         if (j->phase == GW_JOB_STREAMING) {
             if (j->req.include_usage) {
@@ -545,7 +540,7 @@ static int gw_choice_open(gw_engine *e, const char *sid, int max_length, int req
  * the model called any. */
 static void gw_choice_output_tools(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
                                    const char *finish) {
-    gw_buf content = {0};
+    fu_buf content = {0};
     json_t *deltas = json_array();
     int rc = deltas ? gw_tool_stream_feed(&c->tools, text ? text : "", len, &content, deltas) : FU_ERR_NOMEM;
     if (!rc && finish) rc = gw_tool_stream_flush(&c->tools, &content, deltas);
@@ -563,14 +558,14 @@ static void gw_choice_output_tools(gw_job *j, gw_choice *c, const char *text, si
     if (finish)
         gw_job_emit(j, gw_chunk(j, c->index, json_object(), NULL, c->tools.n_calls ? "tool_calls" : finish));
     json_decref(deltas);
-    gw_buf_free(&content);
+    fu_buf_free(&content);
 }
 
 /* Emits text (and streamed logprobs) for a choice: streaming sends a chunk, otherwise it accumulates. */
 static void gw_choice_output(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
                              const char *finish) {
     if (!j->req.stream) {
-        gw_buf_append(&c->text, text, len);
+        fu_buf_append(&c->text, text, len);
         json_decref(lp_chunk);
         return;
     }
@@ -619,7 +614,7 @@ static void gw_run_choice(gw_job *j, int ci) {
     int n_hist = 0, failovers = 0;
     tok_decoder *dec = NULL;
     gw_stop stop = {0};
-    gw_buf piece = {0};
+    fu_buf piece = {0};
     json_t *lp_chunk = NULL;
     bool stream = j->req.stream, chat = j->req.kind == GW_KIND_CHAT;
 
@@ -679,7 +674,7 @@ static void gw_run_choice(gw_job *j, int ci) {
             txt = NULL;
         }
         if (!echo_lp) gw_choice_output(j, c, txt ? txt : "", tl, NULL, NULL);
-        else gw_buf_append(&c->text, txt ? txt : "", tl); /* the logprobs follow the prefill */
+        else fu_buf_append(&c->text, txt ? txt : "", tl); /* the logprobs follow the prefill */
         c->text_off = tl;
         if (txt != p->text) free(txt);
     }
@@ -687,7 +682,7 @@ static void gw_run_choice(gw_job *j, int ci) {
         if (echo_lp) {
             if (stream) {
                 gw_choice_output(j, c, c->text.data, c->text.len, NULL, NULL);
-                gw_buf_free(&c->text);
+                fu_buf_free(&c->text);
             }
         }
         c->finish = "length";
@@ -741,7 +736,7 @@ static void gw_run_choice(gw_job *j, int ci) {
             c->finish = NULL;
             break;
         }
-        double t = now_s();
+        double t = fu_now_s();
         if (step == 0) gw_metrics_ttft(e->metrics, t - j->t_arrival);
         else gw_metrics_itl(e->metrics, t - t_prev);
         t_prev = t;
@@ -753,7 +748,7 @@ static void gw_run_choice(gw_job *j, int ci) {
             gw_echo_logprobs(j, c, prompt, n_prompt, r, lp);
             if (stream) {
                 gw_choice_output(j, c, c->text.data, c->text.len, lp, NULL);
-                gw_buf_free(&c->text);
+                fu_buf_free(&c->text);
             } else {
                 json_decref(c->lp);
                 c->lp = lp;
@@ -830,7 +825,7 @@ static void gw_run_choice(gw_job *j, int ci) {
     }
 done:
     json_decref(lp_chunk);
-    gw_buf_free(&piece);
+    fu_buf_free(&piece);
     gw_stop_free(&stop);
     tok_decoder_free(dec);
     if (s) {

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "chat-template.h"
+#include "clock.h"
 #include "log.h"
 #include "status.h"
 
@@ -75,7 +76,7 @@ struct gw_conn {
     gw_conn *prev, *next;
     gw_route route;
     bool is_post;
-    gw_buf body;
+    fu_buf body;
     bool too_large;
     bool responded;
     gw_job *job;
@@ -210,9 +211,9 @@ static enum MHD_Result gw_route_models(gw_conn *c, const char *url) {
 }
 
 static enum MHD_Result gw_route_metrics(gw_conn *c) {
-    gw_buf b = {0};
+    fu_buf b = {0};
     if (gw_metrics_render(c->srv->metrics, gw_engine_queue_depth(c->srv->engine), &b)) {
-        gw_buf_free(&b);
+        fu_buf_free(&b);
         return gw_fail(c, 500, NULL, NULL, "out of memory");
     }
     return gw_respond(c, 200, "text/plain; version=0.0.4", b.data, b.len);
@@ -449,7 +450,7 @@ static void gw_body_run(gw_conn *c) {
     else if (c->route == GW_ROUTE_APPLY_TEMPLATE) ret = gw_route_apply_template(c, body);
     else ret = gw_route_generate(c, body);
     json_decref(body);
-    gw_buf_free(&c->body);
+    fu_buf_free(&c->body);
     c->deferred = false;
     c->body_failed = ret == MHD_NO && !c->reply.ready;
     MHD_resume_connection(c->mc);
@@ -519,10 +520,10 @@ static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const cha
     }
     if (*upload_size) {
         if (!c->too_large && c->body.len + *upload_size <= s->cfg->max_body_bytes) {
-            if (gw_buf_append(&c->body, upload, *upload_size)) c->too_large = true;
+            if (fu_buf_append(&c->body, upload, *upload_size)) c->too_large = true;
         } else {
             c->too_large = true;
-            gw_buf_free(&c->body);
+            fu_buf_free(&c->body);
         }
         *upload_size = 0;
         return MHD_YES;
@@ -553,7 +554,7 @@ static void gw_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     else s->conns = c->next;
     if (c->next) c->next->prev = c->prev;
     pthread_mutex_unlock(&s->mu);
-    gw_buf_free(&c->body);
+    fu_buf_free(&c->body);
     free(c->reply.body);
     free(c);
 }
@@ -608,13 +609,7 @@ static void *gw_watch_main(void *arg) {
     gw_server *s = arg;
     pthread_mutex_lock(&s->watch_mu);
     while (!atomic_load(&s->stopping)) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_nsec += GW_WATCH_INTERVAL_MS * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = fu_deadline_us(CLOCK_MONOTONIC, GW_WATCH_INTERVAL_MS * 1000LL);
         pthread_cond_timedwait(&s->watch_cv, &s->watch_mu, &ts);
         if (atomic_load(&s->stopping)) break;
         pthread_mutex_unlock(&s->watch_mu);
@@ -678,11 +673,11 @@ static int gw_listen(const char *spec, int *port) {
 static char *gw_read_file(const char *path) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
-    gw_buf b = {0};
+    fu_buf b = {0};
     char tmp[4096];
     size_t n;
     while ((n = fread(tmp, 1, sizeof tmp, f)) > 0)
-        if (gw_buf_append(&b, tmp, n)) break;
+        if (fu_buf_append(&b, tmp, n)) break;
     fclose(f);
     return b.data;
 }

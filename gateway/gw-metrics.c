@@ -45,15 +45,15 @@ static void gw_hist_observe(gw_hist *h, double v) {
     h->total++;
 }
 
-static int gw_hist_render(const gw_hist *h, gw_buf *out) {
-    int rc = gw_buf_appendf(out, "# HELP %s %s\n# TYPE %s histogram\n", h->name, h->help, h->name);
+static int gw_hist_render(const gw_hist *h, fu_buf *out) {
+    int rc = fu_buf_appendf(out, "# HELP %s %s\n# TYPE %s histogram\n", h->name, h->help, h->name);
     uint64_t cum = 0;
     for (int i = 0; i < h->n && !rc; i++) {
         cum += h->count[i];
-        rc = gw_buf_appendf(out, "%s_bucket{le=\"%g\"} %llu\n", h->name, h->le[i], (unsigned long long)cum);
+        rc = fu_buf_appendf(out, "%s_bucket{le=\"%g\"} %llu\n", h->name, h->le[i], (unsigned long long)cum);
     }
     if (!rc)
-        rc = gw_buf_appendf(out, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", h->name,
+        rc = fu_buf_appendf(out, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.6f\n%s_count %llu\n", h->name,
                             (unsigned long long)h->total, h->name, h->sum, h->name, (unsigned long long)h->total);
     return rc;
 }
@@ -130,9 +130,9 @@ void gw_metrics_running(gw_metrics *m, int delta) {
     pthread_mutex_unlock(&m->mu);
 }
 
-int gw_metrics_render(gw_metrics *m, int queue_depth, gw_buf *out) {
+int gw_metrics_render(gw_metrics *m, int queue_depth, fu_buf *out) {
     pthread_mutex_lock(&m->mu);
-    int rc = gw_buf_appendf(out, "# HELP fusion_gateway_requests_total HTTP requests by route and status.\n"
+    int rc = fu_buf_appendf(out, "# HELP fusion_gateway_requests_total HTTP requests by route and status.\n"
                                  "# TYPE fusion_gateway_requests_total counter\n");
     for (int r = 0; r < GW_ROUTE_COUNT && !rc; r++)
         for (int k = 0; k <= GW_N_CODES && !rc; k++) {
@@ -140,11 +140,11 @@ int gw_metrics_render(gw_metrics *m, int queue_depth, gw_buf *out) {
             char code[8];
             if (k < GW_N_CODES) snprintf(code, sizeof code, "%d", gw_codes[k]);
             else snprintf(code, sizeof code, "other");
-            rc = gw_buf_appendf(out, "fusion_gateway_requests_total{route=\"%s\",code=\"%s\"} %llu\n",
+            rc = fu_buf_appendf(out, "fusion_gateway_requests_total{route=\"%s\",code=\"%s\"} %llu\n",
                                 gw_route_name((gw_route)r), code, (unsigned long long)m->requests[r][k]);
         }
     if (!rc)
-        rc = gw_buf_appendf(
+        rc = fu_buf_appendf(
             out,
             "# HELP fusion_gateway_prompt_tokens_total Prompt tokens processed.\n"
             "# TYPE fusion_gateway_prompt_tokens_total counter\nfusion_gateway_prompt_tokens_total %llu\n"

@@ -120,7 +120,7 @@ static int normalize_content(json_t *msg, int idx, gw_error *err) {
         gw_error_set(err, 400, param, "invalid_type", "'%s' must be a string or an array of content parts", param);
         return -1;
     }
-    gw_buf b = {0};
+    fu_buf b = {0};
     size_t i;
     json_t *part;
     json_array_foreach(c, i, part) {
@@ -128,19 +128,19 @@ static int normalize_content(json_t *msg, int idx, gw_error *err) {
         const json_t *text = json_object_get(part, "text");
         if (!json_is_object(part) || !json_is_string(type) || strcmp(json_string_value(type), "text") ||
             !json_is_string(text)) {
-            gw_buf_free(&b);
+            fu_buf_free(&b);
             gw_error_set(err, 400, param, "invalid_value",
                          "'%s' parts must be {\"type\": \"text\", \"text\": ...}: only text is supported", param);
             return -1;
         }
-        if (gw_buf_append(&b, json_string_value(text), json_string_length(text))) {
-            gw_buf_free(&b);
+        if (fu_buf_append(&b, json_string_value(text), json_string_length(text))) {
+            fu_buf_free(&b);
             gw_error_set(err, 500, NULL, NULL, "out of memory");
             return -1;
         }
     }
     json_object_set_new(msg, "content", json_stringn(b.data ? b.data : "", b.len));
-    gw_buf_free(&b);
+    fu_buf_free(&b);
     return 0;
 }
 

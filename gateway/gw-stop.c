@@ -21,7 +21,7 @@ int gw_stop_init(gw_stop *s, char *const *stops, int n) {
 
 void gw_stop_free(gw_stop *s) {
     free(s->lens);
-    gw_buf_free(&s->held);
+    fu_buf_free(&s->held);
     memset(s, 0, sizeof *s);
 }
 
@@ -39,10 +39,10 @@ static size_t gw_stop_partial(const gw_stop *s, const char *text, size_t len) {
     return best;
 }
 
-int gw_stop_feed(gw_stop *s, const char *text, size_t len, gw_buf *out) {
+int gw_stop_feed(gw_stop *s, const char *text, size_t len, fu_buf *out) {
     if (s->matched) return FU_OK;
-    if (s->n == 0) return gw_buf_append(out, text, len);
-    if (gw_buf_append(&s->held, text, len)) return FU_ERR_NOMEM;
+    if (s->n == 0) return fu_buf_append(out, text, len);
+    if (fu_buf_append(&s->held, text, len)) return FU_ERR_NOMEM;
     const char *h = s->held.data;
     size_t hl = s->held.len;
     /* the earliest occurrence of any stop string */
@@ -52,7 +52,7 @@ int gw_stop_feed(gw_stop *s, const char *text, size_t len, gw_buf *out) {
         if (p && (size_t)(p - h) < first) first = (size_t)(p - h);
     }
     if (first != SIZE_MAX) {
-        int rc = gw_buf_append(out, h, first);
+        int rc = fu_buf_append(out, h, first);
         s->matched = true;
         s->held.len = 0;
         return rc;
@@ -62,15 +62,15 @@ int gw_stop_feed(gw_stop *s, const char *text, size_t len, gw_buf *out) {
     /* never cut inside a character (a stop string starting with a continuation byte) */
     while (release > 0 && release < hl && ((unsigned char)h[release] & 0xC0) == 0x80) release--;
     if (release) {
-        if (gw_buf_append(out, h, release)) return FU_ERR_NOMEM;
-        gw_buf_consume(&s->held, release);
+        if (fu_buf_append(out, h, release)) return FU_ERR_NOMEM;
+        fu_buf_consume(&s->held, release);
     }
     return FU_OK;
 }
 
-int gw_stop_flush(gw_stop *s, gw_buf *out) {
+int gw_stop_flush(gw_stop *s, fu_buf *out) {
     if (s->matched || !s->held.len) return FU_OK;
-    int rc = gw_buf_append(out, s->held.data, s->held.len);
+    int rc = fu_buf_append(out, s->held.data, s->held.len);
     s->held.len = 0;
     return rc;
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "fusion.pb-c.h"
 #include "grow.h"
 #include "log.h"
@@ -90,18 +91,6 @@ struct gw_swarm {
     pthread_t thread;
     bool started;
 };
-
-static double mono_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static double wall_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static double min_gain(const gw_swarm *s) { return s->cfg->min_gain_percent / 100.0; }
 
@@ -309,7 +298,7 @@ static bool gw_loaded_locked(const gw_swarm *s, double now) {
 
 /* Gives spares their spans by the placement rules (locked). */
 static void gw_swarm_rebalance_locked(gw_swarm *s) {
-    double now = mono_s();
+    double now = fu_now_s();
     for (size_t iter = 0; iter <= s->n; iter++) {
         rt_swarm view;
         if (rt_swarm_clone(&view, &s->sw)) return;
@@ -413,7 +402,7 @@ static void gw_swarm_move_locked(gw_swarm *s, double now) {
 
 /* Retires member mb (locked). */
 static void gw_member_retire_locked(gw_swarm *s, gw_member *mb, const char *why) {
-    mb->retired_at = mono_s();
+    mb->retired_at = fu_now_s();
     snprintf(mb->error, sizeof mb->error, "%s", why);
     if (!mb->live) return;
     FU_WARN("swarm: retiring %s%s [%d, %d): %s", mb->joined ? "member " : "shard ", mb->address, mb->first, mb->last,
@@ -534,7 +523,7 @@ static void gw_member_take_report(gw_member *mb, const gw_member_report *r, doub
     mb->n_links = r->n_links;
     memcpy(mb->links, r->links, (size_t)r->n_links * sizeof *r->links);
     mb->last_hb = now;
-    mb->last_ok = wall_s();
+    mb->last_ok = fu_wall_s();
 }
 
 static void gw_member_reply_fill_locked(gw_swarm *s, const gw_member *mb, gw_member_reply *out, bool peers) {
@@ -667,7 +656,7 @@ int gw_swarm_member_link(gw_swarm *s, uint64_t member_id, double rtt_s, double b
     if (mb) {
         mb->rtt_s = rtt_s;
         mb->bw = bandwidth;
-        mb->measured_at = mono_s();
+        mb->measured_at = fu_now_s();
         gw_links_apply_locked(s);
         gw_swarm_changed_locked(s);
     }
@@ -711,7 +700,7 @@ static gw_member *gw_member_at(gw_swarm *s, size_t i) {
 
 /* Polls static member mb once and applies the result. */
 static void gw_member_poll(gw_swarm *s, gw_member *mb) {
-    double t0 = mono_s();
+    double t0 = fu_now_s();
     Fusion__InfoReply *r = NULL;
     char why[200] = "";
     int rc = gw_info_call(s, mb->ch, &r, why, sizeof why);
@@ -729,7 +718,7 @@ static void gw_member_poll(gw_swarm *s, gw_member *mb) {
         mb->sessions = r->active_sessions;
         snprintf(mb->device, sizeof mb->device, "%s", r->device ? r->device : "");
         snprintf(mb->dtype, sizeof mb->dtype, "%s", r->dtype ? r->dtype : "");
-        mb->last_ok = wall_s();
+        mb->last_ok = fu_wall_s();
         if (!mb->live) {
             mb->live = true;
             mb->error[0] = '\0';
@@ -748,10 +737,10 @@ static double gw_echo(rpc_channel *ch, int reply_bytes, char *why, size_t why_le
     req.reply_bytes = reply_bytes;
     ProtobufCMessage *rep = NULL;
     rpc_status st = {0};
-    double t0 = mono_s();
+    double t0 = fu_now_s();
     int code = rpc_call_unary(ch, RPC_SHARD_ECHO, &req.base, &fusion__echo_reply__descriptor, &rep,
                               GW_POLL_TIMEOUT_MS * 2, &st);
-    double t = mono_s() - t0;
+    double t = fu_now_s() - t0;
     rpc_msg_free(rep);
     if (code) {
         snprintf(why, why_len, "Echo: %s%s%.150s", rpc_code_str(code), st.message[0] ? ": " : "", st.message);
@@ -767,7 +756,7 @@ static void gw_member_measure(gw_swarm *s, gw_member *mb) {
     double b = a >= 0 ? gw_echo(mb->ch, 0, why, sizeof why) : -1;
     double big = b >= 0 ? gw_echo(mb->ch, GW_ECHO_BYTES, why, sizeof why) : -1;
     pthread_mutex_lock(&s->mu);
-    mb->measured_at = mono_s();
+    mb->measured_at = fu_now_s();
     if (big < 0) {
         gw_member_retire_locked(s, mb, why);
     } else {
@@ -783,7 +772,7 @@ static void gw_member_measure(gw_swarm *s, gw_member *mb) {
 /* ---- the background thread ---------------------------------------------------------------- */
 
 static void gw_swarm_round(gw_swarm *s) {
-    double now = mono_s();
+    double now = fu_now_s();
     gw_swarm_tick(s, now);
     gw_member *mb;
     for (size_t i = 0; (mb = gw_member_at(s, i)); i++) {
@@ -809,13 +798,7 @@ static void *gw_swarm_main(void *arg) {
     gw_swarm *s = arg;
     pthread_mutex_lock(&s->mu);
     while (!s->stopping) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += (long)GW_TICK_MS * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = fu_deadline_us(CLOCK_REALTIME, (int64_t)GW_TICK_MS * 1000);
         while (!s->stopping && pthread_cond_timedwait(&s->cv, &s->mu, &ts) == 0) {
         }
         if (s->stopping) break;
@@ -899,7 +882,7 @@ static int gw_join_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
     }
     gw_report_from_msg(req->status, r);
     gw_member_reply out;
-    int rc = gw_swarm_member_join(s, r, mono_s(), &out);
+    int rc = gw_swarm_member_join(s, r, fu_now_s(), &out);
     free(r);
     if (rc) {
         free(m);
@@ -931,7 +914,7 @@ static int gw_heartbeat_handler(void *ctx, const ProtobufCMessage *req_msg, Prot
         return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
     }
     gw_report_from_msg(req->status, r);
-    int rc = gw_swarm_member_heartbeat(s, req->member_id, r, req->leaving, mono_s(), &m->out);
+    int rc = gw_swarm_member_heartbeat(s, req->member_id, r, req->leaving, fu_now_s(), &m->out);
     free(r);
     if (rc) {
         free(m);
@@ -1095,7 +1078,7 @@ static void gw_swarm_route_error(gw_swarm *s, int rc, gw_error *err) {
 
 int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err) {
     memset(l, 0, sizeof *l);
-    double deadline = mono_s() + s->cfg->route_wait_ms / 1000.0;
+    double deadline = fu_now_s() + s->cfg->route_wait_ms / 1000.0;
     pthread_mutex_lock(&s->mu);
     rt_path *p = NULL;
     int rc;
@@ -1108,19 +1091,15 @@ int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err) {
             break;
         }
         /* a spare loading an uncovered span is worth waiting for */
-        double now = mono_s();
+        double now = fu_now_s();
         if (!rc || !gw_pending_locked(s) || rt_swarm_uncovered(&s->sw, NULL) == 0 || now >= deadline) break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
         double wait = deadline - now < 0.1 ? deadline - now : 0.1;
-        long ns = ts.tv_nsec + (long)(wait * 1e9);
-        ts.tv_sec += ns / 1000000000L;
-        ts.tv_nsec = ns % 1000000000L;
+        struct timespec ts = fu_deadline_us(CLOCK_REALTIME, (int64_t)(wait * 1e6));
         pthread_cond_timedwait(&s->changed, &s->mu, &ts);
     }
     if (rc) {
         if (rc == FU_ERR_EXHAUSTED && rt_swarm_uncovered(&s->sw, NULL) == 0) {
-            s->busy_at = mono_s(); /* the swarm is loaded: rule 5 may promote a spare */
+            s->busy_at = fu_now_s(); /* the swarm is loaded: rule 5 may promote a spare */
             gw_swarm_rebalance_locked(s);
         }
         gw_swarm_route_error(s, rc, err);
@@ -1268,7 +1247,7 @@ json_t *gw_swarm_json(gw_swarm *s) {
     }
     pthread_mutex_lock(&s->mu);
     const rt_flow *f = rt_router_flow(s->router);
-    double now_wall = wall_s(), now = mono_s();
+    double now_wall = fu_wall_s(), now = fu_now_s();
     int n_spares = 0, n_active = 0;
     for (size_t i = 0; i < s->n; i++) {
         const gw_member *mb = s->m[i];

@@ -81,12 +81,12 @@ static int emit_call(gw_tool_stream *t, const json_t *o, json_t *deltas) {
 
 /* Releases text as content. Whitespace alone waits in t->ws: between or after calls
  * it is noise, and it goes out with the next real content. */
-static int release(gw_tool_stream *t, const char *s, size_t n, gw_buf *content) {
+static int release(gw_tool_stream *t, const char *s, size_t n, fu_buf *content) {
     if (n == 0) return FU_OK;
-    if (all_space(s, n)) return gw_buf_append(&t->ws, s, n);
-    if (t->ws.len && gw_buf_append(content, t->ws.data, t->ws.len)) return FU_ERR_NOMEM;
+    if (all_space(s, n)) return fu_buf_append(&t->ws, s, n);
+    if (t->ws.len && fu_buf_append(content, t->ws.data, t->ws.len)) return FU_ERR_NOMEM;
     t->ws.len = 0;
-    return gw_buf_append(content, s, n);
+    return fu_buf_append(content, s, n);
 }
 
 /* Length of the longest proper suffix of s[0..n) that is a prefix of tag. */
@@ -108,7 +108,7 @@ static int hermes_call(gw_tool_stream *t, const char *s, size_t n, json_t *delta
     return rc;
 }
 
-static int hermes_feed(gw_tool_stream *t, gw_buf *content, json_t *deltas) {
+static int hermes_feed(gw_tool_stream *t, fu_buf *content, json_t *deltas) {
     const size_t ol = strlen(HERMES_OPEN), cl = strlen(HERMES_CLOSE);
     for (;;) {
         const char *h = t->held.data;
@@ -119,10 +119,10 @@ static int hermes_feed(gw_tool_stream *t, gw_buf *content, json_t *deltas) {
             size_t cut = p ? (size_t)(p - h) : hl - partial_tag(h, hl, HERMES_OPEN);
             if (release(t, h, cut, content)) return FU_ERR_NOMEM;
             if (!p) {
-                gw_buf_consume(&t->held, cut);
+                fu_buf_consume(&t->held, cut);
                 return FU_OK;
             }
-            gw_buf_consume(&t->held, cut + ol);
+            fu_buf_consume(&t->held, cut + ol);
             t->state = HERMES_INSIDE;
             continue;
         }
@@ -134,12 +134,12 @@ static int hermes_feed(gw_tool_stream *t, gw_buf *content, json_t *deltas) {
         if (rc == 0) { /* malformed: the text stays content, tags and all */
             if (release(t, HERMES_OPEN, ol, content) || release(t, h, body + cl, content)) return FU_ERR_NOMEM;
         }
-        gw_buf_consume(&t->held, body + cl);
+        fu_buf_consume(&t->held, body + cl);
         t->state = HERMES_OUTSIDE;
     }
 }
 
-static int hermes_flush(gw_tool_stream *t, gw_buf *content, json_t *deltas) {
+static int hermes_flush(gw_tool_stream *t, fu_buf *content, json_t *deltas) {
     if (t->state == HERMES_INSIDE) { /* unterminated: a call if its JSON is complete */
         int rc = hermes_call(t, t->held.data ? t->held.data : "", t->held.len, deltas);
         if (rc < 0) return FU_ERR_NOMEM;
@@ -157,17 +157,17 @@ static int hermes_flush(gw_tool_stream *t, gw_buf *content, json_t *deltas) {
 /* ---- Llama 3 JSON ------------------------------------------------------------------------------- */
 
 /* Releases everything held as content from now on. */
-static int llama3_to_content(gw_tool_stream *t, size_t from, gw_buf *content) {
+static int llama3_to_content(gw_tool_stream *t, size_t from, fu_buf *content) {
     t->state = LLAMA3_CONTENT;
-    if (t->ws.len && gw_buf_append(content, t->ws.data, t->ws.len)) return FU_ERR_NOMEM;
+    if (t->ws.len && fu_buf_append(content, t->ws.data, t->ws.len)) return FU_ERR_NOMEM;
     t->ws.len = 0;
-    int rc = gw_buf_append(content, t->held.data + from, t->held.len - from);
+    int rc = fu_buf_append(content, t->held.data + from, t->held.len - from);
     t->held.len = 0;
     return rc;
 }
 
 /* Takes complete calls off the front of t->held; `final`: no more text comes. */
-static int llama3_parse(gw_tool_stream *t, bool final, gw_buf *content, json_t *deltas) {
+static int llama3_parse(gw_tool_stream *t, bool final, fu_buf *content, json_t *deltas) {
     for (;;) {
         size_t i = 0;
         const char *h = t->held.data;
@@ -187,11 +187,11 @@ static int llama3_parse(gw_tool_stream *t, bool final, gw_buf *content, json_t *
         json_decref(o);
         if (rc < 0) return FU_ERR_NOMEM;
         if (rc == 0) return llama3_to_content(t, i, content);
-        gw_buf_consume(&t->held, i + (size_t)jerr.position);
+        fu_buf_consume(&t->held, i + (size_t)jerr.position);
     }
 }
 
-static int llama3_feed(gw_tool_stream *t, bool has_brace, gw_buf *content, json_t *deltas) {
+static int llama3_feed(gw_tool_stream *t, bool has_brace, fu_buf *content, json_t *deltas) {
     if (t->state == LLAMA3_CONTENT) return llama3_to_content(t, 0, content);
     if (t->state == LLAMA3_UNDECIDED) {
         const char *h = t->held.data;
@@ -200,7 +200,7 @@ static int llama3_feed(gw_tool_stream *t, bool has_brace, gw_buf *content, json_
         size_t rest = t->held.len - i;
         if (rest == 0) return FU_OK;
         if (rest >= pl && !memcmp(h + i, PYTHON_TAG, pl)) {
-            gw_buf_consume(&t->held, i + pl);
+            fu_buf_consume(&t->held, i + pl);
             t->state = LLAMA3_JSON;
         } else if (rest < pl && !memcmp(h + i, PYTHON_TAG, rest)) {
             return FU_OK;
@@ -223,18 +223,18 @@ void gw_tool_stream_init(gw_tool_stream *t, gw_tool_format format, uint64_t id_s
 }
 
 void gw_tool_stream_free(gw_tool_stream *t) {
-    gw_buf_free(&t->held);
-    gw_buf_free(&t->ws);
+    fu_buf_free(&t->held);
+    fu_buf_free(&t->ws);
 }
 
-int gw_tool_stream_feed(gw_tool_stream *t, const char *text, size_t len, gw_buf *content, json_t *deltas) {
+int gw_tool_stream_feed(gw_tool_stream *t, const char *text, size_t len, fu_buf *content, json_t *deltas) {
     if (len == 0) return FU_OK;
-    if (gw_buf_append(&t->held, text, len)) return FU_ERR_NOMEM;
+    if (fu_buf_append(&t->held, text, len)) return FU_ERR_NOMEM;
     if (t->format == GW_TOOL_FORMAT_LLAMA3) return llama3_feed(t, memchr(text, '}', len) != NULL, content, deltas);
     return hermes_feed(t, content, deltas);
 }
 
-int gw_tool_stream_flush(gw_tool_stream *t, gw_buf *content, json_t *deltas) {
+int gw_tool_stream_flush(gw_tool_stream *t, fu_buf *content, json_t *deltas) {
     int rc;
     if (t->format == GW_TOOL_FORMAT_LLAMA3) {
         if (t->state == LLAMA3_JSON) rc = llama3_parse(t, true, content, deltas);
@@ -243,7 +243,7 @@ int gw_tool_stream_flush(gw_tool_stream *t, gw_buf *content, json_t *deltas) {
         rc = hermes_flush(t, content, deltas);
     }
     if (rc) return rc;
-    if (t->n_calls == 0 && t->ws.len && gw_buf_append(content, t->ws.data, t->ws.len)) return FU_ERR_NOMEM;
+    if (t->n_calls == 0 && t->ws.len && fu_buf_append(content, t->ws.data, t->ws.len)) return FU_ERR_NOMEM;
     t->ws.len = 0;
     return FU_OK;
 }
@@ -253,7 +253,7 @@ int gw_tool_parse(gw_tool_format format, uint64_t id_salt, const char *text, siz
     *calls = *content = NULL;
     gw_tool_stream t;
     gw_tool_stream_init(&t, format, id_salt);
-    gw_buf out = {0};
+    fu_buf out = {0};
     json_t *deltas = json_array();
     int rc = deltas ? gw_tool_stream_feed(&t, text, len, &out, deltas) : FU_ERR_NOMEM;
     if (!rc) rc = gw_tool_stream_flush(&t, &out, deltas);
@@ -287,14 +287,14 @@ int gw_tool_parse(gw_tool_format format, uint64_t id_salt, const char *text, siz
         }
     }
     json_decref(deltas);
-    gw_buf_free(&out);
+    fu_buf_free(&out);
     return n;
 }
 
 /* ---- the request side ---------------------------------------------------------------------------- */
 
 /* Appends one call to *b in the model's own format. */
-static int write_call(gw_buf *b, gw_tool_format format, const char *name, const json_t *args) {
+static int write_call(fu_buf *b, gw_tool_format format, const char *name, const json_t *args) {
     char *a = json_is_string(args) ? strdup(json_string_value(args))
               : json_is_object(args) ? json_dumps(args, JSON_COMPACT)
                                      : strdup("{}");
@@ -304,10 +304,10 @@ static int write_call(gw_buf *b, gw_tool_format format, const char *name, const 
     json_decref(n);
     int rc = nq ? FU_OK : FU_ERR_NOMEM;
     if (!rc && format == GW_TOOL_FORMAT_HERMES)
-        rc = gw_buf_appendf(b, "%s<tool_call>\n{\"name\": %s, \"arguments\": %s}\n</tool_call>", b->len ? "\n" : "",
+        rc = fu_buf_appendf(b, "%s<tool_call>\n{\"name\": %s, \"arguments\": %s}\n</tool_call>", b->len ? "\n" : "",
                             nq, a);
     else if (!rc)
-        rc = gw_buf_appendf(b, "%s{\"name\": %s, \"parameters\": %s}", b->len ? "; " : "", nq, a);
+        rc = fu_buf_appendf(b, "%s{\"name\": %s, \"parameters\": %s}", b->len ? "; " : "", nq, a);
     free(nq);
     free(a);
     return rc;
@@ -322,9 +322,9 @@ static int prepare_tool_calls(json_t *msg, size_t idx, gw_tool_format format, bo
     if (!calls || json_is_null(calls)) return 0;
     if (!json_is_array(calls))
         return gw_error_set(err, 400, param, "invalid_type", "'%s' must be an array", param);
-    gw_buf text = {0};
+    fu_buf text = {0};
     const json_t *content = json_object_get(msg, "content");
-    if (json_is_string(content) && gw_buf_append(&text, json_string_value(content), json_string_length(content)))
+    if (json_is_string(content) && fu_buf_append(&text, json_string_value(content), json_string_length(content)))
         return gw_error_set(err, 500, NULL, NULL, "out of memory");
     size_t i;
     json_t *call;
@@ -332,7 +332,7 @@ static int prepare_tool_calls(json_t *msg, size_t idx, gw_tool_format format, bo
         json_t *fn = json_object_get(call, "function");
         const json_t *name = json_object_get(fn, "name");
         if (!json_is_object(call) || !json_is_object(fn) || !json_is_string(name)) {
-            gw_buf_free(&text);
+            fu_buf_free(&text);
             return gw_error_set(err, 400, param, "invalid_value",
                                 "'%s[%zu]' must be {\"type\": \"function\", \"function\": {\"name\", \"arguments\"}}",
                                 param, i);
@@ -345,7 +345,7 @@ static int prepare_tool_calls(json_t *msg, size_t idx, gw_tool_format format, bo
             args = json_object_get(fn, "arguments");
         }
         if (inline_calls && write_call(&text, format, json_string_value(name), args)) {
-            gw_buf_free(&text);
+            fu_buf_free(&text);
             return gw_error_set(err, 500, NULL, NULL, "out of memory");
         }
     }
@@ -355,13 +355,13 @@ static int prepare_tool_calls(json_t *msg, size_t idx, gw_tool_format format, bo
     } else if (!json_is_string(content)) {
         json_object_set_new(msg, "content", json_string("")); /* templates concatenate it */
     }
-    gw_buf_free(&text);
+    fu_buf_free(&text);
     return 0;
 }
 
 /* The Hermes function-calling system prompt for a template that ignores `tools`. */
-static int hermes_system_prompt(const json_t *tools, gw_buf *b) {
-    int rc = gw_buf_appendf(b, "You are a function calling AI model. You are provided with function signatures within "
+static int hermes_system_prompt(const json_t *tools, fu_buf *b) {
+    int rc = fu_buf_appendf(b, "You are a function calling AI model. You are provided with function signatures within "
                                "<tools></tools> XML tags. You may call one or more functions to assist with the user "
                                "query. Don't make assumptions about what values to plug into functions. Here are the "
                                "available tools: <tools>");
@@ -370,11 +370,11 @@ static int hermes_system_prompt(const json_t *tools, gw_buf *b) {
     json_array_foreach(tools, i, tool) {
         char *s = json_dumps(tool, JSON_COMPACT);
         if (!s) return FU_ERR_NOMEM;
-        rc = rc ? rc : gw_buf_appendf(b, "\n%s", s);
+        rc = rc ? rc : fu_buf_appendf(b, "\n%s", s);
         free(s);
     }
     if (!rc)
-        rc = gw_buf_appendf(b, "\n</tools>\nFor each function call return a JSON object with the function name and "
+        rc = fu_buf_appendf(b, "\n</tools>\nFor each function call return a JSON object with the function name and "
                                "arguments within <tool_call></tool_call> XML tags as follows:\n<tool_call>\n{\"name\": "
                                "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
     return rc;
@@ -395,16 +395,16 @@ int gw_tools_prepare_chat(json_t *messages, const json_t *tools, gw_tool_format 
     }
     if (tpl_tools || format != GW_TOOL_FORMAT_HERMES || !json_is_array(tools) || json_array_size(tools) == 0)
         return 0;
-    gw_buf sys = {0};
+    fu_buf sys = {0};
     json_t *first = json_array_get(messages, 0);
     const json_t *role = json_object_get(first, "role");
     const json_t *content = json_object_get(first, "content");
     bool merge = json_is_string(role) && !strcmp(json_string_value(role), "system") && json_is_string(content);
-    int rc = merge ? gw_buf_append(&sys, json_string_value(content), json_string_length(content)) : FU_OK;
-    if (!rc && merge) rc = gw_buf_append(&sys, "\n\n", 2);
+    int rc = merge ? fu_buf_append(&sys, json_string_value(content), json_string_length(content)) : FU_OK;
+    if (!rc && merge) rc = fu_buf_append(&sys, "\n\n", 2);
     if (!rc) rc = hermes_system_prompt(tools, &sys);
     json_t *text = rc ? NULL : json_stringn(sys.data, sys.len);
-    gw_buf_free(&sys);
+    fu_buf_free(&sys);
     if (!text) return gw_error_set(err, 500, NULL, NULL, "out of memory");
     if (merge) json_object_set_new(first, "content", text);
     else if (json_array_insert_new(messages, 0, json_pack("{s:s, s:o}", "role", "system", "content", text)))

@@ -38,8 +38,8 @@ typedef struct gw_tool_stream {
     gw_tool_format format;
     uint64_t id_salt;   /* call ids: "call_" + 24 characters derived from it */
     int state;          /* per format, see gw-tools.c */
-    gw_buf held;        /* text not yet released or parsed */
-    gw_buf ws;          /* Hermes: whitespace after a call, released only before more content */
+    fu_buf held;        /* text not yet released or parsed */
+    fu_buf ws;          /* Hermes: whitespace after a call, released only before more content */
     int n_calls;        /* calls emitted so far */
 } gw_tool_stream;
 
@@ -50,11 +50,11 @@ void gw_tool_stream_free(gw_tool_stream *t);
  * {"index", "id", "type": "function", "function": {"name", "arguments": ""}} and
  * {"index", "function": {"arguments": "<the JSON arguments>"}}. Returns FU_OK or
  * FU_ERR_NOMEM. */
-int gw_tool_stream_feed(gw_tool_stream *t, const char *text, size_t len, gw_buf *content, json_t *deltas);
+int gw_tool_stream_feed(gw_tool_stream *t, const char *text, size_t len, fu_buf *content, json_t *deltas);
 /* End of the output: an unterminated call is parsed if its JSON is complete,
  * otherwise released as content; held text is released (whitespace after the
  * last call is dropped). */
-int gw_tool_stream_flush(gw_tool_stream *t, gw_buf *content, json_t *deltas);
+int gw_tool_stream_flush(gw_tool_stream *t, fu_buf *content, json_t *deltas);
 
 /* Parses a whole output. Returns the number of calls (0: plain content, nothing
  * set) with *calls a new JSON array of OpenAI tool_call objects ({"id", "type":

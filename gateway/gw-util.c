@@ -1,4 +1,4 @@
-/* gw-util.c -- byte buffers, UTF-8 checks, step seeds, OpenAI error JSON and SSE framing for the gateway. */
+/* gw-util.c -- UTF-8 checks, step seeds, OpenAI error JSON and SSE framing for the gateway. */
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -6,58 +6,6 @@
 
 #include "gw.h"
 #include "status.h"
-
-/* ---- buffers ---------------------------------------------------------------------- */
-
-static int gw_buf_reserve(gw_buf *b, size_t extra) {
-    if (extra > SIZE_MAX - b->len - 1) return FU_ERR_NOMEM;
-    size_t need = b->len + extra + 1;
-    if (need <= b->cap) return FU_OK;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < need) cap = cap > SIZE_MAX / 2 ? need : cap * 2;
-    char *d = realloc(b->data, cap);
-    if (!d) return FU_ERR_NOMEM;
-    b->data = d;
-    b->cap = cap;
-    return FU_OK;
-}
-
-int gw_buf_append(gw_buf *b, const void *data, size_t len) {
-    if (gw_buf_reserve(b, len)) return fu_errorf(FU_ERR_NOMEM, "buffer");
-    if (len) memcpy(b->data + b->len, data, len);
-    b->len += len;
-    b->data[b->len] = '\0';
-    return FU_OK;
-}
-
-int gw_buf_appendf(gw_buf *b, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (n < 0 || gw_buf_reserve(b, (size_t)n)) return fu_errorf(FU_ERR_NOMEM, "buffer");
-    va_start(ap, fmt);
-    vsnprintf(b->data + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)n;
-    return FU_OK;
-}
-
-void gw_buf_consume(gw_buf *b, size_t n) {
-    if (n >= b->len) {
-        b->len = 0;
-    } else {
-        memmove(b->data, b->data + n, b->len - n);
-        b->len -= n;
-    }
-    if (b->data) b->data[b->len] = '\0';
-}
-
-void gw_buf_free(gw_buf *b) {
-    free(b->data);
-    b->data = NULL;
-    b->len = b->cap = 0;
-}
 
 /* ---- UTF-8 ---------------------------------------------------------------------------- */
 
@@ -108,18 +56,18 @@ bool gw_utf8_valid(const char *s, size_t len) {
 
 json_t *gw_json_string_lossy(const char *s, size_t len) {
     if (gw_utf8_valid(s, len)) return json_stringn(s, len);
-    gw_buf b = {0};
+    fu_buf b = {0};
     const unsigned char *u = (const unsigned char *)s;
     size_t i = 0;
     while (i < len) {
         int k = utf8_seq(u + i, len - i);
         if (k > 0) {
-            if (gw_buf_append(&b, u + i, (size_t)k)) break;
+            if (fu_buf_append(&b, u + i, (size_t)k)) break;
             i += (size_t)k;
             continue;
         }
         /* one U+FFFD per maximal invalid subsequence */
-        if (gw_buf_append(&b, "\xEF\xBF\xBD", 3)) break;
+        if (fu_buf_append(&b, "\xEF\xBF\xBD", 3)) break;
         size_t j = i + 1;
         if (k < 0) j = len;
         else
@@ -127,7 +75,7 @@ json_t *gw_json_string_lossy(const char *s, size_t len) {
         i = j;
     }
     json_t *r = i >= len ? json_stringn(b.data ? b.data : "", b.len) : NULL;
-    gw_buf_free(&b);
+    fu_buf_free(&b);
     return r;
 }
 
@@ -192,12 +140,12 @@ char *gw_error_json(const gw_error *e) {
 
 /* ---- server-sent events ------------------------------------------------------------------------- */
 
-int gw_sse_event(gw_buf *out, const json_t *obj) {
+int gw_sse_event(fu_buf *out, const json_t *obj) {
     char *s = json_dumps(obj, JSON_COMPACT);
     if (!s) return fu_errorf(FU_ERR_NOMEM, "sse event");
-    int rc = gw_buf_appendf(out, "data: %s\n\n", s);
+    int rc = fu_buf_appendf(out, "data: %s\n\n", s);
     free(s);
     return rc;
 }
 
-int gw_sse_done(gw_buf *out) { return gw_buf_append(out, "data: [DONE]\n\n", 14); }
+int gw_sse_done(fu_buf *out) { return fu_buf_append(out, "data: [DONE]\n\n", 14); }

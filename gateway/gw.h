@@ -12,21 +12,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "buf.h"
 #include "sampler.h"
-
-/* ---- growable byte buffer -------------------------------------------------------- */
-
-typedef struct gw_buf {
-    char *data; /* NUL-terminated when non-NULL */
-    size_t len, cap;
-} gw_buf;
-
-/* Appends len bytes; returns FU_OK or FU_ERR_NOMEM (the buffer is unchanged then). */
-int gw_buf_append(gw_buf *b, const void *data, size_t len);
-int gw_buf_appendf(gw_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* Drops the first n bytes. */
-void gw_buf_consume(gw_buf *b, size_t n);
-void gw_buf_free(gw_buf *b); /* leaves an empty buffer; safe to call twice */
 
 /* ---- UTF-8 ------------------------------------------------------------------------ */
 
@@ -137,7 +124,7 @@ typedef struct gw_stop {
     size_t *lens;
     int n;
     size_t max_len;
-    gw_buf held;  /* text not yet released */
+    fu_buf held;  /* text not yet released */
     bool matched;
 } gw_stop;
 
@@ -147,16 +134,16 @@ void gw_stop_free(gw_stop *s);
 /* Feeds text[0..len); appends the releasable text to *out. Once a stop string is
  * found, the text before it is released, the rest dropped, s->matched set and
  * further feeds ignored. Returns FU_OK or FU_ERR_NOMEM. */
-int gw_stop_feed(gw_stop *s, const char *text, size_t len, gw_buf *out);
+int gw_stop_feed(gw_stop *s, const char *text, size_t len, fu_buf *out);
 /* End of generation: releases what is held back (no match can complete now). */
-int gw_stop_flush(gw_stop *s, gw_buf *out);
+int gw_stop_flush(gw_stop *s, fu_buf *out);
 
 /* ---- server-sent events ----------------------------------------------------------------- */
 
 /* Appends "data: <compact json>\n\n" to *out. */
-int gw_sse_event(gw_buf *out, const json_t *obj);
+int gw_sse_event(fu_buf *out, const json_t *obj);
 /* Appends "data: [DONE]\n\n". */
-int gw_sse_done(gw_buf *out);
+int gw_sse_done(fu_buf *out);
 
 /* ---- configuration ------------------------------------------------------------------------ */
 
@@ -261,7 +248,7 @@ void gw_metrics_e2e(gw_metrics *m, double seconds);
 void gw_metrics_sessions(gw_metrics *m, int delta);  /* chain sessions open */
 void gw_metrics_running(gw_metrics *m, int delta);   /* generation requests in flight */
 /* Prometheus text exposition (queue depth passed in); appends to *out. */
-int gw_metrics_render(gw_metrics *m, int queue_depth, gw_buf *out);
+int gw_metrics_render(gw_metrics *m, int queue_depth, fu_buf *out);
 
 const char *gw_route_name(gw_route r);
 

@@ -3,8 +3,10 @@
 
 #include <assert.h>
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
+#include "parse.h"
 #include "status.h"
 
 /* ---- type traits -------------------------------------------------------- */
@@ -630,6 +632,23 @@ int op_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_t
 int op_softmax(op_backend *be, op_tensor *x) { OP_LOCKED(be, be->v->softmax(be, x)); }
 
 int op_log_softmax(op_backend *be, op_tensor *x) { OP_LOCKED(be, be->v->log_softmax(be, x)); }
+
+int op_backend_open(const char *device, int n_threads, op_cpu_isa isa, op_backend **out, char *desc,
+                    size_t desc_size) {
+    *out = NULL;
+    if (!strcmp(device, "cpu")) {
+        op_cpu_options co = {.n_threads = n_threads, .isa = isa};
+        if (!(*out = op_backend_cpu_new(&co))) return FU_ERR_INTERNAL;
+        snprintf(desc, desc_size, "cpu (%s, %d threads)", op_backend_isa(*out), op_backend_n_threads(*out));
+        return FU_OK;
+    }
+    long gpu = 0;
+    if (strncmp(device, "cuda", 4) || (device[4] && (device[4] != ':' || fu_parse_long(device + 5, 0, 1023, &gpu))))
+        return fu_errorf(FU_ERR_INVALID, "unknown device '%s' (cpu, cuda or cuda:N)", device);
+    if (!(*out = op_backend_cuda_new((int)gpu))) return FU_ERR_UNSUPPORTED;
+    snprintf(desc, desc_size, "cuda:%ld (%s)", gpu, op_backend_isa(*out));
+    return FU_OK;
+}
 
 #ifndef FUSION_HAVE_CUDA
 op_backend *op_backend_cuda_new(int device) {

@@ -173,6 +173,15 @@ op_backend *op_backend_cpu_new(const op_cpu_options *opts);
  * no usable GPU is present (fu_last_error() says which). */
 op_backend *op_backend_cuda_new(int device);
 
+/* Opens the backend a --device value names into *out: "cpu" (n_threads CPU
+ * threads, 0 for all, with `isa`), "cuda" (GPU 0) or "cuda:N". Writes a
+ * one-line description to desc ("cpu (avx512, 2 threads)", "cuda:0 (NVIDIA
+ * H100 80GB HBM3)"). FU_OK, FU_ERR_INVALID (no such device name) or the
+ * backend's failure (FU_ERR_UNSUPPORTED where no GPU can be used). The caller
+ * owns *out. */
+int op_backend_open(const char *device, int n_threads, op_cpu_isa isa, op_backend **out, char *desc,
+                    size_t desc_size);
+
 void op_backend_free(op_backend *be); /* NULL is a no-op */
 const char *op_backend_name(const op_backend *be);
 /* For the CPU backend: the ISA actually in use ("portable", "avx2", "avx512");

@@ -64,7 +64,6 @@ int rt__graph_reset(rt_graph *g, int n_nodes);
 
 /* --- misc ------------------------------------------------------------------------------- */
 
-double rt__now(void);                  /* monotonic seconds */
 uint64_t rt__rng_next(uint64_t *state); /* splitmix64 */
 double rt__rng_unit(uint64_t *state);   /* uniform [0, 1) */
 int rt__rng_int(uint64_t *state, int n); /* uniform 0 .. n-1 (n > 0) */

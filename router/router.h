@@ -12,7 +12,7 @@
  *
  * Ownership: an rt_swarm owns its servers' tables and names; every function that takes a
  * `const rt_server *` description copies what it needs. Functions return FU_OK or a negative
- * FU_ERR_* (common/status.h) and set fu_last_error() on failure; none aborts on bad input.
+ * FU_ERR_* (base/status.h) and set fu_last_error() on failure; none aborts on bad input.
  */
 
 /* ---------------------------------------------------------------------------------------- */

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "log.h"
 #include "router-impl.h"
 #include "status.h"
@@ -235,9 +236,9 @@ static void anneal(search_ctx *c, const plc *start, plc *best, double *best_scor
     plc_apply(c->sw, cur);
     double fl, sc = score(c, &fl);
     double scale = *best_flow > 0 ? *best_flow : (fl > 0 ? fl : 1);
-    double t0 = 0.03 * scale, t1 = 1e-4 * scale, begin = rt__now();
+    double t0 = 0.03 * scale, t1 = 1e-4 * scale, begin = fu_now_s();
     for (long it = 0;; it++) {
-        double frac = (rt__now() - begin) / seconds;
+        double frac = (fu_now_s() - begin) / seconds;
         if ((it & 63) == 0 && frac >= 1) break;
         double temp = t0 * pow(t1 / t0, frac < 1 ? frac : 1);
         if (!mutate(c->sw, cur, nxt, ids, m, rng)) continue;
@@ -316,7 +317,7 @@ typedef struct dp_ctx {
     int *used;       /* [nt] scratch */
     int *combo;      /* [nt] scratch */
     double *regcap;  /* [nreg * nreg] slowest link capacity (tokens/s) between regions */
-    double deadline; /* rt__now() limit; past it dp_feasible gives up */
+    double deadline; /* fu_now_s() limit; past it dp_feasible gives up */
     int timed_out;
     long found;      /* final state reached, or -1 */
     long visits;
@@ -372,7 +373,7 @@ static void dp_groups(dp_ctx *d, int l, int len, long st, long x, int reg, int t
 /* Depth-first search from state idx (blocks before it placed) for a packing reaching L. */
 static void dp_dfs(dp_ctx *d, long idx, double F) {
     if (d->found >= 0 || d->timed_out) return;
-    if ((++d->visits & 1023) == 0 && rt__now() > d->deadline) {
+    if ((++d->visits & 1023) == 0 && fu_now_s() > d->deadline) {
         d->timed_out = 1;
         return;
     }
@@ -570,7 +571,7 @@ int rt_place_search(rt_swarm *sw, const rt_search_opts *opts, rt_search_stats *s
     rt_search_opts o = {0};
     if (opts) o = *opts;
     if (o.time_limit_s <= 0) o.time_limit_s = 5;
-    double t_begin = rt__now();
+    double t_begin = fu_now_s();
     int n = sw->n_servers, L = sw->model.n_layers, rc = FU_OK;
     uint64_t rng = o.seed ^ 0x5eed5eedULL;
     search_ctx c = {sw, &o.flow, {0}, NULL, 0};
@@ -646,7 +647,7 @@ int rt_place_search(rt_swarm *sw, const rt_search_opts *opts, rt_search_stats *s
     }
     if (stats) stats->start_flow = best_flow;
     /* anneal: restarts from the best seeds and from the incumbent */
-    double remaining = o.time_limit_s - (rt__now() - t_begin);
+    double remaining = o.time_limit_s - (fu_now_s() - t_begin);
     int runs = 0;
     while (remaining > 0.01) {
         double slice = remaining < o.time_limit_s / 4 ? remaining : o.time_limit_s / 4;
@@ -654,7 +655,7 @@ int rt_place_search(rt_swarm *sw, const rt_search_opts *opts, rt_search_stats *s
         if (runs % 2 == 1 && n_seeds) from = &seeds[rt__rng_int(&rng, n_seeds)];
         anneal(&c, from, &best, &best_score, &best_flow, slice, &rng, ids, m, &cur, &nxt);
         runs++;
-        remaining = o.time_limit_s - (rt__now() - t_begin);
+        remaining = o.time_limit_s - (fu_now_s() - t_begin);
     }
     free(seed_buf);
     plc_apply(sw, &best);
@@ -662,7 +663,7 @@ int rt_place_search(rt_swarm *sw, const rt_search_opts *opts, rt_search_stats *s
     if (stats) {
         stats->flow = rt__flow_eval(sw, &o.flow, &c.ws);
         stats->evaluations = c.evals;
-        stats->seconds = rt__now() - t_begin;
+        stats->seconds = fu_now_s() - t_begin;
     }
 out:
     rt__flow_ws_free(&c.ws);

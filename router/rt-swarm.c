@@ -3,7 +3,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "router-impl.h"
 #include "status.h"
@@ -342,12 +341,6 @@ int rt__petals_best_start(const double *tput, int n_layers, int k, double *scrat
         }
     }
     return best;
-}
-
-double rt__now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 uint64_t rt__rng_next(uint64_t *state) {

@@ -10,11 +10,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "clock.h"
 #include "hub.h"
 #include "log.h"
 #include "model.h"
 #include "ops.h"
+#include "parse.h"
 #include "shard-core.h"
 #include "shard-join.h"
 #include "shard-rpc.h"
@@ -248,12 +249,6 @@ typedef struct shard_span {
     int hidden_size;
 } shard_span;
 
-static double mono_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* Opens [first, last) (embed/head: -1 for the default) and its core; measures it. */
 static int shard_span_open(shard_span *sp, int first, int last, int embed, int head, mdl_model **m_out,
                            shard_core **core_out, double *tps_out) {
@@ -280,7 +275,7 @@ static int shard_span_open(shard_span *sp, int first, int last, int embed, int h
 static void shard_span_reap(shard_span *sp) {
     pthread_mutex_lock(&sp->mu);
     const bool draining = sp->old_core != NULL;
-    const bool late = draining && mono_now() - sp->moved_at >= sp->drain_ms / 1000.0;
+    const bool late = draining && fu_now_s() - sp->moved_at >= sp->drain_ms / 1000.0;
     pthread_mutex_unlock(&sp->mu);
     if (!draining) return;
     shard_core *c = shard_server_old_core(sp->srv, late);
@@ -321,7 +316,7 @@ static int shard_span_load(void *ctx, int first, int last) {
     if (moved) {
         sp->old_m = sp->m;
         sp->old_core = sp->core;
-        sp->moved_at = mono_now();
+        sp->moved_at = fu_now_s();
     }
     sp->m = m;
     sp->core = core;
@@ -462,7 +457,7 @@ int main(int argc, char **argv) {
     sp.max_batch = a.max_batch;
     sp.kv_f16 = a.kv_f16 != 0;
     sp.drain_ms = a.drain_ms;
-    if ((rc = fu_backend_open(a.device ? a.device : "cpu", a.threads, OP_CPU_ISA_AUTO, &sp.be, sp.device,
+    if ((rc = op_backend_open(a.device ? a.device : "cpu", a.threads, OP_CPU_ISA_AUTO, &sp.be, sp.device,
                               sizeof sp.device)))
         goto done;
     /* the block count, name and weight type first */

@@ -8,9 +8,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "engine.h"
-#include "log.h"
 #include "grow.h"
+#include "log.h"
 #include "status.h"
 
 #define SHARD_MAX_TOP_LOGPROBS 20
@@ -70,12 +71,6 @@ struct shard_core {
     float *b_out;            /* (cap_out) floats */
     size_t cap_tok, cap_seqs, cap_want, cap_hidden, cap_steps, cap_out;
 };
-
-static int64_t now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
 
 
 /* ---- the batcher -------------------------------------------------------------- */
@@ -148,7 +143,7 @@ static void shard_run_batch(shard_core *c, int n) {
         (!m->has_embed && fu_grow((void **)&c->b_hidden, &c->cap_hidden, T * (size_t)D, sizeof(float))) ||
         fu_grow((void **)&c->b_out, &c->cap_out, (n_want ? n_want : 1) * row, sizeof(float)))
         rc = fu_errorf(FU_ERR_NOMEM, "batch of %zu tokens", T);
-    int64_t t0 = now_us();
+    int64_t t0 = fu_now_us();
     if (!rc) {
         size_t t = 0;
         for (int i = 0; i < n; i++) {
@@ -167,7 +162,7 @@ static void shard_run_batch(shard_core *c, int n) {
                        c->b_seqs, c->b_want};
         rc = eng_forward(c->e, &b, c->b_out);
     }
-    int64_t t1 = now_us();
+    int64_t t1 = fu_now_us();
     const char *err = rc ? fu_last_error() : "";
     const float *rows = c->b_out;
     for (int i = 0; i < n; i++) {
@@ -212,17 +207,11 @@ static void *shard_batcher(void *arg) {
          * all run in one batch instead of alternating in smaller ones. (Counting
          * from the answer matters: a batch can take longer than SHARD_ACTIVE_US.) */
         int active = 0;
-        int64_t now = now_us();
+        int64_t now = fu_now_us();
         for (shard_session *s = c->sessions; s; s = s->next)
             active += now - s->last_step_us < SHARD_ACTIVE_US;
         if (c->n_pending < active) {
-            struct timespec dl;
-            clock_gettime(CLOCK_REALTIME, &dl);
-            dl.tv_nsec += SHARD_GATHER_US * 1000L;
-            if (dl.tv_nsec >= 1000000000L) {
-                dl.tv_sec++;
-                dl.tv_nsec -= 1000000000L;
-            }
+            struct timespec dl = fu_deadline_us(CLOCK_REALTIME, SHARD_GATHER_US);
             while (!c->stop && c->n_pending < active &&
                    pthread_cond_timedwait(&c->cv_work, &c->mu, &dl) == 0) {
             }
@@ -490,7 +479,7 @@ int shard_session_step(shard_core *c, shard_session *s, shard_step *st) {
     s->step = st;
     s->done = false;
     s->next_pending = NULL;
-    s->t_enqueue_us = s->last_step_us = now_us();
+    s->t_enqueue_us = s->last_step_us = fu_now_us();
     if (c->pend_tail) c->pend_tail->next_pending = s;
     else c->pend_head = s;
     c->pend_tail = s;
@@ -530,15 +519,15 @@ double shard_core_measure(shard_core *c, int batch, double seconds) {
         tps = FU_ERR_INTERNAL;
         goto done;
     }
-    int64_t t0 = now_us(), steps = warm;
-    while (steps < len && (steps < warm + 2 || (double)(now_us() - t0) < seconds * 1e6)) {
+    int64_t t0 = fu_now_us(), steps = warm;
+    while (steps < len && (steps < warm + 2 || (double)(fu_now_us() - t0) < seconds * 1e6)) {
         if (eng_forward(c->e, &b, out)) {
             tps = FU_ERR_INTERNAL;
             goto done;
         }
         steps++;
     }
-    tps = (double)((steps - warm) * batch) / ((double)(now_us() - t0) * 1e-6);
+    tps = (double)((steps - warm) * batch) / ((double)(fu_now_us() - t0) * 1e-6);
 done:
     for (int i = 0; seqs && i < batch; i++) eng_seq_free(c->e, seqs[i]);
     free(seqs);

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "fusion.pb-c.h"
 #include "log.h"
 #include "rpc.h"
@@ -51,12 +52,6 @@ struct shard_join {
     int load_rc;
     char load_msg[200];
 };
-
-static double mono_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* The member status message; strings point into *st, cfg and figs (alive while the message is). */
 static void fill_status(shard_join *j, shard_join_status *st, Fusion__MemberStatus *ms, Fusion__LinkFigure *figs,
@@ -108,10 +103,10 @@ static double echo_time(rpc_channel *ch, int reply_bytes) {
     Fusion__EchoRequest req = FUSION__ECHO_REQUEST__INIT;
     req.reply_bytes = reply_bytes;
     ProtobufCMessage *rep = NULL;
-    double t0 = mono_s();
+    double t0 = fu_now_s();
     int code = rpc_call_unary(ch, RPC_SHARD_ECHO, &req.base, &fusion__echo_reply__descriptor, &rep,
                               JOIN_PEER_TIMEOUT_MS, NULL);
-    double t = mono_s() - t0;
+    double t = fu_now_s() - t0;
     rpc_msg_free(rep);
     return code ? -1 : t;
 }
@@ -119,7 +114,7 @@ static double echo_time(rpc_channel *ch, int reply_bytes) {
 /* Measures the named peer whose figures are the oldest, if older than the refresh interval (one per
  * round, so that a dead peer cannot delay the heartbeats much). */
 static void measure_peers(shard_join *j) {
-    double now = mono_s();
+    double now = fu_now_s();
     int oldest = -1;
     for (int i = 0; i < j->n_peers; i++) {
         join_peer *p = &j->peers[i];
@@ -240,7 +235,7 @@ static bool maybe_load(shard_join *j, const Fusion__SpanAssignment *span) {
 
 /* Warns about a failed call to the gateway: the first failure, then every 10 s while it lasts. */
 static void gateway_warn(shard_join *j, const char *method, int code, const rpc_status *rs) {
-    double now = mono_s();
+    double now = fu_now_s();
     if (j->warned_at > 0 && now - j->warned_at < 10) return;
     j->warned_at = now;
     FU_WARN("join: gateway %s: %s: %s%s%s", j->cfg.gateway, method, rpc_code_str(code), rs->message[0] ? ": " : "",
@@ -308,11 +303,7 @@ static void *join_main(void *arg) {
         if (!again) measure_peers(j);
         pthread_mutex_lock(&j->mu);
         if (again) continue;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        long ns = ts.tv_nsec + (long)(j->interval_ms % 1000) * 1000000L;
-        ts.tv_sec += j->interval_ms / 1000 + ns / 1000000000L;
-        ts.tv_nsec = ns % 1000000000L;
+        struct timespec ts = fu_deadline_us(CLOCK_REALTIME, (int64_t)j->interval_ms * 1000);
         while (!j->stopping && !(j->loading && j->loaded) && pthread_cond_timedwait(&j->cv, &j->mu, &ts) == 0) {
         }
     }

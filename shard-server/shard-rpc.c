@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "fusion.pb-c.h"
 #include "log.h"
 #include "rpc.h"
@@ -35,12 +36,6 @@ struct shard_server {
     atomic_bool draining;
     atomic_uint_fast64_t fwd_counter;
 };
-
-static int64_t now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
 
 /* A growable byte/float buffer reused across a session's steps. */
 typedef struct sbuf {
@@ -454,7 +449,7 @@ static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
                                  m->last);
             goto done;
         }
-        int64_t t_start = now_us();
+        int64_t t_start = fu_now_us();
         if (sr->rollback_case == FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO) {
             if (sr->rollback_to < 0 || sr->rollback_to > shard_session_len(sess)) {
                 rc = rpc_status_setf(st, RPC_OUT_OF_RANGE, "step.rollback_to %lld outside [0, %d]",
@@ -518,7 +513,7 @@ static int session_handler(void *ctx, rpc_stream *s, rpc_status *st) {
         } else {
             srep.output = &os.out;
         }
-        mine.total_us = now_us() - t_start;
+        mine.total_us = fu_now_us() - t_start;
         Fusion__SessionReply rep = FUSION__SESSION_REPLY__INIT;
         rep.kind_case = FUSION__SESSION_REPLY__KIND_STEP;
         rep.step = &srep;
@@ -602,7 +597,7 @@ static int forward_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
         goto fail;
     }
     uint64_t fid = atomic_fetch_add(&srv->fwd_counter, 1);
-    int64_t queue = 0, compute = 0, t0 = now_us();
+    int64_t queue = 0, compute = 0, t0 = fu_now_us();
     sbuf hbuf = {0};
     for (size_t i = 0; i < f->n && !rc; i++) {
         shard_step step;
@@ -644,7 +639,7 @@ static int forward_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
     f->timing.last_block = m->last;
     f->timing.queue_us = queue;
     f->timing.compute_us = compute;
-    f->timing.total_us = now_us() - t0;
+    f->timing.total_us = fu_now_us() - t0;
     f->timing_ptr = &f->timing;
     f->rep.n_timing = 1;
     f->rep.timing = &f->timing_ptr;

@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "chain.h"
-#include "cli.h"
+#include "parse.h"
 #include "status.h"
 #include "wire.h"
 

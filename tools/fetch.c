@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "format.h"
 #include "hub.h"
 #include "log.h"
 #include "status.h"
@@ -44,25 +45,14 @@ static int parse_long(const char *s, long max, long *out) {
     return 0;
 }
 
-static const char *human(double n, char *buf, size_t cap) {
-    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    int u = 0;
-    while (n >= 1024.0 && u < 4) {
-        n /= 1024.0;
-        u++;
-    }
-    snprintf(buf, cap, u == 0 ? "%.0f %s" : "%.1f %s", n, units[u]);
-    return buf;
-}
-
 /* Progress on stderr: one redrawn line on a terminal, plain lines otherwise. */
 static void print_progress(const hub_progress *p, void *user) {
     int tty = *(const int *)user;
     char done[32], total[32], rate[32], pct[16] = "";
-    human((double)p->done, done, sizeof done);
-    human(p->rate, rate, sizeof rate);
+    fu_format_bytes((double)p->done, done, sizeof done);
+    fu_format_bytes(p->rate, rate, sizeof rate);
     if (p->total >= 0) {
-        human((double)p->total, total, sizeof total);
+        fu_format_bytes((double)p->total, total, sizeof total);
         if (p->total > 0) snprintf(pct, sizeof pct, " %3d%%", (int)(100.0 * (double)p->done / (double)p->total));
     } else {
         snprintf(total, sizeof total, "?");

@@ -10,13 +10,14 @@
 #include <time.h>
 
 #include "chat-template.h"
-#include "cli.h"
+#include "clock.h"
 #include "engine.h"
 #include "gguf.h"
 #include "hub.h"
 #include "log.h"
 #include "model.h"
 #include "ops.h"
+#include "parse.h"
 #include "sampler.h"
 #include "status.h"
 #include "tokenizer.h"
@@ -56,12 +57,6 @@ static void usage(FILE *f) {
             "  --recompute           recompute the whole sequence each step (no KV reuse)\n"
             "  --logits-out FILE     write f32 logits of every position (prompt and generated)\n"
             "  --json                print the result as JSON\n");
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 /* Loads the tokenizer that comes with the model: its GGUF metadata, or the
@@ -217,7 +212,7 @@ int main(int argc, char **argv) {
     }
 
     char device[300];
-    if ((rc = fu_backend_open(a.device, a.threads, a.isa, &be, device, sizeof device))) goto done;
+    if ((rc = op_backend_open(a.device, a.threads, a.isa, &be, device, sizeof device))) goto done;
     eng_options eo = {a.batch, a.kv_type};
     if ((rc = eng_new(m, be, &eo, &e))) goto done;
     if ((rc = smp_new(&a.sp, V, &smp))) goto done;
@@ -239,7 +234,7 @@ int main(int argc, char **argv) {
         goto done;
     }
 
-    double t0 = now_s();
+    double t0 = fu_now_s();
     /* logits of every prompt position only when they are written out */
     eng_batch b = {(int)n_prompt, tokens, NULL, seqs, NULL};
     if (!lf) {
@@ -247,13 +242,13 @@ int main(int argc, char **argv) {
         b.want = want;
     }
     if ((rc = eng_forward(e, &b, logits))) goto done;
-    double t_prefill = now_s() - t0;
+    double t_prefill = fu_now_s() - t0;
     if (lf) fwrite(logits, sizeof(float), n_prompt * (size_t)V, lf);
     const float *last = logits + (lf ? n_prompt - 1 : 0) * (size_t)V;
     float *scratch = logits + total * (size_t)V; /* the sampler's row */
     size_t n = n_prompt;
     const char *finish = "length";
-    double t1 = now_s();
+    double t1 = fu_now_s();
     for (int step = 0; step < a.max_tokens; step++) {
         memcpy(scratch, last, (size_t)V * sizeof(float));
         int32_t t = smp_sample(smp, scratch);
@@ -297,7 +292,7 @@ int main(int argc, char **argv) {
         if (lf) fwrite(out, sizeof(float), (size_t)V, lf);
         last = out;
     }
-    double t_decode = now_s() - t1;
+    double t_decode = fu_now_s() - t1;
 
     size_t n_gen = n - n_prompt;
     if (a.json) {

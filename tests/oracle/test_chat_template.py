@@ -836,7 +836,7 @@ def ws_cases(n=600, seed=4242):
 
 
 def fuzz_known_divergence(case, got):
-    """Differences fusion accepts by design (see common/chat-template.h)."""
+    """Differences fusion accepts by design (see text/template/chat-template.h)."""
     kind, want = ref_render(case)
     if kind == "ok" and any(x in want for x in ("generator object", "built-in method", " object at 0x",
                                                  "dict_items", "dict_keys", "dict_values", "range(")):

@@ -176,7 +176,7 @@ static char *run_stop(char *const *stops, int n, const char *const *pieces, int 
                       char **released_each) {
     gw_stop s;
     assert_int_equal(gw_stop_init(&s, stops, n), FU_OK);
-    gw_buf out = {0};
+    fu_buf out = {0};
     for (int i = 0; i < n_pieces; i++) {
         size_t before = out.len;
         assert_int_equal(gw_stop_feed(&s, pieces[i], strlen(pieces[i]), &out), FU_OK);
@@ -186,7 +186,7 @@ static char *run_stop(char *const *stops, int n, const char *const *pieces, int 
     *matched = s.matched;
     gw_stop_free(&s);
     char *r = strdup(out.data ? out.data : "");
-    gw_buf_free(&out);
+    fu_buf_free(&out);
     return r;
 }
 
@@ -266,16 +266,16 @@ static void test_utf8_helpers(void **state) {
 }
 
 static void test_sse_and_errors(void **state) {
-    gw_buf b = {0};
+    fu_buf b = {0};
     json_t *o = json_pack("{s:s, s:[i]}", "text", "line1\nline2 \xC3\xA9", "x", 1);
     assert_int_equal(gw_sse_event(&b, o), FU_OK);
     json_decref(o);
     assert_int_equal(gw_sse_done(&b), FU_OK);
     /* one event per "data:" line: the newline inside the text is escaped by JSON */
     assert_string_equal(b.data, "data: {\"text\":\"line1\\nline2 \xC3\xA9\",\"x\":[1]}\n\ndata: [DONE]\n\n");
-    gw_buf_consume(&b, 6);
+    fu_buf_consume(&b, 6);
     assert_true(!strncmp(b.data, "{\"text\"", 7));
-    gw_buf_free(&b);
+    fu_buf_free(&b);
 
     gw_error e;
     assert_int_equal(gw_error_set(&e, 400, "temperature", "invalid_value", "bad %s", "value"), 400);
@@ -414,7 +414,7 @@ static void test_metrics(void **state) {
     gw_metrics_itl(m, 0.012);
     gw_metrics_sessions(m, 2);
     gw_metrics_sessions(m, -1);
-    gw_buf b = {0};
+    fu_buf b = {0};
     assert_int_equal(gw_metrics_render(m, 3, &b), FU_OK);
     const char *want[] = {
         "fusion_gateway_requests_total{route=\"/v1/chat/completions\",code=\"200\"} 2\n",
@@ -432,7 +432,7 @@ static void test_metrics(void **state) {
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         if (!strstr(b.data, want[i])) fail_msg("missing %s in\n%s", want[i], b.data);
-    gw_buf_free(&b);
+    fu_buf_free(&b);
     gw_metrics_free(m);
     gw_metrics_free(NULL);
 }
@@ -541,7 +541,7 @@ static void test_tool_parse_whole(void **state) {
 }
 
 /* Feeds text in pieces of `step` bytes; returns the content and the deltas. */
-static json_t *stream_pieces(gw_tool_format f, const char *text, size_t step, gw_buf *content, int *n_calls) {
+static json_t *stream_pieces(gw_tool_format f, const char *text, size_t step, fu_buf *content, int *n_calls) {
     gw_tool_stream t;
     gw_tool_stream_init(&t, f, 7);
     json_t *deltas = json_array();
@@ -561,7 +561,7 @@ static void test_tool_stream(void **state) {
     const char *text = "Sure<tool_call>{\"name\": \"f\", \"arguments\": {\"q\": \"<tool_call>\"}}</tool_call>\n"
                        "<tool_call>{\"name\": \"g\", \"arguments\": {}}</tool_call>";
     for (size_t step = 1; step <= strlen(text); step++) {
-        gw_buf content = {0};
+        fu_buf content = {0};
         int n = 0;
         json_t *d = stream_pieces(GW_TOOL_FORMAT_HERMES, text, step, &content, &n);
         assert_int_equal(n, 2);
@@ -583,12 +583,12 @@ static void test_tool_stream(void **state) {
                                                               "arguments")),
                             "{\"q\":\"<tool_call>\"}");
         json_decref(d);
-        gw_buf_free(&content);
+        fu_buf_free(&content);
     }
     /* a partial tag is held back, then released once it cannot be a call */
     gw_tool_stream t;
     gw_tool_stream_init(&t, GW_TOOL_FORMAT_HERMES, 1);
-    gw_buf content = {0};
+    fu_buf content = {0};
     json_t *d = json_array();
     assert_int_equal(gw_tool_stream_feed(&t, "a <tool", 7, &content, d), FU_OK);
     assert_string_equal(content.data, "a ");
@@ -602,7 +602,7 @@ static void test_tool_stream(void **state) {
     assert_string_equal(content.data, "a <toolbox> <tool_call>{\"name\"");
     assert_int_equal(json_array_size(d), 0);
     gw_tool_stream_free(&t);
-    gw_buf_free(&content);
+    fu_buf_free(&content);
     json_decref(d);
 
     /* Llama 3: plain text streams through at once; a JSON call is held and parsed */
@@ -613,7 +613,7 @@ static void test_tool_stream(void **state) {
     assert_int_equal(gw_tool_stream_feed(&t, "Hi {", 4, &content, d), FU_OK);
     assert_string_equal(content.data, "  Hi {");
     gw_tool_stream_free(&t);
-    gw_buf_free(&content);
+    fu_buf_free(&content);
     for (size_t step = 1; step < 12; step++) {
         int n = 0;
         json_t *dd = stream_pieces(GW_TOOL_FORMAT_LLAMA3, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"a\": {\"b\": 1}}}",
@@ -621,7 +621,7 @@ static void test_tool_stream(void **state) {
         assert_int_equal(n, 1);
         assert_int_equal(content.len, 0);
         json_decref(dd);
-        gw_buf_free(&content);
+        fu_buf_free(&content);
     }
     json_decref(d);
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "status.h"
 
 #define EMU_MAX_THREADS 1024
@@ -89,9 +90,7 @@ static int emu_barrier_wait(emu_barrier *b) {
         pthread_mutex_unlock(&b->mu);
         return 0;
     }
-    struct timespec dl;
-    clock_gettime(CLOCK_MONOTONIC, &dl);
-    dl.tv_sec += EMU_BARRIER_TIMEOUT_S;
+    struct timespec dl = fu_deadline_us(CLOCK_MONOTONIC, (int64_t)EMU_BARRIER_TIMEOUT_S * 1000000);
     int rc = 0;
     while (gen == b->gen && !b->broken) {
         if (pthread_cond_timedwait(&b->cv, &b->mu, &dl) == ETIMEDOUT && gen == b->gen) {

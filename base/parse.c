@@ -1,5 +1,5 @@
-/* cli.c -- parsing command-line and config values. */
-#include "cli.h"
+/* parse.c -- strict parsing of command-line and config values. */
+#include "parse.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -54,21 +54,4 @@ int fu_parse_ids(const char *s, int32_t **ids, size_t *n) {
 bad:
     free(v);
     return fu_errorf(FU_ERR_INVALID, "expected comma-separated token ids");
-}
-
-int fu_backend_open(const char *device, int n_threads, op_cpu_isa isa, op_backend **out, char *desc,
-                    size_t desc_size) {
-    *out = NULL;
-    if (!strcmp(device, "cpu")) {
-        op_cpu_options co = {.n_threads = n_threads, .isa = isa};
-        if (!(*out = op_backend_cpu_new(&co))) return FU_ERR_INTERNAL;
-        snprintf(desc, desc_size, "cpu (%s, %d threads)", op_backend_isa(*out), op_backend_n_threads(*out));
-        return FU_OK;
-    }
-    long gpu = 0;
-    if (strncmp(device, "cuda", 4) || (device[4] && (device[4] != ':' || fu_parse_long(device + 5, 0, 1023, &gpu))))
-        return fu_errorf(FU_ERR_INVALID, "unknown device '%s' (cpu, cuda or cuda:N)", device);
-    if (!(*out = op_backend_cuda_new((int)gpu))) return FU_ERR_UNSUPPORTED;
-    snprintf(desc, desc_size, "cuda:%ld (%s)", gpu, op_backend_isa(*out));
-    return FU_OK;
 }

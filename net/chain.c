@@ -7,9 +7,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "fusion.pb-c.h"
-#include "rpc.h"
 #include "grow.h"
+#include "rpc.h"
 #include "status.h"
 #include "wire.h"
 
@@ -51,12 +52,6 @@ struct chain_session {
     size_t cap_tokens, cap_lp, cap_top_ids, cap_top_lp;
     chain_timing timing[CHAIN_MAX_HOPS];
 };
-
-static int64_t now_us(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
-}
 
 /* Maps an RPC outcome to a project status with a message naming the hop. */
 static int chain_fail(const char *address, int code, const rpc_status *st) {
@@ -345,7 +340,7 @@ int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t r
     *out = NULL;
     if (n <= 0) return fu_errorf(FU_ERR_INVALID, "chain step: no tokens");
     if (rollback_to > s->len) return fu_errorf(FU_ERR_RANGE, "chain step: rollback beyond the session");
-    int64_t t0 = now_us();
+    int64_t t0 = fu_now_us();
     int64_t start = rollback_to >= 0 ? rollback_to : s->len;
 
     Fusion__Sampling samp = FUSION__SAMPLING__INIT;
@@ -416,7 +411,7 @@ int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t r
     rpc_msg_free(prev);
     if (rc) return rc;
     s->len = start + n;
-    s->res.total_us = now_us() - t0;
+    s->res.total_us = fu_now_us() - t0;
     *out = &s->res;
     return FU_OK;
 }

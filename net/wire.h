@@ -5,7 +5,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Numbered as proto/fusion.proto's Dtype. */
+/* Numbered as net/proto/fusion.proto's Dtype. */
 typedef enum wire_dtype {
     WIRE_F32 = 1,
     WIRE_BF16 = 2,

@@ -2,7 +2,7 @@
  *
  * Servers register handlers per method path ("/fusion.Shard/Info"); clients
  * call methods on a channel. Messages are protobuf-c messages (generated from
- * proto/fusion.proto: "fusion.pb-c.h"); this layer packs and unpacks them, so
+ * net/proto/fusion.proto: "fusion.pb-c.h"); this layer packs and unpacks them, so
  * callers never see completion queues, byte buffers or wire bytes.
  *
  * Two kinds of methods:
@@ -47,7 +47,7 @@
 
 #include <protobuf-c/protobuf-c.h>
 
-/* Method paths of service fusion.Shard (proto/fusion.proto). */
+/* Method paths of service fusion.Shard (net/proto/fusion.proto). */
 #define RPC_SHARD_SESSION "/fusion.Shard/Session" /* stream SessionRequest -> stream SessionReply */
 #define RPC_SHARD_FORWARD "/fusion.Shard/Forward" /* ForwardRequest -> ForwardReply */
 #define RPC_SHARD_INFO "/fusion.Shard/Info"       /* InfoRequest -> InfoReply */

@@ -1,5 +1,6 @@
 /* hub.c -- Hugging Face hub client: repo listing, download plan, verified resumable downloads, cache. */
 #include "hub.h"
+#include "clock.h"
 #include "hub-impl.h"
 
 #include <curl/curl.h>
@@ -19,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "format.h"
 #include "log.h"
 #include "status.h"
 
@@ -52,30 +54,6 @@ static int is_hex_lower(const char *s, size_t n) {
     for (size_t i = 0; i < n; i++)
         if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f'))) return 0;
     return 1;
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void sleep_ms(long ms) {
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-    }
-}
-
-/* Human-readable byte count into buf. */
-static const char *fmt_bytes(double n, char *buf, size_t cap) {
-    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    int u = 0;
-    while (n >= 1024.0 && u < 4) {
-        n /= 1024.0;
-        u++;
-    }
-    snprintf(buf, cap, u == 0 ? "%.0f %s" : "%.1f %s", n, units[u]);
-    return buf;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -863,7 +841,7 @@ typedef struct hub_xfer {
 static void progress_report(hub_xfer *x, int finished) {
     const hub_options *o = x->o;
     if (!o || o->quiet) return;
-    double t = now_s();
+    double t = fu_now_s();
     if (!finished) { /* the first report comes one interval after the start */
         double ref = x->t_last > 0 ? x->t_last : x->t_start;
         double interval = o->progress ? (o->progress_interval_ms > 0 ? o->progress_interval_ms : 250) / 1000.0 : 10.0;
@@ -879,9 +857,9 @@ static void progress_report(hub_xfer *x, int finished) {
         o->progress(&x->prog, o->progress_user);
     } else if (!finished) {
         char a[32], b[32], r[32];
-        FU_INFO("downloading %s: %s / %s (%s/s)", x->prog.path, fmt_bytes((double)x->done, a, sizeof a),
-                x->expected >= 0 ? fmt_bytes((double)x->expected, b, sizeof b) : "?",
-                fmt_bytes(x->prog.rate, r, sizeof r));
+        FU_INFO("downloading %s: %s / %s (%s/s)", x->prog.path, fu_format_bytes((double)x->done, a, sizeof a),
+                x->expected >= 0 ? fu_format_bytes((double)x->expected, b, sizeof b) : "?",
+                fu_format_bytes(x->prog.rate, r, sizeof r));
     }
 }
 
@@ -1264,7 +1242,7 @@ static void backoff(const hub_options *o, int attempt, long retry_after_s) {
         long ra = (retry_after_s < HUB_RETRY_AFTER_CAP_S ? retry_after_s : HUB_RETRY_AFTER_CAP_S) * 1000;
         if (ra > ms) ms = ra;
     }
-    if (ms > 0) sleep_ms(ms);
+    if (ms > 0) fu_sleep_ms(ms);
 }
 
 /* URL-escapes `s` into a malloc'ed string; '/' is kept when keep_slash. */
@@ -1385,7 +1363,7 @@ static int download_file(hub_session *s, const hub_file *f, const char *final, i
         goto done;
     }
     int resumed = 0, fresh_retry = 0, attempt = 0;
-    x.t_start = now_s();
+    x.t_start = fu_now_s();
     for (;;) {
         struct stat st;
         if (fstat(x.fd, &st) != 0) {
@@ -1415,7 +1393,7 @@ static int download_file(hub_session *s, const hub_file *f, const char *final, i
         }
         x.offset = x.done = x.start_done = have;
         x.abort_reason = XFER_ABORT_NONE;
-        x.t_start = now_s();
+        x.t_start = fu_now_s();
         int transient = 0, retry_now = 0;
         if (f->size < 0 || have < f->size) {
             rc = http_get(&s->http, url, &x, &transient);
@@ -1538,7 +1516,7 @@ done:
     progress_report(&x, 1);
     if (!o->quiet && !o->progress && rc == FU_OK) {
         char a[32];
-        FU_INFO("downloaded %s (%s)", f->path, fmt_bytes((double)x.done, a, sizeof a));
+        FU_INFO("downloaded %s (%s)", f->path, fu_format_bytes((double)x.done, a, sizeof a));
     }
     if (x.fd >= 0) {
         struct stat st;

@@ -21,6 +21,7 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 
+#include "clock.h"
 #include "log.h"
 #include "rpc-impl.h"
 #include "status.h"
@@ -522,15 +523,8 @@ int rpc_server_shutdown(rpc_server *srv, int grace_ms) {
             if (ev.type != GRPC_OP_COMPLETE || ev.tag == &srv->shutdown_tag) break;
         }
     } else {
-        struct timespec until;
-        clock_gettime(CLOCK_MONOTONIC, &until);
         if (grace_ms < 0) grace_ms = 0;
-        until.tv_sec += grace_ms / 1000;
-        until.tv_nsec += (long)(grace_ms % 1000) * 1000000L;
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
+        struct timespec until = fu_deadline_us(CLOCK_MONOTONIC, (int64_t)grace_ms * 1000);
         pthread_mutex_lock(&srv->mu);
         while (srv->n_calls > 0 && pthread_cond_timedwait(&srv->cv, &srv->mu, &until) == 0) {
         }

@@ -1,4 +1,4 @@
-/* test_cli.c -- strict parsing of numbers and token-id lists. */
+/* test_parse.c -- strict parsing of numbers and token-id lists; opening a backend by device name. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -8,7 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cli.h"
+#include "ops.h"
+#include "parse.h"
 #include "status.h"
 
 static void test_long(void **state) {
@@ -54,19 +55,19 @@ static void test_backend_open(void **state) {
     (void)state;
     op_backend *be = NULL;
     char desc[300];
-    assert_int_equal(fu_backend_open("cpu", 2, OP_CPU_ISA_PORTABLE, &be, desc, sizeof desc), FU_OK);
+    assert_int_equal(op_backend_open("cpu", 2, OP_CPU_ISA_PORTABLE, &be, desc, sizeof desc), FU_OK);
     assert_string_equal(op_backend_name(be), "cpu");
     assert_string_equal(desc, "cpu (portable, 2 threads)");
     op_backend_free(be);
     static const char *bad[] = {"gpu", "", "cuda:", "cuda:x", "cuda:-1", "cuda0", "cudax", "CPU", "cuda:1:2"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         be = (op_backend *)1;
-        assert_int_equal(fu_backend_open(bad[i], 0, OP_CPU_ISA_AUTO, &be, desc, sizeof desc), FU_ERR_INVALID);
+        assert_int_equal(op_backend_open(bad[i], 0, OP_CPU_ISA_AUTO, &be, desc, sizeof desc), FU_ERR_INVALID);
         assert_null(be);
         assert_non_null(strstr(fu_last_error(), "unknown device"));
     }
     /* a GPU where there is one; else a clear refusal */
-    int rc = fu_backend_open("cuda:0", 0, OP_CPU_ISA_AUTO, &be, desc, sizeof desc);
+    int rc = op_backend_open("cuda:0", 0, OP_CPU_ISA_AUTO, &be, desc, sizeof desc);
     if (rc == FU_OK) {
         assert_string_equal(op_backend_name(be), "cuda");
         assert_memory_equal(desc, "cuda:0 (", 8);
