@@ -1335,197 +1335,239 @@ typedef struct hub_session {
     const char *snap;
 } hub_session;
 
-/* Downloads `f` into `final` through "<final>.incomplete" (resumed if present),
- * verifying size and sha256, then fsync + rename. */
-static int download_file(hub_session *s, const hub_file *f, const char *final, int index, int n_files) {
-    const hub_options *o = s->o;
-    char *tmp = str_printf("%s.incomplete", final);
+/* One file's download into `final`: the partial file beside it, the URL, and
+ * the transfer with its running hash. */
+typedef struct hub_dl {
+    hub_session *s;
+    const hub_file *f;
+    const char *final;
+    char *tmp; /* final + ".incomplete" */
+    char *url;
+    char what[HUB_PATH_MAX + HUB_REPO_ID_MAX + 32]; /* "file P of REPO", for messages */
+    hub_xfer x;
+    int resumed;     /* the first attempt found a partial file to resume */
+    int fresh_retry; /* the one fresh start after a resumed download failed its hash */
+    int attempt;     /* retries so far */
+} hub_dl;
+
+/* Sets up d and opens (or creates) the partial file. FU_OK, FU_ERR_NOMEM or
+ * FU_ERR_IO; dl_close() cleans up either way. */
+static int dl_open(hub_dl *d, hub_session *s, const hub_file *f, const char *final, int index, int n_files) {
+    *d = (hub_dl){.s = s, .f = f, .final = final};
+    d->x = (hub_xfer){.fd = -1, .expected = f->size, .cr_start = -1, .retry_after = -1, .o = s->o};
+    d->x.prog.path = f->path;
+    d->x.prog.file_index = index;
+    d->x.prog.n_files = n_files;
+    snprintf(d->what, sizeof d->what, "file %s of %s", f->path, s->ref->repo_id);
+    d->tmp = str_printf("%s.incomplete", final);
     char *path_esc = url_escape(f->path, 1);
-    char *url = path_esc ? str_printf("%s/%s/resolve/%s/%s", s->http.endpoint, s->ref->repo_id, s->listing->commit,
-                                      path_esc)
-                         : NULL;
+    if (path_esc)
+        d->url = str_printf("%s/%s/resolve/%s/%s", s->http.endpoint, s->ref->repo_id, s->listing->commit, path_esc);
     free(path_esc);
-    char what[HUB_PATH_MAX + HUB_REPO_ID_MAX + 32];
-    snprintf(what, sizeof what, "file %s of %s", f->path, s->ref->repo_id);
-    hub_xfer x = {.fd = -1, .expected = f->size, .cr_start = -1, .retry_after = -1, .o = o};
-    x.prog.path = f->path;
-    x.prog.file_index = index;
-    x.prog.n_files = n_files;
-    int rc = FU_OK;
-    if (!tmp || !url || (f->sha256[0] && !(x.md = EVP_MD_CTX_new()))) {
-        rc = fu_errorf(FU_ERR_NOMEM, "out of memory");
-        goto done;
+    if (!d->tmp || !d->url || (f->sha256[0] && !(d->x.md = EVP_MD_CTX_new())))
+        return fu_errorf(FU_ERR_NOMEM, "out of memory");
+    xfer_reset_hash(&d->x);
+    d->x.fd = open(d->tmp, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (d->x.fd < 0) return fu_errorf(FU_ERR_IO, "cannot open %s: %s", d->tmp, strerror(errno));
+    d->x.t_start = fu_now_s();
+    return FU_OK;
+}
+
+/* Empties the partial file. FU_OK or FU_ERR_IO. */
+static int dl_truncate(hub_dl *d) {
+    if (ftruncate(d->x.fd, 0) != 0) return fu_errorf(FU_ERR_IO, "cannot truncate %s: %s", d->tmp, strerror(errno));
+    return FU_OK;
+}
+
+/* Before each attempt: takes the partial file as it is (dropping one larger
+ * than the listed size), brings the hash up to its end and seeks there.
+ * FU_OK or FU_ERR_IO. */
+static int dl_rewind(hub_dl *d) {
+    hub_xfer *x = &d->x;
+    struct stat st;
+    if (fstat(x->fd, &st) != 0) return fu_errorf(FU_ERR_IO, "cannot stat %s: %s", d->tmp, strerror(errno));
+    int64_t have = st.st_size;
+    if (d->f->size >= 0 && have > d->f->size) { /* stale partial larger than the file */
+        int rc = dl_truncate(d);
+        if (rc) return rc;
+        have = 0;
     }
-    xfer_reset_hash(&x);
-    x.fd = open(tmp, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (x.fd < 0) {
-        rc = fu_errorf(FU_ERR_IO, "cannot open %s: %s", tmp, strerror(errno));
-        goto done;
+    if (x->md && x->hashed != have) {
+        xfer_reset_hash(x);
+        int rc = hash_prefix(x->fd, have, x->md, d->tmp);
+        if (rc) return rc;
+        x->hashed = have;
     }
-    int resumed = 0, fresh_retry = 0, attempt = 0;
-    x.t_start = fu_now_s();
-    for (;;) {
-        struct stat st;
-        if (fstat(x.fd, &st) != 0) {
-            rc = fu_errorf(FU_ERR_IO, "cannot stat %s: %s", tmp, strerror(errno));
-            goto done;
-        }
-        int64_t have = st.st_size;
-        if (f->size >= 0 && have > f->size) { /* stale partial larger than the file */
-            if (ftruncate(x.fd, 0) != 0) {
-                rc = fu_errorf(FU_ERR_IO, "cannot truncate %s: %s", tmp, strerror(errno));
-                goto done;
-            }
-            have = 0;
-        }
-        if (x.md && x.hashed != have) {
-            xfer_reset_hash(&x);
-            if ((rc = hash_prefix(x.fd, have, x.md, tmp)) != FU_OK) goto done;
-            x.hashed = have;
-        }
-        if (attempt == 0 && have > 0) {
-            resumed = 1;
-            if (!o->quiet) FU_INFO("resuming %s at byte %lld", f->path, (long long)have);
-        }
-        if (lseek(x.fd, have, SEEK_SET) < 0) {
-            rc = fu_errorf(FU_ERR_IO, "cannot seek in %s: %s", tmp, strerror(errno));
-            goto done;
-        }
-        x.offset = x.done = x.start_done = have;
-        x.abort_reason = XFER_ABORT_NONE;
-        x.t_start = fu_now_s();
-        int transient = 0, retry_now = 0;
-        if (f->size < 0 || have < f->size) {
-            rc = http_get(&s->http, url, &x, &transient);
-            if (rc == FU_OK && x.status == 416) { /* our partial is no prefix of the file */
-                retry_now = 1;
-                rc = fu_errorf(FU_ERR_RANGE, "416 Range Not Satisfiable for %s", url);
-            } else if (rc == FU_OK && (x.status < 200 || x.status >= 300)) {
-                rc = http_status_error(&s->http, &x, url, what, &transient);
-            } else if (rc == FU_OK && x.status != 206 && !x.body_started && x.offset > 0) {
-                /* An empty full answer to a Range request: the file is empty. */
-                if (ftruncate(x.fd, 0) != 0) {
-                    rc = fu_errorf(FU_ERR_IO, "cannot truncate %s: %s", tmp, strerror(errno));
-                    goto done;
-                }
-                x.done = 0;
-                xfer_reset_hash(&x);
-            } else if (rc == FU_ERR_RANGE) {
-                retry_now = 1;
-            } else if (rc == FU_ERR_IO || rc == FU_ERR_NOMEM) {
-                char msg[300];
-                snprintf(msg, sizeof msg, "%s", fu_last_error());
-                rc = fu_errorf(rc, "writing %s: %s", tmp, msg);
-                goto done; /* the partial file stays for a later resume */
-            } else if (rc == FU_ERR_CHECKSUM) {
-                unlink(tmp);
-                rc = fu_errorf(FU_ERR_CHECKSUM, "%s: the server sent more than the %lld bytes listed; removed %s",
-                               what, (long long)f->size, tmp);
-                goto done;
-            } else if (rc == FU_ERR_NETWORK) {
-                char msg[512];
-                snprintf(msg, sizeof msg, "%s", fu_last_error());
-                rc = fu_errorf(FU_ERR_NETWORK, "downloading %s from %s: %s", what, url, msg);
-            }
-            if (rc == FU_OK && f->size >= 0 && x.done < f->size) {
-                transient = 1;
-                rc = fu_errorf(FU_ERR_NETWORK, "downloading %s: the transfer ended at byte %lld of %lld", what,
-                               (long long)x.done, (long long)f->size);
-            }
-            if (rc != FU_OK) {
-                if (x.status == 416 || rc == FU_ERR_RANGE) {
-                    if (ftruncate(x.fd, 0) != 0) {
-                        rc = fu_errorf(FU_ERR_IO, "cannot truncate %s: %s", tmp, strerror(errno));
-                        goto done;
-                    }
-                }
-                if (!(transient || retry_now) || attempt >= o->max_retries) goto done;
-                if (!o->quiet) FU_WARN("%s; retrying (%d/%d)", fu_last_error(), attempt + 1, o->max_retries);
-                if (!retry_now) backoff(o, attempt, x.retry_after);
-                attempt++;
-                continue;
-            }
-        }
-        /* Complete: check the size and the content hash. */
-        if (fstat(x.fd, &st) != 0) {
-            rc = fu_errorf(FU_ERR_IO, "cannot stat %s: %s", tmp, strerror(errno));
-            goto done;
-        }
-        x.done = st.st_size;
-        if (f->size >= 0 && st.st_size != f->size) {
-            unlink(tmp);
-            rc = fu_errorf(FU_ERR_CHECKSUM, "%s: size mismatch (%lld bytes, %lld listed); removed the download",
-                           what, (long long)st.st_size, (long long)f->size);
-            goto done;
-        }
-        if (x.md) {
-            if (x.hashed != st.st_size) { /* defensive: rehash what is on disk */
-                xfer_reset_hash(&x);
-                if ((rc = hash_prefix(x.fd, st.st_size, x.md, tmp)) != FU_OK) goto done;
-                x.hashed = st.st_size;
-            }
-            unsigned char d[EVP_MAX_MD_SIZE];
-            unsigned int dn = 0;
-            char hex[2 * EVP_MAX_MD_SIZE + 1];
-            if (EVP_DigestFinal_ex(x.md, d, &dn) != 1) {
-                rc = fu_errorf(FU_ERR_INTERNAL, "sha256 final failed");
-                goto done;
-            }
-            hex_encode(d, dn, hex);
-            x.hashed = -1; /* context finished */
-            if (strcmp(hex, f->sha256) != 0) {
-                unlink(tmp);
-                if (resumed && !fresh_retry) {
-                    /* The resumed prefix may be what is bad: one fresh try. */
-                    fresh_retry = 1;
-                    resumed = 0;
-                    FU_WARN("%s: sha256 mismatch after resuming; downloading it again from the start", what);
-                    close(x.fd);
-                    x.fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-                    if (x.fd < 0) {
-                        rc = fu_errorf(FU_ERR_IO, "cannot open %s: %s", tmp, strerror(errno));
-                        goto done;
-                    }
-                    xfer_reset_hash(&x);
-                    continue;
-                }
-                rc = fu_errorf(FU_ERR_CHECKSUM, "%s: sha256 mismatch (got %s, the hub lists %s); removed the download",
-                               what, hex, f->sha256);
-                goto done;
-            }
-        }
-        if (fsync(x.fd) != 0) {
-            rc = fu_errorf(FU_ERR_IO, "cannot sync %s: %s", tmp, strerror(errno));
-            goto done;
-        }
-        if (close(x.fd) != 0) {
-            x.fd = -1;
-            rc = fu_errorf(FU_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
-            goto done;
-        }
-        x.fd = -1;
-        if (rename(tmp, final) != 0) {
-            rc = fu_errorf(FU_ERR_IO, "cannot rename %s to %s: %s", tmp, final, strerror(errno));
-            goto done;
-        }
-        rc = fsync_parent(final);
-        break;
+    if (d->attempt == 0 && have > 0) {
+        d->resumed = 1;
+        if (!d->s->o->quiet) FU_INFO("resuming %s at byte %lld", d->f->path, (long long)have);
     }
-done:
-    x.prog.status = rc;
-    progress_report(&x, 1);
+    if (lseek(x->fd, have, SEEK_SET) < 0) return fu_errorf(FU_ERR_IO, "cannot seek in %s: %s", d->tmp, strerror(errno));
+    x->offset = x->done = x->start_done = have;
+    x->abort_reason = XFER_ABORT_NONE;
+    x->t_start = fu_now_s();
+    return FU_OK;
+}
+
+/* Turns the outcome `rc` of one GET into a status with a message: FU_OK (the
+ * bytes are on disk), an error worth retrying (*transient, or *retry_now for
+ * one whose partial file must start over) or a final one (*fatal). */
+static int dl_classify(hub_dl *d, int rc, int *transient, int *retry_now, int *fatal) {
+    hub_xfer *x = &d->x;
+    if (rc == FU_OK && x->status == 416) { /* our partial is no prefix of the file */
+        *retry_now = 1;
+        return fu_errorf(FU_ERR_RANGE, "416 Range Not Satisfiable for %s", d->url);
+    }
+    if (rc == FU_OK && (x->status < 200 || x->status >= 300))
+        return http_status_error(&d->s->http, x, d->url, d->what, transient);
+    if (rc == FU_OK && x->status != 206 && !x->body_started && x->offset > 0) {
+        /* An empty full answer to a Range request: the file is empty. */
+        if ((rc = dl_truncate(d)) != FU_OK) {
+            *fatal = 1;
+            return rc;
+        }
+        x->done = 0;
+        xfer_reset_hash(x);
+        return FU_OK;
+    }
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", fu_last_error());
+    switch (rc) {
+    case FU_ERR_RANGE: *retry_now = 1; return rc;
+    case FU_ERR_IO: /* the partial file stays for a later resume */
+    case FU_ERR_NOMEM: *fatal = 1; return fu_errorf(rc, "writing %s: %s", d->tmp, msg);
+    case FU_ERR_CHECKSUM:
+        *fatal = 1;
+        unlink(d->tmp);
+        return fu_errorf(FU_ERR_CHECKSUM, "%s: the server sent more than the %lld bytes listed; removed %s", d->what,
+                         (long long)d->f->size, d->tmp);
+    case FU_ERR_NETWORK: return fu_errorf(FU_ERR_NETWORK, "downloading %s from %s: %s", d->what, d->url, msg);
+    default: return rc;
+    }
+}
+
+/* One attempt at the missing bytes. FU_OK when they are on disk (or none were
+ * missing); FU_OK with *again set when the caller should try once more (the
+ * backoff is done); otherwise the final error. */
+static int dl_transfer(hub_dl *d, int *again) {
+    hub_xfer *x = &d->x;
+    const hub_options *o = d->s->o;
+    if (d->f->size >= 0 && x->done >= d->f->size) return FU_OK;
+    int transient = 0, retry_now = 0, fatal = 0;
+    int rc = dl_classify(d, http_get(&d->s->http, d->url, x, &transient), &transient, &retry_now, &fatal);
+    if (fatal) return rc;
+    if (rc == FU_OK && d->f->size >= 0 && x->done < d->f->size) {
+        transient = 1;
+        rc = fu_errorf(FU_ERR_NETWORK, "downloading %s: the transfer ended at byte %lld of %lld", d->what,
+                       (long long)x->done, (long long)d->f->size);
+    }
+    if (rc == FU_OK) return FU_OK;
+    if (x->status == 416 || rc == FU_ERR_RANGE) {
+        int trc = dl_truncate(d);
+        if (trc) return trc;
+    }
+    if (!(transient || retry_now) || d->attempt >= o->max_retries) return rc;
+    if (!o->quiet) FU_WARN("%s; retrying (%d/%d)", fu_last_error(), d->attempt + 1, o->max_retries);
+    if (!retry_now) backoff(o, d->attempt, x->retry_after);
+    d->attempt++;
+    *again = 1;
+    return FU_OK;
+}
+
+/* Compares the sha256 of the `size` bytes on disk with the listed one. On a
+ * mismatch after a resume, starts once afresh (FU_OK with *again set);
+ * otherwise a mismatch removes the download (FU_ERR_CHECKSUM). */
+static int dl_check_sha(hub_dl *d, int64_t size, int *again) {
+    hub_xfer *x = &d->x;
+    if (x->hashed != size) { /* defensive: rehash what is on disk */
+        xfer_reset_hash(x);
+        int rc = hash_prefix(x->fd, size, x->md, d->tmp);
+        if (rc) return rc;
+        x->hashed = size;
+    }
+    unsigned char dg[EVP_MAX_MD_SIZE];
+    unsigned int dn = 0;
+    char hex[2 * EVP_MAX_MD_SIZE + 1];
+    if (EVP_DigestFinal_ex(x->md, dg, &dn) != 1) return fu_errorf(FU_ERR_INTERNAL, "sha256 final failed");
+    hex_encode(dg, dn, hex);
+    x->hashed = -1; /* context finished */
+    if (!strcmp(hex, d->f->sha256)) return FU_OK;
+    unlink(d->tmp);
+    if (!d->resumed || d->fresh_retry)
+        return fu_errorf(FU_ERR_CHECKSUM, "%s: sha256 mismatch (got %s, the hub lists %s); removed the download",
+                         d->what, hex, d->f->sha256);
+    /* The resumed prefix may be what is bad: one fresh try. */
+    d->fresh_retry = 1;
+    d->resumed = 0;
+    FU_WARN("%s: sha256 mismatch after resuming; downloading it again from the start", d->what);
+    close(x->fd);
+    x->fd = open(d->tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
+    if (x->fd < 0) return fu_errorf(FU_ERR_IO, "cannot open %s: %s", d->tmp, strerror(errno));
+    xfer_reset_hash(x);
+    *again = 1;
+    return FU_OK;
+}
+
+/* Checks the complete download's size and hash (see dl_check_sha for *again). */
+static int dl_verify(hub_dl *d, int *again) {
+    struct stat st;
+    if (fstat(d->x.fd, &st) != 0) return fu_errorf(FU_ERR_IO, "cannot stat %s: %s", d->tmp, strerror(errno));
+    d->x.done = st.st_size;
+    if (d->f->size >= 0 && st.st_size != d->f->size) {
+        unlink(d->tmp);
+        return fu_errorf(FU_ERR_CHECKSUM, "%s: size mismatch (%lld bytes, %lld listed); removed the download", d->what,
+                         (long long)st.st_size, (long long)d->f->size);
+    }
+    return d->x.md ? dl_check_sha(d, st.st_size, again) : FU_OK;
+}
+
+/* Makes the verified download the final file: sync, close, rename, sync the
+ * folder. FU_OK or FU_ERR_IO. */
+static int dl_commit(hub_dl *d) {
+    if (fsync(d->x.fd) != 0) return fu_errorf(FU_ERR_IO, "cannot sync %s: %s", d->tmp, strerror(errno));
+    int closed = close(d->x.fd);
+    d->x.fd = -1;
+    if (closed != 0) return fu_errorf(FU_ERR_IO, "cannot write %s: %s", d->tmp, strerror(errno));
+    if (rename(d->tmp, d->final) != 0)
+        return fu_errorf(FU_ERR_IO, "cannot rename %s to %s: %s", d->tmp, d->final, strerror(errno));
+    return fsync_parent(d->final);
+}
+
+/* Reports the outcome `rc` and frees d; an empty partial file is removed. */
+static void dl_close(hub_dl *d, int rc) {
+    const hub_options *o = d->s->o;
+    d->x.prog.status = rc;
+    progress_report(&d->x, 1);
     if (!o->quiet && !o->progress && rc == FU_OK) {
         char a[32];
-        FU_INFO("downloaded %s (%s)", f->path, fu_format_bytes((double)x.done, a, sizeof a));
+        FU_INFO("downloaded %s (%s)", d->f->path, fu_format_bytes((double)d->x.done, a, sizeof a));
     }
-    if (x.fd >= 0) {
+    if (d->x.fd >= 0) {
         struct stat st;
-        if (rc != FU_OK && fstat(x.fd, &st) == 0 && st.st_size == 0) unlink(tmp); /* nothing to resume */
-        close(x.fd);
+        if (rc != FU_OK && fstat(d->x.fd, &st) == 0 && st.st_size == 0) unlink(d->tmp); /* nothing to resume */
+        close(d->x.fd);
     }
-    EVP_MD_CTX_free(x.md);
-    free(tmp);
-    free(url);
+    EVP_MD_CTX_free(d->x.md);
+    free(d->tmp);
+    free(d->url);
+}
+
+/* Downloads file f (index of n_files, for progress) into `final` through
+ * "<final>.incomplete", resuming a partial download, retrying transient
+ * failures, verifying size and sha256, then fsync + rename. FU_OK or the
+ * final error. */
+static int download_file(hub_session *s, const hub_file *f, const char *final, int index, int n_files) {
+    hub_dl d;
+    int rc = dl_open(&d, s, f, final, index, n_files);
+    while (rc == FU_OK) {
+        int again = 0;
+        if ((rc = dl_rewind(&d)) != FU_OK) break;
+        if ((rc = dl_transfer(&d, &again)) != FU_OK || again) continue;
+        if ((rc = dl_verify(&d, &again)) != FU_OK || again) continue;
+        rc = dl_commit(&d);
+        break;
+    }
+    dl_close(&d, rc);
     return rc;
 }
 
