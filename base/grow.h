@@ -1,4 +1,7 @@
-/* grow.h -- growing an array on demand: the one helper every buffer owner shares. */
+/* grow.h -- growing an array on demand: the one helper every buffer owner shares.
+ *
+ * The caller owns the array (free() it) and serializes access to it.
+ */
 #ifndef FU_GROW_H
 #define FU_GROW_H
 

@@ -1,4 +1,8 @@
-/* log.h -- leveled logging for every component; the level is checked before formatting. */
+/* log.h -- leveled logging for every component; the level is checked before formatting.
+ *
+ * One process-wide level and sink (stderr), set once at start-up; lines from
+ * any thread are written whole under one lock. Nothing is allocated.
+ */
 #ifndef FU_LOG_H
 #define FU_LOG_H
 

@@ -1,4 +1,8 @@
-/* mapped-file.h -- read-only, private memory mappings of whole files (model weights). */
+/* mapped-file.h -- read-only, private memory mappings of whole files (model weights).
+ *
+ * An mf_file owns its mapping until mf_close(); the mapped bytes never change,
+ * so any number of threads may read them at once.
+ */
 #ifndef FU_MAPPED_FILE_H
 #define FU_MAPPED_FILE_H
 

@@ -1,4 +1,10 @@
-/* status.h -- the project's one status enum, error details and their strings. */
+/* status.h -- the project's one status enum, error details and their strings.
+ *
+ * Every library function that can fail returns FU_OK (0) or a negative
+ * fu_status and leaves a message for fu_last_error(). The message is per
+ * thread (thread-local storage), so threads never see each other's errors;
+ * the strings of fu_status_str() are static.
+ */
 #ifndef FU_STATUS_H
 #define FU_STATUS_H
 

@@ -4,6 +4,10 @@
  * string lengths, value types, array sizes, tensor dims, types, alignment and
  * that every tensor's data lies inside the file -- so later getters never read
  * out of bounds. Tensor data is not touched until a caller reads it.
+ *
+ * A gguf_file is immutable once open: any number of threads may read it at
+ * once. Strings and tensor data returned point into the mapping and live as
+ * long as the file; the caller owns what *_dup functions return.
  */
 #ifndef FU_GGUF_H
 #define FU_GGUF_H

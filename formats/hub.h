@@ -15,6 +15,10 @@
  *   <org>--<name>/snapshots/<commit>/    the model files (what hub_resolve returns)
  * Only verified files are ever renamed into a snapshot, so a file there with the
  * listed size is trusted without rehashing (unless hub_options.verify_existing).
+ *
+ * Threads and processes: hub_resolve() may run in several threads and
+ * processes at once (the lock file orders writers); progress callbacks run on
+ * the calling thread. Returned paths are malloc'd and owned by the caller.
  */
 #ifndef FU_HUB_H
 #define FU_HUB_H

@@ -1,4 +1,9 @@
-/* safetensors.h -- read-only, memory-mapped safetensors checkpoints, single-file or sharded. */
+/* safetensors.h -- read-only, memory-mapped safetensors checkpoints, single-file or sharded.
+ *
+ * A checkpoint is validated when opened and immutable afterwards: any number
+ * of threads may look tensors up and read them at once. Tensor data points
+ * into the mapping and lives as long as the checkpoint.
+ */
 #ifndef FU_SAFETENSORS_H
 #define FU_SAFETENSORS_H
 

@@ -13,6 +13,11 @@
  *   - Ops return FU_OK or a negative fu_status (shape/type mismatch,
  *     unsupported type); they never allocate on the per-token path once
  *     op_reserve() has been called with the largest sizes in use.
+ *
+ * Threads: ops on one backend may be called from any thread; the backend
+ * serializes them (its lock) and runs each on its own workers (the CPU pool,
+ * the GPU stream). The caller owns backends and buffers and frees them with
+ * op_backend_free() and op_buffer_free(); tensors only describe memory.
  */
 #ifndef FU_OPS_H
 #define FU_OPS_H

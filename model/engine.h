@@ -5,6 +5,10 @@
  * Each sequence (eng_seq) owns its KV cache for the span's blocks. A batch may
  * mix sequences and mix prefill (many positions of one sequence) with decode
  * (one position each): this is what continuous batching runs.
+ *
+ * Threads: an engine and its sequences are used by one thread at a time (the
+ * shard's batcher); the model it reads is shared. The caller owns engines and
+ * sequences and frees them (sequences before their engine).
  */
 #ifndef FU_ENGINE_H
 #define FU_ENGINE_H

@@ -5,6 +5,10 @@
  * stay memory-mapped and are used in place, quantized ones included; only the
  * small vectors (norms, biases) are converted to f32 copies. A model opened for
  * blocks [first, last) touches no other block's tensors.
+ *
+ * An mdl_model is immutable once loaded: any number of engines and threads may
+ * read it at once. It owns its sources, mappings and converted buffers, and
+ * its weights' backend copies; mdl_free() releases them all.
  */
 #ifndef FU_MODEL_H
 #define FU_MODEL_H

@@ -1,5 +1,11 @@
 /* router.h -- fusion's router core: swarm model, Helix-style flow network and max flow,
- * span placement (Petals, Swarm, fusion's search, join/rebalance), IWRR routing, simulator. */
+ * span placement (Petals, Swarm, fusion's search, join/rebalance), IWRR routing, simulator.
+ *
+ * Pure computation over numbers: no I/O besides loading cluster files, no
+ * threads. An rt_swarm is not thread-safe; its owner serializes access (the
+ * gateway's gw_swarm holds one mutex over it). Objects are created and freed
+ * in pairs (rt_*_init / rt_*_free); the caller owns what it is handed.
+ */
 #ifndef RT_ROUTER_H
 #define RT_ROUTER_H
 

@@ -1,10 +1,12 @@
 /* tokenizer.h -- BPE tokenizers (byte-level and SentencePiece-style) from tokenizer.json or GGUF.
  *
  * A tok_tokenizer is immutable after loading: any number of threads may
- * encode and decode with one at the same time. Encoding follows Hugging Face
- * `tokenizers` (added tokens split out first, normalizer, pre-tokenizer, BPE
- * model, post-processor); GGUF "llama" vocabularies use llama.cpp's score-based
- * SentencePiece merge.
+ * encode and decode with one at the same time. The loader's caller owns it
+ * (tok_free); encode and decode results are malloc'd for the caller.
+ *
+ * Encoding follows Hugging Face `tokenizers` (added tokens split out first,
+ * normalizer, pre-tokenizer, BPE model, post-processor); GGUF "llama"
+ * vocabularies use llama.cpp's score-based SentencePiece merge.
  *
  * Invalid UTF-8 in the text to encode is not an error: each maximal invalid
  * subsequence becomes U+FFFD first (what Python's bytes.decode("utf-8",
