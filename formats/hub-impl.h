@@ -1,4 +1,8 @@
-/* hub-impl.h -- hub.c internals exposed for unit tests: the file listing and the download plan. */
+/* hub-impl.h -- hub.c internals exposed for unit tests: the file listing and the download plan.
+ *
+ * Internal to formats/ (and its tests). Listings and plans are plain values
+ * owned by their caller (hub_listing_free, hub_plan_free); no shared state.
+ */
 #ifndef FU_HUB_IMPL_H
 #define FU_HUB_IMPL_H
 

@@ -1,4 +1,11 @@
-/* gw-http.h -- the gateway's HTTP server (libmicrohttpd): routes, API keys, limits, SSE streaming. */
+/* gw-http.h -- the gateway's HTTP server (libmicrohttpd): routes, API keys, limits, SSE streaming.
+ *
+ * Threads: libmicrohttpd's polling thread routes requests and resumes
+ * suspended connections; body threads parse request bodies and run the
+ * CPU-bound routes; a watchdog thread cancels the jobs of clients that left.
+ * The server borrows the config, model, engine and metrics it is given and
+ * owns its connections.
+ */
 #ifndef FU_GW_HTTP_H
 #define FU_GW_HTTP_H
 

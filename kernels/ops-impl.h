@@ -1,4 +1,10 @@
-/* ops-impl.h -- what a backend implements: the vtable behind op_backend. */
+/* ops-impl.h -- what a backend implements: the vtable behind op_backend.
+ *
+ * Internal to kernels/. ops.c validates arguments and takes the backend's lock
+ * before calling any vtable entry, so an implementation runs one op at a time
+ * and may keep per-backend scratch without locking. The backend owns what its
+ * constructor allocated; its `free` entry releases it.
+ */
 #ifndef FU_OPS_IMPL_H
 #define FU_OPS_IMPL_H
 

@@ -1,5 +1,5 @@
 /* router-impl.h -- router internals shared by the rt-*.c files: INI reader, flow-network
- * layout, random numbers, clocks. Not a public interface. */
+ * layout, random numbers. Not a public interface; single-threaded like the router. */
 #ifndef RT_ROUTER_IMPL_H
 #define RT_ROUTER_IMPL_H
 

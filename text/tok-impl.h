@@ -1,4 +1,9 @@
-/* tok-impl.h -- tokenizer internals shared by tokenizer.c and its loaders (tok-hf.c, tok-gguf.c). */
+/* tok-impl.h -- tokenizer internals shared by tokenizer.c and its loaders (tok-hf.c, tok-gguf.c).
+ *
+ * Internal to text/. A loader fills a tok_tokenizer once; after that nothing
+ * in it changes, which is what makes concurrent encoding safe (per-call PCRE2
+ * match data is allocated by each call). The tokenizer owns every table here.
+ */
 #ifndef FU_TOK_IMPL_H
 #define FU_TOK_IMPL_H
 

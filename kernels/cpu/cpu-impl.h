@@ -1,4 +1,9 @@
-/* cpu-impl.h -- internals of the CPU backend: thread pool, per-ISA kernel tables, GEMM blocking. */
+/* cpu-impl.h -- internals of the CPU backend: thread pool, per-ISA kernel tables, GEMM blocking.
+ *
+ * One op runs at a time (ops.c holds the backend's lock); it splits its work
+ * into ranges that the pool's workers and the calling thread run at once, each
+ * writing disjoint outputs. The backend owns its pool and scratch.
+ */
 #ifndef FU_CPU_IMPL_H
 #define FU_CPU_IMPL_H
 
