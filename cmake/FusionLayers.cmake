@@ -41,10 +41,12 @@ function(fusion_library name)
   endforeach()
   set_property(GLOBAL APPEND PROPERTY FUSION_LIBS ${name})
 
-  # The layer record: "NAME|include dirs|internal dirs|fusion deps".
+  # The layer record: "NAME|include dirs|internal dirs|fusion libraries it links"
+  # (the CUDA objects that fusion_kernels links are part of the kernels layer).
+  get_property(made GLOBAL PROPERTY FUSION_LIBS)
   set(fusion_deps "")
   foreach(dep ${L_DEPS})
-    if(dep MATCHES "^fusion_")
+    if(dep IN_LIST made)
       list(APPEND fusion_deps ${dep})
     endif()
   endforeach()
