@@ -53,14 +53,21 @@ def tree_copy(tmp_path):
     """A copy of the layer folders, with a layer table that points into it."""
     for d in TREE_DIRS:
         shutil.copytree(os.path.join(SRC, d), tmp_path / d)
-    real_src = os.path.realpath(SRC)
+    copied = [os.path.realpath(os.path.join(SRC, d)) for d in TREE_DIRS]
+
+    def moved(path):  # a folder of the copied tree, in the copy; others (the build's) as they are
+        real = os.path.realpath(path)
+        for d in copied:
+            if real == d or real.startswith(d + os.sep):
+                return str(tmp_path) + real[len(os.path.realpath(SRC)):]
+        return path
+
     lines = []
     for line in open(LAYERS):
         parts = line.rstrip("\n").split("|")
         for i in (1, 2):
             dirs = [x for x in parts[i].split(",") if x] if len(parts) > i else []
-            parts[i] = ",".join(str(tmp_path) + os.path.realpath(x)[len(real_src):]
-                                if os.path.realpath(x).startswith(real_src + os.sep) else x for x in dirs)
+            parts[i] = ",".join(moved(x) for x in dirs)
         lines.append("|".join(parts))
     (tmp_path / "layers.txt").write_text("\n".join(lines) + "\n")
     return tmp_path
