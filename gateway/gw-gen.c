@@ -704,9 +704,7 @@ static void gw_run_choice(gw_job *j, int ci) {
         int64_t pos = (int64_t)n_prompt + step; /* the position whose token is sampled */
         spec.want_logits = echo_lp && step == 0;
         spec.all_positions = spec.want_logits;
-        uint64_t seed = gw_step_seed(j->seed, ci, pos);
-        /* with all positions the last shard adds the row index to the seed */
-        spec.sampling.seed = spec.all_positions ? seed - (uint64_t)(n_in - 1) : seed;
+        spec.sampling.seed = gw_step_seed(j->seed, ci, pos); /* the seed of the step's last position */
         const chain_result *r = NULL;
         while ((rc = chain_session_step(s, in, n_in, -1, &spec, &r)) && e->swarm && gw_retryable(rc) &&
                failovers < GW_MAX_FAILOVERS && !atomic_load(&j->cancelled)) {

@@ -77,7 +77,10 @@ typedef struct shard_step {
     bool want_logits;
     bool all_positions;         /* outputs for every position, else the last only */
     bool sample;
-    smp_params sampling;        /* with sample */
+    smp_params sampling;        /* with sample; sampling.seed is the seed of the LAST output
+                                 * row (the position after the step's last input): with
+                                 * all_positions, row i of n_out draws with
+                                 * seed - (n_out - 1 - i) */
     int64_t penalty_start;      /* penalties count session tokens at positions >= this */
     int top_logprobs;           /* 0..20 */
 

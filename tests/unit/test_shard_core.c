@@ -237,11 +237,52 @@ static void test_admission_and_bad_steps(void **state) {
     mdl_free(m);
 }
 
+/* The step's seed is the seed of its last output row: with all_positions, row i of
+ * n draws with seed - (n - 1 - i), the same token as a last-only step that ends
+ * at that row's position and sends that seed. */
+static void test_all_positions_row_seeds(void **state) {
+    mdl_config cfg = test_config();
+    mdl_model *m;
+    assert_int_equal(mdl_random(&cfg, OP_TYPE_F32, 11, NULL, &m), FU_OK);
+    op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
+    op_backend *be = op_backend_cpu_new(&co);
+    shard_core *core;
+    assert_int_equal(shard_core_new(m, be, NULL, &core), FU_OK);
+    shard_session *all, *one;
+    assert_int_equal(shard_session_open(core, "all", 16, &all), FU_OK);
+    assert_int_equal(shard_session_open(core, "one", 16, &one), FU_OK);
+    enum { N = 6 };
+    const uint64_t seed = 0x5eedull;
+    int32_t ids[N] = {7, 3, 90, 41, 5, 62};
+    shard_step st = {.n = N, .tokens = ids, .sample = true, .all_positions = true};
+    st.sampling = smp_params_default();
+    st.sampling.seed = seed;
+    assert_int_equal(shard_session_step(core, all, &st), FU_OK);
+    assert_int_equal(st.n_out, N);
+    int32_t rows[N];
+    memcpy(rows, st.out_tokens, sizeof rows);
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(shard_session_rollback(one, 0), FU_OK);
+        shard_step last = {.n = i + 1, .tokens = ids, .sample = true};
+        last.sampling = smp_params_default();
+        last.sampling.seed = seed - (uint64_t)(N - 1 - i);
+        assert_int_equal(shard_session_step(core, one, &last), FU_OK);
+        assert_int_equal(last.n_out, 1);
+        assert_int_equal(last.out_tokens[0], rows[i]);
+    }
+    shard_session_close(core, all);
+    shard_session_close(core, one);
+    shard_core_free(core);
+    op_backend_free(be);
+    mdl_free(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_concurrent_sessions_batch_and_match),
         cmocka_unit_test(test_chained_spans_equal_whole),
         cmocka_unit_test(test_admission_and_bad_steps),
+        cmocka_unit_test(test_all_positions_row_seeds),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
