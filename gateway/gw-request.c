@@ -15,7 +15,7 @@ void gw_limits_default(gw_limits *l) {
     l->max_prompts = 64;
     l->max_stop = 16;
     l->max_stop_bytes = 256;
-    l->max_logit_bias = 300;
+    l->max_logit_bias = SMP_MAX_LOGIT_BIAS;
     l->max_top_logprobs = 20;
     l->max_messages = 4096;
 }

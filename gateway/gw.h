@@ -66,7 +66,7 @@ typedef struct gw_limits {
     int max_prompts;         /* entries of a completions prompt list */
     int max_stop;            /* stop strings */
     int max_stop_bytes;      /* bytes per stop string */
-    int max_logit_bias;      /* logit_bias entries */
+    int max_logit_bias;      /* logit_bias entries (at most SMP_MAX_LOGIT_BIAS) */
     int max_top_logprobs;    /* top_logprobs / integer logprobs */
     int max_messages;        /* chat messages */
 } gw_limits;

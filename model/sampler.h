@@ -4,6 +4,11 @@
 
 #include <stdint.h>
 
+/* The most logit_bias entries one set of parameters may hold (OpenAI's limit): the
+ * sampler refuses more, and the gateway and the chain client check it before
+ * sending (the wire carries at most this many). */
+#define SMP_MAX_LOGIT_BIAS 300
+
 typedef struct smp_bias {
     int32_t token;
     float bias;   /* added to the token's logit; -100 or less bans it */
@@ -19,7 +24,7 @@ typedef struct smp_params {
     float repetition_penalty;/* 1: off; >1 divides positive logits (CTRL/HF style) */
     uint64_t seed;           /* same seed, same choices */
     const smp_bias *bias;    /* logit_bias entries, copied at smp_new */
-    int n_bias;
+    int n_bias;              /* 0..SMP_MAX_LOGIT_BIAS */
 } smp_params;
 
 typedef struct smp_sampler smp_sampler;
