@@ -1,4 +1,11 @@
-/* sampler.h -- turns a row of logits into the next token: penalties, bias, temperature, top-k/p, min-p. */
+/* sampler.h -- turns a row of logits into the next token: penalties, bias, temperature, top-k/p, min-p.
+ *
+ * A sampler holds one sequence's state (the RNG and the counts of emitted
+ * tokens) and is used by one thread at a time; the free functions
+ * (smp_argmax, smp_top_logprobs) are pure. Ownership: a sampler owns all its
+ * scratch (allocated by smp_new) and a copy of the logit_bias entries; the
+ * caller keeps ownership of smp_params and of the logits it passes in.
+ */
 #ifndef FU_SAMPLER_H
 #define FU_SAMPLER_H
 
@@ -42,11 +49,11 @@ void smp_free(smp_sampler *s); /* NULL is a no-op */
  * entries than any earlier configuration of this sampler. */
 int smp_reset(smp_sampler *s, const smp_params *p);
 
-/* Records that `token` was emitted (feeds the penalties). */
+/* Records that `token` (in [0, n_vocab)) was emitted (feeds the penalties). */
 void smp_accept(smp_sampler *s, int32_t token);
 
 /* Picks the next token from logits (n_vocab), which it modifies in place
- * (penalties and bias applied). */
+ * (penalties and bias applied); draws from the RNG unless greedy. Never allocates. */
 int32_t smp_sample(smp_sampler *s, float *logits);
 
 /* Index of the largest value (lowest index on ties). */
