@@ -303,7 +303,7 @@ static bool gw_job_prepare(gw_job *j) {
 
 /* ---- JSON pieces -------------------------------------------------------------------------------- */
 
-/* The display string of a token. */
+/* The display string of a token (new reference; NULL on allocation failure). */
 static json_t *gw_token_json(const gw_job *j, int32_t id) {
     if (j->req.tokens_as_ids) {
         char buf[32];
@@ -316,77 +316,104 @@ static json_t *gw_token_json(const gw_job *j, int32_t id) {
     return gw_json_string_lossy(b, len);
 }
 
+/* The bytes of a token as an array of integers, empty for a token without text (new
+ * reference; NULL on allocation failure). */
 static json_t *gw_token_bytes(const gw_job *j, int32_t id) {
     const char *b = NULL;
     size_t len = 0;
     json_t *a = json_array();
-    if (!tok_token_piece(j->e->model->tok, id, &b, &len))
-        for (size_t i = 0; i < len; i++) json_array_append_new(a, json_integer((unsigned char)b[i]));
+    if (!a || tok_token_piece(j->e->model->tok, id, &b, &len)) return a;
+    for (size_t i = 0; i < len; i++)
+        if (json_array_append_new(a, json_integer((unsigned char)b[i]))) {
+            json_decref(a);
+            return NULL;
+        }
     return a;
 }
 
-/* Chat: one entry of logprobs.content. */
+/* Chat: one entry of logprobs.content (new reference; NULL on allocation failure). */
 static json_t *gw_chat_lp_entry(const gw_job *j, int32_t tok, float lp, const int32_t *top_ids, const float *top_lp,
                                 int k) {
     json_t *tops = json_array();
-    for (int i = 0; i < k; i++)
-        json_array_append_new(tops, json_pack("{s:o, s:f, s:o}", "token", gw_token_json(j, top_ids[i]), "logprob",
-                                              (double)top_lp[i], "bytes", gw_token_bytes(j, top_ids[i])));
+    for (int i = 0; tops && i < k; i++)
+        if (json_array_append_new(tops, json_pack("{s:o, s:f, s:o}", "token", gw_token_json(j, top_ids[i]), "logprob",
+                                                  (double)top_lp[i], "bytes", gw_token_bytes(j, top_ids[i])))) {
+            json_decref(tops);
+            tops = NULL;
+        }
     return json_pack("{s:o, s:f, s:o, s:o}", "token", gw_token_json(j, tok), "logprob", (double)lp, "bytes",
                      gw_token_bytes(j, tok), "top_logprobs", tops);
 }
 
-/* Completions: a fresh {"tokens", "token_logprobs", "top_logprobs", "text_offset"} object. */
+/* Completions: a fresh {"tokens", "token_logprobs", "top_logprobs", "text_offset"} object
+ * (new reference; NULL on allocation failure). */
 static json_t *gw_cmpl_lp_new(void) {
     return json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs", "text_offset");
 }
 
-/* Appends one token to a completions logprobs object; lp NAN-free; `has_lp` false gives nulls (first echo token). */
-static void gw_cmpl_lp_add(const gw_job *j, json_t *o, int32_t tok, bool has_lp, float lp, const int32_t *top_ids,
-                           const float *top_lp, int k, size_t offset) {
-    json_array_append_new(json_object_get(o, "tokens"), gw_token_json(j, tok));
-    json_array_append_new(json_object_get(o, "token_logprobs"), has_lp ? json_real(lp) : json_null());
-    json_t *tops = json_null();
-    if (has_lp) {
-        tops = json_object();
-        for (int i = 0; i < k; i++) {
-            json_t *s = gw_token_json(j, top_ids[i]);
-            json_object_set_new(tops, json_string_value(s), json_real(top_lp[i]));
-            json_decref(s);
+/* Completions: the {token: logprob} map of a token's alternatives (new reference; NULL on
+ * allocation failure). */
+static json_t *gw_cmpl_top_map(const gw_job *j, const int32_t *top_ids, const float *top_lp, int k) {
+    json_t *tops = json_object();
+    for (int i = 0; tops && i < k; i++) {
+        json_t *s = gw_token_json(j, top_ids[i]);
+        int bad = !s || json_object_set_new(tops, json_string_value(s), json_real(top_lp[i]));
+        json_decref(s);
+        if (bad) {
+            json_decref(tops);
+            tops = NULL;
         }
     }
-    json_array_append_new(json_object_get(o, "top_logprobs"), tops);
-    json_array_append_new(json_object_get(o, "text_offset"), json_integer((json_int_t)offset));
+    return tops;
 }
 
-/* A streaming chunk with one choice; `delta_or_text` is the chat delta object or the completions text. */
+/* Appends one token to a completions logprobs object o; `has_lp` false gives nulls (the
+ * first echoed token). Returns FU_OK or FU_ERR_NOMEM (o is then incomplete). */
+static int gw_cmpl_lp_add(const gw_job *j, json_t *o, int32_t tok, bool has_lp, float lp, const int32_t *top_ids,
+                          const float *top_lp, int k, size_t offset) {
+    int bad = json_array_append_new(json_object_get(o, "tokens"), gw_token_json(j, tok));
+    bad |= json_array_append_new(json_object_get(o, "token_logprobs"), has_lp ? json_real(lp) : json_null());
+    bad |= json_array_append_new(json_object_get(o, "top_logprobs"),
+                                 has_lp ? gw_cmpl_top_map(j, top_ids, top_lp, k) : json_null());
+    bad |= json_array_append_new(json_object_get(o, "text_offset"), json_integer((json_int_t)offset));
+    return bad ? fu_errorf(FU_ERR_NOMEM, "logprobs") : FU_OK;
+}
+
+/* A streaming chunk with one choice; `delta_or_text` (the chat delta object or the
+ * completions text) and `logprobs` (NULL: none) are stolen, even on failure. New
+ * reference; NULL on allocation failure. */
 static json_t *gw_chunk(const gw_job *j, int index, json_t *delta_or_text, json_t *logprobs, const char *finish) {
     bool chat = j->req.kind == GW_KIND_CHAT;
-    json_t *ch = json_object();
-    json_object_set_new(ch, "index", json_integer(index));
-    json_object_set_new(ch, chat ? "delta" : "text", delta_or_text);
-    json_object_set_new(ch, "logprobs", logprobs ? logprobs : json_null());
-    json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
+    json_t *ch = json_pack("{s:i, s:o, s:o, s:o}", "index", index, chat ? "delta" : "text", delta_or_text,
+                           "logprobs", logprobs ? logprobs : json_null(), "finish_reason",
+                           finish ? json_string(finish) : json_null());
     json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:[o]}", "id", j->id, "object",
                           chat ? "chat.completion.chunk" : "text_completion", "created", (json_int_t)j->created,
                           "model", j->e->model->name, "choices", ch);
-    if (j->req.include_usage) json_object_set_new(o, "usage", json_null());
+    if (o && j->req.include_usage && json_object_set_new(o, "usage", json_null())) {
+        json_decref(o);
+        return NULL;
+    }
     return o;
 }
 
+/* The usage object (new reference; NULL on allocation failure). */
 static json_t *gw_usage(const gw_job *j) {
     return json_pack("{s:I, s:I, s:I}", "prompt_tokens", (json_int_t)j->prompt_tokens, "completion_tokens",
                      (json_int_t)j->completion_tokens, "total_tokens",
                      (json_int_t)(j->prompt_tokens + j->completion_tokens));
 }
 
-/* Appends an SSE event to the job's output and wakes the HTTP side (job unlocked; steals obj). */
-static void gw_job_emit(gw_job *j, json_t *obj) {
-    if (!obj) return;
+/* Appends an SSE event to the job's output and wakes the HTTP side (job unlocked). Steals
+ * obj; NULL (its construction failed) gives FU_ERR_NOMEM. Returns FU_OK or FU_ERR_NOMEM. */
+static int gw_job_emit(gw_job *j, json_t *obj) {
+    if (!obj) return fu_errorf(FU_ERR_NOMEM, "stream chunk");
     pthread_mutex_lock(&j->mu);
-    if (gw_sse_event(&j->out, obj) == FU_OK) gw_job_wake_locked(j);
+    int rc = gw_sse_event(&j->out, obj);
+    if (!rc) gw_job_wake_locked(j);
     pthread_mutex_unlock(&j->mu);
     json_decref(obj);
+    return rc;
 }
 
 /* ---- finishing ----------------------------------------------------------------------------------- */
@@ -431,43 +458,96 @@ static void gw_job_build_body(gw_job *j) {
     }
 }
 
-/* Marks one choice done; the last one completes the job. */
-static void gw_choice_done(gw_job *j, gw_choice *c, const gw_error *failure) {
+/* Streaming, after the last choice (job locked): the usage chunk (include_usage), then
+ * [DONE]. Out of memory, the stream ends short (logged: nothing else can be sent). */
+static void gw_job_end_stream_locked(gw_job *j) {
+    int rc = FU_OK;
+    if (j->req.include_usage) {
+        json_t *u = json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", j->id, "object",
+                              j->req.kind == GW_KIND_CHAT ? "chat.completion.chunk" : "text_completion", "created",
+                              (json_int_t)j->created, "model", j->e->model->name, "choices", "usage", gw_usage(j));
+        rc = u ? gw_sse_event(&j->out, u) : fu_errorf(FU_ERR_NOMEM, "usage chunk");
+        json_decref(u);
+    }
+    if (!rc) rc = gw_sse_done(&j->out);
+    if (rc) FU_LOG(FU_LOG_LEVEL_WARN, j->id, "ending the stream: %s", fu_last_error());
+}
+
+/* A job still without a response after its last choice (job locked): cancelled (499), an
+ * empty stream (nothing was generated, e.g. max_tokens 0) or the non-streaming body. */
+static void gw_job_settle_locked(gw_job *j) {
+    if (atomic_load(&j->cancelled)) {
+        gw_error_set(&j->err, 499, NULL, NULL, "the request was cancelled");
+        j->phase = GW_JOB_FAILED;
+    } else if (j->req.stream) {
+        j->phase = GW_JOB_STREAMING;
+        if (gw_sse_done(&j->out)) FU_LOG(FU_LOG_LEVEL_WARN, j->id, "ending the stream: %s", fu_last_error());
+    } else {
+        gw_job_build_body(j);
+    }
+}
+
+/* Marks one choice done (job unlocked); the last one completes the job: metrics, then the
+ * end of the stream or the response. */
+static void gw_choice_done(gw_job *j, const gw_choice *c) {
     gw_engine *e = j->e;
     pthread_mutex_lock(&j->mu);
-    if (c) j->completion_tokens += c->n_gen;
-    if (failure && failure->http && !j->err.http) j->err = *failure;
-    bool last = ++j->n_done == j->n_choices;
-    if (last) {
+    j->completion_tokens += c->n_gen;
+    if (++j->n_done == j->n_choices) {
         gw_metrics_tokens(e->metrics, j->phase == GW_JOB_FAILED ? 0 : j->prompt_tokens, j->completion_tokens);
         gw_metrics_e2e(e->metrics, fu_now_s() - j->t_arrival);
         gw_metrics_running(e->metrics, -1);
-        if (j->phase == GW_JOB_STREAMING) {
-            if (j->req.include_usage) {
-                json_t *u = json_pack("{s:s, s:s, s:I, s:s, s:[], s:o}", "id", j->id, "object",
-                                      j->req.kind == GW_KIND_CHAT ? "chat.completion.chunk" : "text_completion",
-                                      "created", (json_int_t)j->created, "model", e->model->name, "choices", "usage",
-                                      gw_usage(j));
-                gw_sse_event(&j->out, u);
-                json_decref(u);
-            }
-            gw_sse_done(&j->out);
-        } else if (j->phase == GW_JOB_PENDING) {
-            if (j->err.http) j->phase = GW_JOB_FAILED;
-            else if (atomic_load(&j->cancelled)) {
-                gw_error_set(&j->err, 499, NULL, NULL, "the request was cancelled");
-                j->phase = GW_JOB_FAILED;
-            } else if (j->req.stream) {
-                j->phase = GW_JOB_STREAMING; /* nothing was generated (e.g. max_tokens 0): an empty stream */
-                gw_sse_done(&j->out);
-            } else {
-                gw_job_build_body(j);
-            }
-        }
+        if (j->phase == GW_JOB_STREAMING) gw_job_end_stream_locked(j);
+        else if (j->phase == GW_JOB_PENDING) gw_job_settle_locked(j);
         j->finished = true;
         gw_job_wake_locked(j);
     }
     pthread_mutex_unlock(&j->mu);
+}
+
+/* ---- output of one choice -------------------------------------------------------------------------- */
+
+/* Streaming chat with tools: the text goes through the choice's tool stream; content
+ * and tool_calls deltas go out as chunks, and the finish says "tool_calls" when
+ * the model called any. Steals lp_chunk. Returns FU_OK or FU_ERR_NOMEM. */
+static int gw_choice_output_tools(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
+                                  const char *finish) {
+    fu_buf content = {0};
+    json_t *deltas = json_array();
+    int rc = deltas ? gw_tool_stream_feed(&c->tools, text ? text : "", len, &content, deltas)
+                    : fu_errorf(FU_ERR_NOMEM, "tool calls");
+    if (!rc && finish) rc = gw_tool_stream_flush(&c->tools, &content, deltas);
+    if (!rc && (content.len || lp_chunk)) {
+        json_t *d = json_pack("{s:o}", "content", gw_json_string_lossy(content.data ? content.data : "", content.len));
+        rc = gw_job_emit(j, gw_chunk(j, c->index, d, lp_chunk, NULL));
+        lp_chunk = NULL;
+    }
+    for (size_t i = 0; !rc && i < json_array_size(deltas); i++)
+        rc = gw_job_emit(j, gw_chunk(j, c->index, json_pack("{s:[O]}", "tool_calls", json_array_get(deltas, i)),
+                                     NULL, NULL));
+    if (!rc && finish)
+        rc = gw_job_emit(j, gw_chunk(j, c->index, json_object(), NULL, c->tools.n_calls ? "tool_calls" : finish));
+    json_decref(lp_chunk);
+    json_decref(deltas);
+    fu_buf_free(&content);
+    return rc;
+}
+
+/* Emits text and the streamed logprobs lp_chunk (stolen; NULL: none) for a choice:
+ * streaming sends a chunk (finish: its finish reason, NULL: none), otherwise the text
+ * accumulates in c->text. Returns FU_OK or FU_ERR_NOMEM. */
+static int gw_choice_output(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
+                            const char *finish) {
+    if (!j->req.stream) {
+        json_decref(lp_chunk);
+        return fu_buf_append(&c->text, text, len);
+    }
+    if (j->tools_on) return gw_choice_output_tools(j, c, text, len, lp_chunk, finish);
+    if (!len && !lp_chunk && !finish) return FU_OK;
+    bool chat = j->req.kind == GW_KIND_CHAT, bare = chat && !len && finish; /* chat's last delta: {} */
+    json_t *payload = bare ? json_object() : gw_json_string_lossy(text ? text : "", len);
+    if (chat && !bare) payload = json_pack("{s:o}", "content", payload);
+    return gw_job_emit(j, gw_chunk(j, c->index, payload, lp_chunk, finish));
 }
 
 /* ---- one choice ------------------------------------------------------------------------------------ */
@@ -491,350 +571,408 @@ static bool gw_retryable(int rc) {
            rc != FU_ERR_UNSUPPORTED;
 }
 
-/* Opens the choice's chain session. Static chain: one try. Swarm: routes a path
- * (into *lease), opens a session on it and, when n_replay > 0, replays
- * hist[0..n_replay) as one prefill step without output so that every hop's cache
- * holds those positions from 0; a dead hop is retired and another path tried,
- * each retry counting in *failovers (at most GW_MAX_FAILOVERS). On failure *err
- * is a 503 and nothing is held. */
-static int gw_choice_open(gw_engine *e, const char *sid, int max_length, int request_len, const int32_t *hist,
-                          int n_replay, gw_lease *lease, chain_session **out, int *failovers, gw_error *err) {
-    *out = NULL;
+/* One choice while a worker runs it, through the stages of gw_run_choice: prepare ->
+ * open -> echo -> generate (step, decode, emit; then finish) -> close. A stage returns
+ * FU_OK or a failure status with `err` filled; a stage that ends the choice without a
+ * failure (finished, cancelled, the job failed elsewhere) clears `live`. Owned by the
+ * worker thread; everything here is freed by gw_run_close. */
+typedef struct gw_run {
+    gw_job *j;
+    gw_choice *c;
+    int ci;                 /* the choice's index in the job */
+    bool live;              /* false: no further stage runs (gw_run_end) */
+    char sid[96];           /* session id: "<job id>-<choice>" */
+    const int32_t *prompt;  /* (n_prompt) borrowed from the job */
+    size_t n_prompt;
+    int request_len;        /* prompt + max_tokens: what a routed path must hold */
+    int max_length;         /* positions the sessions are opened for */
+    int32_t *hist;          /* (max_length) prompt + sampled tokens: replayed on failover */
+    int n_hist;
+    int n_in;               /* the next step's input: hist[n_hist - n_in, n_hist) */
+    int step;               /* steps done */
+    int failovers;
+    gw_lease lease;         /* routed mode: the path held */
+    chain_session *s;
+    bool counted;           /* the choice counts in the open-sessions metric */
+    chain_spec spec;
+    bool echo_lp;           /* completions echo + logprobs: the prompt's logprobs come with step 0 */
+    double t_prev;          /* when the previous step's token arrived */
+    tok_decoder *dec;
+    gw_stop stop;
+    fu_buf piece;           /* text released for the current token */
+    json_t *lp_chunk;       /* streaming: logprobs not yet sent */
+    gw_error err;
+} gw_run;
+
+/* Ends the choice without a failure: no further stage runs; `finish` is its finish reason
+ * (NULL: none, e.g. cancelled). Returns FU_OK. */
+static int gw_run_end(gw_run *r, const char *finish) {
+    r->c->finish = finish;
+    r->live = false;
+    return FU_OK;
+}
+
+/* Fills r->err with a 500 "<what>: <last error>". Returns rc (a failure status). */
+static int gw_run_fail(gw_run *r, int rc, const char *what) {
+    gw_error_set(&r->err, 500, NULL, NULL, "%s: %s", what, fu_last_error());
+    return rc;
+}
+
+/* Gives up the current path after a failure described by msg (swarm): closes the session,
+ * reports the failure (the swarm retires the dead hop) and releases the lease. */
+static void gw_run_drop_path(gw_run *r, const char *msg) {
+    gw_swarm *sw = r->j->e->swarm;
+    chain_session_close(r->s);
+    r->s = NULL;
+    gw_swarm_report_failure(sw, &r->lease, msg);
+    gw_swarm_release(sw, &r->lease);
+}
+
+/* Opens a session on the leased path (swarm) into r->s and, when n_replay > 0, replays
+ * hist[0..n_replay) as one prefill step without output, so that every hop's cache holds
+ * those positions from 0. On failure r->s may be left open (gw_run_drop_path closes it). */
+static int gw_run_open_path(gw_run *r, int n_replay) {
+    char id[128];
+    snprintf(id, sizeof id, "%s.%d", r->sid, r->failovers);
+    int rc = chain_session_open(r->j->e->chain, r->lease.hops, r->lease.n_hops, id, r->max_length, &r->s);
+    if (rc || n_replay == 0) return rc;
+    chain_spec none = {0};
+    const chain_result *res = NULL;
+    return chain_session_step(r->s, r->hist, n_replay, -1, &none, &res);
+}
+
+/* Opens the choice's chain session into r->s. Static chain: one try. Swarm: routes a
+ * path (into r->lease) and opens it with hist[0..n_replay) replayed (gw_run_open_path);
+ * a dead hop is retired and another path tried, each retry counting in r->failovers (at
+ * most GW_MAX_FAILOVERS). On failure r->err is a 503 and nothing is held. */
+static int gw_run_open_session(gw_run *r, int n_replay) {
+    gw_engine *e = r->j->e;
     if (!e->swarm) {
-        int rc = chain_session_open(e->chain, e->hops, e->n_hops, sid, max_length, out);
-        if (rc) gw_chain_error(err, rc);
+        int rc = chain_session_open(e->chain, e->hops, e->n_hops, r->sid, r->max_length, &r->s);
+        if (rc) gw_chain_error(&r->err, rc);
         return rc;
     }
     for (;;) {
-        int rc = gw_swarm_route(e->swarm, request_len, lease, err);
+        int rc = gw_swarm_route(e->swarm, r->request_len, &r->lease, &r->err);
         if (rc) return rc;
-        char id[128];
-        snprintf(id, sizeof id, "%s.%d", sid, *failovers);
-        chain_session *s = NULL;
-        rc = chain_session_open(e->chain, lease->hops, lease->n_hops, id, max_length, &s);
-        if (!rc && n_replay > 0) {
-            chain_spec none = {0};
-            const chain_result *r = NULL;
-            rc = chain_session_step(s, hist, n_replay, -1, &none, &r);
-        }
-        if (!rc) {
-            *out = s;
-            return FU_OK;
-        }
+        rc = gw_run_open_path(r, n_replay);
+        if (!rc) return FU_OK;
         char msg[512];
         snprintf(msg, sizeof msg, "%s", fu_last_error());
-        chain_session_close(s);
-        FU_LOG(FU_LOG_LEVEL_WARN, sid, "opening a session on a routed chain failed: %s", msg);
-        gw_swarm_report_failure(e->swarm, lease, msg);
-        gw_swarm_release(e->swarm, lease);
-        if (!gw_retryable(rc) || ++*failovers > GW_MAX_FAILOVERS) {
+        FU_LOG(FU_LOG_LEVEL_WARN, r->sid, "opening a session on a routed chain failed: %s", msg);
+        gw_run_drop_path(r, msg);
+        if (!gw_retryable(rc) || ++r->failovers > GW_MAX_FAILOVERS) {
             fu_errorf(rc, "%s", msg);
-            gw_chain_error(err, rc);
+            gw_chain_error(&r->err, rc);
             return rc;
         }
     }
 }
 
-/* Streaming chat with tools: the text goes through the choice's tool stream; content
- * and tool_calls deltas go out as chunks, and the finish says "tool_calls" when
- * the model called any. */
-static void gw_choice_output_tools(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
-                                   const char *finish) {
-    fu_buf content = {0};
-    json_t *deltas = json_array();
-    int rc = deltas ? gw_tool_stream_feed(&c->tools, text ? text : "", len, &content, deltas) : FU_ERR_NOMEM;
-    if (!rc && finish) rc = gw_tool_stream_flush(&c->tools, &content, deltas);
-    if (rc) FU_LOG(FU_LOG_LEVEL_WARN, j->id, "tool call parsing: out of memory");
-    if (content.len || lp_chunk) {
-        json_t *d = json_object();
-        json_object_set_new(d, "content", gw_json_string_lossy(content.data ? content.data : "", content.len));
-        gw_job_emit(j, gw_chunk(j, c->index, d, lp_chunk, NULL));
+/* Runs the step's input hist[n_hist - n_in, n_hist) through the chain into *res. In a
+ * swarm a retryable failure fails over: the dead path is dropped, a new one opened with
+ * the history before the input replayed, and the step retried with the same spec (same
+ * seed), at most GW_MAX_FAILOVERS times per choice. On failure r->err is a 503. */
+static int gw_run_chain_step(gw_run *r, const chain_result **res) {
+    gw_job *j = r->j;
+    const int32_t *in = r->hist + r->n_hist - r->n_in;
+    for (;;) {
+        int rc = chain_session_step(r->s, in, r->n_in, -1, &r->spec, res);
+        if (!rc) return FU_OK;
+        if (!j->e->swarm || !gw_retryable(rc) || r->failovers >= GW_MAX_FAILOVERS || atomic_load(&j->cancelled)) {
+            gw_chain_error(&r->err, rc);
+            FU_LOG(FU_LOG_LEVEL_WARN, r->sid, "step failed: %s", r->err.message);
+            return rc;
+        }
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", fu_last_error());
+        r->failovers++;
+        FU_LOG(FU_LOG_LEVEL_WARN, r->sid, "step failed (%s), failing over (%d of %d)", msg, r->failovers,
+               GW_MAX_FAILOVERS);
+        gw_run_drop_path(r, msg);
+        rc = gw_run_open_session(r, r->n_hist - r->n_in);
+        if (rc) return rc;
     }
-    size_t i;
-    json_t *delta;
-    json_array_foreach(deltas, i, delta) {
-        gw_job_emit(j, gw_chunk(j, c->index, json_pack("{s:[O]}", "tool_calls", delta), NULL, NULL));
-    }
-    if (finish)
-        gw_job_emit(j, gw_chunk(j, c->index, json_object(), NULL, c->tools.n_calls ? "tool_calls" : finish));
-    json_decref(deltas);
-    fu_buf_free(&content);
 }
 
-/* Emits text (and streamed logprobs) for a choice: streaming sends a chunk, otherwise it accumulates. */
-static void gw_choice_output(gw_job *j, gw_choice *c, const char *text, size_t len, json_t *lp_chunk,
-                             const char *finish) {
-    if (!j->req.stream) {
-        fu_buf_append(&c->text, text, len);
-        json_decref(lp_chunk);
-        return;
-    }
-    if (j->tools_on) {
-        gw_choice_output_tools(j, c, text, len, lp_chunk, finish);
-        return;
-    }
-    if (!len && !lp_chunk && !finish) return;
-    json_t *t = gw_json_string_lossy(text ? text : "", len);
-    json_t *payload = t;
-    if (j->req.kind == GW_KIND_CHAT) {
-        payload = json_object();
-        if (len || !finish) json_object_set_new(payload, "content", t);
-        else json_decref(t);
-    }
-    gw_job_emit(j, gw_chunk(j, c->index, payload, lp_chunk, finish));
-}
-
-/* Computes echoed prompt-token logprobs (completions, echo + logprobs) from all-position logits. */
-static void gw_echo_logprobs(gw_job *j, gw_choice *c, const int32_t *prompt, size_t n, const chain_result *r,
-                             json_t *lp) {
-    int k = j->req.top_logprobs;
-    int32_t ids[64];
-    float lps[64];
-    size_t off = 0;
-    for (size_t i = 0; i < n; i++) {
-        bool has = i > 0 && r->logits && (int)i <= r->n_out;
-        float l = 0;
-        if (has) l = smp_top_logprobs(r->logits + (i - 1) * (size_t)r->vocab, r->vocab, prompt[i], k, ids, lps);
-        gw_cmpl_lp_add(j, lp, prompt[i], has, l, ids, lps, k, off);
-        const char *b;
-        size_t len;
-        if (!tok_token_piece(j->e->model->tok, prompt[i], &b, &len)) off += len;
-    }
-    c->text_off = off;
-}
-
-static void gw_run_choice(gw_job *j, int ci) {
-    gw_engine *e = j->e;
-    const gw_model *m = e->model;
-    gw_choice *c = &j->choices[ci];
-    gw_error err = {0};
-    chain_session *s = NULL;
-    gw_lease lease = {0};
-    int32_t *hist = NULL; /* prompt + generated tokens: replayed on failover */
-    int n_hist = 0, failovers = 0;
-    tok_decoder *dec = NULL;
-    gw_stop stop = {0};
-    fu_buf piece = {0};
-    json_t *lp_chunk = NULL;
-    bool stream = j->req.stream, chat = j->req.kind == GW_KIND_CHAT;
-
-    if (atomic_load(&j->cancelled) || !gw_job_prepare(j)) goto done;
-    const int32_t *prompt = j->pids[c->prompt];
-    const size_t n_prompt = j->pn[c->prompt];
-    if (j->max_tokens == 0 && !j->req.echo) {
-        c->finish = "length";
-        goto done;
-    }
-    char sid[96];
-    snprintf(sid, sizeof sid, "%s-%d", j->id, ci);
-    const int max_length = (int)n_prompt + j->max_tokens + 1, request_len = (int)n_prompt + j->max_tokens;
-    hist = malloc((size_t)max_length * sizeof *hist);
-    if (!hist) {
-        gw_error_set(&err, 500, NULL, NULL, "out of memory");
-        goto done;
-    }
-    memcpy(hist, prompt, n_prompt * sizeof *hist);
-    n_hist = (int)n_prompt;
-    int rc = gw_choice_open(e, sid, max_length, request_len, hist, 0, &lease, &s, &failovers, &err);
-    if (rc) {
-        FU_LOG(FU_LOG_LEVEL_WARN, sid, "session open failed: %s", err.message);
-        gw_job_report_error(j, &err);
-        err.http = 0;
-        goto done;
-    }
-    gw_metrics_sessions(e->metrics, 1);
+/* Enters the streaming phase of a streaming job still pending (job unlocked). Returns
+ * false when the job has already failed (another choice's error). */
+static bool gw_job_start_stream(gw_job *j) {
     pthread_mutex_lock(&j->mu);
     bool failed = j->phase == GW_JOB_FAILED;
-    if (stream && j->phase == GW_JOB_PENDING) {
+    if (j->req.stream && j->phase == GW_JOB_PENDING) {
         j->phase = GW_JOB_STREAMING;
         gw_job_wake_locked(j);
     }
     pthread_mutex_unlock(&j->mu);
-    if (failed) goto done;
-    if ((rc = tok_decoder_init(m->tok, true, &dec)) || (rc = gw_stop_init(&stop, j->req.stop, j->req.n_stop))) {
-        gw_error_set(&err, 500, NULL, NULL, "decoder: %s", fu_last_error());
-        goto done;
-    }
-    if (j->req.logprobs && !stream) c->lp = chat ? json_array() : gw_cmpl_lp_new();
-    if (stream && chat) {
-        json_t *d = json_pack("{s:s, s:s}", "role", "assistant", "content", "");
-        gw_job_emit(j, gw_chunk(j, c->index, d, NULL, NULL));
-    }
+    return !failed;
+}
 
-    /* echo: the prompt comes first */
-    bool echo_lp = !chat && j->req.echo && j->req.logprobs;
-    if (!chat && j->req.echo) {
-        const gw_prompt *p = &j->req.prompts[c->prompt];
-        char *txt = NULL;
-        size_t tl = 0;
-        if (p->text) {
-            txt = p->text;
-            tl = p->text_len;
-        } else if (tok_decode(m->tok, prompt, n_prompt, false, &txt, &tl)) {
-            txt = NULL;
-        }
-        if (!echo_lp) gw_choice_output(j, c, txt ? txt : "", tl, NULL, NULL);
-        else fu_buf_append(&c->text, txt ? txt : "", tl); /* the logprobs follow the prefill */
-        c->text_off = tl;
-        if (txt != p->text) free(txt);
-    }
-    if (j->max_tokens == 0) { /* echo only */
-        if (echo_lp) {
-            if (stream) {
-                gw_choice_output(j, c, c->text.data, c->text.len, NULL, NULL);
-                fu_buf_free(&c->text);
-            }
-        }
-        c->finish = "length";
-        goto done;
-    }
+/* Emits the text released for the current token (r->piece) with the pending logprobs,
+ * when there is either, and empties both. */
+static int gw_run_emit_piece(gw_run *r) {
+    if (!r->piece.len && !r->lp_chunk) return FU_OK;
+    int rc = gw_choice_output(r->j, r->c, r->piece.data, r->piece.len, r->lp_chunk, NULL);
+    r->lp_chunk = NULL;
+    r->piece.len = 0;
+    return rc ? gw_run_fail(r, rc, "out of memory") : FU_OK;
+}
 
-    chain_spec spec = {.sample = true, .sampling = j->req.sampling, .penalty_start = (int64_t)n_prompt,
-                       .top_logprobs = j->req.logprobs ? j->req.top_logprobs : 0};
-    const int32_t *in = hist;
-    int n_in = (int)n_prompt;
-    int32_t last = 0;
-    double t_prev = 0;
-    c->finish = "length";
-    for (int step = 0; step < j->max_tokens; step++) {
-        if (atomic_load(&j->cancelled)) {
-            c->finish = NULL;
-            break;
+/* Echo + logprobs: the prompt's text held in c->text goes out with its logprobs lp
+ * (stolen; NULL: none): streaming as one chunk, otherwise lp becomes the choice's
+ * logprobs and the text stays for the body. */
+static int gw_run_release_echo(gw_run *r, json_t *lp) {
+    gw_choice *c = r->c;
+    if (!r->j->req.stream) {
+        if (lp) {
+            json_decref(c->lp);
+            c->lp = lp;
         }
-        int64_t pos = (int64_t)n_prompt + step; /* the position whose token is sampled */
-        spec.want_logits = echo_lp && step == 0;
-        spec.all_positions = spec.want_logits;
-        uint64_t seed = gw_step_seed(j->seed, ci, pos);
-        /* with all positions the last shard adds the row index to the seed */
-        spec.sampling.seed = spec.all_positions ? seed - (uint64_t)(n_in - 1) : seed;
-        const chain_result *r = NULL;
-        while ((rc = chain_session_step(s, in, n_in, -1, &spec, &r)) && e->swarm && gw_retryable(rc) &&
-               failovers < GW_MAX_FAILOVERS && !atomic_load(&j->cancelled)) {
-            /* failover: retire the dead hop, reopen on a new path, replay the history
-             * before this step's input, then retry the step (same seed) */
-            char msg[512];
-            snprintf(msg, sizeof msg, "%s", fu_last_error());
-            failovers++;
-            FU_LOG(FU_LOG_LEVEL_WARN, sid, "step failed (%s), failing over (%d of %d)", msg, failovers,
-                   GW_MAX_FAILOVERS);
-            chain_session_close(s);
-            s = NULL;
-            gw_swarm_report_failure(e->swarm, &lease, msg);
-            gw_swarm_release(e->swarm, &lease);
-            if ((rc = gw_choice_open(e, sid, max_length, request_len, hist, n_hist - n_in, &lease, &s, &failovers,
-                                     &err)))
-                break;
-        }
-        if (rc && !s) {
-            gw_metrics_sessions(e->metrics, -1); /* counted when first opened */
-            c->finish = NULL;
-            break;
-        }
-        if (rc) {
-            gw_chain_error(&err, rc);
-            FU_LOG(FU_LOG_LEVEL_WARN, sid, "step failed: %s", err.message);
-            c->finish = NULL;
-            break;
-        }
-        double t = fu_now_s();
-        if (step == 0) gw_metrics_ttft(e->metrics, t - j->t_arrival);
-        else gw_metrics_itl(e->metrics, t - t_prev);
-        t_prev = t;
-        int o = r->n_out - 1;
-        last = r->tokens[o];
-        c->n_gen++;
-        if (echo_lp && step == 0) {
-            json_t *lp = gw_cmpl_lp_new();
-            gw_echo_logprobs(j, c, prompt, n_prompt, r, lp);
-            if (stream) {
-                gw_choice_output(j, c, c->text.data, c->text.len, lp, NULL);
-                fu_buf_free(&c->text);
-            } else {
-                json_decref(c->lp);
-                c->lp = lp;
-            }
-        }
-        bool eog = !j->req.ignore_eos && tok_is_eog(m->tok, last);
-        /* logprobs of this token */
-        if (j->req.logprobs) {
-            const int32_t *ti = r->top_ids ? r->top_ids + (size_t)o * r->top_k : NULL;
-            const float *tl = r->top_logprobs ? r->top_logprobs + (size_t)o * r->top_k : NULL;
-            int k = ti ? r->top_k : 0;
-            json_t *target = stream ? NULL : c->lp;
-            if (chat) {
-                json_t *entry = gw_chat_lp_entry(j, last, r->logprobs[o], ti, tl, k);
-                if (target) json_array_append_new(target, entry);
-                else {
-                    if (!lp_chunk) lp_chunk = json_pack("{s:[]}", "content");
-                    json_array_append_new(json_object_get(lp_chunk, "content"), entry);
-                }
-            } else {
-                if (!target && !lp_chunk) lp_chunk = gw_cmpl_lp_new();
-                gw_cmpl_lp_add(j, target ? target : lp_chunk, last, true, r->logprobs[o], ti, tl, k, c->text_off);
-            }
-        }
-        if (eog) {
-            c->finish = "stop";
-            break;
-        }
+        return FU_OK;
+    }
+    int rc = gw_choice_output(r->j, c, c->text.data, c->text.len, lp, NULL);
+    fu_buf_free(&c->text);
+    return rc ? gw_run_fail(r, rc, "out of memory") : FU_OK;
+}
+
+/* Echo + logprobs, on the first step: the prompt tokens' logprobs from its all-position
+ * logits (the first token has none) go out with the prompt's text; c->text_off moves
+ * past the prompt. */
+static int gw_run_prompt_logprobs(gw_run *r, const chain_result *res) {
+    const gw_job *j = r->j;
+    int k = j->req.top_logprobs;
+    int32_t ids[64];
+    float lps[64];
+    size_t off = 0;
+    json_t *lp = gw_cmpl_lp_new();
+    int rc = lp ? FU_OK : fu_errorf(FU_ERR_NOMEM, "logprobs");
+    for (size_t i = 0; !rc && i < r->n_prompt; i++) {
+        bool has = i > 0 && res->logits && (int)i <= res->n_out;
+        float l = 0;
+        if (has) l = smp_top_logprobs(res->logits + (i - 1) * (size_t)res->vocab, res->vocab, r->prompt[i], k, ids, lps);
+        rc = gw_cmpl_lp_add(j, lp, r->prompt[i], has, l, ids, lps, k, off);
+        const char *b;
+        size_t len;
+        if (!tok_token_piece(j->e->model->tok, r->prompt[i], &b, &len)) off += len;
+    }
+    if (rc) {
+        json_decref(lp);
+        return gw_run_fail(r, rc, "out of memory");
+    }
+    r->c->text_off = off;
+    return gw_run_release_echo(r, lp);
+}
+
+/* Where the logprobs of a sampled token go: the choice's own (non-streaming), else the
+ * pending chunk's, made on first use: its "content" array (chat) or the object itself
+ * (completions). NULL on allocation failure. */
+static json_t *gw_run_lp_dest(gw_run *r) {
+    bool chat = r->j->req.kind == GW_KIND_CHAT;
+    if (!r->j->req.stream) return r->c->lp;
+    if (!r->lp_chunk) r->lp_chunk = chat ? json_pack("{s:[]}", "content") : gw_cmpl_lp_new();
+    return chat ? json_object_get(r->lp_chunk, "content") : r->lp_chunk;
+}
+
+/* Adds the logprobs of the token sampled in row o of res (with its alternatives). */
+static int gw_run_token_logprobs(gw_run *r, const chain_result *res, int o) {
+    const gw_job *j = r->j;
+    const int32_t *ti = res->top_ids ? res->top_ids + (size_t)o * res->top_k : NULL;
+    const float *tl = res->top_logprobs ? res->top_logprobs + (size_t)o * res->top_k : NULL;
+    int k = ti ? res->top_k : 0;
+    int32_t tok = res->tokens[o];
+    json_t *dest = gw_run_lp_dest(r);
+    int rc = dest ? FU_OK : fu_errorf(FU_ERR_NOMEM, "logprobs");
+    if (!rc && j->req.kind == GW_KIND_CHAT) {
+        if (json_array_append_new(dest, gw_chat_lp_entry(j, tok, res->logprobs[o], ti, tl, k)))
+            rc = fu_errorf(FU_ERR_NOMEM, "logprobs");
+    } else if (!rc) {
+        rc = gw_cmpl_lp_add(j, dest, tok, true, res->logprobs[o], ti, tl, k, r->c->text_off);
+    }
+    return rc ? gw_run_fail(r, rc, "out of memory") : FU_OK;
+}
+
+/* Decodes a sampled token and emits what the stop strings release, with the pending
+ * logprobs; a stop string ends the choice with "stop". */
+static int gw_run_emit_token(gw_run *r, int32_t tok) {
+    const char *txt;
+    size_t tl;
+    int rc = tok_decoder_push(r->dec, tok, &txt, &tl);
+    if (rc) return gw_run_fail(r, rc, "decoder");
+    r->c->text_off += tl;
+    r->piece.len = 0;
+    rc = gw_stop_feed(&r->stop, txt, tl, &r->piece);
+    if (rc) return gw_run_fail(r, rc, "out of memory");
+    rc = gw_run_emit_piece(r);
+    if (rc || !r->stop.matched) return rc;
+    return gw_run_end(r, "stop");
+}
+
+/* Step latency: the time to the first token from the request's arrival, then between tokens. */
+static void gw_run_step_metrics(gw_run *r) {
+    double t = fu_now_s();
+    if (r->step == 0) gw_metrics_ttft(r->j->e->metrics, t - r->j->t_arrival);
+    else gw_metrics_itl(r->j->e->metrics, t - r->t_prev);
+    r->t_prev = t;
+}
+
+/* Stage 1: prepares the job (the first of its workers does) and the choice: its prompt,
+ * session id, history and step spec. Ends the choice quietly when the job is cancelled
+ * or failed to prepare (that failed the job), with "length" when there is nothing to
+ * generate or echo. */
+static int gw_run_prepare(gw_run *r) {
+    gw_job *j = r->j;
+    if (atomic_load(&j->cancelled) || !gw_job_prepare(j)) return gw_run_end(r, NULL);
+    r->prompt = j->pids[r->c->prompt];
+    r->n_prompt = j->pn[r->c->prompt];
+    if (j->max_tokens == 0 && !j->req.echo) return gw_run_end(r, "length");
+    snprintf(r->sid, sizeof r->sid, "%s-%d", j->id, r->ci);
+    r->request_len = (int)r->n_prompt + j->max_tokens;
+    r->max_length = r->request_len + 1;
+    r->hist = malloc((size_t)r->max_length * sizeof *r->hist);
+    if (!r->hist) return gw_run_fail(r, fu_errorf(FU_ERR_NOMEM, "token history"), "out of memory");
+    memcpy(r->hist, r->prompt, r->n_prompt * sizeof *r->hist);
+    r->n_hist = r->n_in = (int)r->n_prompt;
+    r->echo_lp = j->req.kind != GW_KIND_CHAT && j->req.echo && j->req.logprobs;
+    r->spec = (chain_spec){.sample = true, .sampling = j->req.sampling, .penalty_start = (int64_t)r->n_prompt,
+                           .top_logprobs = j->req.logprobs ? j->req.top_logprobs : 0};
+    return FU_OK;
+}
+
+/* Stage 2: opens the chain session (counted in the metrics), moves a streaming job to its
+ * streaming phase (ending quietly when another choice has failed the job), makes the
+ * decoder, the stop matcher and the logprobs holder, and starts a streaming chat with
+ * the role chunk. */
+static int gw_run_open(gw_run *r) {
+    gw_job *j = r->j;
+    int rc = gw_run_open_session(r, 0);
+    if (rc) {
+        FU_LOG(FU_LOG_LEVEL_WARN, r->sid, "session open failed: %s", r->err.message);
+        return rc;
+    }
+    r->counted = true;
+    gw_metrics_sessions(j->e->metrics, 1);
+    if (!gw_job_start_stream(j)) return gw_run_end(r, NULL);
+    rc = tok_decoder_init(j->e->model->tok, true, &r->dec);
+    if (!rc) rc = gw_stop_init(&r->stop, j->req.stop, j->req.n_stop);
+    if (rc) return gw_run_fail(r, rc, "decoder");
+    bool chat = j->req.kind == GW_KIND_CHAT;
+    if (j->req.logprobs && !j->req.stream) {
+        r->c->lp = chat ? json_array() : gw_cmpl_lp_new();
+        if (!r->c->lp) return gw_run_fail(r, fu_errorf(FU_ERR_NOMEM, "logprobs"), "out of memory");
+    }
+    if (!j->req.stream || !chat) return FU_OK;
+    json_t *d = json_pack("{s:s, s:s}", "role", "assistant", "content", "");
+    rc = gw_job_emit(j, gw_chunk(j, r->c->index, d, NULL, NULL));
+    return rc ? gw_run_fail(r, rc, "out of memory") : FU_OK;
+}
+
+/* Stage 3, completions with echo: the prompt's text goes first; with logprobs it waits
+ * in c->text for the prompt's logprobs from the first step. With max_tokens 0 the choice
+ * ends here with "length" (streaming: without a finish chunk). */
+static int gw_run_echo(gw_run *r) {
+    gw_job *j = r->j;
+    gw_choice *c = r->c;
+    if (j->req.kind == GW_KIND_CHAT || !j->req.echo) return FU_OK;
+    const gw_prompt *p = &j->req.prompts[c->prompt];
+    char *txt = p->text;
+    size_t tl = p->text_len;
+    int rc = txt ? FU_OK : tok_decode(j->e->model->tok, r->prompt, r->n_prompt, false, &txt, &tl);
+    if (rc) return gw_run_fail(r, rc, "decoder");
+    rc = r->echo_lp ? fu_buf_append(&c->text, txt, tl) : gw_choice_output(j, c, txt, tl, NULL, NULL);
+    c->text_off = tl;
+    if (txt != p->text) free(txt);
+    if (rc) return gw_run_fail(r, rc, "out of memory");
+    if (j->max_tokens > 0) return FU_OK;
+    rc = r->echo_lp ? gw_run_release_echo(r, NULL) : FU_OK;
+    return rc ? rc : gw_run_end(r, "length");
+}
+
+/* Stage 4, once per token: runs the step through the chain, then takes the sampled
+ * token: latency metrics, the prompt's logprobs (first step of echo + logprobs), the
+ * token's logprobs, then the end of generation ("stop") or the token's text. Ends
+ * quietly when the job is cancelled. */
+static int gw_run_step(gw_run *r) {
+    gw_job *j = r->j;
+    if (atomic_load(&j->cancelled)) return gw_run_end(r, NULL);
+    bool prompt_lp = r->echo_lp && r->step == 0;
+    r->spec.want_logits = r->spec.all_positions = prompt_lp;
+    /* the seed of the step's last position, the one whose token is sampled (fusion.proto) */
+    r->spec.sampling.seed = gw_step_seed(j->seed, r->ci, (int64_t)r->n_prompt + r->step);
+    const chain_result *res = NULL;
+    int rc = gw_run_chain_step(r, &res);
+    if (rc) return rc;
+    gw_run_step_metrics(r);
+    int o = res->n_out - 1;
+    int32_t tok = res->tokens[o];
+    r->c->n_gen++;
+    r->step++;
+    r->hist[r->n_hist++] = tok;
+    r->n_in = 1;
+    if (prompt_lp) rc = gw_run_prompt_logprobs(r, res);
+    if (!rc && j->req.logprobs) rc = gw_run_token_logprobs(r, res, o);
+    if (rc) return rc;
+    if (!j->req.ignore_eos && tok_is_eog(j->e->model->tok, tok)) return gw_run_end(r, "stop");
+    return gw_run_emit_token(r, tok);
+}
+
+/* Stage 5, a finished choice: the decoder's and the stop matcher's held-back text goes
+ * out (unless a stop string matched), then, streaming, the chunk with the finish reason. */
+static int gw_run_finish(gw_run *r) {
+    r->piece.len = 0;
+    if (!r->stop.matched) {
         const char *txt;
         size_t tl;
-        if ((rc = tok_decoder_push(dec, last, &txt, &tl))) {
-            gw_error_set(&err, 500, NULL, NULL, "decoder: %s", fu_last_error());
-            c->finish = NULL;
-            break;
-        }
-        c->text_off += tl;
-        piece.len = 0;
-        gw_stop_feed(&stop, txt, tl, &piece);
-        if (stop.matched) {
-            if (piece.len || lp_chunk) gw_choice_output(j, c, piece.data, piece.len, lp_chunk, NULL);
-            lp_chunk = NULL;
-            c->finish = "stop";
-            break;
-        }
-        if (piece.len || lp_chunk) {
-            gw_choice_output(j, c, piece.data, piece.len, lp_chunk, NULL);
-            lp_chunk = NULL;
-        }
-        piece.len = 0;
-        hist[n_hist++] = last;
-        in = &hist[n_hist - 1];
-        n_in = 1;
+        int rc = tok_decoder_flush(r->dec, &txt, &tl);
+        if (rc) return gw_run_fail(r, rc, "decoder");
+        if (tl) rc = gw_stop_feed(&r->stop, txt, tl, &r->piece);
+        if (!rc) rc = gw_stop_flush(&r->stop, &r->piece);
+        if (rc) return gw_run_fail(r, rc, "out of memory");
     }
-    /* the end: held-back bytes and text, then the finish */
-    piece.len = 0;
-    if (c->finish) {
-        if (!stop.matched) {
-            const char *txt;
-            size_t tl;
-            if (!tok_decoder_flush(dec, &txt, &tl) && tl) gw_stop_feed(&stop, txt, tl, &piece);
-            gw_stop_flush(&stop, &piece);
-        }
-        if (!stream) {
-            gw_choice_output(j, c, piece.data, piece.len, NULL, NULL);
-        } else {
-            if (piece.len || lp_chunk) gw_choice_output(j, c, piece.data, piece.len, lp_chunk, NULL);
-            lp_chunk = NULL;
-            gw_choice_output(j, c, NULL, 0, NULL, c->finish);
-        }
-        piece.len = 0;
-    } else if (err.http) {
-        gw_job_report_error(j, &err);
-        err.http = 0;
+    int rc = gw_run_emit_piece(r);
+    if (rc || !r->j->req.stream) return rc;
+    rc = gw_choice_output(r->j, r->c, NULL, 0, NULL, r->c->finish);
+    return rc ? gw_run_fail(r, rc, "out of memory") : FU_OK;
+}
+
+/* Stages 4 and 5: steps until max_tokens ("length"), the end of generation or a stop
+ * string ("stop"), a cancel or a failure; a finished choice then finishes. */
+static int gw_run_generate(gw_run *r) {
+    r->c->finish = "length";
+    int rc = FU_OK;
+    while (!rc && r->live && r->step < r->j->max_tokens) rc = gw_run_step(r);
+    if (rc || !r->c->finish) return rc;
+    return gw_run_finish(r);
+}
+
+/* The last stage, always: a failure (rc) becomes an error of the job (before any
+ * response it fails the job, in a stream it is an error event); the session, the lease
+ * and the buffers are released and the choice is counted done. */
+static void gw_run_close(gw_run *r, int rc) {
+    gw_job *j = r->j;
+    if (rc) {
+        if (!r->err.http) gw_error_set(&r->err, 500, NULL, NULL, "generation failed: %s", fu_status_str(rc));
+        r->c->finish = NULL;
+        gw_job_report_error(j, &r->err);
     }
-done:
-    json_decref(lp_chunk);
-    fu_buf_free(&piece);
-    gw_stop_free(&stop);
-    tok_decoder_free(dec);
-    if (s) {
-        chain_session_close(s);
-        gw_metrics_sessions(e->metrics, -1);
-    }
-    if (e->swarm) gw_swarm_release(e->swarm, &lease);
-    free(hist);
-    gw_choice_done(j, c, &err);
+    json_decref(r->lp_chunk);
+    fu_buf_free(&r->piece);
+    gw_stop_free(&r->stop);
+    tok_decoder_free(r->dec);
+    chain_session_close(r->s);
+    if (r->counted) gw_metrics_sessions(j->e->metrics, -1);
+    if (j->e->swarm) gw_swarm_release(j->e->swarm, &r->lease);
+    free(r->hist);
+    gw_choice_done(j, r->c);
+}
+
+/* Runs choice ci of job j on the calling worker thread, from preparation to done. */
+static void gw_run_choice(gw_job *j, int ci) {
+    gw_run r = {.j = j, .c = &j->choices[ci], .ci = ci, .live = true};
+    int rc = gw_run_prepare(&r);
+    if (!rc && r.live) rc = gw_run_open(&r);
+    if (!rc && r.live) rc = gw_run_echo(&r);
+    if (!rc && r.live) rc = gw_run_generate(&r);
+    gw_run_close(&r, rc);
 }
 
 /* ---- the worker pool ---------------------------------------------------------------------------------- */

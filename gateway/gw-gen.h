@@ -7,6 +7,14 @@
  * check). Results flow back under the job's mutex: SSE bytes for streaming
  * jobs, one JSON body for the others; the HTTP side registers a wake callback
  * that is called (with the job locked) whenever there is something new.
+ *
+ * Threading: the engine's queue and each job's response state have their own
+ * mutexes. gw_job_submit, gw_job_cancel and gw_job_release may be called from
+ * any thread; the accessors after gw_job_lock() need the job locked. A
+ * choice's running state belongs to the worker thread that runs it.
+ * Ownership: the engine borrows its config, model and metrics. A job owns its
+ * request, its prompt tokens and its output; it is reference-counted (the
+ * creator's reference plus one per queued choice) and freed with the last.
  */
 #ifndef FU_GW_GEN_H
 #define FU_GW_GEN_H
@@ -46,6 +54,7 @@ int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metri
 /* Waits for queued and running choices (cancel their jobs first for a quick exit),
  * joins the workers and frees the engine. NULL is a no-op. */
 void gw_engine_free(gw_engine *e);
+/* Choices queued and not yet taken by a worker (thread-safe). */
 int gw_engine_queue_depth(gw_engine *e);
 /* The /v1/swarm document (new reference): the routed swarm's servers and flow,
  * or the static chain's hops. NULL on allocation failure. */
@@ -69,18 +78,22 @@ void gw_job_cancel(gw_job *j);
 
 typedef void (*gw_wake_fn)(void *arg);
 
+/* Lock / unlock the job's response state (not recursive). */
 void gw_job_lock(gw_job *j);
 void gw_job_unlock(gw_job *j);
 /* The following require the job's lock. */
-void gw_job_set_wake(gw_job *j, gw_wake_fn fn, void *arg); /* fn NULL: detach */
-gw_job_phase gw_job_phase_get(const gw_job *j);
-bool gw_job_is_stream(const gw_job *j);
+/* Registers fn(arg), called with the job locked whenever the phase changes or
+ * output is added; fn NULL detaches (before the caller lets go of arg). */
+void gw_job_set_wake(gw_job *j, gw_wake_fn fn, void *arg);
+gw_job_phase gw_job_phase_get(const gw_job *j); /* the response's phase */
+bool gw_job_is_stream(const gw_job *j);         /* the request asked for a stream */
 const gw_error *gw_job_error(const gw_job *j); /* with GW_JOB_FAILED */
 const char *gw_job_body(const gw_job *j);      /* with GW_JOB_DONE: the JSON body */
 /* Streaming: copies up to max pending SSE bytes into buf and returns how many. */
 size_t gw_job_take(gw_job *j, char *buf, size_t max);
 /* Streaming: every byte has been produced (and, once taken, sent). */
 bool gw_job_finished(const gw_job *j);
+/* gw_job_cancel() was called, or a choice failed before any response. */
 bool gw_job_cancelled(const gw_job *j);
 
 #endif

@@ -15,7 +15,7 @@ void gw_limits_default(gw_limits *l) {
     l->max_prompts = 64;
     l->max_stop = 16;
     l->max_stop_bytes = 256;
-    l->max_logit_bias = 300;
+    l->max_logit_bias = SMP_MAX_LOGIT_BIAS;
     l->max_top_logprobs = 20;
     l->max_messages = 4096;
 }
@@ -339,10 +339,112 @@ static int parse_bias(const json_t *body, const gw_limits *lim, int vocab, gw_re
     return 0;
 }
 
-#define TRY(x)                        \
-    do {                              \
-        if ((x) < 0) goto fail;       \
-    } while (0)
+/* A number in [lo, hi] stored as a float: 0 absent, 1 set, -1 after filling *err. */
+static int get_float(const json_t *body, const char *key, double lo, double hi, float *out, gw_error *err) {
+    double x;
+    int got = get_number(body, key, lo, hi, &x, err);
+    if (got > 0) *out = (float)x;
+    return got;
+}
+
+/* max_tokens (or max_completion_tokens, which wins): at least 1 for chat, 0 for
+ * completions (echo only). Returns 0 or -1 after filling *err. */
+static int parse_max_tokens(const json_t *body, gw_kind kind, gw_request *r, gw_error *err) {
+    const json_t *mct = json_object_get(body, "max_completion_tokens");
+    const char *key = mct && !json_is_null(mct) ? "max_completion_tokens" : "max_tokens";
+    json_int_t v;
+    int got = get_int(body, key, kind == GW_KIND_COMPLETION ? 0 : 1, INT32_MAX, &v, err);
+    if (got > 0) r->max_tokens = (int)v;
+    return got < 0 ? -1 : 0;
+}
+
+/* The sampling knobs (temperature, top_p, top_k, min_p, the penalties) and the seed,
+ * checked in that order. Returns 0 or -1 after filling *err. */
+static int parse_sampling(const json_t *body, gw_request *r, gw_error *err) {
+    smp_params *p = &r->sampling;
+    double top_p;
+    json_int_t top_k, seed;
+    if (get_float(body, "temperature", 0, 2, &p->temperature, err) < 0) return -1;
+    int got = get_number(body, "top_p", 0, 1, &top_p, err);
+    if (got < 0) return -1;
+    if (got) p->top_p = top_p <= 0 ? 1e-6f : (float)top_p; /* 0: the most likely token only */
+    got = get_int(body, "top_k", -1, INT32_MAX, &top_k, err);
+    if (got < 0) return -1;
+    if (got) p->top_k = top_k < 0 ? 0 : (int)top_k; /* -1: off, as 0 */
+    if (get_float(body, "min_p", 0, 1, &p->min_p, err) < 0 ||
+        get_float(body, "presence_penalty", -2, 2, &p->presence_penalty, err) < 0 ||
+        get_float(body, "frequency_penalty", -2, 2, &p->frequency_penalty, err) < 0 ||
+        get_float(body, "repetition_penalty", 0.01, 10, &p->repetition_penalty, err) < 0)
+        return -1;
+    got = get_int(body, "seed", INT64_MIN, INT64_MAX, &seed, err);
+    if (got > 0) {
+        r->has_seed = true;
+        r->seed = (uint64_t)seed;
+    }
+    return got < 0 ? -1 : 0;
+}
+
+/* n, bounded by lim->max_n and, times the prompts, by lim->max_choices. Returns 0 or
+ * -1 after filling *err. */
+static int parse_n(const json_t *body, const gw_limits *lim, gw_request *r, gw_error *err) {
+    json_int_t n;
+    int got = get_int(body, "n", 1, lim->max_n, &n, err);
+    if (got < 0) return -1;
+    if (got) r->n = (int)n;
+    int n_prompts = r->kind == GW_KIND_CHAT ? 1 : r->n_prompts;
+    if (r->n * n_prompts > lim->max_choices) {
+        gw_error_set(err, 400, "n", "invalid_value", "n x prompts = %d exceeds the limit of %d choices",
+                     r->n * n_prompts, lim->max_choices);
+        return -1;
+    }
+    return 0;
+}
+
+/* Chat: logprobs (a boolean) and top_logprobs (which needs it). Completions:
+ * logprobs is the number of alternatives, and echo. Returns 0 or -1 after filling *err. */
+static int parse_logprobs(const json_t *body, const gw_limits *lim, gw_request *r, gw_error *err) {
+    json_int_t k;
+    if (r->kind != GW_KIND_CHAT) {
+        int got = get_int(body, "logprobs", 0, lim->max_top_logprobs, &k, err);
+        if (got < 0) return -1;
+        if (got) {
+            r->logprobs = true;
+            r->top_logprobs = (int)k;
+        }
+        return get_bool(body, "echo", &r->echo, err) < 0 ? -1 : 0;
+    }
+    if (get_bool(body, "logprobs", &r->logprobs, err) < 0) return -1;
+    int got = get_int(body, "top_logprobs", 0, lim->max_top_logprobs, &k, err);
+    if (got <= 0) return got;
+    if (!r->logprobs && k > 0) {
+        gw_error_set(err, 400, "top_logprobs", "invalid_value", "'top_logprobs' requires 'logprobs' to be true");
+        return -1;
+    }
+    r->top_logprobs = (int)k;
+    return 0;
+}
+
+/* stream, and stream_options (only with it): include_usage. Returns 0 or -1 after
+ * filling *err. */
+static int parse_stream(const json_t *body, gw_request *r, gw_error *err) {
+    if (get_bool(body, "stream", &r->stream, err) < 0) return -1;
+    const json_t *so = json_object_get(body, "stream_options");
+    if (!so || json_is_null(so)) return 0;
+    if (!json_is_object(so)) {
+        gw_error_set(err, 400, "stream_options", "invalid_type", "'stream_options' must be an object");
+        return -1;
+    }
+    if (!r->stream) {
+        gw_error_set(err, 400, "stream_options", "invalid_value",
+                     "'stream_options' is only allowed when 'stream' is true");
+        return -1;
+    }
+    if (get_bool(so, "include_usage", &r->include_usage, err) < 0) {
+        snprintf(err->param, sizeof err->param, "stream_options.include_usage");
+        return -1;
+    }
+    return 0;
+}
 
 int gw_request_parse(const json_t *body, gw_kind kind, const gw_limits *lim, int vocab, gw_request *r,
                      gw_error *err) {
@@ -356,93 +458,18 @@ int gw_request_parse(const json_t *body, gw_kind kind, const gw_limits *lim, int
         gw_error_set(err, 400, NULL, "invalid_type", "the request body must be a JSON object");
         goto fail;
     }
-    TRY(get_string(body, "model", &r->model, err));
-    if (kind == GW_KIND_CHAT) {
-        if (parse_messages(body, lim, r, err)) goto fail;
-    } else if (parse_prompt(body, lim, vocab, r, err)) {
+    if (get_string(body, "model", &r->model, err) < 0) goto fail;
+    if (kind == GW_KIND_CHAT ? parse_messages(body, lim, r, err) : parse_prompt(body, lim, vocab, r, err)) goto fail;
+    if (parse_max_tokens(body, kind, r, err) || parse_sampling(body, r, err) || parse_n(body, lim, r, err) ||
+        parse_stop(body, lim, r, err) || parse_bias(body, lim, vocab, r, err))
         goto fail;
-    }
-
-    json_int_t iv;
-    double dv;
-    const char *mt_key = json_object_get(body, "max_completion_tokens") &&
-                                 !json_is_null(json_object_get(body, "max_completion_tokens"))
-                             ? "max_completion_tokens"
-                             : "max_tokens";
-    int got = get_int(body, mt_key, kind == GW_KIND_COMPLETION ? 0 : 1, INT32_MAX, &iv, err);
-    TRY(got);
-    if (got) r->max_tokens = (int)iv;
-    if ((got = get_number(body, "temperature", 0, 2, &dv, err)) < 0) goto fail;
-    if (got) r->sampling.temperature = (float)dv;
-    if ((got = get_number(body, "top_p", 0, 1, &dv, err)) < 0) goto fail;
-    if (got) r->sampling.top_p = dv <= 0 ? 1e-6f : (float)dv;
-    if ((got = get_int(body, "top_k", -1, INT32_MAX, &iv, err)) < 0) goto fail;
-    if (got) r->sampling.top_k = iv < 0 ? 0 : (int)iv;
-    if ((got = get_number(body, "min_p", 0, 1, &dv, err)) < 0) goto fail;
-    if (got) r->sampling.min_p = (float)dv;
-    if ((got = get_number(body, "presence_penalty", -2, 2, &dv, err)) < 0) goto fail;
-    if (got) r->sampling.presence_penalty = (float)dv;
-    if ((got = get_number(body, "frequency_penalty", -2, 2, &dv, err)) < 0) goto fail;
-    if (got) r->sampling.frequency_penalty = (float)dv;
-    if ((got = get_number(body, "repetition_penalty", 0.01, 10, &dv, err)) < 0) goto fail;
-    if (got) r->sampling.repetition_penalty = (float)dv;
-    if ((got = get_int(body, "seed", INT64_MIN, INT64_MAX, &iv, err)) < 0) goto fail;
-    if (got) {
-        r->has_seed = true;
-        r->seed = (uint64_t)iv;
-    }
-    if ((got = get_int(body, "n", 1, lim->max_n, &iv, err)) < 0) goto fail;
-    if (got) r->n = (int)iv;
-    int n_prompts = kind == GW_KIND_CHAT ? 1 : r->n_prompts;
-    if (r->n * n_prompts > lim->max_choices) {
-        gw_error_set(err, 400, "n", "invalid_value", "n x prompts = %d exceeds the limit of %d choices",
-                     r->n * n_prompts, lim->max_choices);
-        goto fail;
-    }
-    if (parse_stop(body, lim, r, err)) goto fail;
-    if (parse_bias(body, lim, vocab, r, err)) goto fail;
     r->sampling.bias = r->bias;
     r->sampling.n_bias = r->n_bias;
-
-    if (kind == GW_KIND_CHAT) {
-        TRY(get_bool(body, "logprobs", &r->logprobs, err));
-        if ((got = get_int(body, "top_logprobs", 0, lim->max_top_logprobs, &iv, err)) < 0) goto fail;
-        if (got) {
-            if (!r->logprobs && iv > 0) {
-                gw_error_set(err, 400, "top_logprobs", "invalid_value",
-                             "'top_logprobs' requires 'logprobs' to be true");
-                goto fail;
-            }
-            r->top_logprobs = (int)iv;
-        }
-    } else {
-        if ((got = get_int(body, "logprobs", 0, lim->max_top_logprobs, &iv, err)) < 0) goto fail;
-        if (got) {
-            r->logprobs = true;
-            r->top_logprobs = (int)iv;
-        }
-        TRY(get_bool(body, "echo", &r->echo, err));
-    }
-    TRY(get_bool(body, "stream", &r->stream, err));
-    const json_t *so = json_object_get(body, "stream_options");
-    if (so && !json_is_null(so)) {
-        if (!json_is_object(so)) {
-            gw_error_set(err, 400, "stream_options", "invalid_type", "'stream_options' must be an object");
-            goto fail;
-        }
-        if (!r->stream) {
-            gw_error_set(err, 400, "stream_options", "invalid_value",
-                         "'stream_options' is only allowed when 'stream' is true");
-            goto fail;
-        }
-        if (get_bool(so, "include_usage", &r->include_usage, err) < 0) {
-            snprintf(err->param, sizeof err->param, "stream_options.include_usage");
-            goto fail;
-        }
-    }
-    TRY(get_bool(body, "ignore_eos", &r->ignore_eos, err));
-    TRY(get_bool(body, "return_tokens_as_token_ids", &r->tokens_as_ids, err));
-    TRY(get_string(body, "user", &r->user, err));
+    if (parse_logprobs(body, lim, r, err) || parse_stream(body, r, err) ||
+        get_bool(body, "ignore_eos", &r->ignore_eos, err) < 0 ||
+        get_bool(body, "return_tokens_as_token_ids", &r->tokens_as_ids, err) < 0 ||
+        get_string(body, "user", &r->user, err) < 0)
+        goto fail;
     return 0;
 fail:
     if (!err->http) gw_error_set(err, 400, NULL, NULL, "invalid request");

@@ -7,6 +7,11 @@
  *     optionally after <|python_tag|>, several calls separated by ';'.
  * A call whose JSON is malformed (or is not a {"name", "arguments"} object)
  * stays in the content as plain text.
+ *
+ * Threading: no shared state; a gw_tool_stream belongs to one choice and is
+ * used by one thread at a time. Ownership: a stream owns its held text
+ * (gw_tool_stream_free); JSON values returned are new references the caller
+ * owns, and deltas appended to an array are owned by that array.
  */
 #ifndef FU_GW_TOOLS_H
 #define FU_GW_TOOLS_H
@@ -43,7 +48,9 @@ typedef struct gw_tool_stream {
     int n_calls;        /* calls emitted so far */
 } gw_tool_stream;
 
+/* An empty stream for a model writing `format`; call ids derive from id_salt. Allocates nothing. */
 void gw_tool_stream_init(gw_tool_stream *t, gw_tool_format format, uint64_t id_salt);
+/* Frees the held text; safe on a zeroed or already freed stream. */
 void gw_tool_stream_free(gw_tool_stream *t);
 /* Feeds text[0..len) (complete UTF-8). Releasable content is appended to *content;
  * each finished call appends to `deltas` (a JSON array) two OpenAI delta objects:
@@ -53,7 +60,7 @@ void gw_tool_stream_free(gw_tool_stream *t);
 int gw_tool_stream_feed(gw_tool_stream *t, const char *text, size_t len, fu_buf *content, json_t *deltas);
 /* End of the output: an unterminated call is parsed if its JSON is complete,
  * otherwise released as content; held text is released (whitespace after the
- * last call is dropped). */
+ * last call is dropped). Returns FU_OK or FU_ERR_NOMEM. */
 int gw_tool_stream_flush(gw_tool_stream *t, fu_buf *content, json_t *deltas);
 
 /* Parses a whole output. Returns the number of calls (0: plain content, nothing

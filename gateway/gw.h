@@ -3,6 +3,12 @@
  * The pieces here are pure (no network, no model) so that the unit tests can
  * drive them directly; gw-gen.h (generation over a shard chain) and
  * gw-http.h (the libmicrohttpd server) build on them.
+ *
+ * Threading: nothing here holds hidden state; a request, a stop matcher or a
+ * configuration is used by one thread at a time. The metrics are the shared
+ * exception: every gw_metrics_* call is thread-safe.
+ * Ownership: a struct filled here owns what it points to (strings are copied)
+ * unless a field says "borrowed", and is released by its _free function.
  */
 #ifndef FU_GW_H
 #define FU_GW_H
@@ -66,11 +72,12 @@ typedef struct gw_limits {
     int max_prompts;         /* entries of a completions prompt list */
     int max_stop;            /* stop strings */
     int max_stop_bytes;      /* bytes per stop string */
-    int max_logit_bias;      /* logit_bias entries */
+    int max_logit_bias;      /* logit_bias entries (at most SMP_MAX_LOGIT_BIAS) */
     int max_top_logprobs;    /* top_logprobs / integer logprobs */
     int max_messages;        /* chat messages */
 } gw_limits;
 
+/* Fills *l with the default bounds (logit_bias: SMP_MAX_LOGIT_BIAS, the sampler's own). */
 void gw_limits_default(gw_limits *l);
 
 typedef struct gw_prompt {
@@ -130,19 +137,20 @@ typedef struct gw_stop {
 
 /* Borrows stops[0..n) (NUL-terminated, non-empty). Returns FU_OK or FU_ERR_NOMEM. */
 int gw_stop_init(gw_stop *s, char *const *stops, int n);
-void gw_stop_free(gw_stop *s);
+void gw_stop_free(gw_stop *s); /* frees what init and feed allocated and zeroes *s; safe on a zeroed one */
 /* Feeds text[0..len); appends the releasable text to *out. Once a stop string is
  * found, the text before it is released, the rest dropped, s->matched set and
  * further feeds ignored. Returns FU_OK or FU_ERR_NOMEM. */
 int gw_stop_feed(gw_stop *s, const char *text, size_t len, fu_buf *out);
-/* End of generation: releases what is held back (no match can complete now). */
+/* End of generation: releases what is held back (no match can complete now).
+ * Returns FU_OK or FU_ERR_NOMEM. */
 int gw_stop_flush(gw_stop *s, fu_buf *out);
 
 /* ---- server-sent events ----------------------------------------------------------------- */
 
-/* Appends "data: <compact json>\n\n" to *out. */
+/* Appends "data: <compact json>\n\n" to *out. Returns FU_OK or FU_ERR_NOMEM. */
 int gw_sse_event(fu_buf *out, const json_t *obj);
-/* Appends "data: [DONE]\n\n". */
+/* Appends "data: [DONE]\n\n". Returns FU_OK or FU_ERR_NOMEM. */
 int gw_sse_done(fu_buf *out);
 
 /* ---- configuration ------------------------------------------------------------------------ */
@@ -207,7 +215,9 @@ typedef struct gw_config {
     int n_links;
 } gw_config;
 
+/* Fills *c with the defaults (nothing allocated). */
 void gw_config_init(gw_config *c);
+/* Frees every string the configuration owns and zeroes *c. */
 void gw_config_free(gw_config *c);
 /* Applies one option by its long name ("listen", "hop", "api-key", ...; '_' and
  * '-' are the same). Returns FU_OK or FU_ERR_INVALID (fu_last_error() says why). */
@@ -238,18 +248,23 @@ typedef enum gw_route {
 
 typedef struct gw_metrics gw_metrics;
 
+/* Counters and histograms of the gateway, zeroed. FU_OK or FU_ERR_NOMEM. */
 int gw_metrics_new(gw_metrics **out);
 void gw_metrics_free(gw_metrics *m); /* NULL is a no-op */
+/* Counts one answered request by route and HTTP status (uncommon statuses as "other"). */
 void gw_metrics_request(gw_metrics *m, gw_route route, int http_status);
+/* Adds one finished generation request's token counts. */
 void gw_metrics_tokens(gw_metrics *m, int64_t prompt, int64_t completion);
+/* Latency observations: time to first token, between tokens, request end to end. */
 void gw_metrics_ttft(gw_metrics *m, double seconds);
 void gw_metrics_itl(gw_metrics *m, double seconds);
 void gw_metrics_e2e(gw_metrics *m, double seconds);
 void gw_metrics_sessions(gw_metrics *m, int delta);  /* chain sessions open */
 void gw_metrics_running(gw_metrics *m, int delta);   /* generation requests in flight */
-/* Prometheus text exposition (queue depth passed in); appends to *out. */
+/* Prometheus text exposition (queue depth passed in); appends to *out. FU_OK or FU_ERR_NOMEM. */
 int gw_metrics_render(gw_metrics *m, int queue_depth, fu_buf *out);
 
+/* The route's label in the metrics (its path, e.g. "/v1/models", or "other"); never NULL. */
 const char *gw_route_name(gw_route r);
 
 #endif

@@ -70,6 +70,8 @@ static int smp_params_check(const smp_params *p, int n_vocab) {
     if (!(p->repetition_penalty > 0 && p->repetition_penalty <= 10))
         return fu_errorf(FU_ERR_INVALID, "repetition_penalty must be in (0, 10]");
     if (p->n_bias < 0 || (p->n_bias && !p->bias)) return fu_errorf(FU_ERR_INVALID, "logit_bias");
+    if (p->n_bias > SMP_MAX_LOGIT_BIAS)
+        return fu_errorf(FU_ERR_INVALID, "logit_bias: at most %d entries", SMP_MAX_LOGIT_BIAS);
     for (int i = 0; i < p->n_bias; i++) {
         if (p->bias[i].token < 0 || p->bias[i].token >= n_vocab)
             return fu_errorf(FU_ERR_INVALID, "logit_bias: token %d outside the vocabulary [0, %d)",

@@ -1,8 +1,20 @@
-/* sampler.h -- turns a row of logits into the next token: penalties, bias, temperature, top-k/p, min-p. */
+/* sampler.h -- turns a row of logits into the next token: penalties, bias, temperature, top-k/p, min-p.
+ *
+ * A sampler holds one sequence's state (the RNG and the counts of emitted
+ * tokens) and is used by one thread at a time; the free functions
+ * (smp_argmax, smp_top_logprobs) are pure. Ownership: a sampler owns all its
+ * scratch (allocated by smp_new) and a copy of the logit_bias entries; the
+ * caller keeps ownership of smp_params and of the logits it passes in.
+ */
 #ifndef FU_SAMPLER_H
 #define FU_SAMPLER_H
 
 #include <stdint.h>
+
+/* The most logit_bias entries one set of parameters may hold (OpenAI's limit): the
+ * sampler refuses more, and the gateway and the chain client check it before
+ * sending (the wire carries at most this many). */
+#define SMP_MAX_LOGIT_BIAS 300
 
 typedef struct smp_bias {
     int32_t token;
@@ -19,7 +31,7 @@ typedef struct smp_params {
     float repetition_penalty;/* 1: off; >1 divides positive logits (CTRL/HF style) */
     uint64_t seed;           /* same seed, same choices */
     const smp_bias *bias;    /* logit_bias entries, copied at smp_new */
-    int n_bias;
+    int n_bias;              /* 0..SMP_MAX_LOGIT_BIAS */
 } smp_params;
 
 typedef struct smp_sampler smp_sampler;
@@ -37,11 +49,11 @@ void smp_free(smp_sampler *s); /* NULL is a no-op */
  * entries than any earlier configuration of this sampler. */
 int smp_reset(smp_sampler *s, const smp_params *p);
 
-/* Records that `token` was emitted (feeds the penalties). */
+/* Records that `token` (in [0, n_vocab)) was emitted (feeds the penalties). */
 void smp_accept(smp_sampler *s, int32_t token);
 
 /* Picks the next token from logits (n_vocab), which it modifies in place
- * (penalties and bias applied). */
+ * (penalties and bias applied); draws from the RNG unless greedy. Never allocates. */
 int32_t smp_sample(smp_sampler *s, float *logits);
 
 /* Index of the largest value (lowest index on ties). */

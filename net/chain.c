@@ -344,14 +344,15 @@ int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t r
     int64_t start = rollback_to >= 0 ? rollback_to : s->len;
 
     Fusion__Sampling samp = FUSION__SAMPLING__INIT;
-    Fusion__LogitBias *bias_ptrs[300], bias[300];
+    Fusion__LogitBias *bias_ptrs[SMP_MAX_LOGIT_BIAS], bias[SMP_MAX_LOGIT_BIAS];
     Fusion__OutputSpec os = FUSION__OUTPUT_SPEC__INIT;
     os.want_logits = spec->want_logits;
     os.all_positions = spec->all_positions;
     os.top_logprobs = spec->top_logprobs;
     if (spec->sample) {
         const smp_params *p = &spec->sampling;
-        if (p->n_bias > 300) return fu_errorf(FU_ERR_INVALID, "logit_bias: at most 300 entries");
+        if (p->n_bias > SMP_MAX_LOGIT_BIAS)
+            return fu_errorf(FU_ERR_INVALID, "logit_bias: at most %d entries", SMP_MAX_LOGIT_BIAS);
         samp.temperature = p->temperature;
         samp.top_p = p->top_p;
         samp.top_k = p->top_k;

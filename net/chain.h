@@ -51,7 +51,8 @@ typedef struct chain_spec {
     bool want_logits;
     bool all_positions;
     bool sample;
-    smp_params sampling;
+    smp_params sampling;          /* sampling.seed: the seed of the step's last position; the
+                                   * last hop derives the earlier rows' (fusion.proto, Sampling.seed) */
     int64_t penalty_start;
     int top_logprobs;
 } chain_spec;

@@ -86,6 +86,13 @@ static int step_n_out(const shard_core *c, const shard_step *st) {
     return st->all_positions ? st->n : 1;
 }
 
+/* The sampling seed of output row i (0 <= i < n_out): the step's seed is the seed
+ * of its last row; with all_positions the earlier rows count down from it, so
+ * row i draws with seed - (n_out - 1 - i). */
+static uint64_t shard_row_seed(const shard_step *st, int i) {
+    return st->sampling.seed - (uint64_t)(st->n_out - 1 - i);
+}
+
 /* Fills a session's outputs from the rows of the batch's output. */
 static int shard_finish_step(shard_core *c, shard_session *s, const float *rows) {
     shard_step *st = s->step;
@@ -107,7 +114,7 @@ static int shard_finish_step(shard_core *c, shard_session *s, const float *rows)
         const float *row = rows + (size_t)i * V;
         int pos = st->all_positions ? (int)st->start_pos + i : (int)st->start_pos + st->n - 1;
         smp_params p = st->sampling;
-        p.seed += (uint64_t)i;
+        p.seed = shard_row_seed(st, i);
         int rc = smp_reset(s->smp, &p);
         if (rc) return rc;
         for (int64_t q = st->penalty_start < 0 ? 0 : st->penalty_start; q <= pos; q++)

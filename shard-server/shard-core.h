@@ -1,9 +1,12 @@
 /* shard-core.h -- a shard server's state: one span's engine, its sessions, and the batcher
  * that merges the ready steps of all sessions into one forward (continuous batching).
  *
- * Transport-free: the RPC handlers (shard-server.c) and the tests drive it
+ * Transport-free: the RPC handlers (shard-rpc.c) and the tests drive it
  * through these calls. Thread-safe: any number of threads may open, step and
  * close sessions at once; one session is stepped by one thread at a time.
+ * Ownership: the core borrows its model and backend and owns its sessions
+ * (closing one frees its KV cache and output buffers); step outputs point into
+ * buffers of the session.
  */
 #ifndef FU_SHARD_CORE_H
 #define FU_SHARD_CORE_H
@@ -31,6 +34,7 @@ int shard_core_new(const mdl_model *m, op_backend *be, const shard_core_options 
  * the core; every session must have been closed. NULL is a no-op. */
 void shard_core_free(shard_core *c);
 
+/* The model the core serves (borrowed). */
 const mdl_model *shard_core_model(const shard_core *c);
 
 typedef struct shard_core_stats {
@@ -43,6 +47,7 @@ typedef struct shard_core_stats {
     uint64_t tokens;         /* positions computed */
 } shard_core_stats;
 
+/* A consistent snapshot of the core's counters and KV budget (thread-safe). */
 void shard_core_get_stats(shard_core *c, shard_core_stats *st);
 
 /* Measures the span's compute throughput: decode steps of a batch of
@@ -58,6 +63,7 @@ int shard_session_open(shard_core *c, const char *id, int max_len, shard_session
 /* Frees the session's KV cache at once. NULL is a no-op. */
 void shard_session_close(shard_core *c, shard_session *s);
 
+/* Positions held, the most it may hold, and its id (owned by the session). */
 int shard_session_len(const shard_session *s);
 int shard_session_max_len(const shard_session *s);
 const char *shard_session_id(const shard_session *s);
@@ -77,7 +83,10 @@ typedef struct shard_step {
     bool want_logits;
     bool all_positions;         /* outputs for every position, else the last only */
     bool sample;
-    smp_params sampling;        /* with sample */
+    smp_params sampling;        /* with sample; sampling.seed is the seed of the LAST output
+                                 * row (the position after the step's last input): with
+                                 * all_positions, row i of n_out draws with
+                                 * seed - (n_out - 1 - i) */
     int64_t penalty_start;      /* penalties count session tokens at positions >= this */
     int top_logprobs;           /* 0..20 */
 

@@ -169,6 +169,29 @@ static void test_bad_parameters(void **state) {
     gw_request_free(&r);
 }
 
+/* logit_bias holds at most SMP_MAX_LOGIT_BIAS entries, the sampler's own limit. */
+static void test_logit_bias_limit(void **state) {
+    static char body[16384];
+    for (int n = SMP_MAX_LOGIT_BIAS; n <= SMP_MAX_LOGIT_BIAS + 1; n++) {
+        size_t len = (size_t)snprintf(body, sizeof body, "{\"prompt\":\"x\",\"logit_bias\":{");
+        for (int i = 0; i < n; i++)
+            len += (size_t)snprintf(body + len, sizeof body - len, "%s\"%d\":1", i ? "," : "", i);
+        snprintf(body + len, sizeof body - len, "}}");
+        assert_true(len + 2 < sizeof body);
+        gw_request r;
+        gw_error e;
+        int rc = parse(body, GW_KIND_COMPLETION, 1000, &r, &e);
+        if (n == SMP_MAX_LOGIT_BIAS) {
+            assert_int_equal(rc, 0);
+            assert_int_equal(r.n_bias, SMP_MAX_LOGIT_BIAS);
+            gw_request_free(&r);
+        } else {
+            assert_int_equal(rc, 400);
+            assert_string_equal(e.param, "logit_bias");
+        }
+    }
+}
+
 /* ---- stop strings ------------------------------------------------------------------------------ */
 
 /* Feeds pieces one by one; returns what was released (malloc'd) and whether it matched. */
@@ -720,6 +743,7 @@ int main(void) {
         cmocka_unit_test(test_chat_request_full),
         cmocka_unit_test(test_completion_prompts),
         cmocka_unit_test(test_bad_parameters),
+        cmocka_unit_test(test_logit_bias_limit),
         cmocka_unit_test(test_stop_across_pieces_and_holdback),
         cmocka_unit_test(test_stop_utf8),
         cmocka_unit_test(test_utf8_helpers),

@@ -145,6 +145,16 @@ static void test_bad_parameters(void **state) {
     p.n_bias = 1;
     assert_int_equal(smp_new(&p, V, &s), FU_ERR_INVALID);
     assert_non_null(strstr(fu_last_error(), "logit_bias"));
+    static smp_bias many[SMP_MAX_LOGIT_BIAS + 1]; /* token 0, bias 0 */
+    p = smp_params_default();
+    p.bias = many;
+    p.n_bias = SMP_MAX_LOGIT_BIAS;
+    assert_int_equal(smp_new(&p, V, &s), FU_OK);
+    p.n_bias = SMP_MAX_LOGIT_BIAS + 1;
+    assert_int_equal(smp_reset(s, &p), FU_ERR_INVALID);
+    assert_non_null(strstr(fu_last_error(), "at most"));
+    smp_free(s);
+    assert_int_equal(smp_new(&p, V, &s), FU_ERR_INVALID);
     p = smp_params_default();
     assert_int_equal(smp_new(&p, 0, &s), FU_ERR_INVALID);
 }

@@ -38,6 +38,30 @@ static mdl_config test_config(void) {
     return c;
 }
 
+/* A random model of test_config() on the CPU backend and a shard core over it. */
+typedef struct fixture {
+    mdl_model *m;
+    op_backend *be;
+    shard_core *core;
+} fixture;
+
+/* Opens the fixture: weights of type wt from seed, `threads` CPU threads, options o (NULL: defaults). */
+static void fixture_open(fixture *f, op_type wt, uint64_t seed, int threads, const shard_core_options *o) {
+    mdl_config cfg = test_config();
+    assert_int_equal(mdl_random(&cfg, wt, seed, NULL, &f->m), FU_OK);
+    op_cpu_options co = {.n_threads = threads, .isa = OP_CPU_ISA_AUTO};
+    f->be = op_backend_cpu_new(&co);
+    assert_non_null(f->be);
+    assert_int_equal(shard_core_new(f->m, f->be, o, &f->core), FU_OK);
+}
+
+/* Frees the core, the backend and the model (every session closed). */
+static void fixture_close(fixture *f) {
+    shard_core_free(f->core);
+    op_backend_free(f->be);
+    mdl_free(f->m);
+}
+
 /* Greedy reference on a private engine: the tokens a prompt continues with. */
 static void reference_greedy(const mdl_model *m, op_backend *be, const int32_t *prompt, int n,
                              int32_t *gen) {
@@ -99,14 +123,10 @@ static void *worker_run(void *arg) {
 }
 
 static void test_concurrent_sessions_batch_and_match(void **state) {
-    mdl_config cfg = test_config();
-    mdl_model *m;
-    assert_int_equal(mdl_random(&cfg, OP_TYPE_BF16, 11, NULL, &m), FU_OK);
-    op_cpu_options co = {.n_threads = 2, .isa = OP_CPU_ISA_AUTO};
-    op_backend *be = op_backend_cpu_new(&co);
-    shard_core *core;
+    fixture f;
     shard_core_options o = {64u << 20, 64, OP_TYPE_F32};
-    assert_int_equal(shard_core_new(m, be, &o, &core), FU_OK);
+    fixture_open(&f, OP_TYPE_BF16, 11, 2, &o);
+    shard_core *core = f.core;
     worker w[N_SESS];
     pthread_t th[N_SESS];
     for (int i = 0; i < N_SESS; i++) {
@@ -120,7 +140,7 @@ static void test_concurrent_sessions_batch_and_match(void **state) {
     for (int i = 0; i < N_SESS; i++) {
         assert_int_equal(w[i].rc, FU_OK);
         int32_t ref[N_GEN];
-        reference_greedy(m, be, w[i].prompt, N_PROMPT, ref);
+        reference_greedy(f.m, f.be, w[i].prompt, N_PROMPT, ref);
         assert_memory_equal(ref, w[i].gen, sizeof ref);
     }
     shard_core_stats st;
@@ -131,9 +151,7 @@ static void test_concurrent_sessions_batch_and_match(void **state) {
     /* concurrent steps were merged: fewer forwards than steps */
     assert_true(st.batches < st.batched_steps);
     assert_true(shard_core_measure(core, 2, 0.05) > 0);
-    shard_core_free(core);
-    op_backend_free(be);
-    mdl_free(m);
+    fixture_close(&f);
 }
 
 static void test_chained_spans_equal_whole(void **state) {
@@ -186,15 +204,11 @@ static void test_chained_spans_equal_whole(void **state) {
 }
 
 static void test_admission_and_bad_steps(void **state) {
-    mdl_config cfg = test_config();
-    mdl_model *m;
-    assert_int_equal(mdl_random(&cfg, OP_TYPE_F32, 3, NULL, &m), FU_OK);
-    op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
-    op_backend *be = op_backend_cpu_new(&co);
-    shard_core *core;
+    fixture f;
     /* 3 layers x 2 (K, V) x 32 floats x 4 bytes = 768 bytes per position: room for 100 */
     shard_core_options o = {76800, 32, OP_TYPE_F32};
-    assert_int_equal(shard_core_new(m, be, &o, &core), FU_OK);
+    fixture_open(&f, OP_TYPE_F32, 3, 1, &o);
+    shard_core *core = f.core;
     shard_session *s1, *s2, *s3;
     assert_int_equal(shard_session_open(core, "a", 60, &s1), FU_OK);
     assert_int_equal(shard_session_open(core, "b", 60, &s2), FU_ERR_EXHAUSTED);
@@ -232,9 +246,41 @@ static void test_admission_and_bad_steps(void **state) {
     assert_int_equal(shard_session_rollback(s2, 4), FU_ERR_RANGE);
     shard_session_close(core, s2);
     shard_session_close(core, s3);
-    shard_core_free(core);
-    op_backend_free(be);
-    mdl_free(m);
+    fixture_close(&f);
+}
+
+/* The step's seed is the seed of its last output row: with all_positions, row i of
+ * n draws with seed - (n - 1 - i), the same token as a last-only step that ends
+ * at that row's position and sends that seed. */
+static void test_all_positions_row_seeds(void **state) {
+    fixture f;
+    fixture_open(&f, OP_TYPE_F32, 11, 1, NULL);
+    shard_core *core = f.core;
+    shard_session *all, *one;
+    assert_int_equal(shard_session_open(core, "all", 16, &all), FU_OK);
+    assert_int_equal(shard_session_open(core, "one", 16, &one), FU_OK);
+    enum { N = 6 };
+    const uint64_t seed = 0x5eedull;
+    int32_t ids[N] = {7, 3, 90, 41, 5, 62};
+    shard_step st = {.n = N, .tokens = ids, .sample = true, .all_positions = true};
+    st.sampling = smp_params_default();
+    st.sampling.seed = seed;
+    assert_int_equal(shard_session_step(core, all, &st), FU_OK);
+    assert_int_equal(st.n_out, N);
+    int32_t rows[N];
+    memcpy(rows, st.out_tokens, sizeof rows);
+    for (int i = 0; i < N; i++) {
+        assert_int_equal(shard_session_rollback(one, 0), FU_OK);
+        shard_step last = {.n = i + 1, .tokens = ids, .sample = true};
+        last.sampling = smp_params_default();
+        last.sampling.seed = seed - (uint64_t)(N - 1 - i);
+        assert_int_equal(shard_session_step(core, one, &last), FU_OK);
+        assert_int_equal(last.n_out, 1);
+        assert_int_equal(last.out_tokens[0], rows[i]);
+    }
+    shard_session_close(core, all);
+    shard_session_close(core, one);
+    fixture_close(&f);
 }
 
 int main(void) {
@@ -242,6 +288,7 @@ int main(void) {
         cmocka_unit_test(test_concurrent_sessions_batch_and_match),
         cmocka_unit_test(test_chained_spans_equal_whole),
         cmocka_unit_test(test_admission_and_bad_steps),
+        cmocka_unit_test(test_all_positions_row_seeds),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
