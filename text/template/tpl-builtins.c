@@ -32,9 +32,9 @@ static int push_ref(tpl_rt *R, tpl_val list, tpl_val v) {
     return tpl_list_push(R, list, v);
 }
 
-static int ret_str(tpl_rt *R, tpl_buf *b, int rc, tpl_val *out) {
+static int ret_str(tpl_rt *R, fu_buf *b, int rc, tpl_val *out) {
     if (rc) {
-        tpl_buf_free(b);
+        fu_buf_free(b);
         return rc;
     }
     return tpl_buf_to_str(R, b, out);
@@ -80,7 +80,7 @@ static const char *special_case(int32_t c, bool upper, bool title) {
 /* Maps the case of s[0..n) into a new string. */
 static int map_case(tpl_rt *R, const char *s, size_t n, int mode, tpl_val *out) {
     enum { KEEP, UP, LOW, TITLE };
-    tpl_buf b = {0};
+    fu_buf b = {0};
     int rc = FU_OK;
     bool prev_cased = false, first = true, word_start = true;
     for (size_t i = 0; i < n && !rc;) {
@@ -198,7 +198,7 @@ static int need_int(tpl_rt *R, tpl_val v, const char *what, int64_t *out) {
 /* str.replace(old, new, count) */
 static int do_replace(tpl_rt *R, const char *s, size_t n, const char *old, size_t on, const char *nw, size_t nn,
                       int64_t count, tpl_val *out) {
-    tpl_buf b = {0};
+    fu_buf b = {0};
     int rc = FU_OK;
     if (on == 0) {
         /* Inserts `new` before every code point and at the end. */
@@ -412,7 +412,7 @@ static int do_pad(tpl_rt *R, tpl_val s, int64_t width, char align, const char *f
         left = total;
     else if (align == '^')
         left = total / 2 + (total & (size_t)width & 1); /* Python: left = pad//2 + (pad & width & 1) */
-    tpl_buf b = {0};
+    fu_buf b = {0};
     int rc = FU_OK;
     for (size_t i = 0; i < left && !rc; i++)
         rc = tpl_buf_put(R, &b, fill, fl);
@@ -570,7 +570,7 @@ static int sorted_list(tpl_rt *R, tpl_val seq, tpl_val attr, bool case_sensitive
 /* printf-style % formatting and str.format                                  */
 /* ------------------------------------------------------------------------ */
 
-static int fmt_num(tpl_rt *R, tpl_buf *b, const char *flags, int width, int prec, char conv, tpl_val v) {
+static int fmt_num(tpl_rt *R, fu_buf *b, const char *flags, int width, int prec, char conv, tpl_val v) {
     char spec[64], tmp[512];
     if (v.kind == TPL_UNDEF)
         return tpl_undef_fail(R, v);
@@ -612,7 +612,7 @@ int tpl_format_percent(tpl_rt *R, tpl_val fmt, tpl_val args, tpl_val *out) {
     bool is_map = args.kind == TPL_DICT;
     size_t nargs = is_tuple ? tpl_as_list(args)->len : 1;
     bool used_map = false;
-    tpl_buf b = {0};
+    fu_buf b = {0};
     int rc = FU_OK;
     for (size_t i = 0; i < n && !rc;) {
         if (p[i] != '%') {
@@ -687,12 +687,12 @@ int tpl_format_percent(tpl_rt *R, tpl_val fmt, tpl_val args, tpl_val *out) {
         case 's':
         case 'r':
         case 'a': {
-            tpl_buf t = {0};
+            fu_buf t = {0};
             rc = conv == 's' ? tpl_buf_str(R, &t, arg) : tpl_buf_repr(R, &t, arg);
             if (!rc) {
-                size_t len = t.len, ncp = tpl_utf8_len(t.p ? t.p : "", t.len);
+                size_t len = t.len, ncp = tpl_utf8_len(t.data ? t.data : "", t.len);
                 if (prec >= 0 && (size_t)prec < ncp) {
-                    len = tpl_utf8_offset(t.p, t.len, (size_t)prec);
+                    len = tpl_utf8_offset(t.data, t.len, (size_t)prec);
                     ncp = (size_t)prec;
                 }
                 bool left = strchr(flags, '-') != NULL;
@@ -700,11 +700,11 @@ int tpl_format_percent(tpl_rt *R, tpl_val fmt, tpl_val args, tpl_val *out) {
                 for (size_t k = 0; k < pad && !left && !rc; k++)
                     rc = tpl_buf_put(R, &b, " ", 1);
                 if (!rc)
-                    rc = tpl_buf_put(R, &b, t.p ? t.p : "", len);
+                    rc = tpl_buf_put(R, &b, t.data ? t.data : "", len);
                 for (size_t k = 0; k < pad && left && !rc; k++)
                     rc = tpl_buf_put(R, &b, " ", 1);
             }
-            tpl_buf_free(&t);
+            fu_buf_free(&t);
             break;
         }
         case 'd': case 'i': case 'x': case 'X': case 'o':
@@ -737,7 +737,7 @@ int tpl_format_percent(tpl_rt *R, tpl_val fmt, tpl_val args, tpl_val *out) {
 static int str_format(tpl_rt *R, tpl_val fmt, const tpl_args *a, tpl_val *out) {
     const char *p = S(fmt);
     size_t n = SL(fmt), auto_i = 0;
-    tpl_buf b = {0};
+    fu_buf b = {0};
     int rc = FU_OK;
     for (size_t i = 0; i < n && !rc;) {
         char c = p[i];
@@ -1063,7 +1063,7 @@ static int call_method(tpl_rt *R, int m, tpl_val self, const tpl_args *a, tpl_va
             if ((rc = tpl_iter_list(R, p[0], &items)))
                 return rc;
             tpl_list *l = tpl_as_list(items);
-            tpl_buf b = {0};
+            fu_buf b = {0};
             for (size_t i = 0; i < l->len && !rc; i++) {
                 if (l->v[i].kind != TPL_STR) {
                     rc = tpl_type_error(R, "sequence item %zu: expected str instance, %s found", i,
@@ -1099,7 +1099,7 @@ static int call_method(tpl_rt *R, int m, tpl_val self, const tpl_args *a, tpl_va
             }
             if (k > (int64_t)R->lim.max_memory)
                 return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template exceeded its memory limit");
-            tpl_buf b = {0};
+            fu_buf b = {0};
             size_t sign = SL(self) && (S(self)[0] == '+' || S(self)[0] == '-');
             rc = tpl_buf_put(R, &b, S(self), sign);
             for (int64_t i = 0; i < k - (int64_t)ncp && !rc; i++)
@@ -1299,7 +1299,7 @@ static int html_escape(tpl_rt *R, tpl_val v, tpl_val *out) {
     int rc = tpl_to_str(R, v, &s);
     if (rc)
         return rc;
-    tpl_buf b = {0};
+    fu_buf b = {0};
     const char *p = S(s);
     for (size_t i = 0; i < SL(s) && !rc; i++) {
         const char *rep = NULL;
@@ -1675,7 +1675,7 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
     case F_indent: {
         BIND("width", "first", "blank");
         tpl_val w = ARG(0, tpl_int(4));
-        tpl_buf ind = {0};
+        fu_buf ind = {0};
         if (w.kind == TPL_STR) {
             rc = tpl_buf_put(R, &ind, S(w), SL(w));
         } else if (w.kind == TPL_INT || w.kind == TPL_BOOL) {
@@ -1690,7 +1690,7 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
         if (!rc && in.kind != TPL_STR) /* jinja2 does s += "\n" */
             rc = tpl_type_error(R, "unsupported operand type(s) for +=: '%s' and 'str'", tpl_type_name(in));
         if (rc || (rc = tpl_to_str(R, in, &s))) {
-            tpl_buf_free(&ind);
+            fu_buf_free(&ind);
             return rc;
         }
         /* s + "\n", splitlines, then join with "\n" + indent on non-blank lines. */
@@ -1702,12 +1702,12 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
             tpl_drop(R, withnl);
         }
         if (rc) {
-            tpl_buf_free(&ind);
+            fu_buf_free(&ind);
             return rc;
         }
         tpl_list *l = tpl_as_list(lines);
-        tpl_buf b = {0};
-        const char *ip = ind.p ? ind.p : "";
+        fu_buf b = {0};
+        const char *ip = ind.data ? ind.data : "";
         if (first)
             rc = tpl_buf_put(R, &b, ip, ind.len);
         for (size_t i = 0; i < l->len && !rc; i++) {
@@ -1719,7 +1719,7 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
                 rc = tpl_buf_put(R, &b, S(l->v[i]), SL(l->v[i]));
         }
         tpl_drop(R, lines);
-        tpl_buf_free(&ind);
+        fu_buf_free(&ind);
         return ret_str(R, &b, rc, out);
     }
     case F_int: {
@@ -1767,7 +1767,7 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
         if ((rc = tpl_iter_list(R, in, &items)))
             return rc;
         tpl_list *l = tpl_as_list(items);
-        tpl_buf b = {0};
+        fu_buf b = {0};
         for (size_t i = 0; i < l->len && !rc; i++) {
             if (i)
                 rc = tpl_buf_str(R, &b, sep);
@@ -1878,7 +1878,7 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
     case F_reverse: {
         BIND("x");
         if (in.kind == TPL_STR) {
-            tpl_buf b = {0};
+            fu_buf b = {0};
             const char *q = S(in);
             size_t end = SL(in);
             rc = FU_OK;
@@ -2021,7 +2021,7 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
             o.key_sep = S(tpl_as_list(p[2])->v[1]);
             o.key_sep_len = SL(tpl_as_list(p[2])->v[1]);
         }
-        tpl_buf b = {0};
+        fu_buf b = {0};
         rc = tpl_buf_json(R, &b, in, &o, 0);
         return ret_str(R, &b, rc, out);
     }

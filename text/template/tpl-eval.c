@@ -169,11 +169,11 @@ static bool norm_index(tpl_val key, size_t len, size_t *idx) {
 static int no_element(tpl_rt *R, tpl_val obj, tpl_val key, tpl_val *out) {
     if (key.kind == TPL_STR)
         return missing_attr(R, obj, tpl_as_str(key)->s, out);
-    tpl_buf b = {0};
+    fu_buf b = {0};
     int rc = tpl_buf_repr(R, &b, key);
     if (!rc)
-        rc = tpl_undef_hint(R, out, "%s has no element %s", obj_type_repr(obj), b.p ? b.p : "");
-    tpl_buf_free(&b);
+        rc = tpl_undef_hint(R, out, "%s has no element %s", obj_type_repr(obj), b.data ? b.data : "");
+    fu_buf_free(&b);
     return rc;
 }
 
@@ -296,13 +296,13 @@ static int do_slice(tpl_rt *R, tpl_val obj, const tpl_val *sv, tpl_val *out) {
             if (((unsigned char)s->s[i] & 0xC0) != 0x80)
                 offs[k++] = i;
         offs[ncp] = s->len;
-        tpl_buf b = {0};
+        fu_buf b = {0};
         rc = FU_OK;
         for (int64_t i = start; !rc && (step > 0 ? i < stop : i > stop); i += step)
             rc = tpl_buf_put(R, &b, s->s + offs[i], offs[i + 1] - offs[i]);
         free(offs);
         if (rc) {
-            tpl_buf_free(&b);
+            fu_buf_free(&b);
             return rc;
         }
         return tpl_buf_to_str(R, &b, out);
@@ -345,12 +345,12 @@ static int repeat_seq(tpl_rt *R, tpl_val seq, int64_t times, tpl_val *out) {
         tpl_str *s = tpl_as_str(seq);
         if (s->len && (uint64_t)times > R->lim.max_memory / s->len)
             return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template exceeded its memory limit (%zu bytes)", R->lim.max_memory);
-        tpl_buf b = {0};
+        fu_buf b = {0};
         rc = FU_OK;
         for (int64_t i = 0; i < times && !rc; i++)
             rc = tpl_buf_put(R, &b, s->s, s->len);
         if (rc) {
-            tpl_buf_free(&b);
+            fu_buf_free(&b);
             return rc;
         }
         return tpl_buf_to_str(R, &b, out);
@@ -374,12 +374,12 @@ static int repeat_seq(tpl_rt *R, tpl_val seq, int64_t times, tpl_val *out) {
 
 int tpl_binop(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
     if (op == OP_CONCAT) {
-        tpl_buf buf = {0};
+        fu_buf buf = {0};
         int rc = tpl_buf_str(R, &buf, a);
         if (!rc)
             rc = tpl_buf_str(R, &buf, b);
         if (rc) {
-            tpl_buf_free(&buf);
+            fu_buf_free(&buf);
             return rc;
         }
         return tpl_buf_to_str(R, &buf, out);
@@ -667,7 +667,7 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
             return tpl_type_error(R, "macro '%s' got multiple values for argument '%s'", m->str, a->kwnames[k]);
     }
     tpl_scope *saved_scope = R->scope;
-    tpl_buf *saved_out = R->out;
+    fu_buf *saved_out = R->out;
     tpl_ctl saved_ctl = R->ctl;
     tpl_scope sc;
     int rc = scope_push(R, &sc, R->root);
@@ -696,7 +696,7 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
         if (!rc)
             rc = scope_set(R, m->names[i], v);
     }
-    tpl_buf buf = {0};
+    fu_buf buf = {0};
     if (!rc) {
         R->out = &buf;
         R->depth++;
@@ -707,7 +707,7 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
     R->ctl = saved_ctl;
     scope_pop(R, &sc, saved_scope);
     if (rc) {
-        tpl_buf_free(&buf);
+        fu_buf_free(&buf);
         return rc;
     }
     return tpl_buf_to_str(R, &buf, out);
@@ -1232,13 +1232,13 @@ static int exec_stmt(tpl_rt *R, const tpl_node *n) {
         return assign_target(R, n, v);
     case ND_SET_BLOCK:
     case ND_FILTER_BLOCK: {
-        tpl_buf buf = {0};
-        tpl_buf *saved = R->out;
+        fu_buf buf = {0};
+        fu_buf *saved = R->out;
         R->out = &buf;
         rc = exec_body(R, &n->body);
         R->out = saved;
         if (rc || (rc = tpl_buf_to_str(R, &buf, &v))) {
-            tpl_buf_free(&buf);
+            fu_buf_free(&buf);
             return rc;
         }
         if (n->kids.n) {

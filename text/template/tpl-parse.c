@@ -537,7 +537,7 @@ static tpl_node *parse_primary(parser *P) {
         advance(P);
     } else if (t->type == TK_STRING) {
         /* Adjacent string literals concatenate. */
-        tpl_buf b = {0};
+        fu_buf b = {0};
         int line = t->line;
         int rc = FU_OK;
         while (!rc && cur(P)->type == TK_STRING) {
@@ -545,7 +545,7 @@ static tpl_node *parse_primary(parser *P) {
             advance(P);
         }
         if (!rc && (n = node_new(P, ND_CONST, line))) {
-            if (tpl_str_new(NULL, b.p ? b.p : "", b.len, &n->val)) {
+            if (tpl_str_new(NULL, b.data ? b.data : "", b.len, &n->val)) {
                 P->failed = true;
                 tpl_node_free(n);
                 n = NULL;
@@ -553,7 +553,7 @@ static tpl_node *parse_primary(parser *P) {
         }
         if (rc)
             P->failed = true;
-        tpl_buf_free(&b);
+        fu_buf_free(&b);
     } else if (t->type == TK_INT || t->type == TK_FLOAT) {
         if ((n = node_new(P, ND_CONST, t->line)))
             n->val = t->type == TK_INT ? tpl_int(t->ival) : tpl_float(t->fval);
