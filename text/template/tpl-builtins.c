@@ -599,27 +599,12 @@ static int fmt_num(tpl_rt *R, fu_buf *b, const char *flags, int width, int prec,
         long long x = v.kind == TPL_FLOAT ? (long long)v.f : (long long)v.i;
         if (v.kind == TPL_FLOAT && (conv == 'x' || conv == 'X' || conv == 'o'))
             return tpl_type_error(R, "%%%c format: an integer is required, not float", conv);
-        snprintf(spec, sizeof spec, "%%%s%s%s%s%s", flags, width >= 0 ? "*" : "", prec >= 0 ? ".*" : "", "ll",
-                 conv == 'i' ? "d" : (char[]){conv, 0});
-        if (width >= 0 && prec >= 0)
-            snprintf(tmp, sizeof tmp, spec, width, prec, x);
-        else if (width >= 0)
-            snprintf(tmp, sizeof tmp, spec, width, x);
-        else if (prec >= 0)
-            snprintf(tmp, sizeof tmp, spec, prec, x);
-        else
-            snprintf(tmp, sizeof tmp, spec, x);
+        snprintf(spec, sizeof spec, "%%%s*.*ll%c", flags, conv == 'i' ? 'd' : conv);
+        snprintf(tmp, sizeof tmp, spec, width < 0 ? 0 : width, prec, x);
     } else {
         double x = v.kind == TPL_FLOAT ? v.f : (double)v.i;
-        snprintf(spec, sizeof spec, "%%%s%s%s%c", flags, width >= 0 ? "*" : "", prec >= 0 ? ".*" : "", conv);
-        if (width >= 0 && prec >= 0)
-            snprintf(tmp, sizeof tmp, spec, width, prec, x);
-        else if (width >= 0)
-            snprintf(tmp, sizeof tmp, spec, width, x);
-        else if (prec >= 0)
-            snprintf(tmp, sizeof tmp, spec, prec, x);
-        else
-            snprintf(tmp, sizeof tmp, spec, x);
+        snprintf(spec, sizeof spec, "%%%s*.*%c", flags, conv);
+        snprintf(tmp, sizeof tmp, spec, width < 0 ? 0 : width, prec, x);
     }
     return tpl_buf_put(R, b, tmp, strlen(tmp));
 }
@@ -1352,15 +1337,21 @@ bool tpl_is_jinja2_filter(const char *name) {
     return false;
 }
 
+/* Strips ASCII whitespace from both ends of s[0..*n): returns the new start and shortens *n. */
+static const char *strip_ascii(const char *s, size_t *n) {
+    while (*n && isspace((unsigned char)*s)) {
+        s++;
+        (*n)--;
+    }
+    while (*n && isspace((unsigned char)s[*n - 1]))
+        (*n)--;
+    return s;
+}
+
 /* Python float(str): surrounding whitespace allowed, whole string consumed. */
 static bool parse_float(const char *s, size_t n, double *out) {
     char buf[128];
-    while (n && isspace((unsigned char)*s)) {
-        s++;
-        n--;
-    }
-    while (n && isspace((unsigned char)s[n - 1]))
-        n--;
+    s = strip_ascii(s, &n);
     if (n == 0 || n >= sizeof buf)
         return false;
     memcpy(buf, s, n);
@@ -1374,14 +1365,10 @@ static bool parse_float(const char *s, size_t n, double *out) {
     return *end == '\0';
 }
 
+/* Python int(str, base): surrounding whitespace and '_' separators allowed, no overflow. */
 static bool parse_int(const char *s, size_t n, int base, int64_t *out) {
     char buf[128];
-    while (n && isspace((unsigned char)*s)) {
-        s++;
-        n--;
-    }
-    while (n && isspace((unsigned char)s[n - 1]))
-        n--;
+    s = strip_ascii(s, &n);
     if (n == 0 || n >= sizeof buf)
         return false;
     size_t k = 0;
@@ -2298,19 +2285,12 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
 
 /* Tests return a bool through *out; every test binds (other, x). */
 
-/* boolean, integer, float, string, mapping, none, undefined; arg: the tpl_kind tested. */
+#define KIND(k) (1 << (k))
+#define ALL_KINDS (KIND(TPL_LOOP + 1) - 1)
+
+/* The tests of a value's type (boolean, defined, iterable...); arg: the set of KIND()s that pass. */
 static int t_kind(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
-    *out = tpl_bool(in.kind == b->arg);
-    return FU_OK;
-}
-
-static int t_defined(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
-    *out = tpl_bool(in.kind != TPL_UNDEF);
-    return FU_OK;
-}
-
-static int t_callable(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
-    *out = tpl_bool(in.kind == TPL_FUNC || in.kind == TPL_UNDEF);
+    *out = tpl_bool((b->arg & KIND(in.kind)) != 0);
     return FU_OK;
 }
 
@@ -2320,38 +2300,14 @@ static int t_bool_is(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
     return FU_OK;
 }
 
-static int t_number(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
-    *out = tpl_bool(tpl_is_num(in));
-    return FU_OK;
-}
-
-static int t_iterable(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
-    *out = tpl_bool(in.kind == TPL_STR || in.kind == TPL_LIST || in.kind == TPL_DICT || in.kind == TPL_UNDEF ||
-                    in.kind == TPL_LOOP);
-    return FU_OK;
-}
-
 static int t_sequence(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
     *out = tpl_bool(in.kind == TPL_STR || (in.kind == TPL_LIST && !tpl_as_list(in)->gen) || in.kind == TPL_DICT ||
                     in.kind == TPL_UNDEF);
     return FU_OK;
 }
 
-static int t_escaped(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
-    *out = tpl_bool(false);
-    return FU_OK;
-}
-
 /* lower and upper on str(in); arg: CP_LOWER or CP_UPPER. */
-static int t_case(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
-    tpl_val s;
-    int rc = tpl_to_str(R, in, &s);
-    if (rc)
-        return rc;
-    *out = tpl_bool(all_cps(s, b->arg));
-    tpl_drop(R, s);
-    return FU_OK;
-}
+static int t_case(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) { return on_str(R, in, b, m_is, out); }
 
 enum { MOD_EVEN, MOD_ODD, MOD_BY };
 
@@ -2452,38 +2408,39 @@ static int t_known(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
 }
 
 static const builtin TESTS[] = {
-    {"boolean", t_kind, NULL, TPL_BOOL, 0},
-    {"callable", t_callable, NULL, 0, 0},
-    {"defined", t_defined, NULL, 0, 0},
+    {"boolean", t_kind, NULL, KIND(TPL_BOOL), 0},
+    {"callable", t_kind, NULL, KIND(TPL_FUNC) | KIND(TPL_UNDEF), 0},
+    {"defined", t_kind, NULL, ALL_KINDS & ~KIND(TPL_UNDEF), 0},
     {"divisibleby", t_mod, NULL, MOD_BY, 0},
     {"eq", t_eq, NULL, 1, 0},
     {"equalto", t_eq, NULL, 1, 0},
-    {"escaped", t_escaped, NULL, 0, 0},
+    {"escaped", t_kind, NULL, 0, 0},
     {"even", t_mod, NULL, MOD_EVEN, 0},
     {"false", t_bool_is, NULL, 0, 0},
     {"filter", t_known, NULL, 0, 0},
-    {"float", t_kind, NULL, TPL_FLOAT, 0},
+    {"float", t_kind, NULL, KIND(TPL_FLOAT), 0},
     {"ge", t_order, NULL, ORD_GE, 0},
     {"greaterthan", t_order, NULL, ORD_GT, 0},
     {"gt", t_order, NULL, ORD_GT, 0},
     {"in", t_in, NULL, 0, 0},
-    {"integer", t_kind, NULL, TPL_INT, 0},
-    {"iterable", t_iterable, NULL, 0, 0},
+    {"integer", t_kind, NULL, KIND(TPL_INT), 0},
+    {"iterable", t_kind, NULL, KIND(TPL_STR) | KIND(TPL_LIST) | KIND(TPL_DICT) | KIND(TPL_UNDEF) | KIND(TPL_LOOP),
+     0},
     {"le", t_order, NULL, ORD_LE, 0},
     {"lessthan", t_order, NULL, ORD_LT, 0},
     {"lower", t_case, NULL, CP_LOWER, 0},
     {"lt", t_order, NULL, ORD_LT, 0},
-    {"mapping", t_kind, NULL, TPL_DICT, 0},
+    {"mapping", t_kind, NULL, KIND(TPL_DICT), 0},
     {"ne", t_eq, NULL, 0, 0},
-    {"none", t_kind, NULL, TPL_NONE, 0},
-    {"number", t_number, NULL, 0, 0},
+    {"none", t_kind, NULL, KIND(TPL_NONE), 0},
+    {"number", t_kind, NULL, KIND(TPL_INT) | KIND(TPL_FLOAT) | KIND(TPL_BOOL), 0},
     {"odd", t_mod, NULL, MOD_ODD, 0},
     {"sameas", t_sameas, NULL, 0, 0},
     {"sequence", t_sequence, NULL, 0, 0},
-    {"string", t_kind, NULL, TPL_STR, 0},
+    {"string", t_kind, NULL, KIND(TPL_STR), 0},
     {"test", t_known, NULL, 1, 0},
     {"true", t_bool_is, NULL, 1, 0},
-    {"undefined", t_kind, NULL, TPL_UNDEF, 0},
+    {"undefined", t_kind, NULL, KIND(TPL_UNDEF), 0},
     {"upper", t_case, NULL, CP_UPPER, 0},
 };
 

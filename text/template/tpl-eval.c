@@ -857,16 +857,47 @@ static int eval(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     return rc;
 }
 
-/* Evaluates n->a into *a and n->b into *b (both new references, or neither on failure). */
-static int eval_pair(tpl_rt *R, const tpl_node *n, tpl_val *a, tpl_val *b) {
-    int rc = eval(R, n->a, a);
+/* An operation on the value of n->a (borrowed); *out receives a new reference. */
+typedef int (*unary_fn)(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out);
+/* An operation on the values of n->a and n->b (borrowed). */
+typedef int (*binary_fn)(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val b, tpl_val *out);
+
+/* Evaluates n->a, then fn on it. */
+static int eval_unary(tpl_rt *R, const tpl_node *n, unary_fn fn, tpl_val *out) {
+    tpl_val a;
+    int rc = eval(R, n->a, &a);
     if (rc)
         return rc;
-    if ((rc = eval(R, n->b, b))) {
-        tpl_drop(R, *a);
+    rc = fn(R, n, a, out);
+    tpl_drop(R, a);
+    return rc;
+}
+
+/* Evaluates n->a and n->b, then fn on them (at n's line). */
+static int eval_binary(tpl_rt *R, const tpl_node *n, binary_fn fn, tpl_val *out) {
+    tpl_val a, b;
+    int rc = eval(R, n->a, &a);
+    if (rc)
+        return rc;
+    if ((rc = eval(R, n->b, &b))) {
+        tpl_drop(R, a);
         return rc;
     }
     R->line = n->line;
+    rc = fn(R, n, a, b, out);
+    tpl_drop(R, a);
+    tpl_drop(R, b);
+    return rc;
+}
+
+/* Evaluates e for its truth value only. */
+static int eval_truth(tpl_rt *R, const tpl_node *e, bool *t) {
+    tpl_val v;
+    int rc = eval(R, e, &v);
+    if (rc)
+        return rc;
+    *t = tpl_truthy(v);
+    tpl_drop(R, v);
     return FU_OK;
 }
 
@@ -884,19 +915,15 @@ static int eval_name(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     return tpl_undef_hint(R, out, "'%s' is undefined", n->str);
 }
 
-static int eval_getattr(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    tpl_val a;
-    int rc = eval(R, n->a, &a);
-    if (rc)
-        return rc;
+/* a.name */
+static int getattr_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
     R->line = n->line;
-    rc = tpl_getattr(R, a, n->str, n->len, out);
-    tpl_drop(R, a);
-    return rc;
+    return tpl_getattr(R, a, n->str, n->len, out);
 }
 
-/* obj[start:stop:step] for the ND_SLICE node s (obj borrowed). */
-static int eval_slice(tpl_rt *R, const tpl_node *n, const tpl_node *s, tpl_val obj, tpl_val *out) {
+/* a[start:stop:step] for the ND_SLICE node n->b. */
+static int slice_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
+    const tpl_node *s = n->b;
     tpl_val sv[3] = {tpl_none(), tpl_none(), tpl_none()};
     int rc = FU_OK;
     for (int i = 0; i < 3 && !rc; i++)
@@ -904,100 +931,58 @@ static int eval_slice(tpl_rt *R, const tpl_node *n, const tpl_node *s, tpl_val o
             rc = eval(R, s->kids.v[i], &sv[i]);
     R->line = n->line;
     if (!rc)
-        rc = do_slice(R, obj, sv, out);
+        rc = do_slice(R, a, sv, out);
     for (int i = 0; i < 3; i++)
         tpl_drop(R, sv[i]);
     return rc;
 }
 
-static int eval_getitem(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    tpl_val a, b;
-    int rc;
-    if (n->b->type == ND_SLICE) {
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        rc = eval_slice(R, n, n->b, a, out);
-        tpl_drop(R, a);
-        return rc;
-    }
-    if ((rc = eval_pair(R, n, &a, &b)))
-        return rc;
-    rc = tpl_getitem(R, a, b, out);
-    tpl_drop(R, a);
-    tpl_drop(R, b);
-    return rc;
+/* a[b] */
+static int getitem_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val b, tpl_val *out) {
+    return tpl_getitem(R, a, b, out);
 }
 
-static int eval_filter(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    tpl_val a;
-    int rc = eval(R, n->a, &a);
-    if (rc)
-        return rc;
-    rc = filter_apply(R, n, a, out);
-    tpl_drop(R, a);
-    return rc;
-}
-
-static int eval_test(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    tpl_val a;
-    int rc = eval(R, n->a, &a);
-    if (rc)
-        return rc;
+/* a is test(args...) */
+static int test_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
     eargs e;
-    if ((rc = args_eval(R, n, &e))) {
-        tpl_drop(R, a);
+    int rc = args_eval(R, n, &e);
+    if (rc)
         return rc;
-    }
     bool res = false;
     R->line = n->line;
     rc = tpl_apply_test(R, n->id, n->str, a, &e.a, &res);
     args_free(R, &e);
-    tpl_drop(R, a);
     *out = tpl_bool(res);
     return rc;
 }
 
-static int eval_not(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    tpl_val a;
-    int rc = eval(R, n->a, &a);
-    if (rc)
-        return rc;
+/* not a */
+static int not_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
     *out = tpl_bool(!tpl_truthy(a));
-    tpl_drop(R, a);
     return FU_OK;
 }
 
-/* -x and +x on a number. */
-static int eval_sign(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    tpl_val a;
-    int rc = eval(R, n->a, &a);
-    if (rc)
-        return rc;
+/* -a and +a on a number. */
+static int sign_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
     bool neg = n->type == ND_NEG;
     R->line = n->line;
     if (a.kind == TPL_UNDEF)
-        rc = tpl_undef_fail(R, a);
-    else if (a.kind == TPL_FLOAT)
+        return tpl_undef_fail(R, a);
+    if (a.kind == TPL_FLOAT) {
         *out = tpl_float(neg ? -a.f : a.f);
-    else if ((a.kind == TPL_INT || a.kind == TPL_BOOL) && neg && a.i == INT64_MIN)
-        rc = tpl_type_error(R, "integer overflow");
-    else if (a.kind == TPL_INT || a.kind == TPL_BOOL)
-        *out = tpl_int(neg ? -a.i : a.i);
-    else
-        rc = tpl_type_error(R, "bad operand type for unary %c: '%s'", neg ? '-' : '+', tpl_type_name(a));
-    tpl_drop(R, a);
-    return rc;
+        return FU_OK;
+    }
+    if (a.kind != TPL_INT && a.kind != TPL_BOOL)
+        return tpl_type_error(R, "bad operand type for unary %c: '%s'", neg ? '-' : '+', tpl_type_name(a));
+    if (neg && a.i == INT64_MIN)
+        return tpl_type_error(R, "integer overflow");
+    *out = tpl_int(neg ? -a.i : a.i);
+    return FU_OK;
 }
 
-static int eval_binop(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    tpl_val a, b;
-    int rc = eval_pair(R, n, &a, &b);
-    if (rc)
-        return rc;
-    rc = tpl_binop(R, n->op, a, b, out);
-    tpl_drop(R, a);
-    tpl_drop(R, b);
-    return rc;
+/* a op b for the arithmetic operators. */
+static int binop_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val b, tpl_val *out) {
+    return tpl_binop(R, n->op, a, b, out);
 }
 
 /* a op1 b op2 c ...: chained, each operand evaluated at most once, stopping at the first false. */
@@ -1042,12 +1027,10 @@ static int eval_logic(tpl_rt *R, const tpl_node *n, tpl_val *out) {
 
 /* a if b else c; without else, an Undefined when b is false. */
 static int eval_cond(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    tpl_val t;
-    int rc = eval(R, n->b, &t);
+    bool yes;
+    int rc = eval_truth(R, n->b, &yes);
     if (rc)
         return rc;
-    bool yes = tpl_truthy(t);
-    tpl_drop(R, t);
     if (yes)
         return eval(R, n->a, out);
     if (n->c)
@@ -1097,15 +1080,18 @@ static int eval_node(tpl_rt *R, const tpl_node *n, tpl_val *out) {
         tpl_ref(*out);
         return FU_OK;
     case ND_NAME: return eval_name(R, n, out);
-    case ND_GETATTR: return eval_getattr(R, n, out);
-    case ND_GETITEM: return eval_getitem(R, n, out);
+    case ND_GETATTR: return eval_unary(R, n, getattr_of, out);
+    case ND_GETITEM:
+        if (n->b->type == ND_SLICE)
+            return eval_unary(R, n, slice_of, out);
+        return eval_binary(R, n, getitem_of, out);
     case ND_CALL: return eval_call(R, n, out);
-    case ND_FILTER: return eval_filter(R, n, out);
-    case ND_TEST: return eval_test(R, n, out);
-    case ND_NOT: return eval_not(R, n, out);
+    case ND_FILTER: return eval_unary(R, n, filter_apply, out);
+    case ND_TEST: return eval_unary(R, n, test_of, out);
+    case ND_NOT: return eval_unary(R, n, not_of, out);
     case ND_NEG:
-    case ND_POS: return eval_sign(R, n, out);
-    case ND_BINOP: return eval_binop(R, n, out);
+    case ND_POS: return eval_unary(R, n, sign_of, out);
+    case ND_BINOP: return eval_binary(R, n, binop_of, out);
     case ND_COMPARE: return eval_compare(R, n, out);
     case ND_AND:
     case ND_OR: return eval_logic(R, n, out);
@@ -1311,13 +1297,9 @@ static int exec_output(tpl_rt *R, const tpl_node *n) {
 }
 
 static int exec_if(tpl_rt *R, const tpl_node *n) {
-    tpl_val v;
-    int rc = eval(R, n->a, &v);
-    if (rc)
-        return rc;
-    bool t = tpl_truthy(v);
-    tpl_drop(R, v);
-    return exec_body(R, t ? &n->body : &n->alt);
+    bool t;
+    int rc = eval_truth(R, n->a, &t);
+    return rc ? rc : exec_body(R, t ? &n->body : &n->alt);
 }
 
 static int exec_set(tpl_rt *R, const tpl_node *n) {

@@ -1,4 +1,23 @@
-/* tpl-impl.h -- internals of the chat-template interpreter: values, AST, lexer, runtime. */
+/* tpl-impl.h -- internals of the chat-template interpreter: values, AST, lexer, runtime.
+ *
+ * The pipeline: tpl_lex (tpl-lex.c) turns the source into tokens, tpl_parse
+ * (tpl-parse.c) into a tree of tpl_node, and tpl_exec_template (tpl-eval.c)
+ * walks the tree with the values of tpl-value.c and the filters, tests,
+ * methods and globals of tpl-builtins.c.
+ *
+ * Threading: a parsed tree and its constants are immutable and shared by
+ * concurrent renders; everything else belongs to one render (its tpl_rt) and
+ * one thread. Reference counts are not atomic: a render's values never reach
+ * another render, and compile-time values are immortal (rc < 0), so ref and
+ * drop leave them alone.
+ *
+ * Ownership: values are reference counted; a function that writes a tpl_val
+ * through an out pointer hands over a new reference, and tpl_val arguments
+ * are borrowed unless the comment says "owned". Every value is accounted to
+ * the render that allocated it (tpl_limits.max_memory). Tokens own their
+ * text, nodes own their children, strings and names, and a tpl_template owns
+ * its tree. Output and scratch text go to fu_buf buffers owned by the caller.
+ */
 #ifndef FU_TPL_IMPL_H
 #define FU_TPL_IMPL_H
 
