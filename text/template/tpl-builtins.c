@@ -1,6 +1,7 @@
 /* tpl-builtins.c -- jinja2 filters and tests, Python str/dict/list methods, and template globals. */
 #include "tpl-impl.h"
 
+#include <assert.h>
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
@@ -853,7 +854,8 @@ enum {
     B_KW = 4,       /* methods: keywords bind to `params`; otherwise only up to 3 positionals */
 };
 
-/* One entry of a table; tables are sorted by name (bsearch). */
+/* One entry of a table. The tables of methods, filters and tests are sorted
+ * by name (searched by bisection); FUNCS is indexed by TPL_FN_* id. */
 typedef struct builtin {
     const char *name;
     builtin_fn fn;
@@ -880,6 +882,7 @@ static int bind_args(tpl_rt *R, const tpl_args *a, const char *const *params, bo
     size_t n = 0;
     while (params[n])
         n++;
+    assert(n <= N_OF(b->p));
     return tpl_bind(R, b->name, a, params, n, b->p, b->got);
 }
 
@@ -988,6 +991,9 @@ static int dict_view(tpl_rt *R, tpl_val d, int which, tpl_val *out) {
         tpl_drop(R, *out);
     return rc;
 }
+
+/* Each m_NAME is the builtin_fn of Python's method NAME (self: the receiver);
+ * a handler shared by several methods says what its b->arg selects. */
 
 /* str.strip/lstrip/rstrip([chars]); arg: the ends to strip (1 left, 2 right, 3 both). */
 static int m_strip(tpl_rt *R, tpl_val self, const bound *b, tpl_val *out) {
@@ -1446,6 +1452,9 @@ static int on_str(tpl_rt *R, tpl_val in, const bound *b, builtin_fn fn, tpl_val 
     tpl_drop(R, s);
     return rc;
 }
+
+/* Each f_NAME is the builtin_fn of jinja2's filter NAME (self: the filter's
+ * input); a handler shared by several filters says what its b->arg selects. */
 
 static int f_abs(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
     if (in.kind == TPL_FLOAT) {
@@ -2283,7 +2292,8 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
 /* Tests                                                                     */
 /* ------------------------------------------------------------------------ */
 
-/* Tests return a bool through *out; every test binds (other, x). */
+/* Each t_NAME is the builtin_fn of jinja2's test NAME (self: the tested value):
+ * it writes a bool to *out. Every test binds the parameters (other, x). */
 
 #define KIND(k) (1 << (k))
 #define ALL_KINDS (KIND(TPL_LOOP + 1) - 1)
