@@ -3,6 +3,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -350,12 +351,58 @@ static void test_random_templates(void **state) {
     json_decref(ctx);
 }
 
+/* Every builtin is found by name (the interpreter's tables are searched by
+ * bisection, so this also checks that they are sorted), and no other name is. */
+static void test_builtin_names(void **state) {
+    (void)state;
+    static const char *const filters[] = {
+        "abs", "attr", "batch", "capitalize", "center", "count", "d", "default", "dictsort", "e", "escape",
+        "first", "float", "forceescape", "format", "indent", "int", "items", "join", "last", "length", "list",
+        "lower", "map", "max", "min", "reject", "rejectattr", "replace", "reverse", "round", "safe", "select",
+        "selectattr", "slice", "sort", "string", "sum", "title", "tojson", "trim", "truncate", "unique", "upper",
+        "wordcount",
+    };
+    static const char *const tests[] = {
+        "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "escaped", "even", "false", "filter",
+        "float", "ge", "greaterthan", "gt", "in", "integer", "iterable", "le", "lessthan", "lower", "lt",
+        "mapping", "ne", "none", "number", "odd", "sameas", "sequence", "string", "test", "true", "undefined",
+        "upper",
+    };
+    static const char *const methods[] = {
+        "''.capitalize", "''.casefold", "''.center", "''.count", "''.endswith", "''.find", "''.format",
+        "''.index", "''.isalnum", "''.isalpha", "''.isdecimal", "''.isdigit", "''.islower", "''.isnumeric",
+        "''.isspace", "''.isupper", "''.join", "''.ljust", "''.lower", "''.lstrip", "''.removeprefix",
+        "''.removesuffix", "''.replace", "''.rfind", "''.rindex", "''.rjust", "''.rsplit", "''.rstrip",
+        "''.split", "''.splitlines", "''.startswith", "''.strip", "''.swapcase", "''.title", "''.upper",
+        "''.zfill", "{}.copy", "{}.get", "{}.items", "{}.keys", "{}.values", "[].copy", "[].count", "[].index",
+        "range", "namespace", "dict", "raise_exception", "strftime_now",
+    };
+    char src[128];
+    for (size_t i = 0; i < sizeof filters / sizeof filters[0]; i++) {
+        snprintf(src, sizeof src, "{{ '%s' is filter }}", filters[i]);
+        expect_render(src, NULL, "True");
+    }
+    for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
+        snprintf(src, sizeof src, "{{ '%s' is test }}", tests[i]);
+        expect_render(src, NULL, "True");
+    }
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
+        snprintf(src, sizeof src, "{{ %s is defined }}", methods[i]);
+        expect_render(src, NULL, "True");
+    }
+    expect_render("{{ 'groupby' is filter }}{{ 'aaa' is test }}{{ 'zzz' is filter }}", NULL, "FalseFalseFalse");
+    expect_render("{{ ''.get is defined }}{{ {}.index is defined }}{{ [].upper is defined }}", NULL,
+                  "FalseFalseFalse");
+    expect_render("{{ cycle is defined }}{{ changed is defined }}", NULL, "FalseFalse");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_basic_renders),   cmocka_unit_test(test_apply_chat),
         cmocka_unit_test(test_syntax_errors),   cmocka_unit_test(test_runtime_errors),
         cmocka_unit_test(test_limits),          cmocka_unit_test(test_output_with_nul),
         cmocka_unit_test(test_concurrent_renders), cmocka_unit_test(test_random_templates),
+        cmocka_unit_test(test_builtin_names),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -75,7 +75,7 @@ int tpl_render_ex(const tpl_template *tpl, const json_t *context, const tpl_limi
     R.fuel = R.lim.max_work;
     R.line = 1;
 
-    tpl_buf buf = {0};
+    fu_buf buf = {0};
     tpl_scope root = {0};
     R.out = &buf;
     int rc;
@@ -89,15 +89,15 @@ int tpl_render_ex(const tpl_template *tpl, const json_t *context, const tpl_limi
     }
     tpl_drop(&R, root.vars);
     if (rc) {
-        tpl_buf_free(&buf);
+        fu_buf_free(&buf);
         return rc;
     }
-    if (!buf.p) {
-        buf.p = calloc(1, 1);
-        if (!buf.p)
+    if (!buf.data) {
+        buf.data = calloc(1, 1);
+        if (!buf.data)
             return fu_errorf(FU_ERR_NOMEM, "out of memory");
     }
-    *out = buf.p;
+    *out = buf.data;
     if (out_len)
         *out_len = buf.len;
     return FU_OK;

@@ -1,4 +1,13 @@
-/* chat-template.h -- a Jinja subset that renders Hugging Face chat templates like transformers does. */
+/* chat-template.h -- a Jinja subset that renders Hugging Face chat templates like transformers does.
+ *
+ * tpl_compile parses a template once into an immutable tree; tpl_render and
+ * tpl_apply_chat run it over JSON variables, each render bounded by
+ * tpl_limits. Thread-safe: any number of threads may render one compiled
+ * template at once (a render keeps all its state to itself); tpl_free must
+ * wait until none is rendering. The caller owns the compiled template
+ * (tpl_free) and every rendered string (free); JSON arguments are borrowed
+ * for the duration of the call.
+ */
 #ifndef FU_CHAT_TEMPLATE_H
 #define FU_CHAT_TEMPLATE_H
 
@@ -14,8 +23,7 @@
  * trim_blocks, lstrip_blocks and loop controls, a `tojson` filter that keeps
  * non-ASCII text, and the globals raise_exception() and strftime_now().
  *
- * A compiled template is immutable: any number of threads may render it at
- * once. Each render is bounded by tpl_limits so that a hostile template can
+ * Each render is bounded by tpl_limits so that a hostile template can
  * neither hang nor exhaust memory.
  *
  * Errors: syntax errors from tpl_compile and runtime errors from rendering

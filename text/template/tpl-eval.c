@@ -169,11 +169,11 @@ static bool norm_index(tpl_val key, size_t len, size_t *idx) {
 static int no_element(tpl_rt *R, tpl_val obj, tpl_val key, tpl_val *out) {
     if (key.kind == TPL_STR)
         return missing_attr(R, obj, tpl_as_str(key)->s, out);
-    tpl_buf b = {0};
+    fu_buf b = {0};
     int rc = tpl_buf_repr(R, &b, key);
     if (!rc)
-        rc = tpl_undef_hint(R, out, "%s has no element %s", obj_type_repr(obj), b.p ? b.p : "");
-    tpl_buf_free(&b);
+        rc = tpl_undef_hint(R, out, "%s has no element %s", obj_type_repr(obj), b.data ? b.data : "");
+    fu_buf_free(&b);
     return rc;
 }
 
@@ -296,13 +296,13 @@ static int do_slice(tpl_rt *R, tpl_val obj, const tpl_val *sv, tpl_val *out) {
             if (((unsigned char)s->s[i] & 0xC0) != 0x80)
                 offs[k++] = i;
         offs[ncp] = s->len;
-        tpl_buf b = {0};
+        fu_buf b = {0};
         rc = FU_OK;
         for (int64_t i = start; !rc && (step > 0 ? i < stop : i > stop); i += step)
             rc = tpl_buf_put(R, &b, s->s + offs[i], offs[i + 1] - offs[i]);
         free(offs);
         if (rc) {
-            tpl_buf_free(&b);
+            fu_buf_free(&b);
             return rc;
         }
         return tpl_buf_to_str(R, &b, out);
@@ -345,12 +345,12 @@ static int repeat_seq(tpl_rt *R, tpl_val seq, int64_t times, tpl_val *out) {
         tpl_str *s = tpl_as_str(seq);
         if (s->len && (uint64_t)times > R->lim.max_memory / s->len)
             return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template exceeded its memory limit (%zu bytes)", R->lim.max_memory);
-        tpl_buf b = {0};
+        fu_buf b = {0};
         rc = FU_OK;
         for (int64_t i = 0; i < times && !rc; i++)
             rc = tpl_buf_put(R, &b, s->s, s->len);
         if (rc) {
-            tpl_buf_free(&b);
+            fu_buf_free(&b);
             return rc;
         }
         return tpl_buf_to_str(R, &b, out);
@@ -372,18 +372,135 @@ static int repeat_seq(tpl_rt *R, tpl_val seq, int64_t times, tpl_val *out) {
     return FU_OK;
 }
 
-int tpl_binop(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
-    if (op == OP_CONCAT) {
-        tpl_buf buf = {0};
-        int rc = tpl_buf_str(R, &buf, a);
-        if (!rc)
-            rc = tpl_buf_str(R, &buf, b);
-        if (rc) {
-            tpl_buf_free(&buf);
-            return rc;
-        }
-        return tpl_buf_to_str(R, &buf, out);
+/* a ~ b: str(a) + str(b). */
+static int binop_concat(tpl_rt *R, tpl_val a, tpl_val b, tpl_val *out) {
+    fu_buf buf = {0};
+    int rc = tpl_buf_str(R, &buf, a);
+    if (!rc)
+        rc = tpl_buf_str(R, &buf, b);
+    if (rc) {
+        fu_buf_free(&buf);
+        return rc;
     }
+    return tpl_buf_to_str(R, &buf, out);
+}
+
+/* a + b, a - b, a * b on numbers: floats if either is, else ints checked for overflow. */
+static int num_arith(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
+    if (a.kind == TPL_FLOAT || b.kind == TPL_FLOAT) {
+        double x = num_f(a), y = num_f(b);
+        *out = tpl_float(op == OP_ADD ? x + y : op == OP_SUB ? x - y : x * y);
+        return FU_OK;
+    }
+    int64_t r;
+    bool over = op == OP_ADD   ? __builtin_add_overflow(a.i, b.i, &r)
+                : op == OP_SUB ? __builtin_sub_overflow(a.i, b.i, &r)
+                               : __builtin_mul_overflow(a.i, b.i, &r);
+    if (over)
+        return tpl_type_error(R, "integer overflow");
+    *out = tpl_int(r);
+    return FU_OK;
+}
+
+/* a + b on sequences: str + str, or list + list (tuple + tuple). */
+static int seq_add(tpl_rt *R, tpl_val a, tpl_val b, tpl_val *out) {
+    if (a.kind == TPL_STR && b.kind == TPL_STR)
+        return tpl_str_cat(R, tpl_as_str(a)->s, tpl_as_str(a)->len, tpl_as_str(b)->s, tpl_as_str(b)->len, out);
+    if (a.kind == TPL_LIST && b.kind == TPL_LIST && tpl_as_list(a)->tuple == tpl_as_list(b)->tuple) {
+        tpl_list *x = tpl_as_list(a), *y = tpl_as_list(b);
+        int rc = tpl_list_new(R, x->len + y->len, out);
+        if (rc)
+            return rc;
+        tpl_as_list(*out)->tuple = x->tuple;
+        for (size_t i = 0; i < x->len + y->len; i++) {
+            tpl_val v = i < x->len ? x->v[i] : y->v[i - x->len];
+            tpl_ref(v);
+            if ((rc = tpl_list_push(R, *out, v))) {
+                tpl_drop(R, *out);
+                return rc;
+            }
+        }
+        return FU_OK;
+    }
+    if (a.kind == TPL_STR || a.kind == TPL_LIST)
+        return tpl_type_error(R, "can only concatenate %s (not \"%s\") to %s", tpl_type_name(a), tpl_type_name(b),
+                              tpl_type_name(a));
+    return unsupported(R, OP_ADD, a, b);
+}
+
+/* a * b with a sequence: repetition by an int. */
+static int seq_mul(tpl_rt *R, tpl_val a, tpl_val b, tpl_val *out) {
+    bool a_seq = a.kind == TPL_STR || a.kind == TPL_LIST, b_seq = b.kind == TPL_STR || b.kind == TPL_LIST;
+    if (a_seq && (b.kind == TPL_INT || b.kind == TPL_BOOL))
+        return repeat_seq(R, a, b.i, out);
+    if (b_seq && (a.kind == TPL_INT || a.kind == TPL_BOOL))
+        return repeat_seq(R, b, a.i, out);
+    if (a_seq || b_seq)
+        return tpl_type_error(R, "can't multiply sequence by non-int of type '%s'", tpl_type_name(a_seq ? b : a));
+    return unsupported(R, OP_MUL, a, b);
+}
+
+/* a // b or a % b on ints, with Python's floor semantics. */
+static int int_divmod(tpl_rt *R, int op, int64_t a, int64_t b, tpl_val *out) {
+    if (b == 0)
+        return tpl_type_error(R, op == OP_MOD ? "integer modulo by zero" : "integer division or modulo by zero");
+    if (a == INT64_MIN && b == -1)
+        return tpl_type_error(R, "integer overflow");
+    int64_t q = a / b, m = a % b;
+    if (m != 0 && ((m < 0) != (b < 0))) {
+        q--;
+        m += b;
+    }
+    *out = tpl_int(op == OP_MOD ? m : q);
+    return FU_OK;
+}
+
+/* a // b or a % b on numbers; floats as Python computes them. */
+static int num_divmod(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
+    if (a.kind != TPL_FLOAT && b.kind != TPL_FLOAT)
+        return int_divmod(R, op, a.i, b.i, out);
+    if (num_f(b) == 0.0)
+        return tpl_type_error(R, op == OP_MOD ? "float modulo" : "float floor division by zero");
+    double x = num_f(a), y = num_f(b);
+    double m = fmod(x, y);
+    if (m != 0.0 && ((m < 0) != (y < 0)))
+        m += y;
+    else if (m == 0.0)
+        m = copysign(0.0, y);
+    if (op == OP_MOD) {
+        *out = tpl_float(m);
+        return FU_OK;
+    }
+    double q = (x - m) / y, fq = floor(q);
+    if (q - fq > 0.5)
+        fq += 1.0;
+    *out = tpl_float(fq);
+    return FU_OK;
+}
+
+/* a ** b on numbers: an int for int ** non-negative int (checked), else a float. */
+static int num_pow(tpl_rt *R, tpl_val a, tpl_val b, tpl_val *out) {
+    if (a.kind != TPL_FLOAT && b.kind != TPL_FLOAT && b.i >= 0) {
+        int64_t base = a.i, acc = 1, e = b.i;
+        while (e > 0) {
+            if (e & 1 && __builtin_mul_overflow(acc, base, &acc))
+                return tpl_type_error(R, "integer overflow");
+            e >>= 1;
+            if (e && __builtin_mul_overflow(base, base, &base))
+                return tpl_type_error(R, "integer overflow");
+        }
+        *out = tpl_int(acc);
+        return FU_OK;
+    }
+    if (num_f(a) == 0.0 && num_f(b) < 0)
+        return tpl_type_error(R, "0.0 cannot be raised to a negative power");
+    *out = tpl_float(pow(num_f(a), num_f(b)));
+    return FU_OK;
+}
+
+int tpl_binop(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
+    if (op == OP_CONCAT)
+        return binop_concat(R, a, b, out);
     if (op == OP_MOD && a.kind == TPL_STR) /* str.__mod__ runs first, even with an Undefined argument */
         return tpl_format_percent(R, a, b, out);
     if (a.kind == TPL_UNDEF)
@@ -391,120 +508,21 @@ int tpl_binop(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
     if (b.kind == TPL_UNDEF)
         return tpl_undef_fail(R, b);
     bool nums = tpl_is_num(a) && tpl_is_num(b);
-    bool ints = nums && a.kind != TPL_FLOAT && b.kind != TPL_FLOAT;
-    if (nums && (op == OP_ADD || op == OP_SUB || op == OP_MUL)) {
-        if (!ints) {
-            double x = num_f(a), y = num_f(b);
-            *out = tpl_float(op == OP_ADD ? x + y : op == OP_SUB ? x - y : x * y);
-            return FU_OK;
-        }
-        int64_t r;
-        bool over = op == OP_ADD   ? __builtin_add_overflow(a.i, b.i, &r)
-                    : op == OP_SUB ? __builtin_sub_overflow(a.i, b.i, &r)
-                                   : __builtin_mul_overflow(a.i, b.i, &r);
-        if (over)
-            return tpl_type_error(R, "integer overflow");
-        *out = tpl_int(r);
-        return FU_OK;
-    }
+    if (nums && (op == OP_ADD || op == OP_SUB || op == OP_MUL))
+        return num_arith(R, op, a, b, out);
+    if (!nums && (op == OP_SUB || op == OP_DIV || op == OP_FLOORDIV || op == OP_MOD || op == OP_POW))
+        return unsupported(R, op, a, b);
     switch (op) {
-    case OP_ADD:
-        if (a.kind == TPL_STR && b.kind == TPL_STR)
-            return tpl_str_cat(R, tpl_as_str(a)->s, tpl_as_str(a)->len, tpl_as_str(b)->s, tpl_as_str(b)->len, out);
-        if (a.kind == TPL_LIST && b.kind == TPL_LIST && tpl_as_list(a)->tuple == tpl_as_list(b)->tuple) {
-            tpl_list *x = tpl_as_list(a), *y = tpl_as_list(b);
-            int rc = tpl_list_new(R, x->len + y->len, out);
-            if (rc)
-                return rc;
-            tpl_as_list(*out)->tuple = x->tuple;
-            for (size_t i = 0; i < x->len + y->len; i++) {
-                tpl_val v = i < x->len ? x->v[i] : y->v[i - x->len];
-                tpl_ref(v);
-                if ((rc = tpl_list_push(R, *out, v))) {
-                    tpl_drop(R, *out);
-                    return rc;
-                }
-            }
-            return FU_OK;
-        }
-        if (a.kind == TPL_STR || a.kind == TPL_LIST)
-            return tpl_type_error(R, "can only concatenate %s (not \"%s\") to %s", tpl_type_name(a),
-                                  tpl_type_name(b), tpl_type_name(a));
-        return unsupported(R, op, a, b);
-    case OP_SUB:
-        return unsupported(R, op, a, b);
-    case OP_MUL:
-        if ((a.kind == TPL_STR || a.kind == TPL_LIST) && (b.kind == TPL_INT || b.kind == TPL_BOOL))
-            return repeat_seq(R, a, b.i, out);
-        if ((b.kind == TPL_STR || b.kind == TPL_LIST) && (a.kind == TPL_INT || a.kind == TPL_BOOL))
-            return repeat_seq(R, b, a.i, out);
-        if (a.kind == TPL_STR || a.kind == TPL_LIST || b.kind == TPL_STR || b.kind == TPL_LIST)
-            return tpl_type_error(R, "can't multiply sequence by non-int of type '%s'",
-                                  tpl_type_name(a.kind == TPL_STR || a.kind == TPL_LIST ? b : a));
-        return unsupported(R, op, a, b);
+    case OP_ADD: return seq_add(R, a, b, out);
+    case OP_MUL: return seq_mul(R, a, b, out);
     case OP_DIV:
-        if (!nums)
-            return unsupported(R, op, a, b);
         if (num_f(b) == 0.0)
             return tpl_type_error(R, "division by zero");
         *out = tpl_float(num_f(a) / num_f(b));
         return FU_OK;
     case OP_FLOORDIV:
-    case OP_MOD:
-        if (op == OP_MOD && a.kind == TPL_STR)
-            return tpl_format_percent(R, a, b, out);
-        if (!nums)
-            return unsupported(R, op, a, b);
-        if (ints) {
-            if (b.i == 0)
-                return tpl_type_error(R, op == OP_MOD ? "integer modulo by zero" : "integer division or modulo by zero");
-            if (a.i == INT64_MIN && b.i == -1)
-                return tpl_type_error(R, "integer overflow");
-            int64_t q = a.i / b.i, m = a.i % b.i;
-            if (m != 0 && ((m < 0) != (b.i < 0))) {
-                q--;
-                m += b.i;
-            }
-            *out = tpl_int(op == OP_MOD ? m : q);
-            return FU_OK;
-        }
-        if (num_f(b) == 0.0)
-            return tpl_type_error(R, op == OP_MOD ? "float modulo" : "float floor division by zero");
-        {
-            double x = num_f(a), y = num_f(b);
-            double m = fmod(x, y);
-            if (m != 0.0 && ((m < 0) != (y < 0)))
-                m += y;
-            else if (m == 0.0)
-                m = copysign(0.0, y);
-            *out = tpl_float(op == OP_MOD ? m : floor((x - m) / y + 0.0));
-            if (op == OP_FLOORDIV) {
-                double q = (x - m) / y, fq = floor(q);
-                if (q - fq > 0.5)
-                    fq += 1.0;
-                *out = tpl_float(fq);
-            }
-        }
-        return FU_OK;
-    case OP_POW:
-        if (!nums)
-            return unsupported(R, op, a, b);
-        if (ints && b.i >= 0) {
-            int64_t base = a.i, acc = 1, e = b.i;
-            while (e > 0) {
-                if (e & 1 && __builtin_mul_overflow(acc, base, &acc))
-                    return tpl_type_error(R, "integer overflow");
-                e >>= 1;
-                if (e && __builtin_mul_overflow(base, base, &base))
-                    return tpl_type_error(R, "integer overflow");
-            }
-            *out = tpl_int(acc);
-            return FU_OK;
-        }
-        if (num_f(a) == 0.0 && num_f(b) < 0)
-            return tpl_type_error(R, "0.0 cannot be raised to a negative power");
-        *out = tpl_float(pow(num_f(a), num_f(b)));
-        return FU_OK;
+    case OP_MOD: return num_divmod(R, op, a, b, out);
+    case OP_POW: return num_pow(R, a, b, out);
     }
     return tpl_type_error(R, "unknown operator");
 }
@@ -667,7 +685,7 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
             return tpl_type_error(R, "macro '%s' got multiple values for argument '%s'", m->str, a->kwnames[k]);
     }
     tpl_scope *saved_scope = R->scope;
-    tpl_buf *saved_out = R->out;
+    fu_buf *saved_out = R->out;
     tpl_ctl saved_ctl = R->ctl;
     tpl_scope sc;
     int rc = scope_push(R, &sc, R->root);
@@ -696,7 +714,7 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
         if (!rc)
             rc = scope_set(R, m->names[i], v);
     }
-    tpl_buf buf = {0};
+    fu_buf buf = {0};
     if (!rc) {
         R->out = &buf;
         R->depth++;
@@ -707,7 +725,7 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
     R->ctl = saved_ctl;
     scope_pop(R, &sc, saved_scope);
     if (rc) {
-        tpl_buf_free(&buf);
+        fu_buf_free(&buf);
         return rc;
     }
     return tpl_buf_to_str(R, &buf, out);
@@ -776,6 +794,18 @@ static int eval_call(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     return rc;
 }
 
+/* Applies the filter node f (its arguments evaluated now) to x (borrowed). */
+static int filter_apply(tpl_rt *R, const tpl_node *f, tpl_val x, tpl_val *out) {
+    eargs e;
+    int rc = args_eval(R, f, &e);
+    if (rc)
+        return rc;
+    R->line = f->line;
+    rc = tpl_apply_filter(R, f->id, f->str, x, &e.a, out);
+    args_free(R, &e);
+    return rc;
+}
+
 /* Applies a filter chain whose innermost input is the placeholder ND_CONST
  * (for {% filter %} and {% set x | f %}) to `in` (borrowed). */
 static int apply_chain(tpl_rt *R, const tpl_node *f, tpl_val in, tpl_val *out) {
@@ -788,14 +818,7 @@ static int apply_chain(tpl_rt *R, const tpl_node *f, tpl_val in, tpl_val *out) {
     int rc = apply_chain(R, f->a, in, &x);
     if (rc)
         return rc;
-    eargs e;
-    if ((rc = args_eval(R, f, &e))) {
-        tpl_drop(R, x);
-        return rc;
-    }
-    R->line = f->line;
-    rc = tpl_apply_filter(R, f->id, f->str, x, &e.a, out);
-    args_free(R, &e);
+    rc = filter_apply(R, f, x, out);
     tpl_drop(R, x);
     return rc;
 }
@@ -834,201 +857,249 @@ static int eval(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     return rc;
 }
 
+/* An operation on the value of n->a (borrowed); *out receives a new reference. */
+typedef int (*unary_fn)(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out);
+/* An operation on the values of n->a and n->b (borrowed). */
+typedef int (*binary_fn)(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val b, tpl_val *out);
+
+/* Evaluates n->a, then fn on it. */
+static int eval_unary(tpl_rt *R, const tpl_node *n, unary_fn fn, tpl_val *out) {
+    tpl_val a;
+    int rc = eval(R, n->a, &a);
+    if (rc)
+        return rc;
+    rc = fn(R, n, a, out);
+    tpl_drop(R, a);
+    return rc;
+}
+
+/* Evaluates n->a and n->b, then fn on them (at n's line). */
+static int eval_binary(tpl_rt *R, const tpl_node *n, binary_fn fn, tpl_val *out) {
+    tpl_val a, b;
+    int rc = eval(R, n->a, &a);
+    if (rc)
+        return rc;
+    if ((rc = eval(R, n->b, &b))) {
+        tpl_drop(R, a);
+        return rc;
+    }
+    R->line = n->line;
+    rc = fn(R, n, a, b, out);
+    tpl_drop(R, a);
+    tpl_drop(R, b);
+    return rc;
+}
+
+/* Evaluates e for its truth value only. */
+static int eval_truth(tpl_rt *R, const tpl_node *e, bool *t) {
+    tpl_val v;
+    int rc = eval(R, e, &v);
+    if (rc)
+        return rc;
+    *t = tpl_truthy(v);
+    tpl_drop(R, v);
+    return FU_OK;
+}
+
+/* A variable: the innermost binding, else a global function, else Undefined. */
+static int eval_name(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+    tpl_val *v = scope_lookup(R, n->str, n->len);
+    if (v) {
+        *out = *v;
+        tpl_ref(*out);
+        return FU_OK;
+    }
+    int gid = tpl_global_id(n->str);
+    if (gid > 0)
+        return tpl_func_new(R, gid, tpl_undef(), NULL, out);
+    return tpl_undef_hint(R, out, "'%s' is undefined", n->str);
+}
+
+/* a.name */
+static int getattr_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
+    R->line = n->line;
+    return tpl_getattr(R, a, n->str, n->len, out);
+}
+
+/* a[start:stop:step] for the ND_SLICE node n->b. */
+static int slice_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
+    const tpl_node *s = n->b;
+    tpl_val sv[3] = {tpl_none(), tpl_none(), tpl_none()};
+    int rc = FU_OK;
+    for (int i = 0; i < 3 && !rc; i++)
+        if (s->kids.v[i])
+            rc = eval(R, s->kids.v[i], &sv[i]);
+    R->line = n->line;
+    if (!rc)
+        rc = do_slice(R, a, sv, out);
+    for (int i = 0; i < 3; i++)
+        tpl_drop(R, sv[i]);
+    return rc;
+}
+
+/* a[b] */
+static int getitem_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val b, tpl_val *out) {
+    return tpl_getitem(R, a, b, out);
+}
+
+/* a is test(args...) */
+static int test_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
+    eargs e;
+    int rc = args_eval(R, n, &e);
+    if (rc)
+        return rc;
+    bool res = false;
+    R->line = n->line;
+    rc = tpl_apply_test(R, n->id, n->str, a, &e.a, &res);
+    args_free(R, &e);
+    *out = tpl_bool(res);
+    return rc;
+}
+
+/* not a */
+static int not_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
+    *out = tpl_bool(!tpl_truthy(a));
+    return FU_OK;
+}
+
+/* -a and +a on a number. */
+static int sign_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
+    bool neg = n->type == ND_NEG;
+    R->line = n->line;
+    if (a.kind == TPL_UNDEF)
+        return tpl_undef_fail(R, a);
+    if (a.kind == TPL_FLOAT) {
+        *out = tpl_float(neg ? -a.f : a.f);
+        return FU_OK;
+    }
+    if (a.kind != TPL_INT && a.kind != TPL_BOOL)
+        return tpl_type_error(R, "bad operand type for unary %c: '%s'", neg ? '-' : '+', tpl_type_name(a));
+    if (neg && a.i == INT64_MIN)
+        return tpl_type_error(R, "integer overflow");
+    *out = tpl_int(neg ? -a.i : a.i);
+    return FU_OK;
+}
+
+/* a op b for the arithmetic operators. */
+static int binop_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val b, tpl_val *out) {
+    return tpl_binop(R, n->op, a, b, out);
+}
+
+/* a op1 b op2 c ...: chained, each operand evaluated at most once, stopping at the first false. */
+static int eval_compare(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+    tpl_val a, b;
+    int rc = eval(R, n->a, &a);
+    if (rc)
+        return rc;
+    bool res = true;
+    for (size_t i = 0; i < n->body.n && res; i++) {
+        if ((rc = eval(R, n->body.v[i], &b))) {
+            tpl_drop(R, a);
+            return rc;
+        }
+        R->line = n->line;
+        rc = compare_op(R, n->ops[i], a, b, &res);
+        tpl_drop(R, a);
+        a = b;
+        if (rc) {
+            tpl_drop(R, a);
+            return rc;
+        }
+    }
+    tpl_drop(R, a);
+    *out = tpl_bool(res);
+    return FU_OK;
+}
+
+/* a and b, a or b: the deciding operand itself. */
+static int eval_logic(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+    tpl_val a;
+    int rc = eval(R, n->a, &a);
+    if (rc)
+        return rc;
+    if (tpl_truthy(a) == (n->type == ND_OR)) {
+        *out = a;
+        return FU_OK;
+    }
+    tpl_drop(R, a);
+    return eval(R, n->b, out);
+}
+
+/* a if b else c; without else, an Undefined when b is false. */
+static int eval_cond(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+    bool yes;
+    int rc = eval_truth(R, n->b, &yes);
+    if (rc)
+        return rc;
+    if (yes)
+        return eval(R, n->a, out);
+    if (n->c)
+        return eval(R, n->c, out);
+    return tpl_undef_hint(R, out,
+                          "the inline if-expression on line %d evaluated to false and no else section was defined.",
+                          n->line);
+}
+
+/* Evaluates one `key: value` of a dict display into `dict`. */
+static int dict_item(tpl_rt *R, const tpl_node *kn, const tpl_node *vn, tpl_val dict) {
+    tpl_val k, v;
+    int rc = eval(R, kn, &k);
+    if (rc)
+        return rc;
+    if (!hashable(k)) {
+        rc = tpl_type_error(R, "unhashable type: '%s'", tpl_type_name(k));
+        tpl_drop(R, k);
+        return rc;
+    }
+    if ((rc = eval(R, vn, &v))) {
+        tpl_drop(R, k);
+        return rc;
+    }
+    return tpl_dict_set(R, dict, k, v);
+}
+
+static int eval_dict(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+    int rc = tpl_dict_new(R, n->body.n, out);
+    if (rc)
+        return rc;
+    for (size_t i = 0; i < n->body.n && !rc; i++)
+        rc = dict_item(R, n->body.v[i], n->alt.v[i], *out);
+    if (rc)
+        tpl_drop(R, *out);
+    return rc;
+}
+
 static int eval_node(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     int rc = tpl_rt_charge(R, 1);
     if (rc)
         return rc;
     R->line = n->line;
-    tpl_val a, b;
     switch (n->type) {
     case ND_CONST:
         *out = n->val;
         tpl_ref(*out);
         return FU_OK;
-    case ND_NAME: {
-        tpl_val *v = scope_lookup(R, n->str, n->len);
-        if (v) {
-            *out = *v;
-            tpl_ref(*out);
-            return FU_OK;
-        }
-        int gid = tpl_global_id(n->str);
-        if (gid > 0)
-            return tpl_func_new(R, gid, tpl_undef(), NULL, out);
-        return tpl_undef_hint(R, out, "'%s' is undefined", n->str);
-    }
-    case ND_GETATTR:
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        R->line = n->line;
-        rc = tpl_getattr(R, a, n->str, n->len, out);
-        tpl_drop(R, a);
-        return rc;
+    case ND_NAME: return eval_name(R, n, out);
+    case ND_GETATTR: return eval_unary(R, n, getattr_of, out);
     case ND_GETITEM:
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        if (n->b->type == ND_SLICE) {
-            tpl_val sv[3] = {tpl_none(), tpl_none(), tpl_none()};
-            for (int i = 0; i < 3 && !rc; i++)
-                if (n->b->kids.v[i])
-                    rc = eval(R, n->b->kids.v[i], &sv[i]);
-            R->line = n->line;
-            if (!rc)
-                rc = do_slice(R, a, sv, out);
-            for (int i = 0; i < 3; i++)
-                tpl_drop(R, sv[i]);
-            tpl_drop(R, a);
-            return rc;
-        }
-        if ((rc = eval(R, n->b, &b))) {
-            tpl_drop(R, a);
-            return rc;
-        }
-        R->line = n->line;
-        rc = tpl_getitem(R, a, b, out);
-        tpl_drop(R, a);
-        tpl_drop(R, b);
-        return rc;
-    case ND_CALL:
-        return eval_call(R, n, out);
-    case ND_FILTER: {
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        eargs e;
-        if ((rc = args_eval(R, n, &e))) {
-            tpl_drop(R, a);
-            return rc;
-        }
-        R->line = n->line;
-        rc = tpl_apply_filter(R, n->id, n->str, a, &e.a, out);
-        args_free(R, &e);
-        tpl_drop(R, a);
-        return rc;
-    }
-    case ND_TEST: {
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        eargs e;
-        if ((rc = args_eval(R, n, &e))) {
-            tpl_drop(R, a);
-            return rc;
-        }
-        bool res = false;
-        R->line = n->line;
-        rc = tpl_apply_test(R, n->id, n->str, a, &e.a, &res);
-        args_free(R, &e);
-        tpl_drop(R, a);
-        *out = tpl_bool(res);
-        return rc;
-    }
-    case ND_NOT:
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        *out = tpl_bool(!tpl_truthy(a));
-        tpl_drop(R, a);
-        return FU_OK;
+        if (n->b->type == ND_SLICE)
+            return eval_unary(R, n, slice_of, out);
+        return eval_binary(R, n, getitem_of, out);
+    case ND_CALL: return eval_call(R, n, out);
+    case ND_FILTER: return eval_unary(R, n, filter_apply, out);
+    case ND_TEST: return eval_unary(R, n, test_of, out);
+    case ND_NOT: return eval_unary(R, n, not_of, out);
     case ND_NEG:
-    case ND_POS:
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        R->line = n->line;
-        if (a.kind == TPL_UNDEF)
-            rc = tpl_undef_fail(R, a);
-        else if (a.kind == TPL_FLOAT)
-            *out = tpl_float(n->type == ND_NEG ? -a.f : a.f);
-        else if (a.kind == TPL_INT || a.kind == TPL_BOOL) {
-            if (n->type == ND_NEG && a.i == INT64_MIN)
-                rc = tpl_type_error(R, "integer overflow");
-            else
-                *out = tpl_int(n->type == ND_NEG ? -a.i : a.i);
-        } else
-            rc = tpl_type_error(R, "bad operand type for unary %c: '%s'", n->type == ND_NEG ? '-' : '+',
-                                tpl_type_name(a));
-        tpl_drop(R, a);
-        return rc;
-    case ND_BINOP:
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        if ((rc = eval(R, n->b, &b))) {
-            tpl_drop(R, a);
-            return rc;
-        }
-        R->line = n->line;
-        rc = tpl_binop(R, n->op, a, b, out);
-        tpl_drop(R, a);
-        tpl_drop(R, b);
-        return rc;
-    case ND_COMPARE: {
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        bool res = true;
-        for (size_t i = 0; i < n->body.n && res; i++) {
-            if ((rc = eval(R, n->body.v[i], &b))) {
-                tpl_drop(R, a);
-                return rc;
-            }
-            R->line = n->line;
-            rc = compare_op(R, n->ops[i], a, b, &res);
-            tpl_drop(R, a);
-            a = b;
-            if (rc) {
-                tpl_drop(R, a);
-                return rc;
-            }
-        }
-        tpl_drop(R, a);
-        *out = tpl_bool(res);
-        return FU_OK;
-    }
+    case ND_POS: return eval_unary(R, n, sign_of, out);
+    case ND_BINOP: return eval_binary(R, n, binop_of, out);
+    case ND_COMPARE: return eval_compare(R, n, out);
     case ND_AND:
-    case ND_OR:
-        if ((rc = eval(R, n->a, &a)))
-            return rc;
-        if (tpl_truthy(a) == (n->type == ND_OR)) {
-            *out = a;
-            return FU_OK;
-        }
-        tpl_drop(R, a);
-        return eval(R, n->b, out);
-    case ND_COND:
-        if ((rc = eval(R, n->b, &a)))
-            return rc;
-        bool t = tpl_truthy(a);
-        tpl_drop(R, a);
-        if (t)
-            return eval(R, n->a, out);
-        if (n->c)
-            return eval(R, n->c, out);
-        return tpl_undef_hint(R, out,
-                              "the inline if-expression on line %d evaluated to false and no else section was defined.",
-                              n->line);
+    case ND_OR: return eval_logic(R, n, out);
+    case ND_COND: return eval_cond(R, n, out);
     case ND_LIST:
-    case ND_TUPLE:
-        return eval_seq(R, n, n->type == ND_TUPLE, out);
-    case ND_DICT:
-        if ((rc = tpl_dict_new(R, n->body.n, out)))
-            return rc;
-        for (size_t i = 0; i < n->body.n; i++) {
-            if ((rc = eval(R, n->body.v[i], &a)))
-                goto dict_err;
-            if (!hashable(a)) {
-                rc = tpl_type_error(R, "unhashable type: '%s'", tpl_type_name(a));
-                tpl_drop(R, a);
-                goto dict_err;
-            }
-            if ((rc = eval(R, n->alt.v[i], &b))) {
-                tpl_drop(R, a);
-                goto dict_err;
-            }
-            if ((rc = tpl_dict_set(R, *out, a, b)))
-                goto dict_err;
-        }
-        return FU_OK;
-    dict_err:
-        tpl_drop(R, *out);
-        return rc;
-    default:
-        return tpl_rt_fail(R, FU_ERR_INTERNAL, "cannot evaluate node type %d", n->type);
+    case ND_TUPLE: return eval_seq(R, n, n->type == ND_TUPLE, out);
+    case ND_DICT: return eval_dict(R, n, out);
+    default: return tpl_rt_fail(R, FU_ERR_INTERNAL, "cannot evaluate node type %d", n->type);
     }
 }
 
@@ -1121,63 +1192,44 @@ static int assign_target(tpl_rt *R, const tpl_node *n, tpl_val v) {
     return rc;
 }
 
-static int exec_for(tpl_rt *R, const tpl_node *n) {
-    tpl_val seq, items;
-    int rc = eval(R, n->a, &seq);
-    if (rc)
+/* Keeps the items of `items` (owned, replaced by a new list) for which the
+ * for loop's `if` condition holds, each evaluated in a scope of its own. */
+static int loop_filter(tpl_rt *R, const tpl_node *n, tpl_scope *outer, tpl_val *items) {
+    tpl_val kept;
+    int rc = tpl_list_new(R, 0, &kept);
+    if (rc) {
+        tpl_drop(R, *items);
         return rc;
-    R->line = n->line;
-    rc = tpl_iter_list(R, seq, &items);
-    tpl_drop(R, seq);
-    if (rc)
-        return rc;
-    tpl_scope *outer = R->scope;
+    }
+    tpl_list *l = tpl_as_list(*items);
     tpl_scope sc;
-    if (n->b) { /* {% for x in xs if cond %}: filter first, without `loop` */
-        tpl_val kept;
-        if ((rc = tpl_list_new(R, 0, &kept))) {
-            tpl_drop(R, items);
-            return rc;
-        }
-        tpl_list *l = tpl_as_list(items);
-        for (size_t i = 0; i < l->len && !rc; i++) {
-            if ((rc = scope_push(R, &sc, outer)))
-                break;
-            tpl_val c;
-            rc = assign_names(R, n->names, n->nnames, l->v[i]);
-            if (!rc && !(rc = eval(R, n->b, &c))) {
-                if (tpl_truthy(c)) {
-                    tpl_ref(l->v[i]);
-                    rc = tpl_list_push(R, kept, l->v[i]);
-                }
-                tpl_drop(R, c);
-            }
-            scope_pop(R, &sc, outer);
-        }
-        tpl_drop(R, items);
-        items = kept;
-        if (rc) {
-            tpl_drop(R, items);
-            return rc;
-        }
-    }
-    tpl_list *l = tpl_as_list(items);
-    if (l->len == 0) {
-        tpl_drop(R, items);
+    for (size_t i = 0; i < l->len && !rc; i++) {
         if ((rc = scope_push(R, &sc, outer)))
-            return rc;
-        rc = exec_body(R, &n->alt);
+            break;
+        tpl_val c;
+        rc = assign_names(R, n->names, n->nnames, l->v[i]);
+        if (!rc && !(rc = eval(R, n->b, &c))) {
+            if (tpl_truthy(c)) {
+                tpl_ref(l->v[i]);
+                rc = tpl_list_push(R, kept, l->v[i]);
+            }
+            tpl_drop(R, c);
+        }
         scope_pop(R, &sc, outer);
-        return rc;
     }
-    tpl_loop *loop = NULL;
-    tpl_val loopv;
-    if ((rc = tpl_loop_new(R, items, &loopv))) {
-        tpl_drop(R, items);
-        return rc;
-    }
-    tpl_drop(R, items); /* now owned by the loop */
-    loop = (tpl_loop *)loopv.o;
+    tpl_drop(R, *items);
+    *items = kept;
+    if (rc)
+        tpl_drop(R, kept);
+    return rc;
+}
+
+/* Runs the loop body once per item with `loop` bound; honours break/continue. */
+static int loop_run(tpl_rt *R, const tpl_node *n, tpl_scope *outer, tpl_val loopv) {
+    tpl_loop *loop = (tpl_loop *)loopv.o;
+    tpl_list *l = tpl_as_list(loop->items);
+    tpl_scope sc;
+    int rc = FU_OK;
     for (size_t i = 0; i < l->len && !rc; i++) {
         if ((rc = tpl_rt_charge(R, 1)))
             break;
@@ -1198,7 +1250,133 @@ static int exec_for(tpl_rt *R, const tpl_node *n) {
         }
         R->ctl = TPL_CTL_NONE;
     }
+    return rc;
+}
+
+/* {% for names in seq [if cond] %}body{% else %}alt{% endfor %} */
+static int exec_for(tpl_rt *R, const tpl_node *n) {
+    tpl_val seq, items;
+    int rc = eval(R, n->a, &seq);
+    if (rc)
+        return rc;
+    R->line = n->line;
+    rc = tpl_iter_list(R, seq, &items);
+    tpl_drop(R, seq);
+    if (rc)
+        return rc;
+    tpl_scope *outer = R->scope;
+    if (n->b && (rc = loop_filter(R, n, outer, &items))) /* filter first, without `loop` */
+        return rc;
+    if (tpl_as_list(items)->len == 0) {
+        tpl_scope sc;
+        tpl_drop(R, items);
+        if ((rc = scope_push(R, &sc, outer)))
+            return rc;
+        rc = exec_body(R, &n->alt);
+        scope_pop(R, &sc, outer);
+        return rc;
+    }
+    tpl_val loopv;
+    rc = tpl_loop_new(R, items, &loopv);
+    tpl_drop(R, items); /* owned by the loop now */
+    if (rc)
+        return rc;
+    rc = loop_run(R, n, outer, loopv);
     tpl_drop(R, loopv);
+    return rc;
+}
+
+static int exec_output(tpl_rt *R, const tpl_node *n) {
+    tpl_val v;
+    int rc = eval(R, n->a, &v);
+    if (rc)
+        return rc;
+    rc = emit_val(R, v);
+    tpl_drop(R, v);
+    return rc;
+}
+
+static int exec_if(tpl_rt *R, const tpl_node *n) {
+    bool t;
+    int rc = eval_truth(R, n->a, &t);
+    return rc ? rc : exec_body(R, t ? &n->body : &n->alt);
+}
+
+static int exec_set(tpl_rt *R, const tpl_node *n) {
+    tpl_val v;
+    int rc = eval(R, n->a, &v);
+    if (rc)
+        return rc;
+    R->line = n->line;
+    return assign_target(R, n, v);
+}
+
+/* {% set x %}...{% endset %} and {% filter f %}...{% endfilter %}: the body's
+ * output captured, passed through the filters, then assigned or emitted. */
+static int exec_capture(tpl_rt *R, const tpl_node *n) {
+    fu_buf buf = {0};
+    fu_buf *saved = R->out;
+    tpl_val v;
+    R->out = &buf;
+    int rc = exec_body(R, &n->body);
+    R->out = saved;
+    if (rc || (rc = tpl_buf_to_str(R, &buf, &v))) {
+        fu_buf_free(&buf);
+        return rc;
+    }
+    if (n->kids.n) {
+        tpl_val f;
+        rc = apply_chain(R, n->kids.v[0], v, &f);
+        tpl_drop(R, v);
+        if (rc)
+            return rc;
+        v = f;
+    }
+    if (n->type == ND_SET_BLOCK)
+        return assign_target(R, n, v);
+    rc = emit_val(R, v);
+    tpl_drop(R, v);
+    return rc;
+}
+
+static int exec_macro(tpl_rt *R, const tpl_node *n) {
+    tpl_val v;
+    int rc = tpl_func_new(R, TPL_FN_MACRO, tpl_undef(), n, &v);
+    if (rc)
+        return rc;
+    return scope_set(R, n->str, v);
+}
+
+/* {% with a = x, ... %}body{% endwith %}: the values are evaluated in the outer scope. */
+static int exec_with(tpl_rt *R, const tpl_node *n) {
+    tpl_scope *outer = R->scope;
+    tpl_scope sc;
+    tpl_val vals[16];
+    size_t nv = n->kids.n;
+    int rc;
+    if (nv > 16)
+        return tpl_type_error(R, "too many with-assignments");
+    for (size_t i = 0; i < nv; i++) {
+        if ((rc = eval(R, n->kids.v[i], &vals[i]))) {
+            for (size_t j = 0; j < i; j++)
+                tpl_drop(R, vals[j]);
+            return rc;
+        }
+    }
+    if ((rc = scope_push(R, &sc, outer))) {
+        for (size_t j = 0; j < nv; j++)
+            tpl_drop(R, vals[j]);
+        return rc;
+    }
+    for (size_t i = 0; i < nv; i++) {
+        if (!rc)
+            rc = scope_set(R, n->names[i], vals[i]);
+        else
+            tpl_drop(R, vals[i]);
+    }
+    if (!rc)
+        rc = exec_body(R, &n->body);
+    scope_pop(R, &sc, outer);
     return rc;
 }
 
@@ -1207,98 +1385,24 @@ static int exec_stmt(tpl_rt *R, const tpl_node *n) {
     if (rc)
         return rc;
     R->line = n->line;
-    tpl_val v;
     switch (n->type) {
-    case ND_DATA:
-        return emit(R, n->str, n->len);
-    case ND_OUTPUT:
-        if ((rc = eval(R, n->a, &v)))
-            return rc;
-        rc = emit_val(R, v);
-        tpl_drop(R, v);
-        return rc;
-    case ND_IF:
-        if ((rc = eval(R, n->a, &v)))
-            return rc;
-        bool t = tpl_truthy(v);
-        tpl_drop(R, v);
-        return exec_body(R, t ? &n->body : &n->alt);
-    case ND_FOR:
-        return exec_for(R, n);
-    case ND_SET:
-        if ((rc = eval(R, n->a, &v)))
-            return rc;
-        R->line = n->line;
-        return assign_target(R, n, v);
+    case ND_DATA: return emit(R, n->str, n->len);
+    case ND_OUTPUT: return exec_output(R, n);
+    case ND_IF: return exec_if(R, n);
+    case ND_FOR: return exec_for(R, n);
+    case ND_SET: return exec_set(R, n);
     case ND_SET_BLOCK:
-    case ND_FILTER_BLOCK: {
-        tpl_buf buf = {0};
-        tpl_buf *saved = R->out;
-        R->out = &buf;
-        rc = exec_body(R, &n->body);
-        R->out = saved;
-        if (rc || (rc = tpl_buf_to_str(R, &buf, &v))) {
-            tpl_buf_free(&buf);
-            return rc;
-        }
-        if (n->kids.n) {
-            tpl_val f;
-            rc = apply_chain(R, n->kids.v[0], v, &f);
-            tpl_drop(R, v);
-            if (rc)
-                return rc;
-            v = f;
-        }
-        if (n->type == ND_SET_BLOCK)
-            return assign_target(R, n, v);
-        rc = emit_val(R, v);
-        tpl_drop(R, v);
-        return rc;
-    }
-    case ND_MACRO:
-        if ((rc = tpl_func_new(R, TPL_FN_MACRO, tpl_undef(), n, &v)))
-            return rc;
-        return scope_set(R, n->str, v);
+    case ND_FILTER_BLOCK: return exec_capture(R, n);
+    case ND_MACRO: return exec_macro(R, n);
     case ND_BREAK:
         R->ctl = TPL_CTL_BREAK;
         return FU_OK;
     case ND_CONTINUE:
         R->ctl = TPL_CTL_CONTINUE;
         return FU_OK;
-    case ND_WITH: {
-        tpl_scope *outer = R->scope;
-        tpl_scope sc;
-        tpl_val vals[16];
-        size_t nv = n->kids.n;
-        if (nv > 16)
-            return tpl_type_error(R, "too many with-assignments");
-        for (size_t i = 0; i < nv; i++) {
-            if ((rc = eval(R, n->kids.v[i], &vals[i]))) {
-                for (size_t j = 0; j < i; j++)
-                    tpl_drop(R, vals[j]);
-                return rc;
-            }
-        }
-        if ((rc = scope_push(R, &sc, outer))) {
-            for (size_t j = 0; j < nv; j++)
-                tpl_drop(R, vals[j]);
-            return rc;
-        }
-        for (size_t i = 0; i < nv; i++) {
-            if (!rc)
-                rc = scope_set(R, n->names[i], vals[i]);
-            else
-                tpl_drop(R, vals[i]);
-        }
-        if (!rc)
-            rc = exec_body(R, &n->body);
-        scope_pop(R, &sc, outer);
-        return rc;
-    }
-    case ND_BODY:
-        return exec_body(R, &n->body);
-    default:
-        return tpl_rt_fail(R, FU_ERR_INTERNAL, "cannot execute node type %d", n->type);
+    case ND_WITH: return exec_with(R, n);
+    case ND_BODY: return exec_body(R, &n->body);
+    default: return tpl_rt_fail(R, FU_ERR_INTERNAL, "cannot execute node type %d", n->type);
     }
 }
 

@@ -1,4 +1,23 @@
-/* tpl-impl.h -- internals of the chat-template interpreter: values, AST, lexer, runtime. */
+/* tpl-impl.h -- internals of the chat-template interpreter: values, AST, lexer, runtime.
+ *
+ * The pipeline: tpl_lex (tpl-lex.c) turns the source into tokens, tpl_parse
+ * (tpl-parse.c) into a tree of tpl_node, and tpl_exec_template (tpl-eval.c)
+ * walks the tree with the values of tpl-value.c and the filters, tests,
+ * methods and globals of tpl-builtins.c.
+ *
+ * Threading: a parsed tree and its constants are immutable and shared by
+ * concurrent renders; everything else belongs to one render (its tpl_rt) and
+ * one thread. Reference counts are not atomic: a render's values never reach
+ * another render, and compile-time values are immortal (rc < 0), so ref and
+ * drop leave them alone.
+ *
+ * Ownership: values are reference counted; a function that writes a tpl_val
+ * through an out pointer hands over a new reference, and tpl_val arguments
+ * are borrowed unless the comment says "owned". Every value is accounted to
+ * the render that allocated it (tpl_limits.max_memory). Tokens own their
+ * text, nodes own their children, strings and names, and a tpl_template owns
+ * its tree. Output and scratch text go to fu_buf buffers owned by the caller.
+ */
 #ifndef FU_TPL_IMPL_H
 #define FU_TPL_IMPL_H
 
@@ -7,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "buf.h"
 #include "chat-template.h"
 
 /* ------------------------------------------------------------------------ */
@@ -104,11 +124,6 @@ static inline bool tpl_is_num(tpl_val v) {
 /* Runtime state of one render                                              */
 /* ------------------------------------------------------------------------ */
 
-typedef struct tpl_buf {
-    char *p;
-    size_t len, cap;
-} tpl_buf;
-
 typedef struct tpl_scope {
     struct tpl_scope *parent;
     tpl_val vars; /* TPL_DICT of name -> value (owned) */
@@ -119,7 +134,7 @@ typedef enum tpl_ctl { TPL_CTL_NONE = 0, TPL_CTL_BREAK, TPL_CTL_CONTINUE } tpl_c
 typedef struct tpl_rt {
     const tpl_template *tpl;
     tpl_limits lim;
-    tpl_buf *out;       /* where output goes now (the result or a capture) */
+    fu_buf *out;        /* where output goes now (the result or a capture) */
     size_t out_total;   /* bytes written into all buffers (bounded by lim) */
     size_t live_bytes;  /* bytes held by this render's objects */
     uint64_t fuel;      /* work units left */
@@ -179,13 +194,15 @@ int tpl_compare(tpl_rt *R, tpl_val a, tpl_val b, const char *op, int *cmp);
 const char *tpl_undef_msg(tpl_val v);
 int tpl_undef_fail(tpl_rt *R, tpl_val v);
 
-/* Appends str(v) / repr(v) to a buffer. */
-int tpl_buf_put(tpl_rt *R, tpl_buf *b, const char *s, size_t n);
-int tpl_buf_str(tpl_rt *R, tpl_buf *b, tpl_val v);
-int tpl_buf_repr(tpl_rt *R, tpl_buf *b, tpl_val v);
-void tpl_buf_free(tpl_buf *b);
+/* Appends n bytes to b, charging them to R's work budget and bounding the
+ * buffer by its memory limit (R == NULL: compile time, unbounded); on failure
+ * the error is recorded in R and b is unchanged (the caller still frees it). */
+int tpl_buf_put(tpl_rt *R, fu_buf *b, const char *s, size_t n);
+/* Appends str(v) / repr(v) to a buffer, as tpl_buf_put. */
+int tpl_buf_str(tpl_rt *R, fu_buf *b, tpl_val v);
+int tpl_buf_repr(tpl_rt *R, fu_buf *b, tpl_val v);
 /* Moves the buffer's bytes into a new string value; the buffer is emptied. */
-int tpl_buf_to_str(tpl_rt *R, tpl_buf *b, tpl_val *out);
+int tpl_buf_to_str(tpl_rt *R, fu_buf *b, tpl_val *out);
 /* str(v) as a new string value (returns v itself with a new ref if a string). */
 int tpl_to_str(tpl_rt *R, tpl_val v, tpl_val *out);
 /* Python's repr(float). */
@@ -200,7 +217,7 @@ typedef struct tpl_json_opts {
     bool sort_keys;
     bool ensure_ascii;
 } tpl_json_opts;
-int tpl_buf_json(tpl_rt *R, tpl_buf *b, tpl_val v, const tpl_json_opts *o, int level);
+int tpl_buf_json(tpl_rt *R, fu_buf *b, tpl_val v, const tpl_json_opts *o, int level);
 
 /* Returns a new list of the items of an iterable (list, tuple, dict keys,
  * string characters, Undefined -> empty); TypeError for the rest. */

@@ -193,7 +193,132 @@ static int decode_string(lexer *L, const char *s, size_t n, int line) {
 static const char *const OPS[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/", "*", "%", "~", "[",
                                   "]",  "(",  ")",  "{",  "}",  "=",  ".", ":", "|", ",", ">", "<", ";"};
 
-/* Lexes the inside of a {{ }} or {% %} tag starting at L->pos. */
+/* Moves past s[from..e), counting its newlines; a match that ends with a newline starts a line. */
+static void lex_skip(lexer *L, size_t from, size_t e) {
+    L->line += count_lines(L->s + from, e - from);
+    L->line_starting = L->s[e - 1] == '\n';
+    L->pos = e;
+}
+
+/* The end of the run of digits from q ('_' allowed between digits). */
+static size_t digits_end(const lexer *L, size_t q) {
+    const char *s = L->s;
+    while (q < L->n && (isdigit((unsigned char)s[q]) || (s[q] == '_' && q + 1 < L->n && isdigit((unsigned char)s[q + 1]))))
+        q++;
+    return q;
+}
+
+/* An int or float literal at p: digits ('.' digits)? (e[+-]?digits)?, with '_' separators. */
+static int lex_number(lexer *L, size_t p) {
+    const char *s = L->s;
+    size_t q = digits_end(L, p), r = q;
+    bool is_float = false, after_dot = p > 0 && s[p - 1] == '.';
+    if (!after_dot && r + 1 < L->n && s[r] == '.' && isdigit((unsigned char)s[r + 1])) {
+        r = digits_end(L, r + 1);
+        is_float = true;
+    }
+    if (!after_dot && r < L->n && (s[r] == 'e' || s[r] == 'E')) {
+        size_t t = r + 1;
+        if (t < L->n && (s[t] == '+' || s[t] == '-'))
+            t++;
+        if (t < L->n && isdigit((unsigned char)s[t])) {
+            r = digits_end(L, t);
+            is_float = true;
+        }
+    }
+    if (!is_float)
+        r = q;
+    char num[128];
+    size_t k = 0;
+    for (size_t i = p; i < r && k + 1 < sizeof num; i++)
+        if (s[i] != '_')
+            num[k++] = s[i];
+    num[k] = '\0';
+    int rc = push_tok(L, is_float ? TK_FLOAT : TK_INT, s + p, r - p, L->line);
+    if (rc)
+        return rc;
+    tpl_tok *t = &L->out->v[L->out->n - 1];
+    errno = 0;
+    if (is_float) {
+        t->fval = strtod(num, NULL);
+    } else {
+        t->ival = strtoll(num, NULL, 10);
+        if (errno == ERANGE)
+            return lex_fail(L->line, "integer literal '%s' is too large", num);
+    }
+    L->pos = r;
+    return FU_OK;
+}
+
+static int lex_name(lexer *L, size_t p) {
+    size_t q = p;
+    while (q < L->n && (isalnum((unsigned char)L->s[q]) || L->s[q] == '_'))
+        q++;
+    int rc = push_tok(L, TK_NAME, L->s + p, q - p, L->line);
+    L->pos = q;
+    return rc;
+}
+
+/* A string literal quoted by L->s[p]. */
+static int lex_string(lexer *L, size_t p) {
+    const char *s = L->s;
+    size_t q = p + 1;
+    while (q < L->n && s[q] != s[p]) {
+        if (s[q] == '\\' && q + 1 < L->n)
+            q++;
+        q++;
+    }
+    if (q >= L->n)
+        return lex_fail(L->line, "%s", "unterminated string literal");
+    int rc = decode_string(L, s + p + 1, q - p - 1, L->line);
+    if (rc)
+        return rc;
+    L->line += count_lines(s + p, q - p);
+    L->pos = q + 1;
+    return FU_OK;
+}
+
+/* Keeps the bracket stack balanced for the operator `op`. */
+static int track_bracket(lexer *L, const char *op) {
+    if (op[1] != '\0')
+        return FU_OK;
+    if (strchr("([{", op[0])) {
+        if (L->nbrackets >= (int)sizeof L->brackets)
+            return lex_fail(L->line, "%s", "brackets nested too deeply");
+        L->brackets[L->nbrackets++] = op[0] == '(' ? ')' : (op[0] == '[' ? ']' : '}');
+    } else if (strchr(")]}", op[0])) {
+        if (L->nbrackets == 0)
+            return lex_fail(L->line, "unexpected '%s'", op);
+        if (L->brackets[L->nbrackets - 1] != op[0]) {
+            char msg[64];
+            snprintf(msg, sizeof msg, "unexpected '%c', expected '%c'", op[0], L->brackets[L->nbrackets - 1]);
+            return lex_fail(L->line, "%s", msg);
+        }
+        L->nbrackets--;
+    }
+    return FU_OK;
+}
+
+/* The longest operator at p (OPS lists two-character operators first). */
+static int lex_op(lexer *L, size_t p) {
+    const char *op = NULL;
+    for (size_t i = 0; i < sizeof OPS / sizeof OPS[0] && !op; i++) {
+        size_t ol = strlen(OPS[i]);
+        if (p + ol <= L->n && memcmp(L->s + p, OPS[i], ol) == 0)
+            op = OPS[i];
+    }
+    if (!op) {
+        char ch[8] = {L->s[p], 0};
+        return lex_fail(L->line, "unexpected char '%s'", ch);
+    }
+    int rc = track_bracket(L, op);
+    if (rc || (rc = push_tok(L, TK_OP, op, strlen(op), L->line)))
+        return rc;
+    L->pos = p + strlen(op);
+    return FU_OK;
+}
+
+/* Lexes the inside of a {{ }} or {% %} tag starting at L->pos, through its end. */
 static int lex_tag(lexer *L, bool is_block, int open_line) {
     L->nbrackets = 0;
     for (;;) {
@@ -202,121 +327,20 @@ static int lex_tag(lexer *L, bool is_block, int open_line) {
         L->pos = p;
         if (p >= L->n)
             return lex_fail(open_line, "%s", is_block ? "missing end of block tag '%}'" : "missing end of variable tag '}}'");
-        if (L->nbrackets == 0) {
-            size_t e = is_block ? match_block_end(L, p) : match_var_end(L, p);
-            if (e) {
-                int rc = push_tok(L, is_block ? TK_BLOCK_END : TK_VAR_END, "", 0, L->line);
-                if (rc)
-                    return rc;
-                L->line += count_lines(L->s + p, e - p);
-                L->line_starting = L->s[e - 1] == '\n';
-                L->pos = e;
-                return FU_OK;
-            }
-        }
-        const char *s = L->s;
-        char c = s[p];
-        int rc;
-        if (isdigit((unsigned char)c)) {
-            /* float: digits ('.' digits)? (e[+-]?digits)? with at least one of them; '_' separators */
-            size_t q = p;
-            while (q < L->n && (isdigit((unsigned char)s[q]) || (s[q] == '_' && q + 1 < L->n && isdigit((unsigned char)s[q + 1]))))
-                q++;
-            bool is_float = false;
-            bool after_dot = p > 0 && s[p - 1] == '.';
-            size_t r = q;
-            if (!after_dot && r + 1 < L->n && s[r] == '.' && isdigit((unsigned char)s[r + 1])) {
-                r++;
-                while (r < L->n && (isdigit((unsigned char)s[r]) || (s[r] == '_' && r + 1 < L->n && isdigit((unsigned char)s[r + 1]))))
-                    r++;
-                is_float = true;
-            }
-            if (!after_dot && r < L->n && (s[r] == 'e' || s[r] == 'E')) {
-                size_t t = r + 1;
-                if (t < L->n && (s[t] == '+' || s[t] == '-'))
-                    t++;
-                if (t < L->n && isdigit((unsigned char)s[t])) {
-                    while (t < L->n && (isdigit((unsigned char)s[t]) || (s[t] == '_' && t + 1 < L->n && isdigit((unsigned char)s[t + 1]))))
-                        t++;
-                    r = t;
-                    is_float = true;
-                }
-            }
-            if (!is_float)
-                r = q;
-            char num[128];
-            size_t k = 0;
-            for (size_t i = p; i < r && k + 1 < sizeof num; i++)
-                if (s[i] != '_')
-                    num[k++] = s[i];
-            num[k] = '\0';
-            if ((rc = push_tok(L, is_float ? TK_FLOAT : TK_INT, s + p, r - p, L->line)))
-                return rc;
-            tpl_tok *t = &L->out->v[L->out->n - 1];
-            errno = 0;
-            if (is_float) {
-                t->fval = strtod(num, NULL);
-            } else {
-                t->ival = strtoll(num, NULL, 10);
-                if (errno == ERANGE)
-                    return lex_fail(L->line, "integer literal '%s' is too large", num);
-            }
-            L->pos = r;
-            continue;
-        }
-        if (isalpha((unsigned char)c) || c == '_') {
-            size_t q = p;
-            while (q < L->n && (isalnum((unsigned char)s[q]) || s[q] == '_'))
-                q++;
-            if ((rc = push_tok(L, TK_NAME, s + p, q - p, L->line)))
-                return rc;
-            L->pos = q;
-            continue;
-        }
-        if (c == '\'' || c == '"') {
-            size_t q = p + 1;
-            while (q < L->n && s[q] != c) {
-                if (s[q] == '\\' && q + 1 < L->n)
-                    q++;
-                q++;
-            }
-            if (q >= L->n)
-                return lex_fail(L->line, "%s", "unterminated string literal");
-            if ((rc = decode_string(L, s + p + 1, q - p - 1, L->line)))
-                return rc;
-            L->line += count_lines(s + p, q - p);
-            L->pos = q + 1;
-            continue;
-        }
-        const char *op = NULL;
-        for (size_t i = 0; i < sizeof OPS / sizeof OPS[0]; i++) {
-            size_t ol = strlen(OPS[i]);
-            if (p + ol <= L->n && memcmp(s + p, OPS[i], ol) == 0) {
-                op = OPS[i];
-                break;
-            }
-        }
-        if (!op) {
-            char ch[8] = {c, 0};
-            return lex_fail(L->line, "unexpected char '%s'", ch);
-        }
-        if (op[1] == '\0' && strchr("([{", op[0])) {
-            if (L->nbrackets >= (int)sizeof L->brackets)
-                return lex_fail(L->line, "%s", "brackets nested too deeply");
-            L->brackets[L->nbrackets++] = op[0] == '(' ? ')' : (op[0] == '[' ? ']' : '}');
-        } else if (op[1] == '\0' && strchr(")]}", op[0])) {
-            if (L->nbrackets == 0)
-                return lex_fail(L->line, "unexpected '%s'", op);
-            if (L->brackets[L->nbrackets - 1] != op[0]) {
-                char msg[64];
-                snprintf(msg, sizeof msg, "unexpected '%c', expected '%c'", op[0], L->brackets[L->nbrackets - 1]);
-                return lex_fail(L->line, "%s", msg);
-            }
-            L->nbrackets--;
-        }
-        if ((rc = push_tok(L, TK_OP, op, strlen(op), L->line)))
+        size_t e = L->nbrackets ? 0 : is_block ? match_block_end(L, p) : match_var_end(L, p);
+        if (e) {
+            int rc = push_tok(L, is_block ? TK_BLOCK_END : TK_VAR_END, "", 0, L->line);
+            if (!rc)
+                lex_skip(L, p, e);
             return rc;
-        L->pos = p + strlen(op);
+        }
+        char c = L->s[p];
+        int rc = isdigit((unsigned char)c)             ? lex_number(L, p)
+                 : isalpha((unsigned char)c) || c == '_' ? lex_name(L, p)
+                 : c == '\'' || c == '"'                 ? lex_string(L, p)
+                                                         : lex_op(L, p);
+        if (rc)
+            return rc;
     }
 }
 
@@ -364,11 +388,66 @@ static size_t match_raw_begin(const lexer *L, size_t p, char *sign) {
     return 0;
 }
 
+/* The end of a comment whose body starts at q: after "+#}", "-#}\s*" or "#}\n?"; 0 if there is none. */
+static size_t match_comment_end(const lexer *L, size_t q) {
+    const char *s = L->s;
+    for (size_t i = q; i + 1 < L->n; i++) {
+        if (s[i] == '+' && i + 2 < L->n && s[i + 1] == '#' && s[i + 2] == '}')
+            return i + 3;
+        if (s[i] == '-' && i + 2 < L->n && s[i + 1] == '#' && s[i + 2] == '}')
+            return skip_ws(L, i + 3);
+        if (s[i] == '#' && s[i + 1] == '}')
+            return i + 2 < L->n && s[i + 2] == '\n' ? i + 3 : i + 2;
+    }
+    return 0;
+}
+
+/* Skips the comment opened at t whose body starts at q. */
+static int lex_comment(lexer *L, size_t t, size_t q, int tag_line) {
+    size_t end = match_comment_end(L, q);
+    if (!end && q >= L->n) { /* jinja2 quietly accepts a bare "{#" at the very end */
+        L->pos = L->n;
+        return FU_OK;
+    }
+    if (!end)
+        return lex_fail(tag_line, "%s", "missing end of comment tag");
+    lex_skip(L, t, end);
+    return FU_OK;
+}
+
+/* Emits as data the body of the raw block whose opening tag spans [t, raw_end). */
+static int lex_raw(lexer *L, size_t t, size_t raw_end, int tag_line) {
+    lex_skip(L, t, raw_end);
+    char esign;
+    size_t eend;
+    size_t e = find_endraw(L, raw_end, &esign, &eend);
+    if (e == SIZE_MAX && raw_end >= L->n) { /* as jinja2: nothing left to lex */
+        L->pos = L->n;
+        return FU_OK;
+    }
+    if (e == SIZE_MAX)
+        return lex_fail(tag_line, "%s", "missing end of raw directive");
+    int rc = emit_data_before(L, L->s + raw_end, e - raw_end, esign, false, L->line);
+    if (rc)
+        return rc;
+    lex_skip(L, raw_end, eend);
+    return FU_OK;
+}
+
+/* Lexes a {{ or {% tag whose inside starts at q. */
+static int lex_open_tag(lexer *L, bool is_block, size_t q, int tag_line) {
+    int rc = push_tok(L, is_block ? TK_BLOCK_BEGIN : TK_VAR_BEGIN, "", 0, tag_line);
+    if (rc)
+        return rc;
+    L->pos = q;
+    return lex_tag(L, is_block, tag_line);
+}
+
+/* Lexes the template: data between tags, the tags, comments and raw blocks. */
 static int lex_root(lexer *L) {
     while (L->pos < L->n) {
         const char *s = L->s;
-        size_t p = L->pos;
-        size_t t = p;
+        size_t p = L->pos, t = p;
         /* Earliest tag start. */
         while (t + 1 < L->n && !(s[t] == '{' && (s[t + 1] == '{' || s[t + 1] == '%' || s[t + 1] == '#')))
             t++;
@@ -378,73 +457,22 @@ static int lex_root(lexer *L) {
             L->pos = L->n;
             return rc;
         }
-        char kind = s[t + 1];
-        char sign = 0;
-        int rc;
+        char kind = s[t + 1], sign = 0;
         size_t raw_end = kind == '%' ? match_raw_begin(L, t, &sign) : 0;
         if (!raw_end && t + 2 < L->n && (s[t + 2] == '-' || s[t + 2] == '+'))
             sign = s[t + 2];
-        int data_line = L->line;
-        if ((rc = emit_data_before(L, s + p, t - p, sign, kind == '{', data_line)))
+        int rc = emit_data_before(L, s + p, t - p, sign, kind == '{', L->line);
+        if (rc)
             return rc;
         L->line += count_lines(s + p, t - p);
-        int tag_line = L->line;
         if (raw_end) {
-            L->line += count_lines(s + t, raw_end - t);
-            L->line_starting = s[raw_end - 1] == '\n';
-            char esign;
-            size_t eend;
-            size_t e = find_endraw(L, raw_end, &esign, &eend);
-            if (e == SIZE_MAX && raw_end >= L->n) { /* as jinja2: nothing left to lex */
-                L->pos = L->n;
-                continue;
-            }
-            if (e == SIZE_MAX)
-                return lex_fail(tag_line, "%s", "missing end of raw directive");
-            if ((rc = emit_data_before(L, s + raw_end, e - raw_end, esign, false, L->line)))
-                return rc;
-            L->line += count_lines(s + raw_end, eend - raw_end);
-            L->line_starting = s[eend - 1] == '\n';
-            L->pos = eend;
-            continue;
+            rc = lex_raw(L, t, raw_end, L->line);
+        } else {
+            size_t q = t + 2 + (sign ? 1 : 0);
+            L->line_starting = false;
+            rc = kind == '#' ? lex_comment(L, t, q, L->line) : lex_open_tag(L, kind == '%', q, L->line);
         }
-        size_t q = t + 2 + (sign ? 1 : 0);
-        L->line_starting = false;
-        if (kind == '#') {
-            /* Comment: up to "+#}", "-#}\s*" or "#}\n?". */
-            size_t i = q, end = 0;
-            for (; i + 1 < L->n; i++) {
-                if (s[i] == '+' && i + 2 < L->n && s[i + 1] == '#' && s[i + 2] == '}') {
-                    end = i + 3;
-                    break;
-                }
-                if (s[i] == '-' && i + 2 < L->n && s[i + 1] == '#' && s[i + 2] == '}') {
-                    end = skip_ws(L, i + 3);
-                    break;
-                }
-                if (s[i] == '#' && s[i + 1] == '}') {
-                    end = i + 2;
-                    if (end < L->n && s[end] == '\n')
-                        end++;
-                    break;
-                }
-            }
-            if (!end && q >= L->n) { /* jinja2 quietly accepts a bare "{#" at the very end */
-                L->pos = L->n;
-                return FU_OK;
-            }
-            if (!end)
-                return lex_fail(tag_line, "%s", "missing end of comment tag");
-            L->line += count_lines(s + t, end - t);
-            L->line_starting = s[end - 1] == '\n';
-            L->pos = end;
-            continue;
-        }
-        bool is_block = kind == '%';
-        if ((rc = push_tok(L, is_block ? TK_BLOCK_BEGIN : TK_VAR_BEGIN, "", 0, tag_line)))
-            return rc;
-        L->pos = q;
-        if ((rc = lex_tag(L, is_block, tag_line)))
+        if (rc)
             return rc;
     }
     return FU_OK;

@@ -323,6 +323,21 @@ static tpl_node *parse_test(parser *P, tpl_node *in) {
     return t;
 }
 
+/* A call of `callee` (owned) at "(": an ND_CALL node, or NULL on failure (callee freed). */
+static tpl_node *parse_call(parser *P, tpl_node *callee) {
+    tpl_node *c = node_new(P, ND_CALL, cur(P)->line);
+    if (!c) {
+        tpl_node_free(callee);
+        return NULL;
+    }
+    c->a = callee;
+    if (parse_call_args(P, c)) {
+        tpl_node_free(c);
+        return NULL;
+    }
+    return c;
+}
+
 static tpl_node *parse_filter_expr(parser *P, tpl_node *n) {
     while (n) {
         if (is_op(cur(P), "|")) {
@@ -330,17 +345,7 @@ static tpl_node *parse_filter_expr(parser *P, tpl_node *n) {
         } else if (is_name(cur(P), "is")) {
             n = parse_test(P, n);
         } else if (is_op(cur(P), "(")) {
-            tpl_node *c = node_new(P, ND_CALL, cur(P)->line);
-            if (!c) {
-                tpl_node_free(n);
-                return NULL;
-            }
-            c->a = n;
-            n = c;
-            if (parse_call_args(P, c)) {
-                tpl_node_free(c);
-                return NULL;
-            }
+            n = parse_call(P, n);
         } else {
             break;
         }
@@ -469,17 +474,7 @@ static tpl_node *parse_postfix(parser *P, tpl_node *n) {
         if (is_op(cur(P), ".") || is_op(cur(P), "[")) {
             n = parse_subscript(P, n);
         } else if (is_op(cur(P), "(")) {
-            tpl_node *c = node_new(P, ND_CALL, cur(P)->line);
-            if (!c) {
-                tpl_node_free(n);
-                return NULL;
-            }
-            c->a = n;
-            n = c;
-            if (parse_call_args(P, c)) {
-                tpl_node_free(c);
-                return NULL;
-            }
+            n = parse_call(P, n);
         } else {
             break;
         }
@@ -537,7 +532,7 @@ static tpl_node *parse_primary(parser *P) {
         advance(P);
     } else if (t->type == TK_STRING) {
         /* Adjacent string literals concatenate. */
-        tpl_buf b = {0};
+        fu_buf b = {0};
         int line = t->line;
         int rc = FU_OK;
         while (!rc && cur(P)->type == TK_STRING) {
@@ -545,7 +540,7 @@ static tpl_node *parse_primary(parser *P) {
             advance(P);
         }
         if (!rc && (n = node_new(P, ND_CONST, line))) {
-            if (tpl_str_new(NULL, b.p ? b.p : "", b.len, &n->val)) {
+            if (tpl_str_new(NULL, b.data ? b.data : "", b.len, &n->val)) {
                 P->failed = true;
                 tpl_node_free(n);
                 n = NULL;
@@ -553,7 +548,7 @@ static tpl_node *parse_primary(parser *P) {
         }
         if (rc)
             P->failed = true;
-        tpl_buf_free(&b);
+        fu_buf_free(&b);
     } else if (t->type == TK_INT || t->type == TK_FLOAT) {
         if ((n = node_new(P, ND_CONST, t->line)))
             n->val = t->type == TK_INT ? tpl_int(t->ival) : tpl_float(t->fval);

@@ -673,7 +673,7 @@ size_t tpl_utf8_offset(const char *s, size_t n, size_t idx) {
 /* Buffers, str() and repr()                                                 */
 /* ------------------------------------------------------------------------ */
 
-int tpl_buf_put(tpl_rt *R, tpl_buf *b, const char *s, size_t n) {
+int tpl_buf_put(tpl_rt *R, fu_buf *b, const char *s, size_t n) {
     if (n == 0)
         return FU_OK;
     size_t limit = R ? R->lim.max_memory : SIZE_MAX / 2;
@@ -683,33 +683,16 @@ int tpl_buf_put(tpl_rt *R, tpl_buf *b, const char *s, size_t n) {
     int rc = tpl_rt_charge(R, n / 32);
     if (rc)
         return rc;
-    if (b->len + n + 1 > b->cap) {
-        size_t nc = b->cap ? b->cap * 2 : 256;
-        while (nc < b->len + n + 1)
-            nc *= 2;
-        char *p = realloc(b->p, nc);
-        if (!p)
-            return oom(R);
-        b->p = p;
-        b->cap = nc;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
+    if (fu_buf_append(b, s, n))
+        return oom(R);
     return FU_OK;
 }
 
-static int buf_cstr(tpl_rt *R, tpl_buf *b, const char *s) { return tpl_buf_put(R, b, s, strlen(s)); }
+static int buf_cstr(tpl_rt *R, fu_buf *b, const char *s) { return tpl_buf_put(R, b, s, strlen(s)); }
 
-void tpl_buf_free(tpl_buf *b) {
-    free(b->p);
-    b->p = NULL;
-    b->len = b->cap = 0;
-}
-
-int tpl_buf_to_str(tpl_rt *R, tpl_buf *b, tpl_val *out) {
-    int rc = tpl_str_new(R, b->p ? b->p : "", b->len, out);
-    tpl_buf_free(b);
+int tpl_buf_to_str(tpl_rt *R, fu_buf *b, tpl_val *out) {
+    int rc = tpl_str_new(R, b->data ? b->data : "", b->len, out);
+    fu_buf_free(b);
     return rc;
 }
 
@@ -806,7 +789,7 @@ static bool py_printable(int32_t cp) {
 /* String quoting: when esc holds an escape for the adv bytes at s + i, writes
  * the verbatim run s[*run, i) and the escape, and starts the next run after
  * them; otherwise the bytes stay in the run. */
-static int put_escaped(tpl_rt *R, tpl_buf *b, const char *s, size_t *run, size_t i, size_t adv, const char *esc) {
+static int put_escaped(tpl_rt *R, fu_buf *b, const char *s, size_t *run, size_t i, size_t adv, const char *esc) {
     if (!esc[0])
         return FU_OK;
     int rc = tpl_buf_put(R, b, s + *run, i - *run);
@@ -816,7 +799,7 @@ static int put_escaped(tpl_rt *R, tpl_buf *b, const char *s, size_t *run, size_t
     return rc;
 }
 
-static int repr_str(tpl_rt *R, tpl_buf *b, const char *s, size_t n) {
+static int repr_str(tpl_rt *R, fu_buf *b, const char *s, size_t n) {
     bool has_sq = memchr(s, '\'', n) != NULL, has_dq = memchr(s, '"', n) != NULL;
     char q = (has_sq && !has_dq) ? '"' : '\'';
     int rc = tpl_buf_put(R, b, &q, 1);
@@ -854,9 +837,9 @@ static int repr_str(tpl_rt *R, tpl_buf *b, const char *s, size_t n) {
     return rc;
 }
 
-static int repr_depth(tpl_rt *R, tpl_buf *b, tpl_val v, int depth);
+static int repr_depth(tpl_rt *R, fu_buf *b, tpl_val v, int depth);
 
-static int str_depth(tpl_rt *R, tpl_buf *b, tpl_val v, int depth) {
+static int str_depth(tpl_rt *R, fu_buf *b, tpl_val v, int depth) {
     char tmp[64];
     switch (v.kind) {
     case TPL_UNDEF:
@@ -878,7 +861,7 @@ static int str_depth(tpl_rt *R, tpl_buf *b, tpl_val v, int depth) {
     }
 }
 
-static int repr_depth(tpl_rt *R, tpl_buf *b, tpl_val v, int depth) {
+static int repr_depth(tpl_rt *R, fu_buf *b, tpl_val v, int depth) {
     int rc;
     if (depth > TPL_MAX_NEST)
         return tpl_type_error(R, "value nested too deeply to print");
@@ -937,8 +920,8 @@ static int repr_depth(tpl_rt *R, tpl_buf *b, tpl_val v, int depth) {
     }
 }
 
-int tpl_buf_str(tpl_rt *R, tpl_buf *b, tpl_val v) { return str_depth(R, b, v, 0); }
-int tpl_buf_repr(tpl_rt *R, tpl_buf *b, tpl_val v) { return repr_depth(R, b, v, 0); }
+int tpl_buf_str(tpl_rt *R, fu_buf *b, tpl_val v) { return str_depth(R, b, v, 0); }
+int tpl_buf_repr(tpl_rt *R, fu_buf *b, tpl_val v) { return repr_depth(R, b, v, 0); }
 
 int tpl_to_str(tpl_rt *R, tpl_val v, tpl_val *out) {
     if (v.kind == TPL_STR) {
@@ -946,10 +929,10 @@ int tpl_to_str(tpl_rt *R, tpl_val v, tpl_val *out) {
         *out = v;
         return FU_OK;
     }
-    tpl_buf b = {0};
+    fu_buf b = {0};
     int rc = tpl_buf_str(R, &b, v);
     if (rc) {
-        tpl_buf_free(&b);
+        fu_buf_free(&b);
         return rc;
     }
     return tpl_buf_to_str(R, &b, out);
@@ -959,7 +942,7 @@ int tpl_to_str(tpl_rt *R, tpl_val v, tpl_val *out) {
 /* JSON output (Python's json.dumps)                                         */
 /* ------------------------------------------------------------------------ */
 
-static int json_str(tpl_rt *R, tpl_buf *b, const char *s, size_t n, bool ensure_ascii) {
+static int json_str(tpl_rt *R, fu_buf *b, const char *s, size_t n, bool ensure_ascii) {
     int rc = buf_cstr(R, b, "\"");
     size_t run = 0;
     for (size_t i = 0; i < n && !rc;) {
@@ -998,7 +981,7 @@ static int json_str(tpl_rt *R, tpl_buf *b, const char *s, size_t n, bool ensure_
     return rc;
 }
 
-static int json_float(tpl_rt *R, tpl_buf *b, double f) {
+static int json_float(tpl_rt *R, fu_buf *b, double f) {
     if (isnan(f))
         return buf_cstr(R, b, "NaN");
     if (isinf(f))
@@ -1008,7 +991,7 @@ static int json_float(tpl_rt *R, tpl_buf *b, double f) {
     return buf_cstr(R, b, tmp);
 }
 
-static int json_newline(tpl_rt *R, tpl_buf *b, const tpl_json_opts *o, int level) {
+static int json_newline(tpl_rt *R, fu_buf *b, const tpl_json_opts *o, int level) {
     int rc = buf_cstr(R, b, "\n");
     for (int i = 0; i < level && !rc; i++)
         rc = tpl_buf_put(R, b, o->indent, o->indent_len);
@@ -1016,7 +999,7 @@ static int json_newline(tpl_rt *R, tpl_buf *b, const tpl_json_opts *o, int level
 }
 
 /* Key text as json.dumps converts non-string keys. */
-static int json_key(tpl_rt *R, tpl_buf *b, tpl_val k, const tpl_json_opts *o) {
+static int json_key(tpl_rt *R, fu_buf *b, tpl_val k, const tpl_json_opts *o) {
     char tmp[64];
     switch (k.kind) {
     case TPL_STR:
@@ -1057,7 +1040,7 @@ static int key_cmp(const void *x, const void *y) {
     return a->kind - b->kind;
 }
 
-int tpl_buf_json(tpl_rt *R, tpl_buf *b, tpl_val v, const tpl_json_opts *o, int level) {
+int tpl_buf_json(tpl_rt *R, fu_buf *b, tpl_val v, const tpl_json_opts *o, int level) {
     int rc;
     char tmp[64];
     if (level > TPL_MAX_NEST)
