@@ -36,11 +36,13 @@ static void *scratch(svc_scratch *sc, int kind, size_t n, size_t size) {
     return sc->p[kind];
 }
 
+/* Frees every array (the scratch is empty and reusable after). */
 static void scratch_free(svc_scratch *sc) {
     for (int k = 0; k < SC_KINDS; k++) free(sc->p[k]);
     memset(sc, 0, sizeof *sc);
 }
 
+/* The status of an allocation that failed. */
 static int no_memory(rpc_status *st) { return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory"); }
 
 /* A string for a message (NULL packs as "") or from one (never NULL in a view). */
@@ -48,6 +50,7 @@ static char *str_or_empty(const char *s) { return (char *)(s ? s : ""); }
 
 /* ---- packing: plain structs -> messages (pointing into the structs) ------------------------- */
 
+/* A Tensor pointing at v's shape and bytes. */
 static void tensor_pack(const wire_tensor *v, Fusion__Tensor *m) {
     fusion__tensor__init(m);
     m->dtype = (Fusion__Dtype)v->dtype;
@@ -61,6 +64,7 @@ static void tensor_pack(const wire_tensor *v, Fusion__Tensor *m) {
     m->scale_dtype = (Fusion__Dtype)v->scale_dtype;
 }
 
+/* An Input pointing at v's tokens (and its hidden tensor in *hidden). */
 static void input_pack(const shard_svc_input *v, Fusion__Input *m, Fusion__Tensor *hidden) {
     fusion__input__init(m);
     m->n_tokens = v->n_tokens;
@@ -251,6 +255,7 @@ static int step_reply_pack(const shard_svc_step_reply *v, Fusion__StepReply *m, 
 
 /* ---- views: messages -> plain structs (pointing into the messages) -------------------------- */
 
+/* The view of a received Tensor. */
 static void tensor_view(const Fusion__Tensor *m, wire_tensor *v) {
     v->dtype = (int)m->dtype;
     v->n_shape = m->n_shape;
@@ -263,6 +268,7 @@ static void tensor_view(const Fusion__Tensor *m, wire_tensor *v) {
     v->scale_dtype = (int)m->scale_dtype;
 }
 
+/* The view of a received Input (its hidden tensor in *hidden). */
 static void input_view(const Fusion__Input *m, shard_svc_input *v, wire_tensor *hidden) {
     v->tokens = m->tokens;
     v->n_tokens = m->n_tokens;
@@ -429,6 +435,7 @@ struct shard_svc_stream {
     svc_scratch sc; /* packing replies */
 };
 
+/* A Session stream: the handler runs on a shard_svc_stream wrapping it, freed when it returns. */
 static int session_entry(void *ctx, rpc_stream *rs, rpc_status *st) {
     const shard_svc_handlers *h = ctx;
     shard_svc_stream *s = calloc(1, sizeof *s);
@@ -521,6 +528,7 @@ typedef struct fwd_call {
     svc_scratch sc;
 } fwd_call;
 
+/* Releases a Forward reply after it was sent: the handler's hold, then the packing. */
 static void forward_free(void *ctx, ProtobufCMessage *msg) {
     (void)ctx;
     fwd_call *c = (fwd_call *)msg;
@@ -545,6 +553,7 @@ static int forward_view(const Fusion__ForwardRequest *m, shard_svc_forward *v, s
     return 0;
 }
 
+/* Forward: the request's view to the handler, its reply packed (released by forward_free). */
 static int forward_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
     const shard_svc_handlers *h = ctx;
     svc_scratch vs = {0};
@@ -585,11 +594,13 @@ typedef struct info_msg {
     Fusion__Dtype dtypes[];
 } info_msg;
 
+/* Frees a reply allocated as one block. */
 static void free_msg(void *ctx, ProtobufCMessage *msg) {
     (void)ctx;
     free(msg);
 }
 
+/* Info: the handler's figures packed (its strings outlive the call). */
 static int info_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
     (void)req_msg;
     const shard_svc_handlers *h = ctx;
@@ -627,6 +638,7 @@ static int info_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessa
     return RPC_OK;
 }
 
+/* Health: the handler's status packed. */
 static int health_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
     (void)req_msg;
     const shard_svc_handlers *h = ctx;
@@ -642,6 +654,7 @@ static int health_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMes
     return RPC_OK;
 }
 
+/* Frees an Echo reply and its payload. */
 static void echo_free(void *ctx, ProtobufCMessage *msg) {
     (void)ctx;
     Fusion__EchoReply *r = (Fusion__EchoReply *)msg;

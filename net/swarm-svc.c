@@ -83,6 +83,13 @@ static int member_view(const Fusion__MemberStatus *ms, swarm_svc_member *v, swar
 
 /* ---- client ---------------------------------------------------------------------------------- */
 
+/* A received SpanAssignment (NULL: none) as has_span, first, last. */
+static void span_read(const Fusion__SpanAssignment *span, bool *has_span, int32_t *first, int32_t *last) {
+    *has_span = span != NULL;
+    *first = span ? span->first_block : 0;
+    *last = span ? span->last_block : 0;
+}
+
 int swarm_svc_join(rpc_channel *ch, const swarm_svc_member *status, int timeout_ms, swarm_svc_join_reply *out,
                    rpc_status *st) {
     memset(out, 0, sizeof *out);
@@ -97,11 +104,7 @@ int swarm_svc_join(rpc_channel *ch, const swarm_svc_member *status, int timeout_
     const Fusion__JoinReply *r = (const Fusion__JoinReply *)msg;
     out->member_id = r->member_id;
     out->heartbeat_ms = r->heartbeat_ms;
-    if (r->span) {
-        out->has_span = true;
-        out->first_block = r->span->first_block;
-        out->last_block = r->span->last_block;
-    }
+    span_read(r->span, &out->has_span, &out->first_block, &out->last_block);
     rpc_msg_free(msg);
     return RPC_OK;
 }
@@ -121,11 +124,7 @@ int swarm_svc_heartbeat(rpc_channel *ch, const swarm_svc_heartbeat_request *req,
     free(m);
     if (rc) return rc;
     const Fusion__HeartbeatReply *r = (const Fusion__HeartbeatReply *)msg;
-    if (r->span) {
-        out->has_span = true;
-        out->first_block = r->span->first_block;
-        out->last_block = r->span->last_block;
-    }
+    span_read(r->span, &out->has_span, &out->first_block, &out->last_block);
     for (size_t i = 0; i < r->n_peers && out->n_peers < SWARM_SVC_MAX_PEERS; i++) {
         const char *a = r->peers[i];
         if (a && a[0] && strlen(a) < SWARM_SVC_ADDRESS_LEN)
@@ -150,21 +149,41 @@ typedef struct heartbeat_msg {
     char *peers[SWARM_SVC_MAX_PEERS];
 } heartbeat_msg;
 
+/* Frees a reply allocated as one block. */
 static void free_msg(void *ctx, ProtobufCMessage *msg) {
     (void)ctx;
     free(msg);
 }
 
+/* A handler call's start: a zeroed reply block of `size` bytes, and the view of the request's
+ * status ms (if any; *links: free() after the call). NULL when out of memory. */
+static void *entry_start(size_t size, const Fusion__MemberStatus *ms, swarm_svc_member *status,
+                         swarm_svc_link **links) {
+    *links = NULL;
+    void *m = calloc(1, size);
+    if (m && ms && member_view(ms, status, links)) {
+        free(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* The SpanAssignment in *span, or NULL without one. */
+static Fusion__SpanAssignment *span_pack(bool has_span, int first, int last, Fusion__SpanAssignment *span) {
+    fusion__span_assignment__init(span);
+    span->first_block = first;
+    span->last_block = last;
+    return has_span ? span : NULL;
+}
+
+/* Join: the handler's reply to the request's status. */
 static int join_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
     const swarm_svc_handlers *h = ctx;
     const Fusion__JoinRequest *req = (const Fusion__JoinRequest *)req_msg;
     swarm_svc_member status;
-    swarm_svc_link *links = NULL;
-    join_msg *m = calloc(1, sizeof *m);
-    if (!m || (req->status && member_view(req->status, &status, &links))) {
-        free(m);
-        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
-    }
+    swarm_svc_link *links;
+    join_msg *m = entry_start(sizeof *m, req->status, &status, &links);
+    if (!m) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
     swarm_svc_join_reply out = {0};
     int rc = h->join(h->ctx, req->status ? &status : NULL, &out, st);
     free(links);
@@ -173,28 +192,21 @@ static int join_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessa
         return rc;
     }
     fusion__join_reply__init(&m->rep);
-    fusion__span_assignment__init(&m->span);
     m->rep.member_id = out.member_id;
     m->rep.heartbeat_ms = out.heartbeat_ms;
-    if (out.has_span) {
-        m->span.first_block = out.first_block;
-        m->span.last_block = out.last_block;
-        m->rep.span = &m->span;
-    }
+    m->rep.span = span_pack(out.has_span, out.first_block, out.last_block, &m->span);
     *reply = &m->rep.base;
     return RPC_OK;
 }
 
+/* Heartbeat: the handler's reply (span, peers) to the member's beat. */
 static int heartbeat_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
     const swarm_svc_handlers *h = ctx;
     const Fusion__HeartbeatRequest *req = (const Fusion__HeartbeatRequest *)req_msg;
     swarm_svc_member status;
-    swarm_svc_link *links = NULL;
-    heartbeat_msg *m = calloc(1, sizeof *m);
-    if (!m || (req->status && member_view(req->status, &status, &links))) {
-        free(m);
-        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
-    }
+    swarm_svc_link *links;
+    heartbeat_msg *m = entry_start(sizeof *m, req->status, &status, &links);
+    if (!m) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
     swarm_svc_heartbeat_request hb = {req->member_id, req->status ? &status : NULL, req->leaving};
     int rc = h->heartbeat(h->ctx, &hb, &m->out, st);
     free(links);
@@ -203,12 +215,7 @@ static int heartbeat_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
         return rc;
     }
     fusion__heartbeat_reply__init(&m->rep);
-    fusion__span_assignment__init(&m->span);
-    if (m->out.has_span) {
-        m->span.first_block = m->out.first_block;
-        m->span.last_block = m->out.last_block;
-        m->rep.span = &m->span;
-    }
+    m->rep.span = span_pack(m->out.has_span, m->out.first_block, m->out.last_block, &m->span);
     int n = m->out.n_peers < SWARM_SVC_MAX_PEERS ? m->out.n_peers : SWARM_SVC_MAX_PEERS;
     for (int i = 0; i < n; i++) m->peers[i] = m->out.peers[i];
     m->rep.n_peers = n > 0 ? (size_t)n : 0;

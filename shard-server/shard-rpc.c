@@ -142,6 +142,7 @@ typedef struct out_storage {
     grow_buf hbuf, lbuf;
 } out_storage;
 
+/* Frees the buffers (the struct itself is the caller's). */
 static void out_storage_free(out_storage *o) {
     free(o->tops.p);
     free(o->hbuf.p);
@@ -258,6 +259,7 @@ typedef struct downstream {
     char *address; /* the next hop's, for messages */
 } downstream;
 
+/* Closes the next hop's session (a half-close) and its channel; a closed one is a no-op. */
 static void downstream_close(downstream *d) {
     shard_svc_session_close(d->sess, NULL);
     rpc_channel_free(d->ch);
@@ -438,6 +440,7 @@ typedef struct fwd_state {
     shard_svc_timing timing;
 } fwd_state;
 
+/* Releases a Forward's state once its reply was sent (or it failed): sessions, buffers, core. */
 static void forward_done(void *ctx, void *hold) {
     (void)ctx;
     fwd_state *f = hold;
