@@ -866,7 +866,18 @@ static void test_setup_refusals(void **state) {
 static const uint8_t ts_hidden_bytes[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
 static const int64_t ts_hidden_shape[2] = {2, 4};
 static const smp_bias ts_bias[2] = {{7, -100.0f}, {8, 1.5f}};
-static char ts_close_reason[64];
+static pthread_mutex_t ts_mu = PTHREAD_MUTEX_INITIALIZER;
+static int ts_sessions_ended; /* session handlers returned (under ts_mu) */
+
+/* Counts a session handler's end (the test waits for it). */
+static int ts_ended(int rc) {
+    pthread_mutex_lock(&ts_mu);
+    ts_sessions_ended++;
+    pthread_mutex_unlock(&ts_mu);
+    return rc;
+}
+
+static int ts_session_loop(shard_svc_stream *s, rpc_status *st);
 
 /* The step the typed client sends first (and the server expects). */
 static void ts_step1(shard_svc_step *step, shard_svc_input *in, wire_tensor *hidden, shard_svc_output_spec *spec,
@@ -921,6 +932,11 @@ static int ts_reply_step1(shard_svc_stream *s, const shard_svc_step *req, rpc_st
 
 static int ts_session(void *ctx, shard_svc_stream *s, rpc_status *st) {
     (void)ctx;
+    return ts_ended(ts_session_loop(s, st));
+}
+
+/* The open, then steps until the client closes. */
+static int ts_session_loop(shard_svc_stream *s, rpc_status *st) {
     const shard_svc_request *req;
     int rc = shard_svc_stream_recv(s, &req, 5000, st);
     if (rc) return rc;
@@ -939,10 +955,7 @@ static int ts_session(void *ctx, shard_svc_stream *s, rpc_status *st) {
     if ((rc = shard_svc_stream_send_opened(s, &op, st))) return rc;
     for (int n = 0;; n++) {
         if ((rc = shard_svc_stream_recv(s, &req, 5000, st))) return rc == RPC_END_OF_STREAM ? RPC_OK : rc;
-        if (req->kind == SHARD_SVC_CLOSE) {
-            snprintf(ts_close_reason, sizeof ts_close_reason, "%s", req->close_reason);
-            return RPC_OK;
-        }
+        if (req->kind == SHARD_SVC_CLOSE) return RPC_OK;
         TS_CHECK(req->kind == SHARD_SVC_STEP);
         if (n == 0) {
             if ((rc = ts_check_step1(req->step, st)) || (rc = ts_reply_step1(s, req->step, st))) return rc;
@@ -1040,10 +1053,15 @@ static void test_shard_svc_session(void **state) {
     assert_int_equal(rep->position, 7);
     assert_null(rep->output);
     assert_int_equal(rep->n_timing, 0);
-    ts_close_reason[0] = '\0';
-    shard_svc_session_close(sess, "bye");
-    for (int i = 0; i < 200 && strcmp(ts_close_reason, "bye"); i++) usleep(10000);
-    assert_string_equal(ts_close_reason, "bye");
+    shard_svc_session_close(sess, "bye"); /* the handler ends: closed, or cancelled by the free */
+    int ended = 0;
+    for (int i = 0; i < 500 && ended < 1; i++) {
+        pthread_mutex_lock(&ts_mu);
+        ended = ts_sessions_ended;
+        pthread_mutex_unlock(&ts_mu);
+        if (!ended) usleep(10000);
+    }
+    assert_int_equal(ended, 1);
 
     open.session_id = "wrong";
     assert_int_equal(shard_svc_session_open(ch, &open, 5000, &sess, &st), RPC_UNEXPECTED_REPLY);
@@ -1132,6 +1150,16 @@ static void test_shard_svc_wire(void **state) {
     assert_null(r);
     uint8_t junk[4] = {0x12, 0xff, 0xff, 0x01};
     assert_int_equal(shard_svc_request_decode(junk, sizeof junk, 1 << 20, &r, &st), RPC_INVALID_ARGUMENT);
+    Fusion__CloseSession cl = FUSION__CLOSE_SESSION__INIT;
+    cl.reason = "bye";
+    Fusion__SessionRequest close = FUSION__SESSION_REQUEST__INIT;
+    close.kind_case = FUSION__SESSION_REQUEST__KIND_CLOSE;
+    close.close = &cl;
+    n = protobuf_c_message_pack(&close.base, buf);
+    assert_int_equal(shard_svc_request_decode(buf, n, 1 << 20, &r, &st), RPC_OK);
+    assert_int_equal(r->kind, SHARD_SVC_CLOSE);
+    assert_string_equal(r->close_reason, "bye");
+    shard_svc_request_free(r);
     Fusion__SessionRequest none = FUSION__SESSION_REQUEST__INIT;
     n = protobuf_c_message_pack(&none.base, buf);
     assert_int_equal(shard_svc_request_decode(buf, n, 1 << 20, &r, &st), RPC_OK);
