@@ -11,12 +11,13 @@
 #include <time.h>
 
 #include "clock.h"
-#include "fusion.pb-c.h"
 #include "grow.h"
 #include "log.h"
 #include "router.h"
-#include "rpc.h"
+#include "rpc-base.h"
+#include "shard-svc.h"
 #include "status.h"
+#include "swarm-svc.h"
 
 #define GW_TICK_MS 200
 #define GW_INFO_EVERY_S 1.0
@@ -88,6 +89,7 @@ struct gw_swarm {
     uint64_t move_checked_version; /* the swarm's version then (no change: no search) */
     int n_moves;
     rpc_server *rpc;         /* the fusion.Swarm service; NULL: none */
+    swarm_svc_handlers handlers; /* registered on rpc; borrowed by it until rpc_server_free */
     pthread_t thread;
     bool started;
 };
@@ -666,24 +668,26 @@ int gw_swarm_member_link(gw_swarm *s, uint64_t member_id, double rtt_s, double b
 
 /* ---- static members: Info polls ---------------------------------------------------------- */
 
-/* One Info call over channel ch (unlocked). */
-static int gw_info_call(gw_swarm *s, rpc_channel *ch, Fusion__InfoReply **out, char *why, size_t why_len) {
+/* Describes a failed call to a member for its error: "Info: unavailable: ...". */
+static void gw_call_why(char *why, size_t why_len, const char *method, int code, const rpc_status *st) {
+    snprintf(why, why_len, "%s: %s%s%.150s", method, rpc_code_str(code), st->message[0] ? ": " : "", st->message);
+}
+
+/* One Info call over channel ch (unlocked); *out: free with shard_svc_info_free. */
+static int gw_info_call(gw_swarm *s, rpc_channel *ch, shard_svc_info **out, char *why, size_t why_len) {
     *out = NULL;
-    Fusion__InfoRequest req = FUSION__INFO_REQUEST__INIT;
-    ProtobufCMessage *rep = NULL;
+    shard_svc_info *r = NULL;
     rpc_status st = {0};
-    int code = rpc_call_unary(ch, RPC_SHARD_INFO, &req.base, &fusion__info_reply__descriptor, &rep,
-                              GW_POLL_TIMEOUT_MS, &st);
+    int code = shard_svc_info_get(ch, GW_POLL_TIMEOUT_MS, &r, &st);
     if (code) {
-        snprintf(why, why_len, "Info: %s%s%.150s", rpc_code_str(code), st.message[0] ? ": " : "", st.message);
+        gw_call_why(why, why_len, "Info", code, &st);
         return FU_ERR_NETWORK;
     }
-    Fusion__InfoReply *r = (Fusion__InfoReply *)rep;
     if (r->n_layers != s->n_layers || r->first_block < 0 || r->last_block <= r->first_block ||
         r->last_block > s->n_layers) {
         snprintf(why, why_len, "Info: span [%d, %d) of %d blocks does not fit the model's %d", r->first_block,
                  r->last_block, r->n_layers, s->n_layers);
-        rpc_msg_free(rep);
+        shard_svc_info_free(r);
         return FU_ERR_FORMAT;
     }
     *out = r;
@@ -701,7 +705,7 @@ static gw_member *gw_member_at(gw_swarm *s, size_t i) {
 /* Polls static member mb once and applies the result. */
 static void gw_member_poll(gw_swarm *s, gw_member *mb) {
     double t0 = fu_now_s();
-    Fusion__InfoReply *r = NULL;
+    shard_svc_info *r = NULL;
     char why[200] = "";
     int rc = gw_info_call(s, mb->ch, &r, why, sizeof why);
     pthread_mutex_lock(&s->mu);
@@ -716,8 +720,8 @@ static void gw_member_poll(gw_swarm *s, gw_member *mb) {
         mb->total_kv = r->total_kv_bytes;
         mb->kv_per_pos = r->kv_bytes_per_position;
         mb->sessions = r->active_sessions;
-        snprintf(mb->device, sizeof mb->device, "%s", r->device ? r->device : "");
-        snprintf(mb->dtype, sizeof mb->dtype, "%s", r->dtype ? r->dtype : "");
+        snprintf(mb->device, sizeof mb->device, "%s", r->device);
+        snprintf(mb->dtype, sizeof mb->dtype, "%s", r->dtype);
         mb->last_ok = fu_wall_s();
         if (!mb->live) {
             mb->live = true;
@@ -726,43 +730,33 @@ static void gw_member_poll(gw_swarm *s, gw_member *mb) {
         if (gw_member_sync_locked(s, mb)) gw_swarm_rebalance_locked(s);
     }
     pthread_mutex_unlock(&s->mu);
-    rpc_msg_free((ProtobufCMessage *)r);
+    shard_svc_info_free(r);
 }
 
 /* ---- link measurements ------------------------------------------------------------------- */
 
-/* One Echo asking reply_bytes back; seconds taken, or -1 (why filled). */
-static double gw_echo(rpc_channel *ch, int reply_bytes, char *why, size_t why_len) {
-    Fusion__EchoRequest req = FUSION__ECHO_REQUEST__INIT;
-    req.reply_bytes = reply_bytes;
-    ProtobufCMessage *rep = NULL;
+/* One small Echo (a liveness probe): RPC_OK, or the code with why filled. */
+static int gw_echo(rpc_channel *ch, char *why, size_t why_len) {
     rpc_status st = {0};
-    double t0 = fu_now_s();
-    int code = rpc_call_unary(ch, RPC_SHARD_ECHO, &req.base, &fusion__echo_reply__descriptor, &rep,
-                              GW_POLL_TIMEOUT_MS * 2, &st);
-    double t = fu_now_s() - t0;
-    rpc_msg_free(rep);
-    if (code) {
-        snprintf(why, why_len, "Echo: %s%s%.150s", rpc_code_str(code), st.message[0] ? ": " : "", st.message);
-        return -1;
-    }
-    return t;
+    int code = shard_svc_echo(ch, 0, GW_POLL_TIMEOUT_MS * 2, &st);
+    if (code) gw_call_why(why, why_len, "Echo", code, &st);
+    return code;
 }
 
 /* Measures the link to member mb (unlocked calls); a failed call retires it. */
 static void gw_member_measure(gw_swarm *s, gw_member *mb) {
     char why[200] = "";
-    double a = gw_echo(mb->ch, 0, why, sizeof why);
-    double b = a >= 0 ? gw_echo(mb->ch, 0, why, sizeof why) : -1;
-    double big = b >= 0 ? gw_echo(mb->ch, GW_ECHO_BYTES, why, sizeof why) : -1;
+    rpc_status st = {0};
+    double rtt = 0, bw = 0;
+    int code = shard_svc_measure_link(mb->ch, GW_ECHO_BYTES, GW_POLL_TIMEOUT_MS * 2, &rtt, &bw, &st);
+    if (code) gw_call_why(why, sizeof why, "Echo", code, &st);
     pthread_mutex_lock(&s->mu);
     mb->measured_at = fu_now_s();
-    if (big < 0) {
+    if (code) {
         gw_member_retire_locked(s, mb, why);
     } else {
-        double rtt = a < b ? a : b, t = big - rtt;
         mb->rtt_s = rtt;
-        mb->bw = GW_ECHO_BYTES / (t > 1e-6 ? t : 1e-6);
+        mb->bw = bw;
         gw_links_apply_locked(s);
         gw_swarm_changed_locked(s);
     }
@@ -812,16 +806,17 @@ static void *gw_swarm_main(void *arg) {
 
 /* ---- the fusion.Swarm service ------------------------------------------------------------- */
 
-static void gw_report_from_msg(const Fusion__MemberStatus *ms, gw_member_report *r) {
+/* A member's report as the gateway keeps it (strings bounded; an address too long becomes ""). */
+static void gw_report_from_member(const swarm_svc_member *ms, gw_member_report *r) {
     memset(r, 0, sizeof *r);
     if (!ms) return;
-    snprintf(r->address, sizeof r->address, "%s", ms->address ? ms->address : "");
-    if (ms->address && strlen(ms->address) >= sizeof r->address) r->address[0] = '\0';
+    snprintf(r->address, sizeof r->address, "%s", ms->address);
+    if (strlen(ms->address) >= sizeof r->address) r->address[0] = '\0';
     r->n_layers = ms->n_layers;
     r->first = ms->first_block;
     r->last = ms->last_block;
-    snprintf(r->device, sizeof r->device, "%s", ms->device ? ms->device : "");
-    snprintf(r->dtype, sizeof r->dtype, "%s", ms->dtype ? ms->dtype : "");
+    snprintf(r->device, sizeof r->device, "%s", ms->device);
+    snprintf(r->dtype, sizeof r->dtype, "%s", ms->dtype);
     r->tokens_per_s = ms->tokens_per_s;
     r->block_tokens_per_s = ms->block_tokens_per_s;
     r->max_blocks = ms->max_blocks;
@@ -832,14 +827,14 @@ static void gw_report_from_msg(const Fusion__MemberStatus *ms, gw_member_report 
     r->fixed_span = ms->fixed_span;
     r->fail_first = ms->failed_first;
     r->fail_last = ms->failed_last;
-    snprintf(r->load_error, sizeof r->load_error, "%s", ms->load_error ? ms->load_error : "");
+    snprintf(r->load_error, sizeof r->load_error, "%s", ms->load_error);
     r->dr_first = ms->draining_first;
     r->dr_last = ms->draining_last;
     r->dr_sessions = ms->draining_sessions;
     r->hidden_size = ms->hidden_size;
     for (size_t i = 0; i < ms->n_links && r->n_links < GW_MAX_PEER_LINKS; i++) {
-        const Fusion__LinkFigure *lf = ms->links[i];
-        if (!lf || !lf->address || strlen(lf->address) >= sizeof r->links[0].address) continue;
+        const swarm_svc_link *lf = &ms->links[i];
+        if (strlen(lf->address) >= sizeof r->links[0].address) continue;
         gw_peer_link *pl = &r->links[r->n_links++];
         snprintf(pl->address, sizeof pl->address, "%s", lf->address);
         pl->rtt_s = lf->rtt_s;
@@ -847,91 +842,51 @@ static void gw_report_from_msg(const Fusion__MemberStatus *ms, gw_member_report 
     }
 }
 
-typedef struct gw_join_msg {
-    Fusion__JoinReply rep;
-    Fusion__SpanAssignment span;
-} gw_join_msg;
-
-typedef struct gw_hb_msg {
-    Fusion__HeartbeatReply rep;
-    Fusion__SpanAssignment span;
-    gw_member_reply out;
-    char *peers[GW_MAX_PEER_LINKS];
-} gw_hb_msg;
-
-static void gw_msg_free(void *ctx, ProtobufCMessage *msg) {
-    (void)ctx;
-    free(msg);
-}
-
+/* A membership refusal as a gRPC status: NOT_FOUND keeps its code (the member joins again). */
 static int gw_status_fail(rpc_status *st, int rc) {
     if (rc == FU_ERR_NOT_FOUND) return rpc_status_setf(st, RPC_NOT_FOUND, "%s", fu_last_error());
     return rpc_status_from_fu(st, rc);
 }
 
-static int gw_join_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+/* Join: registers the member and answers its id, heartbeat interval and span to load (if any). */
+static int gw_join_handler(void *ctx, const swarm_svc_member *status, swarm_svc_join_reply *out, rpc_status *st) {
     gw_swarm *s = ctx;
-    const Fusion__JoinRequest *req = (const Fusion__JoinRequest *)req_msg;
-    if (!req->status) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "status: required");
+    if (!status) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "status: required");
     gw_member_report *r = malloc(sizeof *r);
-    gw_join_msg *m = calloc(1, sizeof *m);
-    if (!r || !m) {
-        free(r);
-        free(m);
-        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
-    }
-    gw_report_from_msg(req->status, r);
-    gw_member_reply out;
-    int rc = gw_swarm_member_join(s, r, fu_now_s(), &out);
+    if (!r) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    gw_report_from_member(status, r);
+    gw_member_reply m;
+    int rc = gw_swarm_member_join(s, r, fu_now_s(), &m);
     free(r);
-    if (rc) {
-        free(m);
-        return gw_status_fail(st, rc);
-    }
-    fusion__join_reply__init(&m->rep);
-    fusion__span_assignment__init(&m->span);
-    m->rep.member_id = out.member_id;
-    m->rep.heartbeat_ms = s->cfg->heartbeat_ms;
-    if (out.last > out.first) {
-        m->span.first_block = out.first;
-        m->span.last_block = out.last;
-        m->rep.span = &m->span;
-    }
-    *reply = &m->rep.base;
+    if (rc) return gw_status_fail(st, rc);
+    *out = (swarm_svc_join_reply){m.member_id, s->cfg->heartbeat_ms, m.last > m.first, m.first, m.last};
     return RPC_OK;
 }
 
-static int gw_heartbeat_handler(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply,
+/* Heartbeat: the member's new figures; answers the span to load (if any) and the peers to measure. */
+static int gw_heartbeat_handler(void *ctx, const swarm_svc_heartbeat_request *req, swarm_svc_heartbeat_reply *out,
                                 rpc_status *st) {
     gw_swarm *s = ctx;
-    const Fusion__HeartbeatRequest *req = (const Fusion__HeartbeatRequest *)req_msg;
     if (!req->status && !req->leaving) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "status: required");
     gw_member_report *r = malloc(sizeof *r);
-    gw_hb_msg *m = calloc(1, sizeof *m);
+    gw_member_reply *m = malloc(sizeof *m);
     if (!r || !m) {
         free(r);
         free(m);
         return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
     }
-    gw_report_from_msg(req->status, r);
-    int rc = gw_swarm_member_heartbeat(s, req->member_id, r, req->leaving, fu_now_s(), &m->out);
+    gw_report_from_member(req->status, r);
+    int rc = gw_swarm_member_heartbeat(s, req->member_id, r, req->leaving, fu_now_s(), m);
     free(r);
-    if (rc) {
-        free(m);
-        return gw_status_fail(st, rc);
+    if (!rc) {
+        out->has_span = m->last > m->first;
+        out->first_block = m->first;
+        out->last_block = m->last;
+        for (int i = 0; i < m->n_peers && i < SWARM_SVC_MAX_PEERS; i++)
+            snprintf(out->peers[out->n_peers++], sizeof out->peers[0], "%s", m->peers[i]);
     }
-    fusion__heartbeat_reply__init(&m->rep);
-    fusion__span_assignment__init(&m->span);
-    if (m->out.last > m->out.first) {
-        m->span.first_block = m->out.first;
-        m->span.last_block = m->out.last;
-        m->rep.span = &m->span;
-    }
-    for (int i = 0; i < m->out.n_peers; i++) m->peers[i] = m->out.peers[i];
-    m->rep.n_peers = (size_t)m->out.n_peers;
-    m->rep.peers = m->out.n_peers ? m->peers : NULL;
-    *reply = &m->rep.base;
-    return RPC_OK;
+    free(m);
+    return rc ? gw_status_fail(st, rc) : RPC_OK;
 }
 
 static int gw_swarm_serve(gw_swarm *s) {
@@ -939,11 +894,9 @@ static int gw_swarm_serve(gw_swarm *s) {
     const char *cert = c->swarm_tls_cert ? c->swarm_tls_cert : c->https_cert;
     const char *key = c->swarm_tls_cert ? c->swarm_tls_key : c->https_key;
     rpc_server_options o = {c->swarm_listen, cert, key, c->insecure, c->secret, 0, 4};
+    s->handlers = (swarm_svc_handlers){s, gw_join_handler, gw_heartbeat_handler};
     int rc = rpc_server_new(&o, &s->rpc);
-    if (!rc) rc = rpc_server_add_unary(s->rpc, RPC_SWARM_JOIN, &fusion__join_request__descriptor, gw_join_handler,
-                                       gw_msg_free, s);
-    if (!rc) rc = rpc_server_add_unary(s->rpc, RPC_SWARM_HEARTBEAT, &fusion__heartbeat_request__descriptor,
-                                       gw_heartbeat_handler, gw_msg_free, s);
+    if (!rc) rc = swarm_svc_serve(s->rpc, &s->handlers);
     if (!rc) rc = rpc_server_start(s->rpc);
     if (rc) return fu_errorf(rc, "swarm service on %s: %s", c->swarm_listen, fu_last_error());
     int port = rpc_server_port(s->rpc);
@@ -1163,9 +1116,9 @@ void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message
         pthread_mutex_unlock(&s->mu);
         if (!mb) continue;
         char pwhy[200];
-        double t = mb->ch ? gw_echo(mb->ch, 0, pwhy, sizeof pwhy) : 0;
+        int code = mb->ch ? gw_echo(mb->ch, pwhy, sizeof pwhy) : RPC_OK;
         pthread_mutex_lock(&s->mu);
-        if (t < 0 && mb->id == l->ids[h]) gw_member_retire_locked(s, mb, pwhy);
+        if (code && mb->id == l->ids[h]) gw_member_retire_locked(s, mb, pwhy);
         mb->busy--;
         pthread_mutex_unlock(&s->mu);
     }

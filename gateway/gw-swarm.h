@@ -51,6 +51,11 @@
  * network's link capacities; cfg->links override them. Every change recomputes
  * the router's max flow. All functions are thread-safe (one mutex guards the
  * swarm and the router, which are not).
+ *
+ * Calls to members and the membership service go through net/'s typed Shard
+ * and Swarm services (shard-svc.h, swarm-svc.h). Ownership: the configuration
+ * is borrowed for the swarm's life; a lease is the caller's struct, filled by
+ * gw_swarm_route and emptied by gw_swarm_release.
  */
 #ifndef FU_GW_SWARM_H
 #define FU_GW_SWARM_H

@@ -8,9 +8,9 @@
 #include <time.h>
 
 #include "clock.h"
-#include "fusion.pb-c.h"
 #include "grow.h"
-#include "rpc.h"
+#include "rpc-base.h"
+#include "shard-svc.h"
 #include "status.h"
 #include "wire.h"
 
@@ -32,7 +32,7 @@ struct chain_client {
 typedef struct chain_link {
     chain_hop hop;
     char *address, *tls_name;
-    rpc_stream *s;
+    shard_svc_session *sess;
 } chain_link;
 
 struct chain_session {
@@ -134,17 +134,7 @@ static int chain_channel(chain_client *c, const chain_hop *hop, rpc_channel **ou
 void chain_session_close(chain_session *s) {
     if (!s) return;
     for (int i = 0; i < s->n_links; i++) {
-        if (s->links[i].s) {
-            rpc_status st;
-            Fusion__CloseSession cl = FUSION__CLOSE_SESSION__INIT;
-            cl.reason = (char *)"client closed";
-            Fusion__SessionRequest req = FUSION__SESSION_REQUEST__INIT;
-            req.kind_case = FUSION__SESSION_REQUEST__KIND_CLOSE;
-            req.close = &cl;
-            rpc_stream_send(s->links[i].s, &req.base, &st);
-            rpc_stream_close_send(s->links[i].s, &st);
-            rpc_stream_free(s->links[i].s);
-        }
+        shard_svc_session_close(s->links[i].sess, "client closed");
         free(s->links[i].address);
         free(s->links[i].tls_name);
     }
@@ -196,46 +186,26 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
         l->hop.tls_server_name = l->tls_name;
     }
     /* forwarding: hop 0 gets the rest of the chain */
-    Fusion__Hop rest[CHAIN_MAX_HOPS], *rest_ptrs[CHAIN_MAX_HOPS];
-    for (int i = 1; i < n_hops; i++) {
-        fusion__hop__init(&rest[i]);
-        rest[i].address = s->links[i].address;
-        rest[i].first_block = hops[i].first_block;
-        rest[i].last_block = hops[i].last_block;
-        rest[i].tls_server_name = s->links[i].tls_name ? s->links[i].tls_name : (char *)"";
-        rest_ptrs[i - 1] = &rest[i];
-    }
+    shard_svc_hop rest[CHAIN_MAX_HOPS];
+    for (int i = 1; i < n_hops; i++)
+        rest[i - 1] = (shard_svc_hop){s->links[i].address, hops[i].first_block, hops[i].last_block,
+                                      s->links[i].tls_name};
     for (int i = 0; i < s->n_links && !rc; i++) {
         chain_link *l = &s->links[i];
         rpc_channel *ch = NULL;
         rpc_status st = {0};
         if ((rc = chain_channel(c, &l->hop, &ch))) break;
-        int code = rpc_stream_open(ch, RPC_SHARD_SESSION, 0, &l->s, &st);
-        Fusion__OpenSession open = FUSION__OPEN_SESSION__INIT;
-        open.session_id = s->id;
-        open.max_length = max_length;
-        open.wire_dtype = (Fusion__Dtype)c->o.wire_dtype;
-        open.int8_block_size = c->o.int8_block;
-        open.first_block = l->hop.first_block;
-        open.last_block = l->hop.last_block;
-        if (c->o.forward) {
-            open.n_chain = (size_t)(n_hops - 1);
-            open.chain = rest_ptrs;
-        }
-        Fusion__SessionRequest req = FUSION__SESSION_REQUEST__INIT;
-        req.kind_case = FUSION__SESSION_REQUEST__KIND_OPEN;
-        req.open = &open;
-        ProtobufCMessage *msg = NULL;
-        if (!code) code = rpc_stream_send(l->s, &req.base, &st);
-        if (!code) code = rpc_stream_recv(l->s, &fusion__session_reply__descriptor, &msg, c->o.timeout_ms, &st);
-        if (code) {
-            rc = chain_fail(l->address, code, &st);
-            break;
-        }
-        Fusion__SessionReply *rep = (Fusion__SessionReply *)msg;
-        if (rep->kind_case != FUSION__SESSION_REPLY__KIND_OPENED)
-            rc = fu_errorf(FU_ERR_FORMAT, "shard %s: expected an open reply", l->address);
-        rpc_msg_free(msg);
+        shard_svc_open open = {.session_id = s->id,
+                               .max_length = max_length,
+                               .wire_dtype = c->o.wire_dtype,
+                               .int8_block_size = c->o.int8_block,
+                               .first_block = l->hop.first_block,
+                               .last_block = l->hop.last_block,
+                               .chain = rest,
+                               .n_chain = c->o.forward ? (size_t)(n_hops - 1) : 0};
+        int code = shard_svc_session_open(ch, &open, c->o.timeout_ms, &l->sess, &st);
+        if (code == RPC_UNEXPECTED_REPLY) rc = fu_errorf(FU_ERR_FORMAT, "shard %s: expected an open reply", l->address);
+        else if (code) rc = chain_fail(l->address, code, &st);
     }
     if (rc) {
         chain_session_close(s);
@@ -247,41 +217,34 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
 
 int64_t chain_session_len(const chain_session *s) { return s->len; }
 
-/* Sends one step on link i and receives its reply (*reply: free with rpc_msg_free). */
-static int chain_link_step(chain_session *s, int i, const Fusion__StepRequest *sr,
-                           Fusion__StepReply **reply, ProtobufCMessage **msg) {
+/* Sends one step on link i and receives its reply (*reply: valid until the link's next step or
+ * shard_svc_session_drop_reply). */
+static int chain_link_step(chain_session *s, int i, const shard_svc_step *step, const shard_svc_step_reply **reply) {
     chain_link *l = &s->links[i];
     rpc_status st = {0};
-    Fusion__SessionRequest req = FUSION__SESSION_REQUEST__INIT;
-    req.kind_case = FUSION__SESSION_REQUEST__KIND_STEP;
-    req.step = (Fusion__StepRequest *)sr;
-    int code = rpc_stream_send(l->s, &req.base, &st);
-    if (!code) code = rpc_stream_recv(l->s, &fusion__session_reply__descriptor, msg, s->c->o.timeout_ms, &st);
-    if (code) return chain_fail(l->address, code, &st);
-    Fusion__SessionReply *rep = (Fusion__SessionReply *)*msg;
-    if (rep->kind_case != FUSION__SESSION_REPLY__KIND_STEP || !rep->step || !rep->step->output)
+    int code = shard_svc_session_step(l->sess, step, reply, &st);
+    if (code == RPC_UNEXPECTED_REPLY || (!code && !(*reply)->output))
         return fu_errorf(FU_ERR_FORMAT, "shard %s: expected a step reply", l->address);
-    *reply = rep->step;
+    if (code) return chain_fail(l->address, code, &st);
     return FU_OK;
 }
 
-
 /* Copies the last hop's output into the session's result. */
-static int chain_take_output(chain_session *s, const Fusion__StepReply *rep, const chain_spec *spec, int n) {
-    const Fusion__Output *o = rep->output;
+static int chain_take_output(chain_session *s, const shard_svc_step_reply *rep, const chain_spec *spec, int n) {
+    const shard_svc_output *o = rep->output;
     chain_result *r = &s->res;
     memset(r, 0, sizeof *r);
     r->position = rep->position;
     int expect = spec->all_positions ? n : 1;
     if (spec->want_logits) {
-        const Fusion__Tensor *t = o->logits;
-        if (!t || t->dtype != FUSION__DTYPE__DTYPE_F32 || t->n_shape != 2 || t->shape[0] != expect ||
-            t->shape[1] <= 0 || t->shape[1] > (1 << 24))
+        const wire_tensor *t = o->logits;
+        if (!t || t->dtype != WIRE_F32 || t->n_shape != 2 || t->shape[0] != expect || t->shape[1] <= 0 ||
+            t->shape[1] > (1 << 24))
             return fu_errorf(FU_ERR_FORMAT, "chain: the last hop returned no logits of the expected shape");
         size_t cnt = (size_t)t->shape[0] * (size_t)t->shape[1];
         if (fu_grow((void **)&s->logits, &s->cap_logits, cnt, sizeof(float)))
             return fu_errorf(FU_ERR_NOMEM, "logits");
-        int rc = wire_decode(t->data.data, t->data.len, NULL, 0, WIRE_F32, 0, cnt, s->logits, "logits");
+        int rc = wire_decode(t->data, t->data_len, NULL, 0, WIRE_F32, 0, cnt, s->logits, "logits");
         if (rc) return rc;
         r->logits = s->logits;
         r->vocab = (int)t->shape[1];
@@ -300,15 +263,13 @@ static int chain_take_output(chain_session *s, const Fusion__StepReply *rep, con
         memcpy(s->tokens, o->tokens, (size_t)expect * sizeof(int32_t));
         memcpy(s->logprobs, o->logprobs, (size_t)expect * sizeof(float));
         if (k) {
-            if (o->n_top_logprobs != (size_t)expect)
+            if (o->n_top != (size_t)expect)
                 return fu_errorf(FU_ERR_FORMAT, "chain: top logprobs missing");
             for (int i = 0; i < expect; i++) {
-                const Fusion__TopLogprobs *tl = o->top_logprobs[i];
-                if (!tl || tl->n_entries != (size_t)k) return fu_errorf(FU_ERR_FORMAT, "chain: top logprobs");
-                for (int j = 0; j < k; j++) {
-                    s->top_ids[i * k + j] = tl->entries[j]->token;
-                    s->top_lp[i * k + j] = tl->entries[j]->logprob;
-                }
+                const shard_svc_top *tl = &o->top[i];
+                if (tl->n != (size_t)k) return fu_errorf(FU_ERR_FORMAT, "chain: top logprobs");
+                memcpy(&s->top_ids[i * k], tl->tokens, (size_t)k * sizeof(int32_t));
+                memcpy(&s->top_lp[i * k], tl->logprobs, (size_t)k * sizeof(float));
             }
             r->top_ids = s->top_ids;
             r->top_logprobs = s->top_lp;
@@ -321,9 +282,9 @@ static int chain_take_output(chain_session *s, const Fusion__StepReply *rep, con
     return FU_OK;
 }
 
-static void chain_add_timing(chain_session *s, const Fusion__StepReply *rep) {
+static void chain_add_timing(chain_session *s, const shard_svc_step_reply *rep) {
     for (size_t i = 0; i < rep->n_timing && s->res.n_timing < CHAIN_MAX_HOPS; i++) {
-        const Fusion__ServerTiming *t = rep->timing[i];
+        const shard_svc_timing *t = &rep->timing[i];
         chain_timing *d = &s->timing[s->res.n_timing++];
         snprintf(d->server, sizeof d->server, "%s", t->server ? t->server : "");
         d->first_block = t->first_block;
@@ -335,6 +296,28 @@ static void chain_add_timing(chain_session *s, const Fusion__StepReply *rep) {
     s->res.timing = s->timing;
 }
 
+/* Runs the step through every link (with forwarding: the one), each hop's hidden states
+ * relayed as received to the next; *last: the last reply (valid until the session's next step). */
+static int chain_run_links(chain_session *s, shard_svc_step *step, shard_svc_input *in,
+                           const shard_svc_step_reply **last) {
+    s->res.n_timing = 0;
+    const shard_svc_step_reply *rep = NULL;
+    int rc = FU_OK;
+    for (int i = 0; i < s->n_links && !rc; i++) {
+        rc = chain_link_step(s, i, step, &rep);
+        if (i > 0) shard_svc_session_drop_reply(s->links[i - 1].sess); /* its hidden states have been sent */
+        if (rc) break;
+        chain_add_timing(s, rep);
+        if (i + 1 < s->n_links) {
+            if (!rep->output->hidden)
+                rc = fu_errorf(FU_ERR_FORMAT, "shard %s: returned no hidden states", s->links[i].address);
+            in->hidden = rep->output->hidden;
+        }
+    }
+    *last = rep;
+    return rc;
+}
+
 int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t rollback_to,
                        const chain_spec *spec, const chain_result **out) {
     *out = NULL;
@@ -343,73 +326,26 @@ int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t r
     int64_t t0 = fu_now_us();
     int64_t start = rollback_to >= 0 ? rollback_to : s->len;
 
-    Fusion__Sampling samp = FUSION__SAMPLING__INIT;
-    Fusion__LogitBias *bias_ptrs[SMP_MAX_LOGIT_BIAS], bias[SMP_MAX_LOGIT_BIAS];
-    Fusion__OutputSpec os = FUSION__OUTPUT_SPEC__INIT;
-    os.want_logits = spec->want_logits;
-    os.all_positions = spec->all_positions;
-    os.top_logprobs = spec->top_logprobs;
+    shard_svc_sampling samp;
+    shard_svc_output_spec os = {spec->want_logits, spec->all_positions, NULL, spec->top_logprobs};
     if (spec->sample) {
         const smp_params *p = &spec->sampling;
         if (p->n_bias > SMP_MAX_LOGIT_BIAS)
             return fu_errorf(FU_ERR_INVALID, "logit_bias: at most %d entries", SMP_MAX_LOGIT_BIAS);
-        samp.temperature = p->temperature;
-        samp.top_p = p->top_p;
-        samp.top_k = p->top_k;
-        samp.min_p = p->min_p;
-        samp.seed = p->seed;
-        samp.presence_penalty = p->presence_penalty;
-        samp.frequency_penalty = p->frequency_penalty;
-        samp.repetition_penalty = p->repetition_penalty;
-        samp.penalty_start = spec->penalty_start;
-        for (int i = 0; i < p->n_bias; i++) {
-            fusion__logit_bias__init(&bias[i]);
-            bias[i].token = p->bias[i].token;
-            bias[i].bias = p->bias[i].bias;
-            bias_ptrs[i] = &bias[i];
-        }
-        samp.n_logit_bias = (size_t)p->n_bias;
-        samp.logit_bias = bias_ptrs;
+        samp = shard_svc_sampling_from_params(p, spec->penalty_start);
         os.sampling = &samp;
     }
-    Fusion__Input in = FUSION__INPUT__INIT;
-    in.n_tokens = (size_t)n;
-    in.tokens = (int32_t *)tokens;
-    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
-    sr.request_id = ++s->next_request;
-    sr.start_position = start;
-    sr.input = &in;
-    sr.output = &os;
-    if (rollback_to >= 0) {
-        sr.rollback_case = FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO;
-        sr.rollback_to = rollback_to;
-    }
-    s->res.n_timing = 0;
-    ProtobufCMessage *prev = NULL;
-    Fusion__StepReply *rep = NULL;
-    int rc = FU_OK;
-    for (int i = 0; i < s->n_links; i++) {
-        ProtobufCMessage *msg = NULL;
-        rc = chain_link_step(s, i, &sr, &rep, &msg);
-        rpc_msg_free(prev); /* the previous hop's hidden states have been sent */
-        prev = msg;
-        if (rc) break;
-        chain_add_timing(s, rep);
-        if (i + 1 < s->n_links) {
-            if (!rep->output->hidden) {
-                rc = fu_errorf(FU_ERR_FORMAT, "shard %s: returned no hidden states", s->links[i].address);
-                break;
-            }
-            in.hidden = rep->output->hidden; /* relayed as received */
-        }
-    }
+    shard_svc_input in = {tokens, (size_t)n, NULL};
+    shard_svc_step step = {++s->next_request, start, &in, &os, rollback_to >= 0, rollback_to};
+    const shard_svc_step_reply *rep = NULL;
+    int rc = chain_run_links(s, &step, &in, &rep);
     if (!rc) {
         int n_timing = s->res.n_timing;
         rc = chain_take_output(s, rep, spec, n);
         s->res.n_timing = n_timing;
         s->res.timing = s->timing;
     }
-    rpc_msg_free(prev);
+    for (int i = 0; i < s->n_links; i++) shard_svc_session_drop_reply(s->links[i].sess);
     if (rc) return rc;
     s->len = start + n;
     s->res.total_us = fu_now_us() - t0;

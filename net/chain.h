@@ -5,7 +5,13 @@
  * holds the LM head. A session opens one session per hop (or, with forwarding,
  * one on hop 0 that opens the rest itself, so a step never returns to the
  * client between hops). Steps carry token ids in; sampled tokens, log-probs and
- * optionally logits come back.
+ * optionally logits come back. The requests are the Shard service's own
+ * (shard-svc.h), the same a forwarding shard sends to its next hop.
+ *
+ * Threads: a client is thread-safe (its channels are shared under a lock); a
+ * session is used by one thread at a time. Ownership: the client owns its
+ * channels, a session its streams and result buffers; options and hops are
+ * copied at creation.
  */
 #ifndef FU_CHAIN_H
 #define FU_CHAIN_H
@@ -36,16 +42,19 @@ typedef struct chain_options {
 typedef struct chain_client chain_client;
 typedef struct chain_session chain_session;
 
-/* A client keeps one channel per address, shared by its sessions. */
+/* Creates a client (o and its strings copied). It keeps one channel per address, shared by its
+ * sessions. FU_ERR_INVALID without a secret or with an unknown wire dtype. */
 int chain_client_new(const chain_options *o, chain_client **out);
-void chain_client_free(chain_client *c); /* after every session is closed; NULL is a no-op */
+/* Frees the client and its channels, after every session is closed. NULL is a no-op. */
+void chain_client_free(chain_client *c);
 
 /* Opens a session of max_length positions across hops[0..n). Fails with the
  * first hop's error (fu_last_error() names the hop): FU_ERR_EXHAUSTED when a
  * server's KV cache cannot admit it, FU_ERR_NETWORK when a hop is down, ... */
 int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
                        int max_length, chain_session **out);
-void chain_session_close(chain_session *s); /* NULL is a no-op */
+/* Closes the session on every hop (best effort, without waiting) and frees it. NULL is a no-op. */
+void chain_session_close(chain_session *s);
 
 typedef struct chain_spec {
     bool want_logits;
@@ -84,6 +93,7 @@ typedef struct chain_result {
 int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t rollback_to,
                        const chain_spec *spec, const chain_result **out);
 
+/* Positions the session holds (after its last successful step). */
 int64_t chain_session_len(const chain_session *s);
 
 #endif

@@ -1,4 +1,10 @@
-/* rpc-impl.h -- RPC layer internals shared by rpc.c (messages, streams, client) and rpc-server.c */
+/* rpc-impl.h -- RPC layer internals shared by rpc.c (messages, streams, client) and rpc-server.c.
+ *
+ * Not for use outside net/. Threads: an rpc_stream and its completion queue
+ * are driven by the one thread using the stream; the helpers are stateless.
+ * Ownership: functions returning byte buffers, messages or strings hand them
+ * to the caller (each says how to free them).
+ */
 #ifndef FU_RPC_IMPL_H
 #define FU_RPC_IMPL_H
 

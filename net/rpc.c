@@ -86,6 +86,7 @@ int rpc_code_to_fu(int code) {
     case RPC_UNAVAILABLE:
     case RPC_ABORTED: return FU_ERR_NETWORK;
     case RPC_DATA_LOSS: return FU_ERR_CHECKSUM;
+    case RPC_UNEXPECTED_REPLY: return FU_ERR_FORMAT;
     }
     return FU_ERR_INTERNAL;
 }

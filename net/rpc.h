@@ -1,9 +1,16 @@
 /* rpc.h -- the RPC layer: gRPC (C core) calls carrying protobuf-c messages, behind one small API.
  *
+ * This is the message level, for net/ itself (the typed services shard-svc.c
+ * and swarm-svc.c are built on it) and for tests, tools and benchmarks that
+ * speak raw messages. Statuses, servers and channels are declared in
+ * rpc-base.h, which components include with the service headers
+ * (shard-svc.h, swarm-svc.h) instead of this one: they never see generated
+ * types or protobuf-c.
+ *
  * Servers register handlers per method path ("/fusion.Shard/Info"); clients
  * call methods on a channel. Messages are protobuf-c messages (generated from
- * net/proto/fusion.proto: "fusion.pb-c.h"); this layer packs and unpacks them, so
- * callers never see completion queues, byte buffers or wire bytes.
+ * net/proto/fusion.proto: "fusion.pb-c.h"); this layer packs and unpacks
+ * them, so callers never see completion queues, byte buffers or wire bytes.
  *
  * Two kinds of methods:
  *   - unary:  one request, one reply. Server handlers run on the server's
@@ -13,26 +20,16 @@
  *             returns the final status. A client opens one with
  *             rpc_stream_open and uses the same send/recv.
  *
- * Security: every call carries the swarm secret (metadata "x-fusion-secret");
- * the server compares it in constant time and refuses a call without the
- * right one (UNAUTHENTICATED) before any handler runs. Transport is TLS
- * (gRPC SSL credentials); plaintext only when explicitly allowed and the
- * address is loopback (127.0.0.0/8, ::1, localhost, unix:).
+ * Threads: as rpc-base.h; one rpc_stream is used by one thread at a time (its
+ * handler thread on the server; whichever thread the client likes, but not
+ * two at once).
  *
- * Return values: set-up functions (rpc_server_*, rpc_channel_new) return a
- * fu_status (FU_OK or FU_ERR_*, details in fu_last_error()). Call and stream
- * functions return an rpc_code (RPC_OK = 0 or a gRPC status code) and fill
- * an rpc_status (may be NULL) with the code and a message.
- *
- * Threads: a server, a channel and their functions are thread-safe; one
- * rpc_stream is used by one thread at a time (its handler thread on the
- * server; whichever thread the client likes, but not two at once).
+ * Ownership: a message returned by this layer (rpc_call_unary, rpc_stream_recv,
+ * rpc_msg_unpack) belongs to the caller, who frees it with rpc_msg_free;
+ * messages passed in are packed during the call and stay the caller's.
  *
  * Latency: a stream is one HTTP/2 stream; send and recv cost one message each
- * way and never create threads or sleep. Keep channels and streams open:
- * opening a channel costs a TCP (and TLS) handshake on first use. Measured on
- * loopback (bench/rpc.c): ~30 us per stream step, ~50 us per small unary
- * call; TLS adds ~20 us.
+ * way and never create threads or sleep.
  *
  * Flow control: send returns once its message is queued, so a client may
  * pipeline a few messages, but one that keeps sending without reading the
@@ -47,6 +44,8 @@
 
 #include <protobuf-c/protobuf-c.h>
 
+#include "rpc-base.h"
+
 /* Method paths of service fusion.Shard (net/proto/fusion.proto). */
 #define RPC_SHARD_SESSION "/fusion.Shard/Session" /* stream SessionRequest -> stream SessionReply */
 #define RPC_SHARD_FORWARD "/fusion.Shard/Forward" /* ForwardRequest -> ForwardReply */
@@ -57,72 +56,6 @@
 /* Method paths of service fusion.Swarm (hosted by the gateway). */
 #define RPC_SWARM_JOIN "/fusion.Swarm/Join"           /* JoinRequest -> JoinReply */
 #define RPC_SWARM_HEARTBEAT "/fusion.Swarm/Heartbeat" /* HeartbeatRequest -> HeartbeatReply */
-
-/* Metadata key that carries the swarm secret. */
-#define RPC_SECRET_KEY "x-fusion-secret"
-
-/* Default bound on one message, each direction, when an option says 0. */
-#define RPC_DEFAULT_MAX_MESSAGE (64u << 20)
-
-/* ---- status ---------------------------------------------------------------- */
-
-/* X(name, value, description): gRPC's status codes, same values, plus
- * RPC_END_OF_STREAM, which never goes on the wire. */
-#define RPC_CODE_LIST(X)                                              \
-    X(RPC_OK, 0, "ok")                                                \
-    X(RPC_CANCELLED, 1, "cancelled")                                  \
-    X(RPC_UNKNOWN, 2, "unknown")                                      \
-    X(RPC_INVALID_ARGUMENT, 3, "invalid argument")                    \
-    X(RPC_DEADLINE_EXCEEDED, 4, "deadline exceeded")                  \
-    X(RPC_NOT_FOUND, 5, "not found")                                  \
-    X(RPC_ALREADY_EXISTS, 6, "already exists")                        \
-    X(RPC_PERMISSION_DENIED, 7, "permission denied")                  \
-    X(RPC_RESOURCE_EXHAUSTED, 8, "resource exhausted")                \
-    X(RPC_FAILED_PRECONDITION, 9, "failed precondition")              \
-    X(RPC_ABORTED, 10, "aborted")                                     \
-    X(RPC_OUT_OF_RANGE, 11, "out of range")                           \
-    X(RPC_UNIMPLEMENTED, 12, "unimplemented")                         \
-    X(RPC_INTERNAL, 13, "internal")                                   \
-    X(RPC_UNAVAILABLE, 14, "unavailable")                             \
-    X(RPC_DATA_LOSS, 15, "data loss")                                 \
-    X(RPC_UNAUTHENTICATED, 16, "unauthenticated")                     \
-    X(RPC_END_OF_STREAM, 100, "end of stream")
-
-typedef enum rpc_code {
-#define RPC_CODE_ENUM_(name, value, desc) name = value,
-    RPC_CODE_LIST(RPC_CODE_ENUM_)
-#undef RPC_CODE_ENUM_
-} rpc_code;
-
-typedef struct rpc_status {
-    rpc_code code;
-    char message[256]; /* NUL-terminated; "" when the code says it all */
-} rpc_status;
-
-/* Static description of a code ("unauthenticated"); never NULL. */
-const char *rpc_code_str(int code);
-
-/* Sets *st (if st is not NULL) to code and a formatted message; returns code,
- * so a handler can `return rpc_status_setf(st, RPC_INVALID_ARGUMENT, ...)`. */
-int rpc_status_setf(rpc_status *st, int code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-/* The gRPC code for a project status (FU_ERR_INVALID -> INVALID_ARGUMENT,
- * FU_ERR_EXHAUSTED / FU_ERR_NOMEM -> RESOURCE_EXHAUSTED, FU_ERR_AUTH ->
- * UNAUTHENTICATED, FU_ERR_NETWORK -> UNAVAILABLE, ...; unknown -> UNKNOWN). */
-rpc_code rpc_code_from_fu(int fu_status);
-
-/* The project status for a gRPC code (the inverse, as near as it goes;
- * RPC_OK -> FU_OK, RPC_END_OF_STREAM -> FU_ERR_NOT_FOUND). */
-int rpc_code_to_fu(int code);
-
-/* Sets *st from a project status: the mapped code and fu_last_error() (or the
- * status string when that is empty); returns the code. */
-int rpc_status_from_fu(rpc_status *st, int fu_status);
-
-/* True if `address` ("host:port", "[v6]:port", "unix:path") names this
- * machine only: 127.0.0.0/8, ::1, localhost, or a unix socket. */
-bool rpc_address_is_loopback(const char *address);
 
 /* ---- messages -------------------------------------------------------------- */
 
@@ -139,20 +72,7 @@ int rpc_msg_unpack(const ProtobufCMessageDescriptor *desc, const void *data, siz
 
 /* ---- server ---------------------------------------------------------------- */
 
-typedef struct rpc_server rpc_server;
 typedef struct rpc_stream rpc_stream;
-
-typedef struct rpc_server_options {
-    const char *address;      /* "host:port"; port 0 picks a free port (rpc_server_port) */
-    const char *tls_cert;     /* PEM certificate chain: the PEM text itself, or a file path */
-    const char *tls_key;      /* PEM private key: the PEM text itself, or a file path */
-    bool allow_insecure;      /* plaintext when no tls_cert: refused unless address is loopback */
-    const char *secret;       /* swarm secret (required): 1..1024 printable ASCII, copied */
-    size_t max_message_bytes; /* bound on one message each way; 0: RPC_DEFAULT_MAX_MESSAGE */
-    int n_workers;            /* threads that accept calls and run unary handlers; 0: 2.
-                                 A long unary handler holds one: size for the slowest
-                                 (Forward) plus one for Info/Health */
-} rpc_server_options;
 
 /* Unary handler: `req` is the unpacked request (owned by the layer, valid
  * during the call only). On success set *reply to a heap message and return
@@ -172,14 +92,10 @@ typedef void (*rpc_reply_free_fn)(void *ctx, ProtobufCMessage *reply);
  * (RPC_CANCELLED) as soon as it happens; so do send and rpc_stream_cancelled. */
 typedef int (*rpc_stream_fn)(void *ctx, rpc_stream *s, rpc_status *st);
 
-/* Creates a server listening on o->address (bound now, so rpc_server_port
- * works at once) with TLS from o->tls_cert/tls_key, or plaintext if
- * o->allow_insecure and the address is loopback. Free with rpc_server_free. */
-int rpc_server_new(const rpc_server_options *o, rpc_server **out);
-
 /* Registers handlers; before rpc_server_start only. `method` is a full path
  * ("/fusion.Shard/Info", copied); `req_desc` the request type (borrowed:
- * generated descriptors are static). free_reply NULL: rpc_msg_free. */
+ * generated descriptors are static); ctx is borrowed until rpc_server_free.
+ * free_reply NULL: rpc_msg_free. */
 int rpc_server_add_unary(rpc_server *srv, const char *method,
                          const ProtobufCMessageDescriptor *req_desc, rpc_unary_fn fn,
                          rpc_reply_free_fn free_reply, void *ctx);
@@ -187,40 +103,7 @@ int rpc_server_add_stream(rpc_server *srv, const char *method,
                           const ProtobufCMessageDescriptor *req_desc, rpc_stream_fn fn,
                           void *ctx);
 
-/* Starts serving (methods not registered get UNIMPLEMENTED). */
-int rpc_server_start(rpc_server *srv);
-
-/* The bound TCP port (0 for a unix socket). */
-int rpc_server_port(const rpc_server *srv);
-
-/* Stops accepting calls, lets calls in flight finish for up to grace_ms, then
- * cancels the rest (their handlers see RPC_CANCELLED) and waits for every
- * handler to return. Idempotent. Handlers must return once cancelled; never
- * call it from a handler (it would wait for itself). */
-int rpc_server_shutdown(rpc_server *srv, int grace_ms);
-
-/* Shuts down (grace 0) if not yet, and frees. NULL is a no-op. */
-void rpc_server_free(rpc_server *srv);
-
 /* ---- client ---------------------------------------------------------------- */
-
-typedef struct rpc_channel rpc_channel;
-
-typedef struct rpc_channel_options {
-    const char *tls_ca;          /* PEM CA certificate(s) to verify the server: text or a file
-                                    path; NULL: gRPC's default roots */
-    bool insecure;               /* plaintext: refused unless the target is loopback */
-    const char *secret;          /* sent on every call; NULL: none (the server will refuse) */
-    size_t max_message_bytes;    /* 0: RPC_DEFAULT_MAX_MESSAGE */
-    const char *tls_server_name; /* name to verify in the server certificate instead of the
-                                    target's host (tests, IP targets); NULL: the host */
-} rpc_channel_options;
-
-/* Creates a channel to `target` ("host:port"). It connects lazily, on the
- * first call, and reconnects as needed. Free with rpc_channel_free after all
- * its calls and streams are done. */
-int rpc_channel_new(const char *target, const rpc_channel_options *o, rpc_channel **out);
-void rpc_channel_free(rpc_channel *ch); /* NULL is a no-op */
 
 /* Calls a unary method: sends req, waits up to timeout_ms (<= 0: no
  * deadline) and on RPC_OK sets *reply to a new message of type reply_desc

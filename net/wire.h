@@ -1,4 +1,10 @@
-/* wire.h -- activations on the wire: f32, bf16, f16 or int8 blockwise absmax, to and from floats. */
+/* wire.h -- activations on the wire: f32, bf16, f16 or int8 blockwise absmax, to and from floats.
+ *
+ * Stateless and thread-safe. Callers own every buffer: encode writes into
+ * the caller's data / scales, decode into the caller's floats. A wire_tensor
+ * is a view: it points at bytes someone else owns (a received message, an
+ * encoder's buffer) and is valid as long as they are.
+ */
 #ifndef FU_WIRE_H
 #define FU_WIRE_H
 
@@ -15,7 +21,24 @@ typedef enum wire_dtype {
 
 #define WIRE_DEFAULT_BLOCK 64
 
+/* A dense row-major tensor as it travels (fusion.proto's Tensor). Received
+ * ones are unchecked: dtype may be 0 or unknown and the shape anything; the
+ * receiver validates before decoding. */
+typedef struct wire_tensor {
+    int dtype;              /* WIRE_*; 0: unspecified */
+    size_t n_shape;
+    const int64_t *shape;   /* (n_shape) */
+    const uint8_t *data;    /* (data_len) prod(shape) values of dtype */
+    size_t data_len;
+    const uint8_t *scales;  /* (scales_len) INT8_BLOCK only: one scale per block */
+    size_t scales_len;
+    int block_size;         /* INT8_BLOCK only: elements per block */
+    int scale_dtype;        /* INT8_BLOCK only: WIRE_F32 (0: unspecified, read as f32) */
+} wire_tensor;
+
+/* The dtype's name ("bf16"); "invalid" for an unknown value. Static. */
 const char *wire_dtype_name(int dtype);
+/* Nonzero if dtype is one of WIRE_*. */
 int wire_dtype_valid(int dtype);
 
 /* Bytes of data (and of scales, for INT8_BLOCK) that n values take. */

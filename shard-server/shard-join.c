@@ -8,10 +8,11 @@
 #include <time.h>
 
 #include "clock.h"
-#include "fusion.pb-c.h"
 #include "log.h"
-#include "rpc.h"
+#include "rpc-base.h"
+#include "shard-svc.h"
 #include "status.h"
+#include "swarm-svc.h"
 
 #define JOIN_DEFAULT_INTERVAL_MS 500
 #define JOIN_CALL_TIMEOUT_MS 2000
@@ -53,31 +54,32 @@ struct shard_join {
     char load_msg[200];
 };
 
-/* The member status message; strings point into *st, cfg and figs (alive while the message is). */
-static void fill_status(shard_join *j, shard_join_status *st, Fusion__MemberStatus *ms, Fusion__LinkFigure *figs,
-                        Fusion__LinkFigure **fig_ptrs) {
+/* The member status as reported; strings point into *st, cfg and j (valid while they are), the
+ * measured peer links into links[0..JOIN_MAX_PEERS). */
+static void fill_status(shard_join *j, shard_join_status *st, swarm_svc_member *ms, swarm_svc_link *links) {
     memset(st, 0, sizeof *st);
     j->cfg.status(j->cfg.ctx, st);
-    fusion__member_status__init(ms);
-    ms->address = (char *)j->cfg.address;
-    ms->model_name = (char *)(j->cfg.model_name ? j->cfg.model_name : "");
-    ms->n_layers = j->cfg.n_layers;
-    ms->first_block = st->first;
-    ms->last_block = st->last;
-    ms->device = (char *)(j->cfg.device ? j->cfg.device : "cpu");
-    ms->dtype = st->dtype;
-    ms->tokens_per_s = st->tokens_per_s;
-    ms->block_tokens_per_s = j->cfg.block_tokens_per_s;
-    ms->max_blocks = j->cfg.max_blocks;
-    ms->free_kv_bytes = st->free_kv_bytes;
-    ms->total_kv_bytes = st->total_kv_bytes;
-    ms->kv_bytes_per_position = st->kv_bytes_per_position;
-    ms->active_sessions = st->active_sessions;
-    ms->fixed_span = j->cfg.fixed_span;
-    ms->draining_first = st->draining_first;
-    ms->draining_last = st->draining_last;
-    ms->draining_sessions = st->draining_sessions;
-    ms->hidden_size = j->cfg.hidden_size;
+    *ms = (swarm_svc_member){
+        .address = j->cfg.address,
+        .model_name = j->cfg.model_name ? j->cfg.model_name : "",
+        .n_layers = j->cfg.n_layers,
+        .first_block = st->first,
+        .last_block = st->last,
+        .device = j->cfg.device ? j->cfg.device : "cpu",
+        .dtype = st->dtype,
+        .tokens_per_s = st->tokens_per_s,
+        .block_tokens_per_s = j->cfg.block_tokens_per_s,
+        .max_blocks = j->cfg.max_blocks,
+        .free_kv_bytes = st->free_kv_bytes,
+        .total_kv_bytes = st->total_kv_bytes,
+        .kv_bytes_per_position = st->kv_bytes_per_position,
+        .active_sessions = st->active_sessions,
+        .fixed_span = j->cfg.fixed_span,
+        .draining_first = st->draining_first,
+        .draining_last = st->draining_last,
+        .draining_sessions = st->draining_sessions,
+        .hidden_size = j->cfg.hidden_size,
+    };
     if (j->fail_last > j->fail_first) {
         ms->failed_first = j->fail_first;
         ms->failed_last = j->fail_last;
@@ -87,28 +89,10 @@ static void fill_status(shard_join *j, shard_join_status *st, Fusion__MemberStat
     for (int i = 0; i < j->n_peers; i++) {
         const join_peer *p = &j->peers[i];
         if (!p->named || p->bw <= 0) continue;
-        fusion__link_figure__init(&figs[n]);
-        figs[n].address = (char *)p->address;
-        figs[n].rtt_s = p->rtt_s;
-        figs[n].bandwidth_bytes_per_s = p->bw;
-        fig_ptrs[n] = &figs[n];
-        n++;
+        links[n++] = (swarm_svc_link){p->address, p->rtt_s, p->bw};
     }
     ms->n_links = n;
-    ms->links = n ? fig_ptrs : NULL;
-}
-
-/* One Echo call to a peer asking reply_bytes back; seconds taken, or -1 on failure. */
-static double echo_time(rpc_channel *ch, int reply_bytes) {
-    Fusion__EchoRequest req = FUSION__ECHO_REQUEST__INIT;
-    req.reply_bytes = reply_bytes;
-    ProtobufCMessage *rep = NULL;
-    double t0 = fu_now_s();
-    int code = rpc_call_unary(ch, RPC_SHARD_ECHO, &req.base, &fusion__echo_reply__descriptor, &rep,
-                              JOIN_PEER_TIMEOUT_MS, NULL);
-    double t = fu_now_s() - t0;
-    rpc_msg_free(rep);
-    return code ? -1 : t;
+    ms->links = n ? links : NULL;
 }
 
 /* Measures the named peer whose figures are the oldest, if older than the refresh interval (one per
@@ -130,20 +114,14 @@ static void measure_peers(shard_join *j) {
         FU_DEBUG("join: no channel to peer %s: %s", p->address, fu_last_error());
         return;
     }
-    double a = echo_time(p->ch, 0), b = a >= 0 ? echo_time(p->ch, 0) : -1;
-    double rtt = b < 0 ? -1 : a < b ? a : b;
-    double big = rtt >= 0 ? echo_time(p->ch, JOIN_BW_BYTES) : -1;
-    if (big < 0) return;
-    p->rtt_s = rtt;
-    double t = big - rtt;
-    p->bw = JOIN_BW_BYTES / (t > 1e-6 ? t : 1e-6);
+    shard_svc_measure_link(p->ch, JOIN_BW_BYTES, JOIN_PEER_TIMEOUT_MS, &p->rtt_s, &p->bw, NULL);
 }
 
 /* Takes the gateway's list of peers (the shard's own address excluded). */
-static void set_peers(shard_join *j, char **peers, size_t n) {
+static void set_peers(shard_join *j, const swarm_svc_heartbeat_reply *r) {
     for (int i = 0; i < j->n_peers; i++) j->peers[i].named = false;
-    for (size_t k = 0; k < n; k++) {
-        const char *a = peers[k];
+    for (int k = 0; k < r->n_peers; k++) {
+        const char *a = r->peers[k];
         if (!a || !a[0] || strlen(a) >= sizeof j->peers[0].address || !strcmp(a, j->cfg.address)) continue;
         int i = 0;
         while (i < j->n_peers && strcmp(j->peers[i].address, a)) i++;
@@ -203,13 +181,12 @@ static bool load_finished(shard_join *j) {
 
 /* Starts loading an assigned span unless it is served already, it failed already, the span is fixed
  * or a load is under way. Returns true if the next heartbeat should follow at once (a load finished). */
-static bool maybe_load(shard_join *j, const Fusion__SpanAssignment *span) {
+static bool maybe_load(shard_join *j, bool has_span, int first, int last) {
     if (load_finished(j)) return true;
-    if (!span || j->cfg.fixed_span || j->loading) return false;
+    if (!has_span || j->cfg.fixed_span || j->loading) return false;
     shard_join_status st;
     memset(&st, 0, sizeof st);
     j->cfg.status(j->cfg.ctx, &st);
-    int first = span->first_block, last = span->last_block;
     if (st.first == first && st.last == last) return false;
     if (j->fail_first == first && j->fail_last == last) return false; /* reported; the gateway withdraws it */
     if (first < 0 || last <= first || last > j->cfg.n_layers) {
@@ -242,41 +219,34 @@ static void gateway_warn(shard_join *j, const char *method, int code, const rpc_
             rs->message);
 }
 
+/* Joins the gateway's swarm with status ms; returns true if the next heartbeat should follow at once. */
+static bool join_once(shard_join *j, const shard_join_status *st, const swarm_svc_member *ms) {
+    rpc_status rs = {0};
+    swarm_svc_join_reply r;
+    int code = swarm_svc_join(j->gw, ms, JOIN_CALL_TIMEOUT_MS, &r, &rs);
+    if (code) {
+        gateway_warn(j, "Join", code, &rs);
+        return false;
+    }
+    j->warned_at = 0;
+    j->member_id = r.member_id;
+    if (r.heartbeat_ms >= 50 && r.heartbeat_ms <= 60000) j->interval_ms = r.heartbeat_ms;
+    FU_INFO("join: joined gateway %s as member %llu%s", j->cfg.gateway, (unsigned long long)r.member_id,
+            r.has_span || st->last > st->first ? "" : " (a spare)");
+    return maybe_load(j, r.has_span, r.first_block, r.last_block);
+}
+
 /* One Join or Heartbeat exchange; returns true if the next one should follow at once. */
 static bool join_round(shard_join *j, bool leaving) {
     shard_join_status st;
-    Fusion__MemberStatus ms;
-    Fusion__LinkFigure figs[JOIN_MAX_PEERS];
-    Fusion__LinkFigure *fig_ptrs[JOIN_MAX_PEERS];
-    fill_status(j, &st, &ms, figs, fig_ptrs);
+    swarm_svc_member ms;
+    swarm_svc_link links[JOIN_MAX_PEERS];
+    fill_status(j, &st, &ms, links);
+    if (!j->member_id) return leaving ? false : join_once(j, &st, &ms);
     rpc_status rs = {0};
-    ProtobufCMessage *rep = NULL;
-    if (!j->member_id) {
-        if (leaving) return false;
-        Fusion__JoinRequest req = FUSION__JOIN_REQUEST__INIT;
-        req.status = &ms;
-        int code = rpc_call_unary(j->gw, RPC_SWARM_JOIN, &req.base, &fusion__join_reply__descriptor, &rep,
-                                  JOIN_CALL_TIMEOUT_MS, &rs);
-        if (code) {
-            gateway_warn(j, "Join", code, &rs);
-            return false;
-        }
-        j->warned_at = 0;
-        Fusion__JoinReply *r = (Fusion__JoinReply *)rep;
-        j->member_id = r->member_id;
-        if (r->heartbeat_ms >= 50 && r->heartbeat_ms <= 60000) j->interval_ms = r->heartbeat_ms;
-        FU_INFO("join: joined gateway %s as member %llu%s", j->cfg.gateway, (unsigned long long)r->member_id,
-                r->span || st.last > st.first ? "" : " (a spare)");
-        bool loaded = maybe_load(j, r->span);
-        rpc_msg_free(rep);
-        return loaded;
-    }
-    Fusion__HeartbeatRequest req = FUSION__HEARTBEAT_REQUEST__INIT;
-    req.member_id = j->member_id;
-    req.status = &ms;
-    req.leaving = leaving;
-    int code = rpc_call_unary(j->gw, RPC_SWARM_HEARTBEAT, &req.base, &fusion__heartbeat_reply__descriptor, &rep,
-                              JOIN_CALL_TIMEOUT_MS, &rs);
+    swarm_svc_heartbeat_request req = {j->member_id, &ms, leaving};
+    swarm_svc_heartbeat_reply r;
+    int code = swarm_svc_heartbeat(j->gw, &req, JOIN_CALL_TIMEOUT_MS, &r, &rs);
     if (code == RPC_NOT_FOUND) {
         FU_WARN("join: the gateway no longer knows member %llu: joining again", (unsigned long long)j->member_id);
         j->member_id = 0;
@@ -287,10 +257,8 @@ static bool join_round(shard_join *j, bool leaving) {
         return false;
     }
     j->warned_at = 0;
-    Fusion__HeartbeatReply *r = (Fusion__HeartbeatReply *)rep;
-    bool loaded = !leaving && maybe_load(j, r->span);
-    if (!leaving) set_peers(j, r->peers, r->n_peers);
-    rpc_msg_free(rep);
+    bool loaded = !leaving && maybe_load(j, r.has_span, r.first_block, r.last_block);
+    if (!leaving) set_peers(j, &r);
     return loaded;
 }
 

@@ -13,7 +13,12 @@
  * NOT_FOUND (it retired the shard or restarted) makes it join
  * again; an unreachable gateway is retried every interval. The thread also
  * measures the links to the peers the gateway names (Echo round trip and a
- * 256 KiB reply) and reports them.
+ * 256 KiB reply) and reports them. The calls are net/'s typed Swarm and Shard
+ * services (swarm-svc.h, shard-svc.h).
+ *
+ * Threads: one membership thread per shard_join, plus a loader thread while a
+ * span loads; `load` and `status` are called from those. Ownership: the
+ * configuration and its strings are borrowed until shard_join_stop.
  */
 #ifndef FU_SHARD_JOIN_H
 #define FU_SHARD_JOIN_H

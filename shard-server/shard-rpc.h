@@ -1,4 +1,18 @@
-/* shard-rpc.h -- fusion.Shard over the RPC layer: sessions, stateless forward, info, health. */
+/* shard-rpc.h -- a shard server's fusion.Shard service: sessions, stateless forward, info, health.
+ *
+ * Serves the span of a shard_core over net/'s typed Shard service
+ * (shard-svc.h): each Session stream becomes a session in the core (with
+ * forwarding, also one on the next hop), Forward a batch of scratch sessions,
+ * Info and Health the core's figures; Echo is answered by net/ itself. A
+ * server may start as a spare without a core and later get one, or move to a
+ * new span while the old one drains.
+ *
+ * Threads: the server runs each Session stream on its own thread and unary
+ * calls on its worker threads; the functions below are thread-safe except
+ * _free, which must come last. Ownership: the server borrows its cores (the
+ * caller frees them, shard_server_old_core says when) and copies the
+ * configuration struct (its strings are borrowed for the server's life).
+ */
 #ifndef FU_SHARD_RPC_H
 #define FU_SHARD_RPC_H
 
@@ -29,7 +43,9 @@ typedef struct shard_server_config {
  * holds no span yet: sessions, Forward and Info are refused with UNAVAILABLE (Health and
  * Echo answer) until shard_server_set_core. */
 int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_server **out);
+/* Starts serving calls. FU_OK or a status. */
 int shard_server_start(shard_server *s);
+/* The bound TCP port. */
 int shard_server_port(const shard_server *s);
 /* Gives a spare server (created with core NULL) its core (borrowed) and the span's measured
  * tokens/s; once only. */
@@ -48,13 +64,14 @@ const char *shard_server_address(const shard_server *s);
 /* Stops accepting sessions (they are refused with UNAVAILABLE), lets running
  * ones go on for up to grace_ms, then cancels the rest and waits. */
 int shard_server_drain(shard_server *s, int grace_ms);
-void shard_server_free(shard_server *s); /* NULL is a no-op */
+/* Shuts the server down (if not yet) and frees it; the cores stay the caller's. NULL is a no-op. */
+void shard_server_free(shard_server *s);
 
 /* Decodes `len` bytes as a SessionRequest and handles it as the session
  * handler would, without a transport: an open is validated against the core's
  * span; a valid step runs on `scratch` (then rolled back to empty) and its
- * outputs are encoded. Returns an rpc_code; never crashes on any input. For
- * fuzzing the message path. */
+ * outputs are encoded and packed. Returns an rpc_code; never crashes on any
+ * input. For fuzzing the message path. */
 int shard_rpc_fuzz_one(shard_core *core, shard_session *scratch, const void *data, size_t len);
 
 #endif

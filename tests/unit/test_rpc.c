@@ -1,4 +1,5 @@
-/* test_rpc.c -- the RPC layer: a real server on 127.0.0.1:0, real clients, plaintext and TLS.
+/* test_rpc.c -- the RPC layer: a real server on 127.0.0.1:0, real clients, plaintext and TLS; the
+ * typed Shard and Swarm services (shard-svc.h, swarm-svc.h) over it and against generated messages.
  *
  * The test service (registered under /test.Echo/) echoes fusion.Tensor
  * messages: unary Echo returns the request; stream Chat replies to every
@@ -25,7 +26,9 @@
 
 #include "fusion.pb-c.h"
 #include "rpc.h"
+#include "shard-svc.h"
 #include "status.h"
+#include "swarm-svc.h"
 
 extern char **environ;
 
@@ -852,6 +855,401 @@ static void test_setup_refusals(void **state) {
     rpc_stream_free(NULL);
 }
 
+/* ---- tests: the typed services (shard-svc.h, swarm-svc.h) ---------------------------- */
+
+/* Fails the handler's call with the condition's text (cmocka cannot assert off the main thread). */
+#define TS_CHECK(c)                                                                        \
+    do {                                                                                   \
+        if (!(c)) return rpc_status_setf(st, RPC_FAILED_PRECONDITION, "check: %s", #c);    \
+    } while (0)
+
+static const uint8_t ts_hidden_bytes[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+static const int64_t ts_hidden_shape[2] = {2, 4};
+static const smp_bias ts_bias[2] = {{7, -100.0f}, {8, 1.5f}};
+static pthread_mutex_t ts_mu = PTHREAD_MUTEX_INITIALIZER;
+static int ts_sessions_ended; /* session handlers returned (under ts_mu) */
+
+/* Counts a session handler's end (the test waits for it). */
+static int ts_ended(int rc) {
+    pthread_mutex_lock(&ts_mu);
+    ts_sessions_ended++;
+    pthread_mutex_unlock(&ts_mu);
+    return rc;
+}
+
+static int ts_session_loop(shard_svc_stream *s, rpc_status *st);
+
+/* The step the typed client sends first (and the server expects). */
+static void ts_step1(shard_svc_step *step, shard_svc_input *in, wire_tensor *hidden, shard_svc_output_spec *spec,
+                     shard_svc_sampling *samp) {
+    static const int32_t toks[2] = {5, 6};
+    *hidden = (wire_tensor){.dtype = WIRE_BF16, .n_shape = 2, .shape = ts_hidden_shape, .data = ts_hidden_bytes,
+                            .data_len = sizeof ts_hidden_bytes};
+    *in = (shard_svc_input){toks, 2, hidden};
+    smp_params p = smp_params_default();
+    p.temperature = 0.5f;
+    p.top_p = 0; /* as on the wire: 0 is "off" */
+    p.seed = 42;
+    p.bias = ts_bias;
+    p.n_bias = 2;
+    *samp = shard_svc_sampling_from_params(&p, 1);
+    *spec = (shard_svc_output_spec){true, true, samp, 2};
+    *step = (shard_svc_step){9, 4, in, spec, true, 3};
+}
+
+/* Checks a received step against ts_step1. */
+static int ts_check_step1(const shard_svc_step *s, rpc_status *st) {
+    TS_CHECK(s->request_id == 9 && s->start_position == 4 && s->has_rollback && s->rollback_to == 3);
+    TS_CHECK(s->input && s->input->n_tokens == 2 && s->input->tokens[1] == 6);
+    const wire_tensor *h = s->input->hidden;
+    TS_CHECK(h && h->dtype == WIRE_BF16 && h->n_shape == 2 && h->shape[0] == 2 && h->shape[1] == 4);
+    TS_CHECK(h->data_len == 16 && !memcmp(h->data, ts_hidden_bytes, 16) && h->scales_len == 0);
+    const shard_svc_output_spec *o = s->output;
+    TS_CHECK(o && o->want_logits && o->all_positions && o->top_logprobs == 2 && o->sampling);
+    const shard_svc_sampling *w = o->sampling;
+    TS_CHECK(w->temperature == 0.5f && w->top_p == 0 && w->seed == 42 && w->penalty_start == 1);
+    TS_CHECK(w->n_logit_bias == 2 && w->logit_bias[0].token == 7 && w->logit_bias[1].bias == 1.5f);
+    smp_params p = shard_svc_sampling_to_params(w);
+    TS_CHECK(p.top_p == 1.0f && p.repetition_penalty == 1.0f && p.n_bias == 2);
+    return RPC_OK;
+}
+
+/* Answers step 1: the request's own hidden states back (a relay's move), logits, one sampled
+ * token with two alternatives, two timings. */
+static int ts_reply_step1(shard_svc_stream *s, const shard_svc_step *req, rpc_status *st) {
+    static const int64_t lshape[2] = {1, 3};
+    static const float logits[3] = {0.5f, -1.0f, 2.0f};
+    static const int32_t tok[1] = {11}, alt[2] = {11, 12};
+    static const float lp[1] = {-0.25f}, alt_lp[2] = {-0.25f, -2.0f};
+    wire_tensor lt = {.dtype = WIRE_F32, .n_shape = 2, .shape = lshape, .data = (const uint8_t *)logits,
+                      .data_len = sizeof logits};
+    shard_svc_top top = {alt, alt_lp, 2};
+    shard_svc_output out = {req->input->hidden, &lt, tok, 1, lp, 1, &top, 1};
+    shard_svc_timing t[2] = {{"a:1", 0, 1, 10, 20, 30}, {"b:2", 1, 2, 11, 21, 31}};
+    shard_svc_step_reply rep = {req->request_id, 6, &out, t, 2};
+    return shard_svc_stream_send_step(s, &rep, st);
+}
+
+static int ts_session(void *ctx, shard_svc_stream *s, rpc_status *st) {
+    (void)ctx;
+    return ts_ended(ts_session_loop(s, st));
+}
+
+/* The open, then steps until the client closes. */
+static int ts_session_loop(shard_svc_stream *s, rpc_status *st) {
+    const shard_svc_request *req;
+    int rc = shard_svc_stream_recv(s, &req, 5000, st);
+    if (rc) return rc;
+    TS_CHECK(req->kind == SHARD_SVC_OPEN);
+    const shard_svc_open *o = req->open;
+    if (!strcmp(o->session_id, "wrong")) { /* answers an open with a step reply */
+        shard_svc_step_reply rep = {0};
+        return shard_svc_stream_send_step(s, &rep, st);
+    }
+    TS_CHECK(!strcmp(o->session_id, "typed") && o->max_length == 9 && o->wire_dtype == WIRE_INT8_BLOCK);
+    TS_CHECK(o->int8_block_size == 32 && !strcmp(o->adapter_id, "") && o->idle_timeout_ms == 77);
+    TS_CHECK(o->first_block == 0 && o->last_block == 2 && o->n_chain == 2);
+    TS_CHECK(!strcmp(o->chain[1].address, "b:2") && o->chain[1].first_block == 3 && o->chain[1].last_block == 4);
+    TS_CHECK(!strcmp(o->chain[0].tls_server_name, "name") && !strcmp(o->chain[1].tls_server_name, ""));
+    shard_svc_opened op = {o->session_id, 0, 2, 9, WIRE_INT8_BLOCK, 123};
+    if ((rc = shard_svc_stream_send_opened(s, &op, st))) return rc;
+    for (int n = 0;; n++) {
+        if ((rc = shard_svc_stream_recv(s, &req, 5000, st))) return rc == RPC_END_OF_STREAM ? RPC_OK : rc;
+        if (req->kind == SHARD_SVC_CLOSE) return RPC_OK;
+        TS_CHECK(req->kind == SHARD_SVC_STEP);
+        if (n == 0) {
+            if ((rc = ts_check_step1(req->step, st)) || (rc = ts_reply_step1(s, req->step, st))) return rc;
+            continue;
+        }
+        const shard_svc_step *sr = req->step;
+        TS_CHECK(!sr->has_rollback && !sr->output && sr->input && !sr->input->hidden);
+        shard_svc_step_reply rep = {sr->request_id, 7, NULL, NULL, 0};
+        if ((rc = shard_svc_stream_send_step(s, &rep, st))) return rc;
+    }
+}
+
+static int ts_info(void *ctx, shard_svc_info *r, rpc_status *st) {
+    (void)ctx;
+    (void)st;
+    static const int dtypes[2] = {WIRE_F32, WIRE_BF16};
+    r->model_name = "tiny";
+    r->n_layers = 4;
+    r->last_block = 4;
+    r->has_head = true;
+    r->device = "cpu";
+    r->tokens_per_s = 12.5;
+    r->total_kv_bytes = 1 << 20;
+    r->wire_dtypes = dtypes;
+    r->n_wire_dtypes = 2;
+    return RPC_OK;
+}
+
+static int ts_health(void *ctx, shard_svc_health *r, rpc_status *st) {
+    (void)ctx;
+    (void)st;
+    r->status = SHARD_SVC_SERVING_DRAINING;
+    r->message = "draining";
+    return RPC_OK;
+}
+
+static const shard_svc_handlers ts_handlers = {NULL, ts_session, NULL, NULL, ts_info, ts_health};
+
+static rpc_server *typed_server_start(void) {
+    rpc_server_options o = {.address = "127.0.0.1:0", .secret = SECRET, .allow_insecure = true, .n_workers = 2};
+    rpc_server *srv;
+    assert_int_equal(rpc_server_new(&o, &srv), FU_OK);
+    assert_int_equal(shard_svc_serve(srv, &ts_handlers), FU_OK);
+    assert_int_equal(rpc_server_start(srv), FU_OK);
+    return srv;
+}
+
+/* A Session over the typed client and server: every field of open and step arrives as sent,
+ * received views can be sent on (a relay's hidden states), a wrong reply kind is named. */
+static void test_shard_svc_session(void **state) {
+    (void)state;
+    rpc_server *srv = typed_server_start();
+    rpc_channel *ch = plain_channel(srv);
+    shard_svc_hop hops[2] = {{"a:1", 2, 3, "name"}, {"b:2", 3, 4, NULL}};
+    shard_svc_open open = {"typed", 9, WIRE_INT8_BLOCK, 32, NULL, 0, 2, hops, 2, 77};
+    shard_svc_session *sess;
+    rpc_status st;
+    int rc = shard_svc_session_open(ch, &open, 5000, &sess, &st);
+    if (rc) fail_msg("open: %s %s", rpc_code_str(rc), st.message);
+
+    shard_svc_step step;
+    shard_svc_input in;
+    wire_tensor hidden;
+    shard_svc_output_spec spec;
+    shard_svc_sampling samp;
+    ts_step1(&step, &in, &hidden, &spec, &samp);
+    const shard_svc_step_reply *rep;
+    rc = shard_svc_session_step(sess, &step, &rep, &st);
+    if (rc) fail_msg("step: %s %s", rpc_code_str(rc), st.message);
+    assert_int_equal(rep->request_id, 9);
+    assert_int_equal(rep->position, 6);
+    const shard_svc_output *o = rep->output;
+    assert_non_null(o);
+    assert_non_null(o->hidden);
+    assert_int_equal(o->hidden->data_len, 16);
+    assert_memory_equal(o->hidden->data, ts_hidden_bytes, 16);
+    assert_int_equal(o->hidden->shape[1], 4);
+    assert_non_null(o->logits);
+    assert_int_equal(o->logits->dtype, WIRE_F32);
+    assert_int_equal(o->logits->data_len, 12);
+    assert_int_equal(o->n_tokens, 1);
+    assert_int_equal(o->tokens[0], 11);
+    assert_true(o->logprobs[0] == -0.25f);
+    assert_int_equal(o->n_top, 1);
+    assert_int_equal(o->top[0].n, 2);
+    assert_int_equal(o->top[0].tokens[1], 12);
+    assert_true(o->top[0].logprobs[1] == -2.0f);
+    assert_int_equal(rep->n_timing, 2);
+    assert_string_equal(rep->timing[1].server, "b:2");
+    assert_int_equal(rep->timing[1].total_us, 31);
+
+    shard_svc_input in2 = {in.tokens, 1, NULL};
+    shard_svc_step step2 = {10, 6, &in2, NULL, false, 0};
+    assert_int_equal(shard_svc_session_step(sess, &step2, &rep, &st), RPC_OK);
+    assert_int_equal(rep->position, 7);
+    assert_null(rep->output);
+    assert_int_equal(rep->n_timing, 0);
+    shard_svc_session_close(sess, "bye"); /* the handler ends: closed, or cancelled by the free */
+    int ended = 0;
+    for (int i = 0; i < 500 && ended < 1; i++) {
+        pthread_mutex_lock(&ts_mu);
+        ended = ts_sessions_ended;
+        pthread_mutex_unlock(&ts_mu);
+        if (!ended) usleep(10000);
+    }
+    assert_int_equal(ended, 1);
+
+    open.session_id = "wrong";
+    assert_int_equal(shard_svc_session_open(ch, &open, 5000, &sess, &st), RPC_UNEXPECTED_REPLY);
+    assert_null(sess);
+    assert_string_equal(st.message, "expected an open reply");
+    rpc_channel_free(ch);
+    rpc_server_free(srv);
+}
+
+/* Info, Health and Echo of the typed service; Echo needs no handler of the component's. */
+static void test_shard_svc_unary(void **state) {
+    (void)state;
+    rpc_server *srv = typed_server_start();
+    rpc_channel *ch = plain_channel(srv);
+    rpc_status st;
+    shard_svc_info *info;
+    assert_int_equal(shard_svc_info_get(ch, 5000, &info, &st), RPC_OK);
+    assert_string_equal(info->model_name, "tiny");
+    assert_string_equal(info->dtype, "");
+    assert_int_equal(info->last_block, 4);
+    assert_true(info->has_head && !info->has_embeddings);
+    assert_true(info->tokens_per_s == 12.5);
+    assert_int_equal(info->n_wire_dtypes, 2);
+    assert_int_equal(info->wire_dtypes[1], WIRE_BF16);
+    shard_svc_info_free(info);
+
+    Fusion__HealthRequest hr = FUSION__HEALTH_REQUEST__INIT;
+    ProtobufCMessage *m;
+    assert_int_equal(rpc_call_unary(ch, RPC_SHARD_HEALTH, &hr.base, &fusion__health_reply__descriptor, &m, 5000, &st),
+                     RPC_OK);
+    assert_int_equal(((Fusion__HealthReply *)m)->status, FUSION__HEALTH_REPLY__SERVING_STATUS__SERVING_STATUS_DRAINING);
+    rpc_msg_free(m);
+
+    assert_int_equal(shard_svc_echo(ch, 1000, 5000, &st), RPC_OK);
+    assert_int_equal(shard_svc_echo(ch, SHARD_SVC_ECHO_MAX + 1, 5000, &st), RPC_INVALID_ARGUMENT);
+    double rtt, bw;
+    assert_int_equal(shard_svc_measure_link(ch, 64 << 10, 5000, &rtt, &bw, &st), RPC_OK);
+    assert_true(rtt > 0 && bw > 0);
+    /* Forward has no handler here */
+    Fusion__ForwardRequest fr = FUSION__FORWARD_REQUEST__INIT;
+    assert_int_equal(rpc_call_unary(ch, RPC_SHARD_FORWARD, &fr.base, &fusion__forward_reply__descriptor, &m, 5000, &st),
+                     RPC_UNIMPLEMENTED);
+    rpc_channel_free(ch);
+    rpc_server_free(srv);
+}
+
+/* Bytes packed from generated messages decode into the same views; a typed reply packs to the
+ * size of its generated twin; malformed bytes are refused. */
+static void test_shard_svc_wire(void **state) {
+    (void)state;
+    int32_t toks[2] = {3, 4};
+    Fusion__LogitBias b = FUSION__LOGIT_BIAS__INIT, *bp = &b;
+    b.token = 9;
+    b.bias = -100;
+    Fusion__Sampling smp = FUSION__SAMPLING__INIT;
+    smp.top_k = 5;
+    smp.n_logit_bias = 1;
+    smp.logit_bias = &bp;
+    Fusion__OutputSpec os = FUSION__OUTPUT_SPEC__INIT;
+    os.sampling = &smp;
+    Fusion__Input in = FUSION__INPUT__INIT;
+    in.tokens = toks;
+    in.n_tokens = 2;
+    Fusion__StepRequest sr = FUSION__STEP_REQUEST__INIT;
+    sr.request_id = 3;
+    sr.input = &in;
+    sr.output = &os;
+    sr.rollback_case = FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO;
+    sr.rollback_to = 0;
+    Fusion__SessionRequest req = FUSION__SESSION_REQUEST__INIT;
+    req.kind_case = FUSION__SESSION_REQUEST__KIND_STEP;
+    req.step = &sr;
+    uint8_t buf[256];
+    size_t n = protobuf_c_message_pack(&req.base, buf);
+    const shard_svc_request *r;
+    rpc_status st;
+    assert_int_equal(shard_svc_request_decode(buf, n, 1 << 20, &r, &st), RPC_OK);
+    assert_int_equal(r->kind, SHARD_SVC_STEP);
+    assert_true(r->step->has_rollback && r->step->rollback_to == 0);
+    assert_int_equal(r->step->input->n_tokens, 2);
+    assert_null(r->step->input->hidden);
+    assert_int_equal(r->step->output->sampling->top_k, 5);
+    assert_int_equal(r->step->output->sampling->logit_bias[0].token, 9);
+    shard_svc_request_free(r);
+    assert_int_equal(shard_svc_request_decode(buf, n, n - 1, &r, &st), RPC_RESOURCE_EXHAUSTED);
+    assert_null(r);
+    uint8_t junk[4] = {0x12, 0xff, 0xff, 0x01};
+    assert_int_equal(shard_svc_request_decode(junk, sizeof junk, 1 << 20, &r, &st), RPC_INVALID_ARGUMENT);
+    Fusion__CloseSession cl = FUSION__CLOSE_SESSION__INIT;
+    cl.reason = "bye";
+    Fusion__SessionRequest close = FUSION__SESSION_REQUEST__INIT;
+    close.kind_case = FUSION__SESSION_REQUEST__KIND_CLOSE;
+    close.close = &cl;
+    n = protobuf_c_message_pack(&close.base, buf);
+    assert_int_equal(shard_svc_request_decode(buf, n, 1 << 20, &r, &st), RPC_OK);
+    assert_int_equal(r->kind, SHARD_SVC_CLOSE);
+    assert_string_equal(r->close_reason, "bye");
+    shard_svc_request_free(r);
+    Fusion__SessionRequest none = FUSION__SESSION_REQUEST__INIT;
+    n = protobuf_c_message_pack(&none.base, buf);
+    assert_int_equal(shard_svc_request_decode(buf, n, 1 << 20, &r, &st), RPC_OK);
+    assert_int_equal(r->kind, SHARD_SVC_NONE);
+    shard_svc_request_free(r);
+
+    /* a typed reply and its generated twin */
+    int32_t tok = 7, alt[2] = {7, 8};
+    float lp = -0.5f, alt_lp[2] = {-0.5f, -1.5f};
+    shard_svc_top top = {alt, alt_lp, 2};
+    shard_svc_output out = {.tokens = &tok, .n_tokens = 1, .logprobs = &lp, .n_logprobs = 1, .top = &top, .n_top = 1};
+    shard_svc_timing t = {"x:1", 0, 4, 1, 2, 3};
+    shard_svc_step_reply rep = {5, 8, &out, &t, 1};
+    size_t bytes = 0;
+    assert_int_equal(shard_svc_step_reply_size(&rep, &bytes, &st), RPC_OK);
+    Fusion__TokenLogprob e0 = FUSION__TOKEN_LOGPROB__INIT, e1 = FUSION__TOKEN_LOGPROB__INIT, *ep[2] = {&e0, &e1};
+    e0.token = 7, e0.logprob = -0.5f, e1.token = 8, e1.logprob = -1.5f;
+    Fusion__TopLogprobs tl = FUSION__TOP_LOGPROBS__INIT, *tlp = &tl;
+    tl.n_entries = 2;
+    tl.entries = ep;
+    Fusion__Output go = FUSION__OUTPUT__INIT;
+    go.n_tokens = 1, go.tokens = &tok, go.n_logprobs = 1, go.logprobs = &lp, go.n_top_logprobs = 1;
+    go.top_logprobs = &tlp;
+    Fusion__ServerTiming gt = FUSION__SERVER_TIMING__INIT, *gtp = &gt;
+    gt.server = "x:1", gt.last_block = 4, gt.queue_us = 1, gt.compute_us = 2, gt.total_us = 3;
+    Fusion__StepReply gs = FUSION__STEP_REPLY__INIT;
+    gs.request_id = 5, gs.position = 8, gs.output = &go, gs.n_timing = 1, gs.timing = &gtp;
+    Fusion__SessionReply grep = FUSION__SESSION_REPLY__INIT;
+    grep.kind_case = FUSION__SESSION_REPLY__KIND_STEP;
+    grep.step = &gs;
+    assert_int_equal(bytes, protobuf_c_message_get_packed_size(&grep.base));
+}
+
+/* ---- the typed Swarm service ---- */
+
+static int tw_join(void *ctx, const swarm_svc_member *m, swarm_svc_join_reply *out, rpc_status *st) {
+    (void)ctx;
+    TS_CHECK(m && !strcmp(m->address, "127.0.0.1:9") && !strcmp(m->model_name, "") && m->n_layers == 4);
+    TS_CHECK(m->fixed_span && m->hidden_size == 64 && m->total_kv_bytes == 1000 && !strcmp(m->load_error, "no"));
+    TS_CHECK(m->n_links == 2 && !strcmp(m->links[1].address, "p:2") && m->links[1].bandwidth_bytes_per_s == 5e6);
+    *out = (swarm_svc_join_reply){5, 300, true, 1, 3};
+    return RPC_OK;
+}
+
+static int tw_heartbeat(void *ctx, const swarm_svc_heartbeat_request *req, swarm_svc_heartbeat_reply *out,
+                        rpc_status *st) {
+    (void)ctx;
+    if (req->member_id != 5) return rpc_status_setf(st, RPC_NOT_FOUND, "no member %llu", (unsigned long long)req->member_id);
+    TS_CHECK(req->leaving == !req->status);
+    snprintf(out->peers[0], sizeof out->peers[0], "a:1");
+    snprintf(out->peers[2], sizeof out->peers[2], "b:2");
+    out->n_peers = 3; /* peers[1] stays "" */
+    return RPC_OK;
+}
+
+static const swarm_svc_handlers tw_handlers = {NULL, tw_join, tw_heartbeat};
+
+static void test_swarm_svc(void **state) {
+    (void)state;
+    rpc_server_options so = {.address = "127.0.0.1:0", .secret = SECRET, .allow_insecure = true, .n_workers = 2};
+    rpc_server *srv;
+    assert_int_equal(rpc_server_new(&so, &srv), FU_OK);
+    assert_int_equal(swarm_svc_serve(srv, &tw_handlers), FU_OK);
+    assert_int_equal(rpc_server_start(srv), FU_OK);
+    rpc_channel *ch = plain_channel(srv);
+    swarm_svc_link links[2] = {{"p:1", 0.001, 1e6}, {"p:2", 0.002, 5e6}};
+    swarm_svc_member m = {.address = "127.0.0.1:9", .n_layers = 4, .fixed_span = true, .hidden_size = 64,
+                          .total_kv_bytes = 1000, .load_error = "no", .links = links, .n_links = 2};
+    swarm_svc_join_reply jr;
+    rpc_status st;
+    int rc = swarm_svc_join(ch, &m, 5000, &jr, &st);
+    if (rc) fail_msg("join: %s %s", rpc_code_str(rc), st.message);
+    assert_true(jr.member_id == 5 && jr.heartbeat_ms == 300 && jr.has_span && jr.first_block == 1 &&
+                jr.last_block == 3);
+    swarm_svc_heartbeat_request hb = {5, &m, false};
+    swarm_svc_heartbeat_reply hr;
+    rc = swarm_svc_heartbeat(ch, &hb, 5000, &hr, &st);
+    if (rc) fail_msg("heartbeat: %s %s", rpc_code_str(rc), st.message);
+    assert_false(hr.has_span);
+    assert_int_equal(hr.n_peers, 2); /* the empty one is left out */
+    assert_string_equal(hr.peers[1], "b:2");
+    hb = (swarm_svc_heartbeat_request){5, NULL, true};
+    assert_int_equal(swarm_svc_heartbeat(ch, &hb, 5000, &hr, &st), RPC_OK);
+    hb.member_id = 6;
+    assert_int_equal(swarm_svc_heartbeat(ch, &hb, 5000, &hr, &st), RPC_NOT_FOUND);
+    assert_string_equal(st.message, "no member 6");
+    rpc_channel_free(ch);
+    rpc_server_free(srv);
+}
+
 int main(int argc, char **argv) {
     if (argc == 3 && !strcmp(argv[1], "--drop-client")) return drop_client_main(atoi(argv[2]));
     g_self = "/proc/self/exe";
@@ -875,6 +1273,10 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_shutdown_with_open_stream),
         cmocka_unit_test(test_tls),
         cmocka_unit_test(test_setup_refusals),
+        cmocka_unit_test(test_shard_svc_session),
+        cmocka_unit_test(test_shard_svc_unary),
+        cmocka_unit_test(test_shard_svc_wire),
+        cmocka_unit_test(test_swarm_svc),
     };
     return cmocka_run_group_tests(tests, setup_certs, teardown_certs);
 }

@@ -1,0 +1,876 @@
+/* shard-svc.c -- fusion.Shard's messages packed from and unpacked into the plain structs of shard-svc.h. */
+#include "shard-svc.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "fusion.pb-c.h"
+#include "grow.h"
+#include "rpc.h"
+#include "status.h"
+
+/* ---- scratch ---------------------------------------------------------------------------- */
+
+/* Arrays a stream or session reuses from message to message, grown on demand
+ * (so a warm one packs and unpacks without allocating). Packing and views
+ * use different kinds: a reply may be packed while request views live. */
+enum {
+    SC_BIAS, SC_BIAS_PTRS, SC_HOPS, SC_HOP_PTRS,                 /* packing requests */
+    SC_OUTS, SC_OUT_PTRS, SC_TENSORS, SC_TOPS, SC_TOP_PTRS,      /* packing outputs */
+    SC_ENTRIES, SC_ENTRY_PTRS, SC_TIMING, SC_TIMING_PTRS,
+    SC_V_BIAS, SC_V_HOPS, SC_V_INPUTS, SC_V_TENSORS,             /* views of requests */
+    SC_V_TOP, SC_V_TOP_TOKENS, SC_V_TOP_LP, SC_V_TIMING,         /* views of replies */
+    SC_KINDS
+};
+
+typedef struct svc_scratch {
+    void *p[SC_KINDS];
+    size_t cap[SC_KINDS];
+} svc_scratch;
+
+/* Room for n elements of `size` bytes in array `kind` (contents not kept
+ * meaningful across calls); NULL when out of memory. */
+static void *scratch(svc_scratch *sc, int kind, size_t n, size_t size) {
+    if (fu_grow(&sc->p[kind], &sc->cap[kind], n ? n : 1, size)) return NULL;
+    return sc->p[kind];
+}
+
+/* Frees every array (the scratch is empty and reusable after). */
+static void scratch_free(svc_scratch *sc) {
+    for (int k = 0; k < SC_KINDS; k++) free(sc->p[k]);
+    memset(sc, 0, sizeof *sc);
+}
+
+/* The status of an allocation that failed. */
+static int no_memory(rpc_status *st) { return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory"); }
+
+/* A string for a message (NULL packs as "") or from one (never NULL in a view). */
+static char *str_or_empty(const char *s) { return (char *)(s ? s : ""); }
+
+/* ---- packing: plain structs -> messages (pointing into the structs) ------------------------- */
+
+/* A Tensor pointing at v's shape and bytes. */
+static void tensor_pack(const wire_tensor *v, Fusion__Tensor *m) {
+    fusion__tensor__init(m);
+    m->dtype = (Fusion__Dtype)v->dtype;
+    m->n_shape = v->n_shape;
+    m->shape = (int64_t *)v->shape;
+    m->data.data = (uint8_t *)v->data;
+    m->data.len = v->data_len;
+    m->scales.data = (uint8_t *)v->scales;
+    m->scales.len = v->scales_len;
+    m->block_size = v->block_size;
+    m->scale_dtype = (Fusion__Dtype)v->scale_dtype;
+}
+
+/* An Input pointing at v's tokens (and its hidden tensor in *hidden). */
+static void input_pack(const shard_svc_input *v, Fusion__Input *m, Fusion__Tensor *hidden) {
+    fusion__input__init(m);
+    m->n_tokens = v->n_tokens;
+    m->tokens = (int32_t *)v->tokens;
+    if (v->hidden) {
+        tensor_pack(v->hidden, hidden);
+        m->hidden = hidden;
+    }
+}
+
+/* The OutputSpec (and its Sampling in *samp); -1 when out of memory. */
+static int spec_pack(const shard_svc_output_spec *v, Fusion__OutputSpec *m, Fusion__Sampling *samp,
+                     svc_scratch *sc) {
+    fusion__output_spec__init(m);
+    m->want_logits = v->want_logits;
+    m->all_positions = v->all_positions;
+    m->top_logprobs = v->top_logprobs;
+    const shard_svc_sampling *w = v->sampling;
+    if (!w) return 0;
+    fusion__sampling__init(samp);
+    samp->temperature = w->temperature;
+    samp->top_p = w->top_p;
+    samp->top_k = w->top_k;
+    samp->min_p = w->min_p;
+    samp->seed = w->seed;
+    samp->presence_penalty = w->presence_penalty;
+    samp->frequency_penalty = w->frequency_penalty;
+    samp->repetition_penalty = w->repetition_penalty;
+    samp->penalty_start = w->penalty_start;
+    size_t n = w->n_logit_bias;
+    Fusion__LogitBias *bias = scratch(sc, SC_BIAS, n, sizeof *bias);
+    Fusion__LogitBias **ptrs = scratch(sc, SC_BIAS_PTRS, n, sizeof *ptrs);
+    if (!bias || !ptrs) return -1;
+    for (size_t i = 0; i < n; i++) {
+        fusion__logit_bias__init(&bias[i]);
+        bias[i].token = w->logit_bias[i].token;
+        bias[i].bias = w->logit_bias[i].bias;
+        ptrs[i] = &bias[i];
+    }
+    samp->n_logit_bias = n;
+    samp->logit_bias = n ? ptrs : NULL;
+    m->sampling = samp;
+    return 0;
+}
+
+/* A StepRequest with the sub-messages it points to. */
+typedef struct step_msg {
+    Fusion__StepRequest sr;
+    Fusion__Input in;
+    Fusion__Tensor hidden;
+    Fusion__OutputSpec os;
+    Fusion__Sampling samp;
+} step_msg;
+
+/* The chain protocol's step request: the one place it is built, for the gateway's hops and for a
+ * shard forwarding to its next hop. -1 when out of memory. */
+static int step_pack(const shard_svc_step *v, step_msg *m, svc_scratch *sc) {
+    fusion__step_request__init(&m->sr);
+    m->sr.request_id = v->request_id;
+    m->sr.start_position = v->start_position;
+    if (v->input) {
+        input_pack(v->input, &m->in, &m->hidden);
+        m->sr.input = &m->in;
+    }
+    if (v->output) {
+        if (spec_pack(v->output, &m->os, &m->samp, sc)) return -1;
+        m->sr.output = &m->os;
+    }
+    if (v->has_rollback) {
+        m->sr.rollback_case = FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO;
+        m->sr.rollback_to = v->rollback_to;
+    }
+    return 0;
+}
+
+/* The chain protocol's open request (hops in scratch). -1 when out of memory. */
+static int open_pack(const shard_svc_open *v, Fusion__OpenSession *m, svc_scratch *sc) {
+    fusion__open_session__init(m);
+    m->session_id = str_or_empty(v->session_id);
+    m->max_length = v->max_length;
+    m->wire_dtype = (Fusion__Dtype)v->wire_dtype;
+    m->int8_block_size = v->int8_block_size;
+    m->adapter_id = str_or_empty(v->adapter_id);
+    m->first_block = v->first_block;
+    m->last_block = v->last_block;
+    m->idle_timeout_ms = v->idle_timeout_ms;
+    size_t n = v->n_chain;
+    Fusion__Hop *hops = scratch(sc, SC_HOPS, n, sizeof *hops);
+    Fusion__Hop **ptrs = scratch(sc, SC_HOP_PTRS, n, sizeof *ptrs);
+    if (!hops || !ptrs) return -1;
+    for (size_t i = 0; i < n; i++) {
+        fusion__hop__init(&hops[i]);
+        hops[i].address = str_or_empty(v->chain[i].address);
+        hops[i].first_block = v->chain[i].first_block;
+        hops[i].last_block = v->chain[i].last_block;
+        hops[i].tls_server_name = str_or_empty(v->chain[i].tls_server_name);
+        ptrs[i] = &hops[i];
+    }
+    m->n_chain = n;
+    m->chain = n ? ptrs : NULL;
+    return 0;
+}
+
+/* Outputs v[0..n) as messages in scratch; *out: their pointer array. -1 when out of memory. */
+static int outputs_pack(const shard_svc_output *v, size_t n, Fusion__Output ***out, svc_scratch *sc) {
+    size_t n_top = 0, n_ent = 0;
+    for (size_t i = 0; i < n; i++) {
+        n_top += v[i].n_top;
+        for (size_t j = 0; j < v[i].n_top; j++) n_ent += v[i].top[j].n;
+    }
+    Fusion__Output *outs = scratch(sc, SC_OUTS, n, sizeof *outs);
+    Fusion__Output **out_ptrs = scratch(sc, SC_OUT_PTRS, n, sizeof *out_ptrs);
+    Fusion__Tensor *tensors = scratch(sc, SC_TENSORS, 2 * n, sizeof *tensors);
+    Fusion__TopLogprobs *tops = scratch(sc, SC_TOPS, n_top, sizeof *tops);
+    Fusion__TopLogprobs **top_ptrs = scratch(sc, SC_TOP_PTRS, n_top, sizeof *top_ptrs);
+    Fusion__TokenLogprob *ents = scratch(sc, SC_ENTRIES, n_ent, sizeof *ents);
+    Fusion__TokenLogprob **ent_ptrs = scratch(sc, SC_ENTRY_PTRS, n_ent, sizeof *ent_ptrs);
+    if (!outs || !out_ptrs || !tensors || !tops || !top_ptrs || !ents || !ent_ptrs) return -1;
+    size_t t = 0, e = 0;
+    for (size_t i = 0; i < n; i++) {
+        Fusion__Output *o = &outs[i];
+        fusion__output__init(o);
+        if (v[i].hidden) {
+            tensor_pack(v[i].hidden, &tensors[2 * i]);
+            o->hidden = &tensors[2 * i];
+        }
+        if (v[i].logits) {
+            tensor_pack(v[i].logits, &tensors[2 * i + 1]);
+            o->logits = &tensors[2 * i + 1];
+        }
+        o->n_tokens = v[i].n_tokens;
+        o->tokens = (int32_t *)v[i].tokens;
+        o->n_logprobs = v[i].n_logprobs;
+        o->logprobs = (float *)v[i].logprobs;
+        o->n_top_logprobs = v[i].n_top;
+        o->top_logprobs = v[i].n_top ? &top_ptrs[t] : NULL;
+        for (size_t j = 0; j < v[i].n_top; j++) {
+            const shard_svc_top *tv = &v[i].top[j];
+            Fusion__TopLogprobs *tl = &tops[t];
+            fusion__top_logprobs__init(tl);
+            tl->n_entries = tv->n;
+            tl->entries = tv->n ? &ent_ptrs[e] : NULL;
+            for (size_t k = 0; k < tv->n; k++, e++) {
+                fusion__token_logprob__init(&ents[e]);
+                ents[e].token = tv->tokens[k];
+                ents[e].logprob = tv->logprobs[k];
+                ent_ptrs[e] = &ents[e];
+            }
+            top_ptrs[t++] = tl;
+        }
+        out_ptrs[i] = o;
+    }
+    *out = out_ptrs;
+    return 0;
+}
+
+/* Timings v[0..n) as messages in scratch; *out: their pointer array. -1 when out of memory. */
+static int timing_pack(const shard_svc_timing *v, size_t n, Fusion__ServerTiming ***out, svc_scratch *sc) {
+    Fusion__ServerTiming *t = scratch(sc, SC_TIMING, n, sizeof *t);
+    Fusion__ServerTiming **ptrs = scratch(sc, SC_TIMING_PTRS, n, sizeof *ptrs);
+    if (!t || !ptrs) return -1;
+    for (size_t i = 0; i < n; i++) {
+        fusion__server_timing__init(&t[i]);
+        t[i].server = str_or_empty(v[i].server);
+        t[i].first_block = v[i].first_block;
+        t[i].last_block = v[i].last_block;
+        t[i].queue_us = v[i].queue_us;
+        t[i].compute_us = v[i].compute_us;
+        t[i].total_us = v[i].total_us;
+        ptrs[i] = &t[i];
+    }
+    *out = n ? ptrs : NULL;
+    return 0;
+}
+
+/* A StepReply pointing into v and scratch. -1 when out of memory. */
+static int step_reply_pack(const shard_svc_step_reply *v, Fusion__StepReply *m, svc_scratch *sc) {
+    fusion__step_reply__init(m);
+    m->request_id = v->request_id;
+    m->position = v->position;
+    Fusion__Output **outs = NULL;
+    if (v->output && outputs_pack(v->output, 1, &outs, sc)) return -1;
+    m->output = outs ? outs[0] : NULL;
+    if (timing_pack(v->timing, v->n_timing, &m->timing, sc)) return -1;
+    m->n_timing = v->n_timing;
+    return 0;
+}
+
+/* ---- views: messages -> plain structs (pointing into the messages) -------------------------- */
+
+/* The view of a received Tensor. */
+static void tensor_view(const Fusion__Tensor *m, wire_tensor *v) {
+    v->dtype = (int)m->dtype;
+    v->n_shape = m->n_shape;
+    v->shape = m->shape;
+    v->data = m->data.data;
+    v->data_len = m->data.len;
+    v->scales = m->scales.data;
+    v->scales_len = m->scales.len;
+    v->block_size = m->block_size;
+    v->scale_dtype = (int)m->scale_dtype;
+}
+
+/* The view of a received Input (its hidden tensor in *hidden). */
+static void input_view(const Fusion__Input *m, shard_svc_input *v, wire_tensor *hidden) {
+    v->tokens = m->tokens;
+    v->n_tokens = m->n_tokens;
+    v->hidden = NULL;
+    if (m->hidden) {
+        tensor_view(m->hidden, hidden);
+        v->hidden = hidden;
+    }
+}
+
+/* The OutputSpec's view (its sampling in *samp, logit_bias copied to scratch); -1 when out of memory. */
+static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shard_svc_sampling *samp,
+                     svc_scratch *sc) {
+    v->want_logits = m->want_logits;
+    v->all_positions = m->all_positions;
+    v->top_logprobs = m->top_logprobs;
+    v->sampling = NULL;
+    const Fusion__Sampling *w = m->sampling;
+    if (!w) return 0;
+    smp_bias *bias = scratch(sc, SC_V_BIAS, w->n_logit_bias, sizeof *bias);
+    if (!bias) return -1;
+    for (size_t i = 0; i < w->n_logit_bias; i++) {
+        bias[i].token = w->logit_bias[i]->token;
+        bias[i].bias = w->logit_bias[i]->bias;
+    }
+    *samp = (shard_svc_sampling){w->temperature, w->top_p, w->top_k, w->min_p, w->seed, w->presence_penalty,
+                                 w->frequency_penalty, w->repetition_penalty, bias, w->n_logit_bias,
+                                 w->penalty_start};
+    v->sampling = samp;
+    return 0;
+}
+
+/* The OpenSession's view (hops in scratch); -1 when out of memory. */
+static int open_view(const Fusion__OpenSession *m, shard_svc_open *v, svc_scratch *sc) {
+    shard_svc_hop *hops = scratch(sc, SC_V_HOPS, m->n_chain, sizeof *hops);
+    if (!hops) return -1;
+    for (size_t i = 0; i < m->n_chain; i++) {
+        const Fusion__Hop *h = m->chain[i];
+        hops[i] = (shard_svc_hop){str_or_empty(h->address), h->first_block, h->last_block,
+                                  str_or_empty(h->tls_server_name)};
+    }
+    *v = (shard_svc_open){str_or_empty(m->session_id), m->max_length, (int)m->wire_dtype, m->int8_block_size,
+                          str_or_empty(m->adapter_id),
+                          m->first_block, m->last_block, hops, m->n_chain, m->idle_timeout_ms};
+    return 0;
+}
+
+/* An Output's view (top logprobs flattened into scratch); -1 when out of memory. */
+static int output_view(const Fusion__Output *m, shard_svc_output *v, wire_tensor *hidden, wire_tensor *logits,
+                       svc_scratch *sc) {
+    memset(v, 0, sizeof *v);
+    if (m->hidden) {
+        tensor_view(m->hidden, hidden);
+        v->hidden = hidden;
+    }
+    if (m->logits) {
+        tensor_view(m->logits, logits);
+        v->logits = logits;
+    }
+    v->tokens = m->tokens;
+    v->n_tokens = m->n_tokens;
+    v->logprobs = m->logprobs;
+    v->n_logprobs = m->n_logprobs;
+    size_t n_ent = 0;
+    for (size_t i = 0; i < m->n_top_logprobs; i++) n_ent += m->top_logprobs[i]->n_entries;
+    shard_svc_top *top = scratch(sc, SC_V_TOP, m->n_top_logprobs, sizeof *top);
+    int32_t *tokens = scratch(sc, SC_V_TOP_TOKENS, n_ent, sizeof *tokens);
+    float *lp = scratch(sc, SC_V_TOP_LP, n_ent, sizeof *lp);
+    if (!top || !tokens || !lp) return -1;
+    size_t e = 0;
+    for (size_t i = 0; i < m->n_top_logprobs; i++) {
+        const Fusion__TopLogprobs *tl = m->top_logprobs[i];
+        top[i] = (shard_svc_top){&tokens[e], &lp[e], tl->n_entries};
+        for (size_t k = 0; k < tl->n_entries; k++, e++) {
+            tokens[e] = tl->entries[k]->token;
+            lp[e] = tl->entries[k]->logprob;
+        }
+    }
+    v->top = top;
+    v->n_top = m->n_top_logprobs;
+    return 0;
+}
+
+/* A Session request and the views into it (the message is owned). */
+typedef struct req_view {
+    shard_svc_request req; /* first: shard_svc_request_free casts back */
+    ProtobufCMessage *msg;
+    shard_svc_open open;
+    shard_svc_step step;
+    shard_svc_input in;
+    wire_tensor hidden;
+    shard_svc_output_spec spec;
+    shard_svc_sampling samp;
+    svc_scratch sc;
+} req_view;
+
+/* Frees the message and forgets the views (the scratch is kept for the next one). */
+static void req_view_clear(req_view *rv) {
+    rpc_msg_free(rv->msg);
+    rv->msg = NULL;
+    memset(&rv->req, 0, sizeof rv->req);
+}
+
+/* Takes msg (a SessionRequest) and makes rv's views of it. */
+static int req_view_set(req_view *rv, ProtobufCMessage *msg, rpc_status *st) {
+    req_view_clear(rv);
+    rv->msg = msg;
+    const Fusion__SessionRequest *m = (const Fusion__SessionRequest *)msg;
+    shard_svc_request *r = &rv->req;
+    if (m->kind_case == FUSION__SESSION_REQUEST__KIND_OPEN && m->open) {
+        if (open_view(m->open, &rv->open, &rv->sc)) return no_memory(st);
+        r->kind = SHARD_SVC_OPEN;
+        r->open = &rv->open;
+    } else if (m->kind_case == FUSION__SESSION_REQUEST__KIND_STEP && m->step) {
+        const Fusion__StepRequest *s = m->step;
+        rv->step = (shard_svc_step){s->request_id, s->start_position, NULL, NULL,
+                                    s->rollback_case == FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO,
+                                    s->rollback_to};
+        if (s->input) {
+            input_view(s->input, &rv->in, &rv->hidden);
+            rv->step.input = &rv->in;
+        }
+        if (s->output) {
+            if (spec_view(s->output, &rv->spec, &rv->samp, &rv->sc)) return no_memory(st);
+            rv->step.output = &rv->spec;
+        }
+        r->kind = SHARD_SVC_STEP;
+        r->step = &rv->step;
+    } else if (m->kind_case == FUSION__SESSION_REQUEST__KIND_CLOSE) {
+        r->kind = SHARD_SVC_CLOSE;
+        r->close_reason = m->close && m->close->reason ? m->close->reason : "";
+    }
+    return RPC_OK;
+}
+
+/* ---- sampling --------------------------------------------------------------------------- */
+
+shard_svc_sampling shard_svc_sampling_from_params(const smp_params *p, int64_t penalty_start) {
+    return (shard_svc_sampling){p->temperature, p->top_p, p->top_k, p->min_p, p->seed, p->presence_penalty,
+                                p->frequency_penalty, p->repetition_penalty, p->bias,
+                                p->n_bias > 0 ? (size_t)p->n_bias : 0, penalty_start};
+}
+
+smp_params shard_svc_sampling_to_params(const shard_svc_sampling *w) {
+    smp_params p = smp_params_default();
+    p.temperature = w->temperature;
+    p.top_p = w->top_p == 0 ? 1.0f : w->top_p;
+    p.top_k = w->top_k;
+    p.min_p = w->min_p;
+    p.seed = w->seed;
+    p.presence_penalty = w->presence_penalty;
+    p.frequency_penalty = w->frequency_penalty;
+    p.repetition_penalty = w->repetition_penalty == 0 ? 1.0f : w->repetition_penalty;
+    p.bias = w->logit_bias;
+    p.n_bias = (int)w->n_logit_bias;
+    return p;
+}
+
+/* ---- server: Session streams ---------------------------------------------------------------- */
+
+struct shard_svc_stream {
+    rpc_stream *s;
+    req_view rv;    /* the last request received */
+    svc_scratch sc; /* packing replies */
+};
+
+/* A Session stream: the handler runs on a shard_svc_stream wrapping it, freed when it returns. */
+static int session_entry(void *ctx, rpc_stream *rs, rpc_status *st) {
+    const shard_svc_handlers *h = ctx;
+    shard_svc_stream *s = calloc(1, sizeof *s);
+    if (!s) return no_memory(st);
+    s->s = rs;
+    int rc = h->session(h->ctx, s, st);
+    req_view_clear(&s->rv);
+    scratch_free(&s->rv.sc);
+    scratch_free(&s->sc);
+    free(s);
+    return rc;
+}
+
+int shard_svc_stream_recv(shard_svc_stream *s, const shard_svc_request **req, int timeout_ms, rpc_status *st) {
+    *req = NULL;
+    req_view_clear(&s->rv);
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_stream_recv(s->s, NULL, &msg, timeout_ms, st);
+    if (!rc) rc = req_view_set(&s->rv, msg, st);
+    if (!rc) *req = &s->rv.req;
+    return rc;
+}
+
+int shard_svc_stream_send_opened(shard_svc_stream *s, const shard_svc_opened *o, rpc_status *st) {
+    Fusion__OpenReply orep = FUSION__OPEN_REPLY__INIT;
+    orep.session_id = str_or_empty(o->session_id);
+    orep.first_block = o->first_block;
+    orep.last_block = o->last_block;
+    orep.max_length = o->max_length;
+    orep.wire_dtype = (Fusion__Dtype)o->wire_dtype;
+    orep.kv_bytes = o->kv_bytes;
+    Fusion__SessionReply rep = FUSION__SESSION_REPLY__INIT;
+    rep.kind_case = FUSION__SESSION_REPLY__KIND_OPENED;
+    rep.opened = &orep;
+    return rpc_stream_send(s->s, &rep.base, st);
+}
+
+int shard_svc_stream_send_step(shard_svc_stream *s, const shard_svc_step_reply *r, rpc_status *st) {
+    Fusion__StepReply srep;
+    if (step_reply_pack(r, &srep, &s->sc)) return no_memory(st);
+    Fusion__SessionReply rep = FUSION__SESSION_REPLY__INIT;
+    rep.kind_case = FUSION__SESSION_REPLY__KIND_STEP;
+    rep.step = &srep;
+    return rpc_stream_send(s->s, &rep.base, st);
+}
+
+int shard_svc_request_decode(const void *data, size_t len, size_t max_bytes, const shard_svc_request **req,
+                             rpc_status *st) {
+    *req = NULL;
+    req_view *rv = calloc(1, sizeof *rv);
+    if (!rv) return no_memory(st);
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_msg_unpack(&fusion__session_request__descriptor, data, len, max_bytes, &msg, st);
+    if (!rc) rc = req_view_set(rv, msg, st);
+    if (rc) {
+        shard_svc_request_free(&rv->req);
+        return rc;
+    }
+    *req = &rv->req;
+    return RPC_OK;
+}
+
+void shard_svc_request_free(const shard_svc_request *req) {
+    if (!req) return;
+    req_view *rv = (req_view *)req;
+    req_view_clear(rv);
+    scratch_free(&rv->sc);
+    free(rv);
+}
+
+int shard_svc_step_reply_size(const shard_svc_step_reply *r, size_t *bytes, rpc_status *st) {
+    svc_scratch sc = {0};
+    Fusion__StepReply srep;
+    int rc = step_reply_pack(r, &srep, &sc) ? no_memory(st) : RPC_OK;
+    Fusion__SessionReply rep = FUSION__SESSION_REPLY__INIT;
+    rep.kind_case = FUSION__SESSION_REPLY__KIND_STEP;
+    rep.step = &srep;
+    *bytes = rc ? 0 : protobuf_c_message_get_packed_size(&rep.base);
+    scratch_free(&sc);
+    return rc;
+}
+
+/* ---- server: unary methods ---------------------------------------------------------------- */
+
+/* A Forward reply in flight: packed messages pointing into the handler's memory (hold). */
+typedef struct fwd_call {
+    Fusion__ForwardReply rep; /* first: the layer frees it through forward_free */
+    const shard_svc_handlers *h;
+    void *hold;
+    svc_scratch sc;
+} fwd_call;
+
+/* Releases a Forward reply after it was sent: the handler's hold, then the packing. */
+static void forward_free(void *ctx, ProtobufCMessage *msg) {
+    (void)ctx;
+    fwd_call *c = (fwd_call *)msg;
+    if (c->h->forward_done) c->h->forward_done(c->h->ctx, c->hold);
+    scratch_free(&c->sc);
+    free(c);
+}
+
+/* The ForwardRequest's view; sequences, tensors and logit_bias in scratch. */
+static int forward_view(const Fusion__ForwardRequest *m, shard_svc_forward *v, shard_svc_output_spec *spec,
+                        shard_svc_sampling *samp, svc_scratch *sc) {
+    shard_svc_input *seq = scratch(sc, SC_V_INPUTS, m->n_sequences, sizeof *seq);
+    wire_tensor *hidden = scratch(sc, SC_V_TENSORS, m->n_sequences, sizeof *hidden);
+    if (!seq || !hidden) return -1;
+    for (size_t i = 0; i < m->n_sequences; i++) input_view(m->sequences[i], &seq[i], &hidden[i]);
+    *v = (shard_svc_forward){m->request_id, seq, m->n_sequences, NULL, (int)m->wire_dtype, str_or_empty(m->adapter_id),
+                             m->first_block, m->last_block};
+    if (m->output) {
+        if (spec_view(m->output, spec, samp, sc)) return -1;
+        v->output = spec;
+    }
+    return 0;
+}
+
+/* Forward: the request's view to the handler, its reply packed (released by forward_free). */
+static int forward_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+    const shard_svc_handlers *h = ctx;
+    svc_scratch vs = {0};
+    shard_svc_forward req;
+    shard_svc_output_spec spec;
+    shard_svc_sampling samp;
+    shard_svc_forward_reply r = {0};
+    void *hold = NULL;
+    int rc = forward_view((const Fusion__ForwardRequest *)req_msg, &req, &spec, &samp, &vs) ? no_memory(st)
+                                                                                           : RPC_OK;
+    if (!rc) rc = h->forward(h->ctx, &req, &r, &hold, st);
+    scratch_free(&vs);
+    if (rc) return rc;
+    fwd_call *c = calloc(1, sizeof *c);
+    Fusion__Output **outs = NULL;
+    if (c) {
+        fusion__forward_reply__init(&c->rep);
+        c->h = h;
+        c->hold = hold;
+    }
+    if (!c || outputs_pack(r.outputs, r.n_outputs, &outs, &c->sc) ||
+        timing_pack(r.timing, r.n_timing, &c->rep.timing, &c->sc)) {
+        if (c) forward_free(NULL, &c->rep.base);
+        else if (h->forward_done) h->forward_done(h->ctx, hold);
+        return no_memory(st);
+    }
+    c->rep.request_id = r.request_id;
+    c->rep.n_outputs = r.n_outputs;
+    c->rep.outputs = r.n_outputs ? outs : NULL;
+    c->rep.n_timing = r.n_timing;
+    *reply = &c->rep.base;
+    return RPC_OK;
+}
+
+/* An Info reply and its dtype array. */
+typedef struct info_msg {
+    Fusion__InfoReply rep;
+    Fusion__Dtype dtypes[];
+} info_msg;
+
+/* Frees a reply allocated as one block. */
+static void free_msg(void *ctx, ProtobufCMessage *msg) {
+    (void)ctx;
+    free(msg);
+}
+
+/* Info: the handler's figures packed (its strings outlive the call). */
+static int info_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+    (void)req_msg;
+    const shard_svc_handlers *h = ctx;
+    shard_svc_info v = {0};
+    int rc = h->info(h->ctx, &v, st);
+    if (rc) return rc;
+    info_msg *m = malloc(sizeof *m + v.n_wire_dtypes * sizeof m->dtypes[0]);
+    if (!m) return no_memory(st);
+    Fusion__InfoReply *r = &m->rep;
+    fusion__info_reply__init(r);
+    r->model_name = str_or_empty(v.model_name);
+    r->n_layers = v.n_layers;
+    r->first_block = v.first_block;
+    r->last_block = v.last_block;
+    r->has_embeddings = v.has_embeddings;
+    r->has_head = v.has_head;
+    r->dtype = str_or_empty(v.dtype);
+    r->device = str_or_empty(v.device);
+    r->tokens_per_s = v.tokens_per_s;
+    r->free_kv_bytes = v.free_kv_bytes;
+    r->total_kv_bytes = v.total_kv_bytes;
+    r->active_sessions = v.active_sessions;
+    r->version = str_or_empty(v.version);
+    r->hidden_size = v.hidden_size;
+    r->vocab_size = v.vocab_size;
+    r->max_length = v.max_length;
+    for (size_t i = 0; i < v.n_wire_dtypes; i++) m->dtypes[i] = (Fusion__Dtype)v.wire_dtypes[i];
+    r->n_wire_dtypes = v.n_wire_dtypes;
+    r->wire_dtypes = v.n_wire_dtypes ? m->dtypes : NULL;
+    r->n_adapters = v.n_adapters;
+    r->adapters = (char **)v.adapters;
+    r->max_message_bytes = v.max_message_bytes;
+    r->kv_bytes_per_position = v.kv_bytes_per_position;
+    *reply = &r->base;
+    return RPC_OK;
+}
+
+/* Health: the handler's status packed. */
+static int health_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+    (void)req_msg;
+    const shard_svc_handlers *h = ctx;
+    shard_svc_health v = {0};
+    int rc = h->health(h->ctx, &v, st);
+    if (rc) return rc;
+    Fusion__HealthReply *r = malloc(sizeof *r);
+    if (!r) return no_memory(st);
+    fusion__health_reply__init(r);
+    r->status = (Fusion__HealthReply__ServingStatus)v.status;
+    r->message = str_or_empty(v.message);
+    *reply = &r->base;
+    return RPC_OK;
+}
+
+/* Frees an Echo reply and its payload. */
+static void echo_free(void *ctx, ProtobufCMessage *msg) {
+    (void)ctx;
+    Fusion__EchoReply *r = (Fusion__EchoReply *)msg;
+    free(r->payload.data);
+    free(r);
+}
+
+/* Echo: reply_bytes zeros back (a link measurement; no handler of the component's). */
+static int echo_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+    (void)ctx;
+    const Fusion__EchoRequest *req = (const Fusion__EchoRequest *)req_msg;
+    if (req->reply_bytes < 0 || req->reply_bytes > SHARD_SVC_ECHO_MAX)
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "reply_bytes: 0..%d required, got %d", SHARD_SVC_ECHO_MAX,
+                               req->reply_bytes);
+    Fusion__EchoReply *r = malloc(sizeof *r);
+    if (!r) return no_memory(st);
+    fusion__echo_reply__init(r);
+    if (req->reply_bytes > 0) {
+        if (!(r->payload.data = calloc(1, (size_t)req->reply_bytes))) {
+            free(r);
+            return no_memory(st);
+        }
+        r->payload.len = (size_t)req->reply_bytes;
+    }
+    *reply = &r->base;
+    return RPC_OK;
+}
+
+int shard_svc_serve(rpc_server *srv, const shard_svc_handlers *h) {
+    int rc = FU_OK;
+    if (h->session)
+        rc = rpc_server_add_stream(srv, RPC_SHARD_SESSION, &fusion__session_request__descriptor, session_entry,
+                                   (void *)h);
+    if (!rc && h->forward)
+        rc = rpc_server_add_unary(srv, RPC_SHARD_FORWARD, &fusion__forward_request__descriptor, forward_entry,
+                                  forward_free, (void *)h);
+    if (!rc && h->info)
+        rc = rpc_server_add_unary(srv, RPC_SHARD_INFO, &fusion__info_request__descriptor, info_entry, free_msg,
+                                  (void *)h);
+    if (!rc && h->health)
+        rc = rpc_server_add_unary(srv, RPC_SHARD_HEALTH, &fusion__health_request__descriptor, health_entry, free_msg,
+                                  (void *)h);
+    if (!rc)
+        rc = rpc_server_add_unary(srv, RPC_SHARD_ECHO, &fusion__echo_request__descriptor, echo_entry, echo_free,
+                                  NULL);
+    return rc;
+}
+
+/* ---- client: sessions ----------------------------------------------------------------------- */
+
+struct shard_svc_session {
+    rpc_stream *s;
+    int timeout_ms;            /* for each reply */
+    ProtobufCMessage *msg;     /* the last step reply; the views point into it */
+    shard_svc_step_reply rep;
+    shard_svc_output out;
+    wire_tensor hidden, logits;
+    svc_scratch sc;            /* packing requests, views of replies */
+};
+
+/* Sends one SessionRequest of the given kind. */
+static int session_send(shard_svc_session *s, Fusion__SessionRequest__KindCase kind, void *body, rpc_status *st) {
+    Fusion__SessionRequest req = FUSION__SESSION_REQUEST__INIT;
+    req.kind_case = kind;
+    if (kind == FUSION__SESSION_REQUEST__KIND_OPEN) req.open = body;
+    else if (kind == FUSION__SESSION_REQUEST__KIND_STEP) req.step = body;
+    else req.close = body;
+    return rpc_stream_send(s->s, &req.base, st);
+}
+
+/* Receives one SessionReply of the expected kind into *msg (the caller frees it). */
+static int session_recv(shard_svc_session *s, Fusion__SessionReply__KindCase kind, ProtobufCMessage **msg,
+                        rpc_status *st) {
+    int rc = rpc_stream_recv(s->s, &fusion__session_reply__descriptor, msg, s->timeout_ms, st);
+    if (rc) return rc;
+    const Fusion__SessionReply *rep = (const Fusion__SessionReply *)*msg;
+    bool ok = rep->kind_case == kind && (kind == FUSION__SESSION_REPLY__KIND_OPENED ? rep->opened != NULL
+                                                                                    : rep->step != NULL);
+    if (!ok)
+        return rpc_status_setf(st, RPC_UNEXPECTED_REPLY, "expected %s reply",
+                               kind == FUSION__SESSION_REPLY__KIND_OPENED ? "an open" : "a step");
+    return RPC_OK;
+}
+
+int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int timeout_ms, shard_svc_session **out,
+                           rpc_status *st) {
+    *out = NULL;
+    shard_svc_session *s = calloc(1, sizeof *s);
+    if (!s) return no_memory(st);
+    s->timeout_ms = timeout_ms;
+    Fusion__OpenSession m;
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_stream_open(ch, RPC_SHARD_SESSION, 0, &s->s, st);
+    if (!rc && open_pack(open, &m, &s->sc)) rc = no_memory(st);
+    if (!rc) rc = session_send(s, FUSION__SESSION_REQUEST__KIND_OPEN, &m, st);
+    if (!rc) rc = session_recv(s, FUSION__SESSION_REPLY__KIND_OPENED, &msg, st);
+    rpc_msg_free(msg);
+    if (rc) {
+        shard_svc_session_close(s, NULL);
+        return rc;
+    }
+    *out = s;
+    return RPC_OK;
+}
+
+void shard_svc_session_drop_reply(shard_svc_session *s) {
+    rpc_msg_free(s->msg);
+    s->msg = NULL;
+}
+
+int shard_svc_session_step(shard_svc_session *s, const shard_svc_step *step, const shard_svc_step_reply **reply,
+                           rpc_status *st) {
+    *reply = NULL;
+    step_msg m;
+    int rc = step_pack(step, &m, &s->sc) ? no_memory(st) : RPC_OK;
+    if (!rc) rc = session_send(s, FUSION__SESSION_REQUEST__KIND_STEP, &m.sr, st);
+    shard_svc_session_drop_reply(s); /* only now: `step` may point into it */
+    if (!rc) rc = session_recv(s, FUSION__SESSION_REPLY__KIND_STEP, &s->msg, st);
+    if (rc) return rc;
+    const Fusion__StepReply *r = ((const Fusion__SessionReply *)s->msg)->step;
+    shard_svc_timing *t = scratch(&s->sc, SC_V_TIMING, r->n_timing, sizeof *t);
+    if (!t || (r->output && output_view(r->output, &s->out, &s->hidden, &s->logits, &s->sc)))
+        return no_memory(st);
+    for (size_t i = 0; i < r->n_timing; i++) {
+        const Fusion__ServerTiming *m = r->timing[i];
+        t[i] = (shard_svc_timing){str_or_empty(m->server), m->first_block, m->last_block, m->queue_us, m->compute_us,
+                                  m->total_us};
+    }
+    s->rep = (shard_svc_step_reply){r->request_id, r->position, r->output ? &s->out : NULL, t, r->n_timing};
+    *reply = &s->rep;
+    return RPC_OK;
+}
+
+void shard_svc_session_close(shard_svc_session *s, const char *reason) {
+    if (!s) return;
+    if (s->s) {
+        rpc_status st;
+        if (reason) {
+            Fusion__CloseSession cl = FUSION__CLOSE_SESSION__INIT;
+            cl.reason = (char *)reason;
+            session_send(s, FUSION__SESSION_REQUEST__KIND_CLOSE, &cl, &st);
+        }
+        rpc_stream_close_send(s->s, &st);
+        rpc_stream_free(s->s);
+    }
+    rpc_msg_free(s->msg);
+    scratch_free(&s->sc);
+    free(s);
+}
+
+/* ---- client: unary calls ------------------------------------------------------------------- */
+
+/* An Info reply held for its view. */
+typedef struct info_held {
+    shard_svc_info info; /* first: shard_svc_info_free casts back */
+    ProtobufCMessage *msg;
+    int dtypes[];
+} info_held;
+
+int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rpc_status *st) {
+    *out = NULL;
+    Fusion__InfoRequest req = FUSION__INFO_REQUEST__INIT;
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_call_unary(ch, RPC_SHARD_INFO, &req.base, &fusion__info_reply__descriptor, &msg, timeout_ms, st);
+    if (rc) return rc;
+    const Fusion__InfoReply *r = (const Fusion__InfoReply *)msg;
+    info_held *h = malloc(sizeof *h + r->n_wire_dtypes * sizeof h->dtypes[0]);
+    if (!h) {
+        rpc_msg_free(msg);
+        return no_memory(st);
+    }
+    for (size_t i = 0; i < r->n_wire_dtypes; i++) h->dtypes[i] = (int)r->wire_dtypes[i];
+    h->msg = msg;
+    h->info = (shard_svc_info){str_or_empty(r->model_name), r->n_layers, r->first_block, r->last_block,
+                               r->has_embeddings, r->has_head, str_or_empty(r->dtype), str_or_empty(r->device),
+                               r->tokens_per_s, r->free_kv_bytes, r->total_kv_bytes, r->active_sessions,
+                               str_or_empty(r->version), r->hidden_size, r->vocab_size,
+                               r->max_length, h->dtypes, r->n_wire_dtypes, (const char *const *)r->adapters,
+                               r->n_adapters, r->max_message_bytes, r->kv_bytes_per_position};
+    *out = &h->info;
+    return RPC_OK;
+}
+
+void shard_svc_info_free(shard_svc_info *info) {
+    if (!info) return;
+    info_held *h = (info_held *)info;
+    rpc_msg_free(h->msg);
+    free(h);
+}
+
+int shard_svc_echo(rpc_channel *ch, int reply_bytes, int timeout_ms, rpc_status *st) {
+    Fusion__EchoRequest req = FUSION__ECHO_REQUEST__INIT;
+    req.reply_bytes = reply_bytes;
+    ProtobufCMessage *rep = NULL;
+    int rc = rpc_call_unary(ch, RPC_SHARD_ECHO, &req.base, &fusion__echo_reply__descriptor, &rep, timeout_ms, st);
+    rpc_msg_free(rep);
+    return rc;
+}
+
+/* Seconds one Echo of reply_bytes takes, or -1 (*code says why). */
+static double echo_seconds(rpc_channel *ch, int reply_bytes, int timeout_ms, int *code, rpc_status *st) {
+    double t0 = fu_now_s();
+    *code = shard_svc_echo(ch, reply_bytes, timeout_ms, st);
+    return *code ? -1 : fu_now_s() - t0;
+}
+
+int shard_svc_measure_link(rpc_channel *ch, int big_bytes, int timeout_ms, double *rtt_s, double *bandwidth,
+                           rpc_status *st) {
+    *rtt_s = *bandwidth = 0;
+    int code = RPC_OK;
+    double a = echo_seconds(ch, 0, timeout_ms, &code, st);
+    double b = a >= 0 ? echo_seconds(ch, 0, timeout_ms, &code, st) : -1;
+    double big = b >= 0 ? echo_seconds(ch, big_bytes, timeout_ms, &code, st) : -1;
+    if (big < 0) return code;
+    double rtt = a < b ? a : b, t = big - rtt;
+    *rtt_s = rtt;
+    *bandwidth = big_bytes / (t > 1e-6 ? t : 1e-6);
+    return RPC_OK;
+}

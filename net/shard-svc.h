@@ -1,0 +1,322 @@
+/* shard-svc.h -- the fusion.Shard service in plain C: Session streams, Forward, Info, Health, Echo.
+ *
+ * Role: the one place that knows fusion.Shard's messages (net/proto/fusion.proto).
+ * Components describe requests and replies with the structs below; this module
+ * packs them into protobuf messages and unpacks received ones into the same
+ * structs, so nothing above net/ sees generated code. It also holds the client
+ * side of the chain protocol once (shard_svc_session_*): the Session stream the
+ * gateway opens on each hop and the one a shard opens on its next hop when it
+ * forwards, so both build the same open and step requests.
+ *
+ * Every struct mirrors the proto message of the same name (OpenSession ->
+ * shard_svc_open, StepRequest -> shard_svc_step, ...), with the same field
+ * meanings, units and rules; see the proto for those. Sub-messages are
+ * pointers, NULL when absent; repeated fields are a pointer and a count.
+ * Received values are unchecked beyond what the protobuf decoder guarantees
+ * (strings are never NULL): the receiver validates them.
+ *
+ * Ownership: structs passed in are borrowed; they are packed before the call
+ * returns (a handler's reply: when the handler returns, or for Forward before
+ * forward_done). Structs handed out are views into a received message that
+ * this module owns; each function says how long they last. Copy what must
+ * live longer.
+ *
+ * Threads: one shard_svc_stream (server) or shard_svc_session (client) is
+ * used by one thread at a time; everything else is thread-safe. Handlers run
+ * as the RPC layer runs them: Session on a thread per stream, the unary ones
+ * on the server's worker threads, several at once.
+ */
+#ifndef FU_SHARD_SVC_H
+#define FU_SHARD_SVC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rpc-base.h"
+#include "sampler.h"
+#include "wire.h"
+
+/* Longest Echo reply a server sends (EchoRequest.reply_bytes). */
+#define SHARD_SVC_ECHO_MAX (4 << 20)
+
+/* ---- messages ------------------------------------------------------------------------- */
+
+/* Input: token ids, hidden states, or both. */
+typedef struct shard_svc_input {
+    const int32_t *tokens;     /* (n_tokens) */
+    size_t n_tokens;
+    const wire_tensor *hidden; /* (n, hidden_size); NULL: none */
+} shard_svc_input;
+
+/* Sampling, as on the wire (0 means "off" where the proto says so; see
+ * shard_svc_sampling_to_params for the sampler's reading). */
+typedef struct shard_svc_sampling {
+    float temperature, top_p;
+    int32_t top_k;
+    float min_p;
+    uint64_t seed;
+    float presence_penalty, frequency_penalty, repetition_penalty;
+    const smp_bias *logit_bias; /* (n_logit_bias) */
+    size_t n_logit_bias;
+    int64_t penalty_start;
+} shard_svc_sampling;
+
+/* OutputSpec: what the server holding the LM head returns. */
+typedef struct shard_svc_output_spec {
+    bool want_logits, all_positions;
+    const shard_svc_sampling *sampling; /* NULL: do not sample */
+    int32_t top_logprobs;
+} shard_svc_output_spec;
+
+/* TopLogprobs of one output position: n alternatives, most likely first. */
+typedef struct shard_svc_top {
+    const int32_t *tokens; /* (n) */
+    const float *logprobs; /* (n) */
+    size_t n;
+} shard_svc_top;
+
+/* Output of one step or one sequence. */
+typedef struct shard_svc_output {
+    const wire_tensor *hidden; /* (n_positions, hidden_size); NULL: none */
+    const wire_tensor *logits; /* (n_out, vocab) F32; NULL: none */
+    const int32_t *tokens;     /* (n_tokens) sampled */
+    size_t n_tokens;
+    const float *logprobs;     /* (n_logprobs) */
+    size_t n_logprobs;
+    const shard_svc_top *top;  /* (n_top) */
+    size_t n_top;
+} shard_svc_output;
+
+/* ServerTiming: one server's time on one request, microseconds. */
+typedef struct shard_svc_timing {
+    const char *server;
+    int32_t first_block, last_block;
+    int64_t queue_us, compute_us, total_us;
+} shard_svc_timing;
+
+/* Hop: one server of a chain, for server-to-server forwarding. */
+typedef struct shard_svc_hop {
+    const char *address;
+    int32_t first_block, last_block;
+    const char *tls_server_name; /* NULL or "": from the address */
+} shard_svc_hop;
+
+/* OpenSession. */
+typedef struct shard_svc_open {
+    const char *session_id;
+    int32_t max_length;
+    int wire_dtype;              /* WIRE_*; 0: BF16 */
+    int32_t int8_block_size;
+    const char *adapter_id;      /* NULL or "": the base model */
+    int32_t first_block, last_block;
+    const shard_svc_hop *chain;  /* (n_chain) the rest of the chain after this server */
+    size_t n_chain;
+    int32_t idle_timeout_ms;
+} shard_svc_open;
+
+/* OpenReply. */
+typedef struct shard_svc_opened {
+    const char *session_id;
+    int32_t first_block, last_block, max_length;
+    int wire_dtype;
+    int64_t kv_bytes;
+} shard_svc_opened;
+
+/* StepRequest. */
+typedef struct shard_svc_step {
+    uint64_t request_id;
+    int64_t start_position;
+    const shard_svc_input *input;        /* NULL: missing (refused by servers) */
+    const shard_svc_output_spec *output; /* NULL: none */
+    bool has_rollback;
+    int64_t rollback_to;                 /* with has_rollback */
+} shard_svc_step;
+
+/* StepReply. */
+typedef struct shard_svc_step_reply {
+    uint64_t request_id;
+    int64_t position;
+    const shard_svc_output *output;  /* NULL: none */
+    const shard_svc_timing *timing;  /* (n_timing) one per hop, in chain order */
+    size_t n_timing;
+} shard_svc_step_reply;
+
+/* One message of a Session stream from the client. */
+typedef enum shard_svc_kind {
+    SHARD_SVC_NONE = 0, /* no kind set */
+    SHARD_SVC_OPEN,
+    SHARD_SVC_STEP,
+    SHARD_SVC_CLOSE,
+} shard_svc_kind;
+
+typedef struct shard_svc_request {
+    shard_svc_kind kind;
+    const shard_svc_open *open; /* kind OPEN */
+    const shard_svc_step *step; /* kind STEP */
+    const char *close_reason;   /* kind CLOSE */
+} shard_svc_request;
+
+/* ForwardRequest. */
+typedef struct shard_svc_forward {
+    uint64_t request_id;
+    const shard_svc_input *sequences;    /* (n_sequences) */
+    size_t n_sequences;
+    const shard_svc_output_spec *output; /* NULL: none */
+    int wire_dtype;                      /* 0: as the input's */
+    const char *adapter_id;
+    int32_t first_block, last_block;
+} shard_svc_forward;
+
+/* ForwardReply. */
+typedef struct shard_svc_forward_reply {
+    uint64_t request_id;
+    const shard_svc_output *outputs; /* (n_outputs) one per sequence */
+    size_t n_outputs;
+    const shard_svc_timing *timing;  /* (n_timing) */
+    size_t n_timing;
+} shard_svc_forward_reply;
+
+/* InfoReply. */
+typedef struct shard_svc_info {
+    const char *model_name;
+    int32_t n_layers, first_block, last_block;
+    bool has_embeddings, has_head;
+    const char *dtype, *device;
+    double tokens_per_s;
+    int64_t free_kv_bytes, total_kv_bytes;
+    int32_t active_sessions;
+    const char *version;
+    int32_t hidden_size, vocab_size, max_length;
+    const int *wire_dtypes;          /* (n_wire_dtypes) WIRE_* */
+    size_t n_wire_dtypes;
+    const char *const *adapters;     /* (n_adapters) */
+    size_t n_adapters;
+    int64_t max_message_bytes, kv_bytes_per_position;
+} shard_svc_info;
+
+/* HealthReply.ServingStatus. */
+typedef enum shard_svc_serving {
+    SHARD_SVC_SERVING_UNKNOWN = 0,
+    SHARD_SVC_SERVING_SERVING = 1,
+    SHARD_SVC_SERVING_DRAINING = 2, /* finishing sessions, accepting none */
+    SHARD_SVC_SERVING_NOT_SERVING = 3,
+} shard_svc_serving;
+
+/* HealthReply. */
+typedef struct shard_svc_health {
+    shard_svc_serving status;
+    const char *message;
+} shard_svc_health;
+
+/* ---- sampling ------------------------------------------------------------------------- */
+
+/* The wire form of sampler parameters p (logit_bias borrowed from p). */
+shard_svc_sampling shard_svc_sampling_from_params(const smp_params *p, int64_t penalty_start);
+
+/* The sampler's parameters for wire sampling w: smp_params_default() with w's
+ * values, top_p and repetition_penalty 0 read as 1 (off); p->bias borrows
+ * w->logit_bias. */
+smp_params shard_svc_sampling_to_params(const shard_svc_sampling *w);
+
+/* ---- server ----------------------------------------------------------------------------- */
+
+/* The server side of one Session stream. */
+typedef struct shard_svc_stream shard_svc_stream;
+
+/* Handlers of the Shard service. NULL handlers leave their method
+ * unimplemented, except Echo, which this module answers itself (reply_bytes
+ * 0..SHARD_SVC_ECHO_MAX zeros; INVALID_ARGUMENT beyond). Every handler returns
+ * RPC_OK or a code with the reason in st->message
+ * (`return rpc_status_setf(st, RPC_NOT_FOUND, ...)`). */
+typedef struct shard_svc_handlers {
+    void *ctx; /* passed to every handler */
+    /* A Session stream, on its own thread: loops shard_svc_stream_recv / _send and returns
+     * the final code, which ends the call. */
+    int (*session)(void *ctx, shard_svc_stream *s, rpc_status *st);
+    /* Forward: `req` (views valid during the call) -> *reply. On RPC_OK the reply's pointers
+     * must stay valid until forward_done(ctx, *hold) runs after it was packed; on failure the
+     * handler keeps nothing (forward_done is not called). */
+    int (*forward)(void *ctx, const shard_svc_forward *req, shard_svc_forward_reply *reply, void **hold,
+                   rpc_status *st);
+    void (*forward_done)(void *ctx, void *hold);
+    /* Info / Health: fill *reply (zeroed); its strings must outlive the call (they are packed
+     * after it returns): point them at the server's configuration or static text. */
+    int (*info)(void *ctx, shard_svc_info *reply, rpc_status *st);
+    int (*health)(void *ctx, shard_svc_health *reply, rpc_status *st);
+} shard_svc_handlers;
+
+/* Registers the Shard service's methods on srv (before rpc_server_start); h is
+ * borrowed, with its ctx, until rpc_server_free. FU_OK or a status. */
+int shard_svc_serve(rpc_server *srv, const shard_svc_handlers *h);
+
+/* Receives the next message of the stream, waiting up to timeout_ms (< 0: forever), as
+ * *req: a view valid until the next receive on s or the handler's return. Codes as the RPC
+ * layer's stream receive: RPC_END_OF_STREAM (half-closed), RPC_CANCELLED (the client went
+ * away), RPC_DEADLINE_EXCEEDED (nothing came; call again), RPC_INVALID_ARGUMENT (a malformed
+ * message; the stream stays usable), RPC_RESOURCE_EXHAUSTED (no memory for the view). */
+int shard_svc_stream_recv(shard_svc_stream *s, const shard_svc_request **req, int timeout_ms,
+                          rpc_status *st);
+
+/* Sends an open reply / a step reply (packed at once; borrowed for the call). RPC_CANCELLED:
+ * the client went away. */
+int shard_svc_stream_send_opened(shard_svc_stream *s, const shard_svc_opened *o, rpc_status *st);
+int shard_svc_stream_send_step(shard_svc_stream *s, const shard_svc_step_reply *r, rpc_status *st);
+
+/* Decodes wire bytes as one Session message, as shard_svc_stream_recv would,
+ * without a transport (fuzzing, tests). On RPC_OK *req is a new view; free it
+ * with shard_svc_request_free. Malformed bytes or len > max_bytes:
+ * RPC_INVALID_ARGUMENT / RPC_RESOURCE_EXHAUSTED and *req = NULL. */
+int shard_svc_request_decode(const void *data, size_t len, size_t max_bytes, const shard_svc_request **req,
+                             rpc_status *st);
+/* Frees a request from shard_svc_request_decode. NULL is a no-op. */
+void shard_svc_request_free(const shard_svc_request *req);
+
+/* Packs a step reply as the stream would send it and returns its size in
+ * bytes in *bytes (fuzzing, tests). RPC_OK or RPC_RESOURCE_EXHAUSTED. */
+int shard_svc_step_reply_size(const shard_svc_step_reply *r, size_t *bytes, rpc_status *st);
+
+/* ---- client: sessions (the chain protocol) ----------------------------------------------- */
+
+/* The client side of one Session stream. */
+typedef struct shard_svc_session shard_svc_session;
+
+/* Opens a Session stream on ch (borrowed; it must outlive the session), sends `open` and
+ * waits up to timeout_ms (< 0: forever; also the wait for every step reply) for the open
+ * reply. RPC_OK with *out set; else the stream's or the server's code (RPC_END_OF_STREAM: the
+ * server ended the stream without a reply), or RPC_UNEXPECTED_REPLY when it answered with
+ * something other than an open reply, and *out NULL. */
+int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int timeout_ms, shard_svc_session **out,
+                           rpc_status *st);
+
+/* Sends one step and waits for its reply: RPC_OK with *reply a view valid until the next step,
+ * shard_svc_session_drop_reply or close on s; else a code as for open (RPC_UNEXPECTED_REPLY:
+ * not a step reply) and *reply NULL. `step` may point into another session's reply. */
+int shard_svc_session_step(shard_svc_session *s, const shard_svc_step *step, const shard_svc_step_reply **reply,
+                           rpc_status *st);
+
+/* Frees the last step reply now (its view ends) instead of at the next step. */
+void shard_svc_session_drop_reply(shard_svc_session *s);
+
+/* Ends the session: sends a close with `reason` (NULL: none, a half-close only, which
+ * servers read the same), half-closes and frees, without waiting. NULL is a no-op. */
+void shard_svc_session_close(shard_svc_session *s, const char *reason);
+
+/* ---- client: unary calls ----------------------------------------------------------------- */
+
+/* Calls Info: RPC_OK with *out a new reply (free with shard_svc_info_free), else a code and
+ * *out NULL. timeout_ms <= 0: no deadline. */
+int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rpc_status *st);
+/* Frees a reply of shard_svc_info_get. NULL is a no-op. */
+void shard_svc_info_free(shard_svc_info *info);
+
+/* Calls Echo asking reply_bytes back; RPC_OK or a code. */
+int shard_svc_echo(rpc_channel *ch, int reply_bytes, int timeout_ms, rpc_status *st);
+
+/* Measures the link to the server on ch: two small Echo round trips (the faster is the RTT)
+ * then one of big_bytes (its extra time gives the bandwidth), each bounded by timeout_ms.
+ * RPC_OK with *rtt_s (seconds) and *bandwidth (bytes/s); else the failed call's code. */
+int shard_svc_measure_link(rpc_channel *ch, int big_bytes, int timeout_ms, double *rtt_s, double *bandwidth,
+                           rpc_status *st);
+
+#endif

@@ -1,0 +1,234 @@
+/* swarm-svc.c -- fusion.Swarm's messages packed from and unpacked into the plain structs of swarm-svc.h. */
+#include "swarm-svc.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fusion.pb-c.h"
+#include "rpc.h"
+#include "status.h"
+
+/* A string for a message (NULL packs as "") or from one (never NULL in a view). */
+static char *str_or_empty(const char *s) { return (char *)(s ? s : ""); }
+
+/* ---- MemberStatus ------------------------------------------------------------------------------ */
+
+/* A MemberStatus with the link figures it points to, in one block (free()). */
+typedef struct member_msg {
+    Fusion__MemberStatus ms;
+    Fusion__LinkFigure **fig_ptrs; /* (n_links), then the figures themselves */
+} member_msg;
+
+/* A new MemberStatus pointing into v (free() it); NULL when out of memory. */
+static member_msg *member_pack(const swarm_svc_member *v) {
+    size_t n = v->n_links;
+    member_msg *m = malloc(sizeof *m + n * (sizeof(Fusion__LinkFigure *) + sizeof(Fusion__LinkFigure)));
+    if (!m) return NULL;
+    m->fig_ptrs = (Fusion__LinkFigure **)(m + 1);
+    Fusion__LinkFigure *figs = (Fusion__LinkFigure *)(m->fig_ptrs + n);
+    Fusion__MemberStatus *ms = &m->ms;
+    fusion__member_status__init(ms);
+    ms->address = str_or_empty(v->address);
+    ms->model_name = str_or_empty(v->model_name);
+    ms->n_layers = v->n_layers;
+    ms->first_block = v->first_block;
+    ms->last_block = v->last_block;
+    ms->device = str_or_empty(v->device);
+    ms->dtype = str_or_empty(v->dtype);
+    ms->tokens_per_s = v->tokens_per_s;
+    ms->block_tokens_per_s = v->block_tokens_per_s;
+    ms->max_blocks = v->max_blocks;
+    ms->free_kv_bytes = v->free_kv_bytes;
+    ms->total_kv_bytes = v->total_kv_bytes;
+    ms->kv_bytes_per_position = v->kv_bytes_per_position;
+    ms->active_sessions = v->active_sessions;
+    ms->fixed_span = v->fixed_span;
+    ms->failed_first = v->failed_first;
+    ms->failed_last = v->failed_last;
+    ms->load_error = str_or_empty(v->load_error);
+    ms->draining_first = v->draining_first;
+    ms->draining_last = v->draining_last;
+    ms->draining_sessions = v->draining_sessions;
+    ms->hidden_size = v->hidden_size;
+    for (size_t i = 0; i < n; i++) {
+        fusion__link_figure__init(&figs[i]);
+        figs[i].address = str_or_empty(v->links[i].address);
+        figs[i].rtt_s = v->links[i].rtt_s;
+        figs[i].bandwidth_bytes_per_s = v->links[i].bandwidth_bytes_per_s;
+        m->fig_ptrs[i] = &figs[i];
+    }
+    ms->n_links = n;
+    ms->links = n ? m->fig_ptrs : NULL;
+    return m;
+}
+
+/* The view of a received MemberStatus; *links: a new array of its link figures (free()), or
+ * NULL with none. -1 when out of memory. */
+static int member_view(const Fusion__MemberStatus *ms, swarm_svc_member *v, swarm_svc_link **links) {
+    *links = NULL;
+    if (ms->n_links && !(*links = calloc(ms->n_links, sizeof **links))) return -1;
+    for (size_t i = 0; i < ms->n_links; i++) {
+        const Fusion__LinkFigure *lf = ms->links[i];
+        (*links)[i] = (swarm_svc_link){str_or_empty(lf->address), lf->rtt_s, lf->bandwidth_bytes_per_s};
+    }
+    *v = (swarm_svc_member){str_or_empty(ms->address), str_or_empty(ms->model_name), ms->n_layers,
+                            ms->first_block, ms->last_block, str_or_empty(ms->device), str_or_empty(ms->dtype), ms->tokens_per_s, ms->block_tokens_per_s, ms->max_blocks,
+                            ms->free_kv_bytes, ms->total_kv_bytes, ms->kv_bytes_per_position,
+                            ms->active_sessions, ms->fixed_span, *links, ms->n_links, ms->failed_first,
+                            ms->failed_last, str_or_empty(ms->load_error), ms->draining_first, ms->draining_last,
+                            ms->draining_sessions, ms->hidden_size};
+    return 0;
+}
+
+/* ---- client ---------------------------------------------------------------------------------- */
+
+/* A received SpanAssignment (NULL: none) as has_span, first, last. */
+static void span_read(const Fusion__SpanAssignment *span, bool *has_span, int32_t *first, int32_t *last) {
+    *has_span = span != NULL;
+    *first = span ? span->first_block : 0;
+    *last = span ? span->last_block : 0;
+}
+
+int swarm_svc_join(rpc_channel *ch, const swarm_svc_member *status, int timeout_ms, swarm_svc_join_reply *out,
+                   rpc_status *st) {
+    memset(out, 0, sizeof *out);
+    member_msg *m = member_pack(status);
+    if (!m) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    Fusion__JoinRequest req = FUSION__JOIN_REQUEST__INIT;
+    req.status = &m->ms;
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_call_unary(ch, RPC_SWARM_JOIN, &req.base, &fusion__join_reply__descriptor, &msg, timeout_ms, st);
+    free(m);
+    if (rc) return rc;
+    const Fusion__JoinReply *r = (const Fusion__JoinReply *)msg;
+    out->member_id = r->member_id;
+    out->heartbeat_ms = r->heartbeat_ms;
+    span_read(r->span, &out->has_span, &out->first_block, &out->last_block);
+    rpc_msg_free(msg);
+    return RPC_OK;
+}
+
+int swarm_svc_heartbeat(rpc_channel *ch, const swarm_svc_heartbeat_request *req, int timeout_ms,
+                        swarm_svc_heartbeat_reply *out, rpc_status *st) {
+    memset(out, 0, sizeof *out);
+    member_msg *m = req->status ? member_pack(req->status) : NULL;
+    if (req->status && !m) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    Fusion__HeartbeatRequest hb = FUSION__HEARTBEAT_REQUEST__INIT;
+    hb.member_id = req->member_id;
+    hb.leaving = req->leaving;
+    hb.status = m ? &m->ms : NULL;
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_call_unary(ch, RPC_SWARM_HEARTBEAT, &hb.base, &fusion__heartbeat_reply__descriptor, &msg,
+                            timeout_ms, st);
+    free(m);
+    if (rc) return rc;
+    const Fusion__HeartbeatReply *r = (const Fusion__HeartbeatReply *)msg;
+    span_read(r->span, &out->has_span, &out->first_block, &out->last_block);
+    for (size_t i = 0; i < r->n_peers && out->n_peers < SWARM_SVC_MAX_PEERS; i++) {
+        const char *a = r->peers[i];
+        if (a && a[0] && strlen(a) < SWARM_SVC_ADDRESS_LEN)
+            snprintf(out->peers[out->n_peers++], SWARM_SVC_ADDRESS_LEN, "%s", a);
+    }
+    rpc_msg_free(msg);
+    return RPC_OK;
+}
+
+/* ---- server ---------------------------------------------------------------------------------- */
+
+/* A reply in flight with what it points to. */
+typedef struct join_msg {
+    Fusion__JoinReply rep; /* first: freed as one block */
+    Fusion__SpanAssignment span;
+} join_msg;
+
+typedef struct heartbeat_msg {
+    Fusion__HeartbeatReply rep; /* first: freed as one block */
+    Fusion__SpanAssignment span;
+    swarm_svc_heartbeat_reply out;
+    char *peers[SWARM_SVC_MAX_PEERS];
+} heartbeat_msg;
+
+/* Frees a reply allocated as one block. */
+static void free_msg(void *ctx, ProtobufCMessage *msg) {
+    (void)ctx;
+    free(msg);
+}
+
+/* A handler call's start: a zeroed reply block of `size` bytes, and the view of the request's
+ * status ms (if any; *links: free() after the call). NULL when out of memory. */
+static void *entry_start(size_t size, const Fusion__MemberStatus *ms, swarm_svc_member *status,
+                         swarm_svc_link **links) {
+    *links = NULL;
+    void *m = calloc(1, size);
+    if (m && ms && member_view(ms, status, links)) {
+        free(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* The SpanAssignment in *span, or NULL without one. */
+static Fusion__SpanAssignment *span_pack(bool has_span, int first, int last, Fusion__SpanAssignment *span) {
+    fusion__span_assignment__init(span);
+    span->first_block = first;
+    span->last_block = last;
+    return has_span ? span : NULL;
+}
+
+/* Join: the handler's reply to the request's status. */
+static int join_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+    const swarm_svc_handlers *h = ctx;
+    const Fusion__JoinRequest *req = (const Fusion__JoinRequest *)req_msg;
+    swarm_svc_member status;
+    swarm_svc_link *links;
+    join_msg *m = entry_start(sizeof *m, req->status, &status, &links);
+    if (!m) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    swarm_svc_join_reply out = {0};
+    int rc = h->join(h->ctx, req->status ? &status : NULL, &out, st);
+    free(links);
+    if (rc) {
+        free(m);
+        return rc;
+    }
+    fusion__join_reply__init(&m->rep);
+    m->rep.member_id = out.member_id;
+    m->rep.heartbeat_ms = out.heartbeat_ms;
+    m->rep.span = span_pack(out.has_span, out.first_block, out.last_block, &m->span);
+    *reply = &m->rep.base;
+    return RPC_OK;
+}
+
+/* Heartbeat: the handler's reply (span, peers) to the member's beat. */
+static int heartbeat_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
+    const swarm_svc_handlers *h = ctx;
+    const Fusion__HeartbeatRequest *req = (const Fusion__HeartbeatRequest *)req_msg;
+    swarm_svc_member status;
+    swarm_svc_link *links;
+    heartbeat_msg *m = entry_start(sizeof *m, req->status, &status, &links);
+    if (!m) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    swarm_svc_heartbeat_request hb = {req->member_id, req->status ? &status : NULL, req->leaving};
+    int rc = h->heartbeat(h->ctx, &hb, &m->out, st);
+    free(links);
+    if (rc) {
+        free(m);
+        return rc;
+    }
+    fusion__heartbeat_reply__init(&m->rep);
+    m->rep.span = span_pack(m->out.has_span, m->out.first_block, m->out.last_block, &m->span);
+    int n = m->out.n_peers < SWARM_SVC_MAX_PEERS ? m->out.n_peers : SWARM_SVC_MAX_PEERS;
+    for (int i = 0; i < n; i++) m->peers[i] = m->out.peers[i];
+    m->rep.n_peers = n > 0 ? (size_t)n : 0;
+    m->rep.peers = n > 0 ? m->peers : NULL;
+    *reply = &m->rep.base;
+    return RPC_OK;
+}
+
+int swarm_svc_serve(rpc_server *srv, const swarm_svc_handlers *h) {
+    int rc = rpc_server_add_unary(srv, RPC_SWARM_JOIN, &fusion__join_request__descriptor, join_entry, free_msg,
+                                  (void *)h);
+    if (!rc)
+        rc = rpc_server_add_unary(srv, RPC_SWARM_HEARTBEAT, &fusion__heartbeat_request__descriptor,
+                                  heartbeat_entry, free_msg, (void *)h);
+    return rc;
+}
