@@ -99,7 +99,8 @@ static int step_spec(const shard_svc_output_spec *spec, shard_step *step, rpc_st
     const shard_svc_sampling *sp = spec->sampling;
     if (!sp) return RPC_OK;
     if (sp->n_logit_bias > SMP_MAX_LOGIT_BIAS)
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "sampling.logit_bias: at most %d entries", SMP_MAX_LOGIT_BIAS);
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "sampling.logit_bias: at most %d entries",
+                               SMP_MAX_LOGIT_BIAS);
     step->sample = true;
     step->sampling = shard_svc_sampling_to_params(sp);
     step->penalty_start = sp->penalty_start;

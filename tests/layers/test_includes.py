@@ -159,6 +159,8 @@ def try_compile(source, forced_header):
     ("router/rt-flow.c", "model.h"),      # router sees base only
     ("net/chain.c", "gw.h"),              # net cannot see the gateway
     ("shard-server/shard-core.c", "gw-swarm.h"),  # components cannot see each other
+    ("gateway/gw-swarm.c", "fusion.pb-c.h"),      # generated code stays inside net
+    ("shard-server/shard-rpc.c", "fusion.pb-c.h"),
 ])
 def test_compiler_refuses_a_higher_layer(source, higher):
     r = try_compile(source, higher)
@@ -168,6 +170,7 @@ def test_compiler_refuses_a_higher_layer(source, higher):
 
 @pytest.mark.parametrize("source,lower", [
     ("kernels/ops.c", "status.h"),
+    ("net/chain.c", "fusion.pb-c.h"),
     ("model/engine.c", "gguf.h"),
     ("gateway/gw-util.c", "router.h"),
 ])
