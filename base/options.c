@@ -2,6 +2,7 @@
 #include "options.h"
 
 #include <assert.h>
+#include <errno.h>
 #include <jansson.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -115,6 +116,18 @@ static int store_string(const fu_opt *o, const char *v) {
     return FU_OK;
 }
 
+/* FU_OPT_FILE_TEXT: the file's text, trailing newlines and spaces dropped. */
+static int store_file_text(const fu_opt *o, const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return fu_errorf(FU_ERR_IO, "%s: %s", path, strerror(errno));
+    char text[4097];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    while (n && (text[n - 1] == '\n' || text[n - 1] == '\r' || text[n - 1] == ' ')) text[--n] = '\0';
+    return store_string(o, text);
+}
+
 static int list_add(fu_opt_list *l, const char *v) {
     char **items = realloc(l->items, (l->n + 1) * sizeof *items);
     if (!items) return fu_errorf(FU_ERR_NOMEM, "out of memory");
@@ -155,26 +168,28 @@ static int parse_span(const char *v, long lo, long hi, int span[2]) {
 }
 
 /* Stores v (NULL: a flag given alone) in o's destination. FU_OK or the error, unlabelled. */
-static int store(const fu_opt *opts, const fu_opt *o, const char *v) {
+static int store(const fu_opt *o, const char *v) {
     switch (o->kind) {
     case FU_OPT_FLAG:
     case FU_OPT_BOOL: return store_bool(o, v);
     case FU_OPT_STRING:
     case FU_OPT_PATH: return store_string(o, v);
+    case FU_OPT_FILE_TEXT: return store_file_text(o, v);
     case FU_OPT_LIST: return list_add(o->dest, v);
     case FU_OPT_INT: return store_int(o, v);
     case FU_OPT_FLOAT: return store_float(o, v);
     case FU_OPT_CHOICE: return store_choice(o, v);
     case FU_OPT_SPAN: return parse_span(v, o->lo, o->hi, o->dest);
     case FU_OPT_CALL: return o->fn(o->dest, v);
-    case FU_OPT_CONFIG: return fu_opt_load(opts, v);
+    case FU_OPT_CONFIG: break; /* apply() loads it */
     }
     return fu_errorf(FU_ERR_INTERNAL, "option kind %d", (int)o->kind);
 }
 
-/* store(), its error prefixed with "label: ". */
+/* store(), its error prefixed with "label: "; a config file's errors name the file. */
 static int apply(const fu_opt *opts, const fu_opt *o, const char *v, const char *label) {
-    int rc = store(opts, o, v);
+    if (o->kind == FU_OPT_CONFIG) return fu_opt_load(opts, v);
+    int rc = store(o, v);
     return rc ? fu_errorf(rc, "%s: %s", label, fu_last_error()) : FU_OK;
 }
 
@@ -256,6 +271,7 @@ static int apply_object(const fu_opt *opts, const json_t *root) {
 int fu_opt_load(const fu_opt *opts, const char *path) {
     json_error_t err;
     json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &err);
+    if (!root && err.line < 1) return fu_errorf(FU_ERR_IO, "%s", err.text); /* names the file */
     if (!root) return fu_errorf(FU_ERR_FORMAT, "%s:%d: %s", path, err.line, err.text);
     int rc = json_is_object(root) ? apply_object(opts, root)
                                   : fu_errorf(FU_ERR_FORMAT, "the config must be a JSON object");
@@ -360,6 +376,7 @@ int fu_opt_parse(const fu_opt *opts, int argc, char **argv, int *n_operands) {
 static const char *arg_name(const fu_opt *o, char *buf, size_t n) {
     static const char *const names[] = {
         [FU_OPT_FLAG] = "", [FU_OPT_BOOL] = "true|false", [FU_OPT_STRING] = "S", [FU_OPT_PATH] = "FILE",
+        [FU_OPT_FILE_TEXT] = "FILE",
         [FU_OPT_LIST] = "S", [FU_OPT_INT] = "N", [FU_OPT_FLOAT] = "X", [FU_OPT_SPAN] = "A:B",
         [FU_OPT_CALL] = "VALUE", [FU_OPT_CONFIG] = "FILE"};
     if (o->arg) return o->arg;
@@ -434,7 +451,7 @@ int fu_opt_main(const fu_opt_spec *spec, int argc, char **argv, int *n_operands)
 
 void fu_opt_free(const fu_opt *opts) {
     for (const fu_opt *o = opts; o->name; o++) {
-        if (o->kind == FU_OPT_STRING || o->kind == FU_OPT_PATH) {
+        if (o->kind == FU_OPT_STRING || o->kind == FU_OPT_PATH || o->kind == FU_OPT_FILE_TEXT) {
             char **s = o->dest;
             free(*s);
             *s = NULL;

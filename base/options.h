@@ -11,11 +11,11 @@
  * "comment" document a file and are skipped. -h and --help are implicit.
  *
  * Threading: no state of its own; a table and its destinations are used by one thread at a time.
- * Ownership: the table owns what it stores. A FU_OPT_STRING or FU_OPT_PATH destination is a
- * `char *` that is NULL or malloc'd: a new value frees the old one; a FU_OPT_LIST holds malloc'd
- * copies; fu_opt_free() frees them all. Defaults given as text (fu_opt.def) are stored the same
- * way. Errors are status codes (status.h) with fu_last_error() naming the option and the value;
- * nothing here exits.
+ * Ownership: the table owns what it stores. A FU_OPT_STRING, FU_OPT_PATH or FU_OPT_FILE_TEXT
+ * destination is a `char *` that is NULL or malloc'd: a new value frees the old one; a
+ * FU_OPT_LIST holds malloc'd copies; fu_opt_free() frees them all. Defaults given as text
+ * (fu_opt.def) are stored the same way. Errors are status codes (status.h) with fu_last_error()
+ * naming the option and the value; nothing here exits.
  */
 #ifndef FU_OPTIONS_H
 #define FU_OPTIONS_H
@@ -28,6 +28,8 @@ typedef enum fu_opt_kind {
     FU_OPT_BOOL,   /* bool or int: a value true|false (also 1|0, yes|no, on|off) */
     FU_OPT_STRING, /* char *: a copy of the value */
     FU_OPT_PATH,   /* char *: a copy, a leading "~/" made "$HOME/" */
+    FU_OPT_FILE_TEXT, /* char *: the text of the file named (4 KiB at most), trailing newlines
+                         and spaces dropped: a secret kept out of argv */
     FU_OPT_LIST,   /* fu_opt_list: repeatable, each value appended; a config array gives several */
     FU_OPT_INT,    /* a 4- or 8-byte integer (int, long, size_t, uint64_t) in [lo, hi]; lo = hi = 0:
                       any the destination holds (unsigned destinations need lo >= 0) */
@@ -103,10 +105,10 @@ int fu_opt_set(const fu_opt *opts, const char *name, const char *value);
 
 /* Loads a JSON config file: an object whose keys are option names. Strings, integers,
  * numbers (FU_OPT_FLOAT) and booleans (flags) apply as on the command line; arrays apply each
- * element to a FU_OPT_LIST or FU_OPT_REPEAT option; null is skipped. Returns FU_OK,
- * FU_ERR_FORMAT (not JSON, not an object: "path:line: ..."), FU_ERR_INVALID (an unknown
- * key, a value of the wrong type or out of range: "path: key: ..."), or a callback's status.
- * Keys before a bad one are applied. */
+ * element to a FU_OPT_LIST or FU_OPT_REPEAT option; null is skipped. Returns FU_OK;
+ * FU_ERR_IO (the file cannot be opened); FU_ERR_FORMAT (not JSON, or not an object:
+ * "path:line: ..."); FU_ERR_INVALID (an unknown key, a value of the wrong type or a bad value:
+ * "path: key: ..."); or a callback's status. Keys before a bad one are applied. */
 int fu_opt_load(const fu_opt *opts, const char *path);
 
 /* Parses argv[1..argc): fu_opt_defaults(), then every --config file in order, then the other
@@ -129,8 +131,7 @@ int fu_opt_main(const fu_opt_spec *spec, int argc, char **argv, int *n_operands)
 /* Writes "PROG: message" and the help to stderr; returns 2, a usage error's exit status. */
 int fu_opt_fail(const fu_opt_spec *spec, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
-/* Frees what the table's FU_OPT_STRING, FU_OPT_PATH and FU_OPT_LIST destinations hold and
- * zeroes them. */
+/* Frees what the table's string and list destinations hold and zeroes them. */
 void fu_opt_free(const fu_opt *opts);
 
 /* Splits "PREFIX:A:B" (PREFIX non-empty, itself perhaps holding colons, e.g. "[::1]:7001")

@@ -15,47 +15,6 @@
 #include "status.h"
 #include "tokenizer.h"
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: fusion-gateway --model PATH|ORG/NAME (--hop HOST:PORT:FIRST:LAST ... | --shard HOST:PORT ...) [options]\n"
-            "  --config FILE             JSON config (keys as the long options; see config/gateway.example.json)\n"
-            "  --model PATH|REPO         model for the tokenizer, chat template and context length\n"
-            "  --model-name NAME         id served in /v1/models (default: the model file's name)\n"
-            "  --listen HOST:PORT        (default 127.0.0.1:8080; port 0 picks one)\n"
-            "  --port-file F             write the bound port to F once serving\n"
-            "  --hop HOST:PORT:A:B       a shard serving blocks [A, B); in chain order (a static chain)\n"
-            "  --shard HOST:PORT         a swarm member (repeatable; spans may overlap): each request is\n"
-            "                            routed over the live shards, with failover; GET /v1/swarm\n"
-            "  --swarm-listen HOST:PORT  host fusion.Swarm: shards started with --join register and heartbeat\n"
-            "                            here; the gateway assigns spans, keeps spares, GET /v1/swarm\n"
-            "  --swarm-tls-cert F --swarm-tls-key F   its TLS (default: the HTTPS pair; --insecure: loopback)\n"
-            "  --swarm-port-file F       write the membership service's bound port to F\n"
-            "  --spares N                spares kept waiting once every block is covered (default 1)\n"
-            "  --min-gain-percent P      a surplus spare serves if that raises the max flow by P%% (default 5)\n"
-            "  --rebalance-interval-ms N least time between two moves of serving members (default 30000;\n"
-            "                            0: never move one)\n"
-            "  --heartbeat-ms N --heartbeat-timeout-ms N   member heartbeats (default 500 / 3000)\n"
-            "  --route-wait-ms N         wait for a spare loading an uncovered span (default 5000)\n"
-            "  --measure-links true|false --measure-interval-ms N   RTT/bandwidth probes (true, 5000)\n"
-            "  --link FROM,TO,BW,LAT     given link figures (bytes/s, s; FROM/TO: HOST:PORT or gateway)\n"
-            "  --secret S | --secret-file F   swarm secret (or env FUSION_SECRET)\n"
-            "  --insecure | --tls-ca F   plaintext to loopback shards, or the shards' CA\n"
-            "  --forward                 server-to-server forwarding along the chain\n"
-            "  --api-key K               accepted API key (repeatable; env FUSION_API_KEY, comma-separated)\n"
-            "  --api-key-file F          API keys, one per line (env FUSION_API_KEY_FILE)\n"
-            "  --https-cert F --https-key F   serve HTTPS\n"
-            "  --workers N               concurrent generations (default 32)\n"
-            "  --max-queue N             waiting generations before 429 (default 64)\n"
-            "  --max-body-bytes N        request body limit (default 8 MiB)\n"
-            "  --connection-timeout-s N  idle connection timeout (default 30)\n"
-            "  --max-connections N       (default 1024)\n"
-            "  --default-max-tokens N    max_tokens when a request gives none (default 512)\n"
-            "  --step-timeout-ms N       per chain step (default 60000)\n"
-            "  --max-n N --max-choices N --max-prompts N --max-stop N --max-stop-bytes N\n"
-            "  --max-logit-bias N --max-top-logprobs N --max-messages N   request limits\n"
-            "  --log-level debug|info|warn|error\n");
-}
-
 static volatile sig_atomic_t stop_flag;
 
 /* Loads the tokenizer: the GGUF metadata, or tokenizer.json in the model directory. */
@@ -87,68 +46,8 @@ int main(int argc, char **argv) {
     gw_server *server = NULL;
     char *name = NULL;
 
-    /* the config file first, so that flags override it */
-    for (int i = 1; i + 1 < argc; i++)
-        if (!strcmp(argv[i], "--config") && gw_config_load(&cfg, argv[i + 1])) {
-            fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
-            goto done;
-        }
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            status = 0;
-            goto done;
-        }
-        if (strncmp(a, "--", 2)) goto bad;
-        a += 2;
-        char key[64];
-        const char *val = NULL;
-        const char *eq = strchr(a, '=');
-        size_t kl = eq ? (size_t)(eq - a) : strlen(a);
-        if (kl >= sizeof key) goto bad;
-        memcpy(key, a, kl);
-        key[kl] = '\0';
-        if (eq) val = eq + 1;
-        else if (!strcmp(key, "insecure") || !strcmp(key, "forward")) val = "true";
-        else if (i + 1 < argc) val = argv[++i];
-        else goto bad;
-        if (!strcmp(key, "config")) continue;
-        if (!strcmp(key, "log-level")) {
-            int lv = fu_log_level_parse(val);
-            if (lv < 0) goto bad;
-            fu_log_set_level((fu_log_level)lv);
-            continue;
-        }
-        if (gw_config_set(&cfg, key, val)) {
-            fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
-            usage(stderr);
-            status = 2;
-            goto done;
-        }
-    }
-    const char *env;
-    if (!cfg.secret && (env = getenv("FUSION_SECRET"))) gw_config_set(&cfg, "secret", env);
-    if ((env = getenv("FUSION_API_KEY_FILE")) && gw_config_load_keys(&cfg, env)) {
-        fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
-        goto done;
-    }
-    if ((env = getenv("FUSION_API_KEY"))) {
-        char *copy = strdup(env);
-        for (char *k = copy; k && *k;) {
-            char *comma = strchr(k, ',');
-            if (comma) *comma = '\0';
-            if (*k) gw_config_set(&cfg, "api-key", k);
-            k = comma ? comma + 1 : NULL;
-        }
-        free(copy);
-    }
-    if (gw_config_check(&cfg)) {
-        fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
-        usage(stderr);
-        status = 2;
-        goto done;
-    }
+    if ((status = gw_config_args(&cfg, argc, argv)) >= 0) goto done;
+    status = 1;
     if (cfg.n_api_keys == 0) FU_WARN("no API keys configured: every client is accepted");
 
     hub_options ho;
@@ -216,8 +115,4 @@ done:
     free(name);
     gw_config_free(&cfg);
     return status;
-bad:
-    usage(stderr);
-    gw_config_free(&cfg);
-    return 2;
 }

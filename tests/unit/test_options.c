@@ -19,7 +19,7 @@ typedef struct args {
     bool verbose, head;
     int json;
     bool measure;
-    char *model, *listen;
+    char *model, *listen, *secret;
     fu_opt_list files;
     int workers;
     long budget;
@@ -45,7 +45,7 @@ static int on_hop(void *ctx, const char *v) {
 }
 
 /* The table over a; t has room for it and its end. */
-static void table(args *a, fu_opt t[20]) {
+static void table(args *a, fu_opt t[24]) {
     const fu_opt opts[] = {
         {"config", 0, FU_OPT_CONFIG, .help = "JSON config"},
         {"verbose", 'v', FU_OPT_FLAG, FU_OPT_TO(a->verbose), .help = "say more"},
@@ -55,6 +55,7 @@ static void table(args *a, fu_opt t[20]) {
         {"model", 'm', FU_OPT_PATH, FU_OPT_TO(a->model), .arg = "PATH", .help = "the model\nas a path"},
         {"listen", 0, FU_OPT_STRING, FU_OPT_TO(a->listen), .arg = "HOST:PORT", .def = "127.0.0.1:7001",
          .help = "address", .flags = FU_OPT_NOFILE},
+        {"secret-file", 0, FU_OPT_FILE_TEXT, FU_OPT_TO(a->secret), .help = "the secret"},
         {"file", 0, FU_OPT_LIST, FU_OPT_TO(a->files), .help = "a file (repeatable)", .alias = "files"},
         {"workers", 'w', FU_OPT_INT, FU_OPT_TO(a->workers), .def = "32", .lo = 1, .hi = 4096,
          .help = "threads"},
@@ -69,12 +70,12 @@ static void table(args *a, fu_opt t[20]) {
          .alias = "hops|chain", .flags = FU_OPT_REPEAT},
         FU_OPT_END,
     };
-    _Static_assert(sizeof opts / sizeof *opts <= 20, "room for the table");
+    _Static_assert(sizeof opts / sizeof *opts <= 24, "room for the table");
     memcpy(t, opts, sizeof opts);
 }
 
 /* A fresh args and its table. */
-static void setup_args(args *a, fu_opt t[20]) {
+static void setup_args(args *a, fu_opt t[24]) {
     memset(a, 0, sizeof *a);
     table(a, t);
 }
@@ -105,7 +106,7 @@ static const char *temp_file(const char *text) {
 
 static void test_defaults_and_flags(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     char *argv[32];
     assert_int_equal(parse(t, NULL, argv, NULL), FU_OK);
@@ -148,11 +149,12 @@ static void test_defaults_and_flags(void **state) {
     fu_opt_free(t);
     assert_null(a.model);
     assert_null(a.listen);
+    assert_null(a.secret);
 }
 
 static void test_lists_paths_calls(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     char *argv[32];
     setenv("HOME", "/home/u", 1);
@@ -165,6 +167,14 @@ static void test_lists_paths_calls(void **state) {
     assert_string_equal(a.model, "/home/u/m.gguf");
     assert_int_equal(a.calls, 2);
     assert_string_equal(a.last_call, "h2");
+    /* a file's text, its trailing newlines dropped; a missing file */
+    const char *path = temp_file("s3cret \r\n\n");
+    assert_int_equal(parse(t, NULL, argv, "--secret-file", path, NULL), FU_OK);
+    assert_string_equal(a.secret, "s3cret");
+    unlink(path);
+    assert_int_equal(parse(t, NULL, argv, "--secret-file", "/nonexistent/s", NULL), FU_ERR_IO);
+    assert_string_equal(fu_last_error(), "--secret-file: /nonexistent/s: No such file or directory");
+    assert_string_equal(a.secret, "s3cret");
     /* a string keeps "~/" */
     assert_int_equal(fu_opt_set(t, "listen", "~/x"), FU_OK);
     assert_string_equal(a.listen, "~/x");
@@ -172,13 +182,14 @@ static void test_lists_paths_calls(void **state) {
     assert_int_equal(parse(t, NULL, argv, "--hop", "bad", NULL), FU_ERR_INVALID);
     assert_string_equal(fu_last_error(), "--hop: no good");
     fu_opt_free(t);
+    assert_null(a.secret);
     assert_int_equal(a.files.n, 0);
     assert_null(a.files.items);
 }
 
 static void test_operands(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     char *argv[32];
     int n = -1;
@@ -197,7 +208,7 @@ static void test_operands(void **state) {
 
 static void test_errors(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     char *argv[32];
     static const struct {
@@ -222,7 +233,7 @@ static void test_errors(void **state) {
         {{"--blocks", "5:5"}, "--blocks: the span '5:5' is empty"},
         {{"--blocks", "5:101"}, "--blocks: expected A:B with 0 <= A <= B <= 100, got '5:101'"},
         {{"--blocks", "7"}, "--blocks: expected A:B with 0 <= A <= B <= 100, got '7'"},
-        {{"--config", "/nonexistent/x.json"}, "/nonexistent/x.json:"},
+        {{"--config", "/nonexistent/x.json"}, "unable to open /nonexistent/x.json"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         const char *const *c = cases[i].args;
@@ -241,7 +252,7 @@ static void test_errors(void **state) {
 
 static void test_help_asked(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     char *argv[32];
     /* --help wins over what follows and applies nothing, the config files included */
@@ -257,7 +268,7 @@ static void test_help_asked(void **state) {
 
 static void test_config_file(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     char *argv[32];
     const char *path = temp_file("{\"_comment\": \"x\", \"comment\": \"y\", \"workers\": 4, \"kv\": \"f16\","
@@ -295,7 +306,7 @@ static void test_config_file(void **state) {
 
 static void test_config_errors(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     static const struct {
         const char *text;
@@ -325,6 +336,7 @@ static void test_config_errors(void **state) {
             fail_msg("case %zu: %d '%s'", i, rc, fu_last_error());
         unlink(path);
     }
+    assert_int_equal(fu_opt_load(t, "/nonexistent/x.json"), FU_ERR_IO);
     /* a bad file named on the command line stops the parse before the flags apply */
     char *argv[8];
     const char *path = temp_file("{\"workers\": \"x\"}");
@@ -348,7 +360,7 @@ static char *help_text(const fu_opt *t, const char *epilog) {
 
 static void test_help_text(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     char *text = help_text(t, "More words.\n");
     static const char *const lines[] = {
@@ -382,7 +394,7 @@ static void test_help_text(void **state) {
 
 static void test_main_and_fail(void **state) {
     args a;
-    fu_opt t[20];
+    fu_opt t[24];
     setup_args(&a, t);
     fu_opt_spec spec = {"prog", "usage: prog [options]", t, NULL};
     char *argv[8];
