@@ -50,12 +50,6 @@ static int parse_type(void *ctx, const char *s) {
     return fu_errorf(FU_ERR_INVALID, "no weight type '%s'", s);
 }
 
-static const fu_opt_choice isa_choices[] = {{"auto", OP_CPU_ISA_AUTO},
-                                            {"portable", OP_CPU_ISA_PORTABLE},
-                                            {"avx2", OP_CPU_ISA_AVX2},
-                                            {"avx512", OP_CPU_ISA_AVX512},
-                                            {NULL, 0}};
-static const fu_opt_choice kv_choices[] = {{"f32", OP_TYPE_F32}, {"f16", OP_TYPE_F16}, {NULL, 0}};
 
 static const fu_opt bench_options[] = {
     {"model", 'm', FU_OPT_STRING, FU_OPT_TO(args.model), "PATH", "a model file or directory"},
@@ -66,12 +60,13 @@ static const fu_opt bench_options[] = {
     {"device", 'D', FU_OPT_STRING, FU_OPT_TO(args.device), "cpu|cuda|cuda:N",
      "the bandwidth bound is for the CPU only", .def = "cpu"},
     {"threads", 't', FU_OPT_INT, FU_OPT_TO(args.threads), .help = "(default: all CPUs)", .lo = 0, .hi = INT32_MAX},
-    {"isa", 'i', FU_OPT_CHOICE, FU_OPT_TO(args.isa), .help = "CPU kernels", .def = "auto", .choices = isa_choices},
+    {"isa", 'i', FU_OPT_CHOICE, FU_OPT_TO(args.isa), .help = "CPU kernels", .def = "auto",
+     .choices = op_cpu_isa_choices},
     {"prompt", 'p', FU_OPT_INT, FU_OPT_TO(args.n_prompt), .help = "prefill tokens", .def = "128", .lo = 1,
      .hi = INT32_MAX},
     {"decode", 'n', FU_OPT_INT, FU_OPT_TO(args.n_decode), .help = "decode steps", .def = "32", .lo = 2,
      .hi = INT32_MAX},
-    {"kv", 'k', FU_OPT_CHOICE, FU_OPT_TO(args.kv_type), .def = "f32", .choices = kv_choices,
+    {"kv", 'k', FU_OPT_CHOICE, FU_OPT_TO(args.kv_type), .def = "f32", .choices = op_kv_type_choices,
      .help = "KV cache type, as in fusion-generate and fusion-shard"},
     {"no-head", 'H', FU_OPT_FLAG, FU_OPT_TO(args.no_head), .help = "leave out the LM head (span-only figures)"},
     {"blocks", 'b', FU_OPT_SPAN, FU_OPT_TO(args.span),

@@ -30,7 +30,7 @@ typedef struct shard_args {
     char *tls_cert, *tls_key, *tls_ca;
     bool insecure;
     long kv_budget_mib;
-    int kv_f16;
+    int kv_type;     /* op_type: OP_TYPE_F32 or OP_TYPE_F16 */
     int max_batch;
     int threads;
     int idle_timeout_ms;
@@ -42,8 +42,6 @@ typedef struct shard_args {
 } shard_args;
 
 static shard_args args = {.span = {-1, -1}, .embed = -1, .head = -1};
-
-static const fu_opt_choice kv_types[] = {{"f32", 0}, {"f16", 1}, {NULL, 0}};
 
 static const fu_opt shard_options[] = {
     {"config", 0, FU_OPT_CONFIG, .help = "JSON config (keys as the long options, e.g. \"kv_budget_mib\";\n"
@@ -70,7 +68,8 @@ static const fu_opt shard_options[] = {
     {"no-head", 0, FU_OPT_FLAG, FU_OPT_TO(args.head), .help = "leave the head out", .flags = FU_OPT_NEGATE},
     {"kv-budget-mib", 0, FU_OPT_INT, FU_OPT_TO(args.kv_budget_mib), .help = "KV cache memory for all sessions",
      .def = "1024", .lo = 1, .hi = 1L << 24},
-    {"kv", 0, FU_OPT_CHOICE, FU_OPT_TO(args.kv_f16), .help = "KV cache type", .def = "f32", .choices = kv_types},
+    {"kv", 0, FU_OPT_CHOICE, FU_OPT_TO(args.kv_type), .help = "KV cache type", .def = "f32",
+     .choices = op_kv_type_choices},
     {"max-batch", 0, FU_OPT_INT, FU_OPT_TO(args.max_batch), .help = "tokens per batched forward", .def = "512",
      .lo = 1, .hi = 1 << 16},
     {"device", 0, FU_OPT_STRING, FU_OPT_TO(args.device), "cpu|cuda|cuda:N", "where the span runs", .def = "cpu"},
@@ -111,7 +110,7 @@ typedef struct shard_span {
     char name[128], dtype[16], device[300];
     uint64_t kv_budget;
     int max_batch;
-    bool kv_f16;
+    op_type kv_type;     /* OP_TYPE_F32 or OP_TYPE_F16 */
     double block_tps;    /* measured with one block */
     mdl_model *m;        /* NULL while a spare */
     shard_core *core;
@@ -132,7 +131,7 @@ static int shard_span_open(shard_span *sp, int first, int last, int embed, int h
     mdl_model *m = NULL;
     shard_core *core = NULL;
     int rc = mdl_open(sp->path, &mo, &m);
-    shard_core_options so = {sp->kv_budget, sp->max_batch, sp->kv_f16 ? OP_TYPE_F16 : OP_TYPE_F32};
+    shard_core_options so = {sp->kv_budget, sp->max_batch, sp->kv_type};
     if (!rc) rc = shard_core_new(m, sp->be, &so, &core);
     if (rc) {
         mdl_free(m);
@@ -279,7 +278,7 @@ static int shard_span_init(shard_span *sp, const shard_args *a) {
     hub_options_init(&ho);
     sp->kv_budget = (uint64_t)a->kv_budget_mib << 20;
     sp->max_batch = a->max_batch;
-    sp->kv_f16 = a->kv_f16 != 0;
+    sp->kv_type = (op_type)a->kv_type;
     sp->drain_ms = a->drain_ms;
     int rc = hub_resolve(a->model, &ho, &sp->path);
     if (!rc) rc = op_backend_open(a->device, a->threads, OP_CPU_ISA_AUTO, &sp->be, sp->device, sizeof sp->device);

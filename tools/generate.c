@@ -43,12 +43,6 @@ typedef struct gen_args {
 
 static gen_args args;
 
-static const fu_opt_choice isa_choices[] = {{"auto", OP_CPU_ISA_AUTO},
-                                            {"portable", OP_CPU_ISA_PORTABLE},
-                                            {"avx2", OP_CPU_ISA_AVX2},
-                                            {"avx512", OP_CPU_ISA_AVX512},
-                                            {NULL, 0}};
-static const fu_opt_choice kv_choices[] = {{"f32", OP_TYPE_F32}, {"f16", OP_TYPE_F16}, {NULL, 0}};
 
 static const fu_opt gen_options[] = {
     {"model", 'm', FU_OPT_STRING, FU_OPT_TO(args.model), "PATH|REPO", "a local model or a hub repo id"},
@@ -63,14 +57,16 @@ static const fu_opt gen_options[] = {
     {"top-p", 'p', FU_OPT_FLOAT, FU_OPT_TO(args.sp.top_p), "P", "1: off"},
     {"min-p", 'M', FU_OPT_FLOAT, FU_OPT_TO(args.sp.min_p), "P", "0: off"},
     {"seed", 's', FU_OPT_INT, FU_OPT_TO(args.sp.seed), "S", "sampling seed", .lo = 0, .hi = LONG_MAX},
-    {"ignore-eos", 'E', FU_OPT_FLAG, FU_OPT_TO(args.ignore_eos), .help = "keep going past end-of-generation tokens"},
+    {"ignore-eos", 'E', FU_OPT_FLAG, FU_OPT_TO(args.ignore_eos),
+     .help = "keep going past end-of-generation tokens"},
     {"device", 'D', FU_OPT_STRING, FU_OPT_TO(args.device), "cpu|cuda|cuda:N", "where the model runs",
      .def = "cpu"},
     {"threads", 'T', FU_OPT_INT, FU_OPT_TO(args.threads), .help = "CPU threads (default: all)", .lo = 0,
      .hi = 1024},
-    {"isa", 'I', FU_OPT_CHOICE, FU_OPT_TO(args.isa), .help = "CPU kernels", .def = "auto", .choices = isa_choices},
+    {"isa", 'I', FU_OPT_CHOICE, FU_OPT_TO(args.isa), .help = "CPU kernels", .def = "auto",
+     .choices = op_cpu_isa_choices},
     {"kv", 'K', FU_OPT_CHOICE, FU_OPT_TO(args.kv_type), .help = "KV cache type", .def = "f32",
-     .choices = kv_choices},
+     .choices = op_kv_type_choices},
     {"batch", 'b', FU_OPT_INT, FU_OPT_TO(args.batch), .help = "tokens per forward chunk (default 256)", .lo = 1,
      .hi = 1 << 16},
     {"recompute", 'r', FU_OPT_FLAG, FU_OPT_TO(args.recompute),
