@@ -74,10 +74,25 @@ static void table(args *a, fu_opt t[24]) {
     memcpy(t, opts, sizeof opts);
 }
 
-/* A fresh args and its table. */
-static void setup_args(args *a, fu_opt t[24]) {
-    memset(a, 0, sizeof *a);
-    table(a, t);
+/* A test's arguments and the table over them: the cmocka state. */
+typedef struct fixture {
+    args a;
+    fu_opt t[24];
+} fixture;
+
+static int fixture_setup(void **state) {
+    fixture *f = calloc(1, sizeof *f);
+    if (!f) return -1;
+    table(&f->a, f->t);
+    *state = f;
+    return 0;
+}
+
+static int fixture_teardown(void **state) {
+    fixture *f = *state;
+    fu_opt_free(f->t);
+    free(f);
+    return 0;
 }
 
 /* fu_opt_parse over a NULL-terminated list of arguments (argv[0] added). */
@@ -105,17 +120,17 @@ static const char *temp_file(const char *text) {
 }
 
 static void test_defaults_and_flags(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    fixture *f = *state;
+    args *a = &f->a;
+    const fu_opt *t = f->t;
     char *argv[32];
     assert_int_equal(parse(t, NULL, argv, NULL), FU_OK);
-    assert_int_equal(a.workers, 32);
-    assert_true(a.measure);
-    assert_string_equal(a.listen, "127.0.0.1:7001");
-    assert_int_equal(a.kv, 32);
-    assert_false(a.verbose);
-    assert_null(a.model);
+    assert_int_equal(a->workers, 32);
+    assert_true(a->measure);
+    assert_string_equal(a->listen, "127.0.0.1:7001");
+    assert_int_equal(a->kv, 32);
+    assert_false(a->verbose);
+    assert_null(a->model);
 
     /* both forms, short names, attached short values, flags alone and with a value, '_' for '-' */
     assert_int_equal(parse(t, NULL, argv, "--workers", "8", "--kv=f16", "-v", "--json=false", "-m", "/m",
@@ -123,74 +138,74 @@ static void test_defaults_and_flags(void **state) {
                            "-t", "0.5", "--latency", "0.02", "--blocks", "0:15", "--max-body-bytes", "4096",
                            "--listen=[::1]:0", NULL),
                      FU_OK);
-    assert_int_equal(a.workers, 12);
-    assert_int_equal(a.kv, 16);
-    assert_true(a.verbose);
-    assert_int_equal(a.json, 0);
-    assert_string_equal(a.model, "/m");
-    assert_false(a.head);
-    assert_false(a.measure);
-    assert_int_equal(a.budget, 64);
-    assert_int_equal(a.seed, 7);
-    assert_true(a.temperature == 0.5f);
-    assert_true(a.latency == 0.02);
-    assert_int_equal(a.span[0], 0);
-    assert_int_equal(a.span[1], 15);
-    assert_int_equal(a.body, 4096);
-    assert_string_equal(a.listen, "[::1]:0");
+    assert_int_equal(a->workers, 12);
+    assert_int_equal(a->kv, 16);
+    assert_true(a->verbose);
+    assert_int_equal(a->json, 0);
+    assert_string_equal(a->model, "/m");
+    assert_false(a->head);
+    assert_false(a->measure);
+    assert_int_equal(a->budget, 64);
+    assert_int_equal(a->seed, 7);
+    assert_true(a->temperature == 0.5f);
+    assert_true(a->latency == 0.02);
+    assert_int_equal(a->span[0], 0);
+    assert_int_equal(a->span[1], 15);
+    assert_int_equal(a->body, 4096);
+    assert_string_equal(a->listen, "[::1]:0");
 
     /* wide ranges reach the 8-byte destinations */
     assert_int_equal(parse(t, NULL, argv, "--kv-budget-mib", "1099511627776", "--seed", "9223372036854775807",
                            "-j", NULL),
                      FU_OK);
-    assert_int_equal(a.budget, 1L << 40);
-    assert_true(a.seed == (uint64_t)INT64_MAX);
-    assert_int_equal(a.json, 1);
+    assert_int_equal(a->budget, 1L << 40);
+    assert_true(a->seed == (uint64_t)INT64_MAX);
+    assert_int_equal(a->json, 1);
     fu_opt_free(t);
-    assert_null(a.model);
-    assert_null(a.listen);
-    assert_null(a.secret);
+    assert_null(a->model);
+    assert_null(a->listen);
+    assert_null(a->secret);
 }
 
 static void test_lists_paths_calls(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    fixture *f = *state;
+    args *a = &f->a;
+    const fu_opt *t = f->t;
     char *argv[32];
     setenv("HOME", "/home/u", 1);
     assert_int_equal(parse(t, NULL, argv, "--file", "a", "--files=b", "--model", "~/m.gguf", "--hop", "h1",
                            "--chain", "h2", NULL),
                      FU_OK);
-    assert_int_equal(a.files.n, 2);
-    assert_string_equal(a.files.items[0], "a");
-    assert_string_equal(a.files.items[1], "b");
-    assert_string_equal(a.model, "/home/u/m.gguf");
-    assert_int_equal(a.calls, 2);
-    assert_string_equal(a.last_call, "h2");
+    assert_int_equal(a->files.n, 2);
+    assert_string_equal(a->files.items[0], "a");
+    assert_string_equal(a->files.items[1], "b");
+    assert_string_equal(a->model, "/home/u/m.gguf");
+    assert_int_equal(a->calls, 2);
+    assert_string_equal(a->last_call, "h2");
     /* a file's text, its trailing newlines dropped; a missing file */
     const char *path = temp_file("s3cret \r\n\n");
     assert_int_equal(parse(t, NULL, argv, "--secret-file", path, NULL), FU_OK);
-    assert_string_equal(a.secret, "s3cret");
+    assert_string_equal(a->secret, "s3cret");
     unlink(path);
     assert_int_equal(parse(t, NULL, argv, "--secret-file", "/nonexistent/s", NULL), FU_ERR_IO);
     assert_string_equal(fu_last_error(), "--secret-file: /nonexistent/s: No such file or directory");
-    assert_string_equal(a.secret, "s3cret");
+    assert_string_equal(a->secret, "s3cret");
     /* a string keeps "~/" */
     assert_int_equal(fu_opt_set(t, "listen", "~/x"), FU_OK);
-    assert_string_equal(a.listen, "~/x");
+    assert_string_equal(a->listen, "~/x");
     /* a callback's error is labelled with the option */
     assert_int_equal(parse(t, NULL, argv, "--hop", "bad", NULL), FU_ERR_INVALID);
     assert_string_equal(fu_last_error(), "--hop: no good");
     fu_opt_free(t);
-    assert_null(a.secret);
-    assert_int_equal(a.files.n, 0);
-    assert_null(a.files.items);
+    assert_null(a->secret);
+    assert_int_equal(a->files.n, 0);
+    assert_null(a->files.items);
 }
 
 static void test_operands(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    fixture *f = *state;
+    args *a = &f->a;
+    const fu_opt *t = f->t;
     char *argv[32];
     int n = -1;
     assert_int_equal(parse(t, &n, argv, "repo", "-v", "--", "--json", "-", NULL), FU_OK);
@@ -198,18 +213,15 @@ static void test_operands(void **state) {
     assert_string_equal(argv[1], "repo");
     assert_string_equal(argv[2], "--json");
     assert_string_equal(argv[3], "-");
-    assert_true(a.verbose);
-    assert_int_equal(a.json, 0);
+    assert_true(a->verbose);
+    assert_int_equal(a->json, 0);
     /* without room for operands, one is an error */
     assert_int_equal(parse(t, NULL, argv, "-v", "repo", NULL), FU_ERR_INVALID);
     assert_non_null(strstr(fu_last_error(), "unexpected argument 'repo'"));
-    fu_opt_free(t);
 }
 
 static void test_errors(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    const fu_opt *t = ((fixture *)*state)->t;
     char *argv[32];
     static const struct {
         const char *args[3];
@@ -247,29 +259,27 @@ static void test_errors(void **state) {
     assert_string_equal(fu_last_error(), "unknown option 'no-such-option'");
     assert_int_equal(fu_opt_set(t, "workers", "0"), FU_ERR_INVALID);
     assert_string_equal(fu_last_error(), "workers: expected an integer in [1, 4096], got '0'");
-    fu_opt_free(t);
 }
 
 static void test_help_asked(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    fixture *f = *state;
+    args *a = &f->a;
+    const fu_opt *t = f->t;
     char *argv[32];
     /* --help wins over what follows and applies nothing, the config files included */
     assert_int_equal(parse(t, NULL, argv, "--workers", "7", "--help", "--nope", NULL), FU_OPT_HELP_ASKED);
     assert_int_equal(parse(t, NULL, argv, "--config", "/nonexistent", "-h", NULL), FU_OPT_HELP_ASKED);
-    assert_int_equal(a.workers, 0);
+    assert_int_equal(a->workers, 0);
     /* after "--" it is an operand */
     int n;
     assert_int_equal(parse(t, &n, argv, "--", "--help", NULL), FU_OK);
     assert_int_equal(n, 1);
-    fu_opt_free(t);
 }
 
 static void test_config_file(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    fixture *f = *state;
+    args *a = &f->a;
+    const fu_opt *t = f->t;
     char *argv[32];
     const char *path = temp_file("{\"_comment\": \"x\", \"comment\": \"y\", \"workers\": 4, \"kv\": \"f16\","
                                  " \"model\": \"/file.gguf\", \"verbose\": true, \"measure\": \"no\","
@@ -278,36 +288,35 @@ static void test_config_file(void **state) {
                                  " \"seed\": null, \"blocks\": \"2:9\", \"json\": 1}");
     /* the file first, then the flags, wherever --config stands */
     assert_int_equal(parse(t, NULL, argv, "--workers", "9", "--file", "f3", "--config", path, NULL), FU_OK);
-    assert_int_equal(a.workers, 9);
-    assert_int_equal(a.kv, 16);
-    assert_string_equal(a.model, "/file.gguf");
-    assert_true(a.verbose);
-    assert_false(a.measure);
-    assert_int_equal(a.files.n, 3);
-    assert_string_equal(a.files.items[2], "f3");
-    assert_int_equal(a.calls, 3);
-    assert_int_equal(a.budget, 12);
-    assert_true(a.latency == 0.25);
-    assert_true(a.temperature == 1.0f);
-    assert_int_equal(a.seed, 0);
-    assert_int_equal(a.span[1], 9);
-    assert_int_equal(a.json, 1);
+    assert_int_equal(a->workers, 9);
+    assert_int_equal(a->kv, 16);
+    assert_string_equal(a->model, "/file.gguf");
+    assert_true(a->verbose);
+    assert_false(a->measure);
+    assert_int_equal(a->files.n, 3);
+    assert_string_equal(a->files.items[2], "f3");
+    assert_int_equal(a->calls, 3);
+    assert_int_equal(a->budget, 12);
+    assert_true(a->latency == 0.25);
+    assert_true(a->temperature == 1.0f);
+    assert_int_equal(a->seed, 0);
+    assert_int_equal(a->span[1], 9);
+    assert_int_equal(a->json, 1);
     unlink(path);
     fu_opt_free(t);
 
     /* fu_opt_load alone, the '-' form of a key */
-    setup_args(&a, t);
+    memset(a, 0, sizeof *a);
     path = temp_file("{\"kv-budget-mib\": 3}");
     assert_int_equal(fu_opt_load(t, path), FU_OK);
-    assert_int_equal(a.budget, 3);
+    assert_int_equal(a->budget, 3);
     unlink(path);
-    fu_opt_free(t);
 }
 
 static void test_config_errors(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    fixture *f = *state;
+    args *a = &f->a;
+    const fu_opt *t = f->t;
     static const struct {
         const char *text;
         int status;
@@ -341,9 +350,8 @@ static void test_config_errors(void **state) {
     char *argv[8];
     const char *path = temp_file("{\"workers\": \"x\"}");
     assert_int_equal(parse(t, NULL, argv, "--json", "--config", path, NULL), FU_ERR_INVALID);
-    assert_int_equal(a.json, 0);
+    assert_int_equal(a->json, 0);
     unlink(path);
-    fu_opt_free(t);
 }
 
 /* fu_opt_help's text for the test table. */
@@ -359,9 +367,9 @@ static char *help_text(const fu_opt *t, const char *epilog) {
 }
 
 static void test_help_text(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    fixture *f = *state;
+    args *a = &f->a;
+    const fu_opt *t = f->t;
     char *text = help_text(t, "More words.\n");
     static const char *const lines[] = {
         "usage: prog [options]\n",
@@ -383,19 +391,18 @@ static void test_help_text(void **state) {
     free(text);
 
     /* an option longer than the column puts its help on the next line */
-    const fu_opt long_one[] = {{"a-very-very-long-option-name", 0, FU_OPT_FLAG, FU_OPT_TO(a.verbose), .help = "x"},
-                               {"b", 0, FU_OPT_FLAG, FU_OPT_TO(a.verbose), .help = "y"},
+    const fu_opt long_one[] = {{"a-very-very-long-option-name", 0, FU_OPT_FLAG, FU_OPT_TO(a->verbose), .help = "x"},
+                               {"b", 0, FU_OPT_FLAG, FU_OPT_TO(a->verbose), .help = "y"},
                                FU_OPT_END};
     text = help_text(long_one, NULL);
     assert_non_null(strstr(text, "  --a-very-very-long-option-name\n              x\n  --b         y\n"));
     free(text);
-    fu_opt_free(t);
 }
 
 static void test_main_and_fail(void **state) {
-    args a;
-    fu_opt t[24];
-    setup_args(&a, t);
+    fixture *f = *state;
+    args *a = &f->a;
+    const fu_opt *t = f->t;
     fu_opt_spec spec = {"prog", "usage: prog [options]", t, NULL};
     char *argv[8];
     static char prog[] = "prog", w[] = "--workers", three[] = "3", bad[] = "--nope";
@@ -403,7 +410,7 @@ static void test_main_and_fail(void **state) {
     argv[1] = w;
     argv[2] = three;
     assert_int_equal(fu_opt_main(&spec, 3, argv, NULL), -1);
-    assert_int_equal(a.workers, 3);
+    assert_int_equal(a->workers, 3);
     argv[1] = bad;
     /* the message and the help go to stderr: here a file */
     fflush(stderr);
@@ -422,7 +429,6 @@ static void test_main_and_fail(void **state) {
     fclose(err);
     assert_memory_equal(text, "prog: unknown option '--nope'\nusage: prog [options]\n", 51);
     assert_non_null(strstr(text, "this text\nprog: no model\nusage: prog [options]\n"));
-    fu_opt_free(t);
 }
 
 static void test_split_span(void **state) {
@@ -446,11 +452,11 @@ static void test_split_span(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_defaults_and_flags), cmocka_unit_test(test_lists_paths_calls),
-        cmocka_unit_test(test_operands),           cmocka_unit_test(test_errors),
-        cmocka_unit_test(test_help_asked),         cmocka_unit_test(test_config_file),
-        cmocka_unit_test(test_config_errors),      cmocka_unit_test(test_help_text),
-        cmocka_unit_test(test_main_and_fail),      cmocka_unit_test(test_split_span),
+#define FIXTURE_TEST(fn) cmocka_unit_test_setup_teardown(fn, fixture_setup, fixture_teardown)
+        FIXTURE_TEST(test_defaults_and_flags), FIXTURE_TEST(test_lists_paths_calls), FIXTURE_TEST(test_operands),
+        FIXTURE_TEST(test_errors),             FIXTURE_TEST(test_help_asked),        FIXTURE_TEST(test_config_file),
+        FIXTURE_TEST(test_config_errors),      FIXTURE_TEST(test_help_text),         FIXTURE_TEST(test_main_and_fail),
+        cmocka_unit_test(test_split_span),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
