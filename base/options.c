@@ -42,9 +42,10 @@ static const fu_opt *find_long(const fu_opt *opts, const char *s, size_t n) {
     return NULL;
 }
 
+/* The entry whose short name is c (not 0), or NULL. */
 static const fu_opt *find_short(const fu_opt *opts, char c) {
     for (const fu_opt *o = opts; o->name; o++)
-        if (o->short_name && o->short_name == c) return o;
+        if (o->short_name == c) return o;
     return NULL;
 }
 
@@ -52,14 +53,16 @@ static const fu_opt *find_short(const fu_opt *opts, char c) {
 
 static int parse_bool(const char *v, bool *out) {
     static const char *const yes[] = {"1", "true", "yes", "on"}, *const no[] = {"0", "false", "no", "off"};
-    for (size_t i = 0; i < sizeof yes / sizeof *yes; i++) {
-        if (!strcmp(v, yes[i])) return *out = true, FU_OK;
-        if (!strcmp(v, no[i])) return *out = false, FU_OK;
-    }
+    for (size_t i = 0; i < sizeof yes / sizeof *yes; i++)
+        if (!strcmp(v, yes[i]) || !strcmp(v, no[i])) {
+            *out = !strcmp(v, yes[i]);
+            return FU_OK;
+        }
     return fu_errorf(FU_ERR_INVALID, "expected true or false, got '%s'", v);
 }
 
-/* Stores x in a 1-, 4- or 8-byte integer destination (bool, int, int64_t, size_t, ...). */
+/* Stores x in the destination: 1 byte is a bool, 4 an int32_t (int, an enum), 8 an int64_t
+ * (long, size_t, uint64_t). */
 static void store_integer(const fu_opt *o, long x) {
     if (o->size == 1) {
         bool b = x != 0;
@@ -350,11 +353,10 @@ static int walk(const fu_opt *opts, int argc, char **argv, int pass, int *n_oper
         arg_read r;
         int rc = read_arg(opts, argc, argv, &i, &operands_only, &r);
         if (rc) return rc;
-        if (!r.opt && r.at >= 0 && !n_operands)
-            return fu_errorf(FU_ERR_INVALID, "unexpected argument '%s'", argv[r.at]);
-        if (!r.opt && r.at >= 0 && pass == PASS_APPLY) argv[++n] = argv[r.at];
-        const bool config = r.opt && r.opt->kind == FU_OPT_CONFIG;
-        if (r.opt && config == (pass == PASS_CONFIG) && pass != PASS_CHECK &&
+        if (r.at < 0) continue; /* "--" */
+        if (!r.opt && !n_operands) return fu_errorf(FU_ERR_INVALID, "unexpected argument '%s'", argv[r.at]);
+        if (!r.opt && pass == PASS_APPLY) argv[++n] = argv[r.at]; /* n < r.at: already read */
+        if (r.opt && pass == (r.opt->kind == FU_OPT_CONFIG ? PASS_CONFIG : PASS_APPLY) &&
             (rc = apply(opts, r.opt, r.value, r.label)))
             return rc;
     }
@@ -375,10 +377,9 @@ int fu_opt_parse(const fu_opt *opts, int argc, char **argv, int *n_operands) {
 /* The value's name in the help ("N", "f32|f16"); "" for a flag. */
 static const char *arg_name(const fu_opt *o, char *buf, size_t n) {
     static const char *const names[] = {
-        [FU_OPT_FLAG] = "", [FU_OPT_BOOL] = "true|false", [FU_OPT_STRING] = "S", [FU_OPT_PATH] = "FILE",
-        [FU_OPT_FILE_TEXT] = "FILE",
-        [FU_OPT_LIST] = "S", [FU_OPT_INT] = "N", [FU_OPT_FLOAT] = "X", [FU_OPT_SPAN] = "A:B",
-        [FU_OPT_CALL] = "VALUE", [FU_OPT_CONFIG] = "FILE"};
+        [FU_OPT_FLAG] = "",     [FU_OPT_BOOL] = "true|false", [FU_OPT_STRING] = "S",  [FU_OPT_PATH] = "FILE",
+        [FU_OPT_FILE_TEXT] = "FILE", [FU_OPT_LIST] = "S",   [FU_OPT_INT] = "N",     [FU_OPT_FLOAT] = "X",
+        [FU_OPT_SPAN] = "A:B",  [FU_OPT_CALL] = "VALUE",      [FU_OPT_CONFIG] = "FILE"};
     if (o->arg) return o->arg;
     if (o->kind != FU_OPT_CHOICE) return names[o->kind];
     choice_names(o->choices, buf, n);
@@ -403,28 +404,39 @@ static void write_indented(FILE *f, const char *text, int indent) {
 
 enum { HELP_MAX_COLUMN = 30 };
 
-void fu_opt_help(FILE *f, const fu_opt_spec *spec) {
+/* Where the help texts start: past the widest option column that stays within
+ * HELP_MAX_COLUMN (a wider one puts its text on the next line). */
+static int help_column(const fu_opt *opts) {
     char left[400];
     int col = (int)strlen("  -h, --help") + 2;
-    for (const fu_opt *o = spec->opts; o->name; o++) {
+    for (const fu_opt *o = opts; o->name; o++) {
         option_column(o, left, sizeof left);
-        if (o->help && (int)strlen(left) + 2 > col && (int)strlen(left) + 2 <= HELP_MAX_COLUMN)
-            col = (int)strlen(left) + 2;
+        int want = (int)strlen(left) + 2;
+        if (o->help && want > col && want <= HELP_MAX_COLUMN) col = want;
     }
+    return col;
+}
+
+/* One option's help: its column, then its text and default from column col. */
+static void help_line(FILE *f, const fu_opt *o, int col) {
+    char left[400];
+    option_column(o, left, sizeof left);
+    int len = (int)strlen(left);
+    fputs(left, f);
+    if (len + 2 > col) fprintf(f, "\n%*s", col, "");
+    else fprintf(f, "%*s", col - len, "");
+    write_indented(f, o->help, col);
+    if (o->def) fprintf(f, " (default %s)", o->def);
+    fputc('\n', f);
+}
+
+void fu_opt_help(FILE *f, const fu_opt_spec *spec) {
+    int col = help_column(spec->opts);
     fprintf(f, "%s\n", spec->usage);
-    for (const fu_opt *o = spec->opts; o->name; o++) {
-        if (!o->help) continue;
-        option_column(o, left, sizeof left);
-        int len = (int)strlen(left);
-        fprintf(f, "%s", left);
-        if (len + 2 > col) fprintf(f, "\n%*s", col, "");
-        else fprintf(f, "%*s", col - len, "");
-        write_indented(f, o->help, col);
-        if (o->def) fprintf(f, " (default %s)", o->def);
-        fputc('\n', f);
-    }
+    for (const fu_opt *o = spec->opts; o->name; o++)
+        if (o->help) help_line(f, o, col);
     fprintf(f, "%-*sthis text\n", col, "  -h, --help");
-    if (spec->epilog) fprintf(f, "%s", spec->epilog);
+    if (spec->epilog) fputs(spec->epilog, f);
 }
 
 int fu_opt_fail(const fu_opt_spec *spec, const char *fmt, ...) {

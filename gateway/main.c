@@ -15,8 +15,6 @@
 #include "status.h"
 #include "tokenizer.h"
 
-static volatile sig_atomic_t stop_flag;
-
 /* Loads the tokenizer: the GGUF metadata, or tokenizer.json in the model directory. */
 static int load_model_info(const char *path, mdl_model **m, tok_tokenizer **tok, tpl_template **tpl) {
     mdl_open_options mo = {.first = 0, .last = 0, .embed = false, .head = false};
@@ -33,86 +31,101 @@ static int load_model_info(const char *path, mdl_model **m, tok_tokenizer **tok,
     return FU_OK;
 }
 
-int main(int argc, char **argv) {
-    gw_config cfg;
-    gw_config_init(&cfg);
-    int status = 1;
-    char *model_path = NULL;
-    mdl_model *m = NULL;
-    tok_tokenizer *tok = NULL;
-    tpl_template *tpl = NULL;
-    gw_metrics *metrics = NULL;
-    gw_engine *engine = NULL;
-    gw_server *server = NULL;
-    char *name = NULL;
+/* The model the gateway serves: gw_model borrows its tokenizer, template and name. */
+typedef struct gw_loaded {
+    char *path;          /* the resolved model path */
+    char *name;          /* the id served in /v1/models */
+    mdl_model *m;        /* the model's metadata (no blocks loaded) */
+    tok_tokenizer *tok;
+    tpl_template *tpl;   /* NULL: no chat template that compiles */
+} gw_loaded;
 
-    if ((status = gw_config_args(&cfg, argc, argv)) >= 0) goto done;
-    status = 1;
-    if (cfg.n_api_keys == 0) FU_WARN("no API keys configured: every client is accepted");
-
+/* Loads cfg->model's metadata and tokenizer, checks that a static chain ends at its last
+ * block, and names it: --model-name, else the file's name without ".gguf". Says why on stderr. */
+static int gw_load(const gw_config *cfg, gw_loaded *l) {
     hub_options ho;
     hub_options_init(&ho);
-    if (hub_resolve(cfg.model, &ho, &model_path) || load_model_info(model_path, &m, &tok, &tpl)) {
-        fprintf(stderr, "fusion-gateway: %s: %s\n", cfg.model, fu_last_error());
-        goto done;
+    if (hub_resolve(cfg->model, &ho, &l->path) || load_model_info(l->path, &l->m, &l->tok, &l->tpl)) {
+        fprintf(stderr, "fusion-gateway: %s: %s\n", cfg->model, fu_last_error());
+        return FU_ERR_INVALID;
     }
-    if (cfg.n_hops && cfg.hops[cfg.n_hops - 1].last != m->cfg.n_layers) {
+    if (cfg->n_hops && cfg->hops[cfg->n_hops - 1].last != l->m->cfg.n_layers) {
         fprintf(stderr, "fusion-gateway: the chain ends at block %d but the model has %d blocks\n",
-                cfg.hops[cfg.n_hops - 1].last, m->cfg.n_layers);
-        goto done;
+                cfg->hops[cfg->n_hops - 1].last, l->m->cfg.n_layers);
+        return FU_ERR_INVALID;
     }
-    if (cfg.model_name) name = strdup(cfg.model_name);
-    else {
-        const char *base = strrchr(model_path, '/');
-        base = base && base[1] ? base + 1 : model_path;
-        name = strdup(base);
-        char *dot = strrchr(name, '.');
-        if (dot && !strcmp(dot, ".gguf")) *dot = '\0';
-    }
-    /* token ids are checked against the model's vocabulary (the LM head's rows) */
-    gw_model model = {tok, tpl, name, m->cfg.vocab_size, m->cfg.max_seq_len, m->cfg.n_layers,
-                      gw_tool_format_detect(tok_chat_template(tok))};
-    cfg.hidden_size = m->cfg.dim; /* what a token costs on the wire between servers */
+    const char *base = strrchr(l->path, '/');
+    base = base && base[1] ? base + 1 : l->path;
+    l->name = strdup(cfg->model_name ? cfg->model_name : base);
+    char *dot = cfg->model_name || !l->name ? NULL : strrchr(l->name, '.');
+    if (dot && !strcmp(dot, ".gguf")) *dot = '\0';
+    return l->name ? FU_OK : fu_errorf(FU_ERR_NOMEM, "name");
+}
 
+static void gw_loaded_free(gw_loaded *l) {
+    tpl_free(l->tpl);
+    tok_free(l->tok);
+    mdl_free(l->m);
+    free(l->path);
+    free(l->name);
+}
+
+/* Writes port to path atomically (path.tmp, then a rename). */
+static int write_port_file(const char *path, int port) {
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f || fprintf(f, "%d\n", port) < 0 || fclose(f) || rename(tmp, path))
+        return fu_errorf(FU_ERR_IO, "cannot write %s", path);
+    return FU_OK;
+}
+
+/* Serves the OpenAI API over the shards until SIGINT or SIGTERM; the exit status. */
+static int serve(gw_config *cfg, const gw_loaded *l) {
+    const mdl_config *mc = &l->m->cfg;
+    /* token ids are checked against the model's vocabulary (the LM head's rows) */
+    gw_model model = {l->tok, l->tpl, l->name, mc->vocab_size, mc->max_seq_len, mc->n_layers,
+                      gw_tool_format_detect(tok_chat_template(l->tok))};
+    cfg->hidden_size = mc->dim; /* what a token costs on the wire between servers */
     signal(SIGPIPE, SIG_IGN);
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, SIGINT);
     sigaddset(&set, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &set, NULL); /* every thread inherits the mask; main waits for them */
-
-    int port = 0;
-    if (gw_metrics_new(&metrics) || gw_engine_new(&cfg, &model, metrics, &engine) ||
-        gw_server_start(&cfg, &model, engine, metrics, &server, &port)) {
+    gw_metrics *metrics = NULL;
+    gw_engine *engine = NULL;
+    gw_server *server = NULL;
+    int port = 0, sig = 0;
+    int rc = gw_metrics_new(&metrics);
+    if (!rc) rc = gw_engine_new(cfg, &model, metrics, &engine);
+    if (!rc) rc = gw_server_start(cfg, &model, engine, metrics, &server, &port);
+    if (!rc)
+        FU_INFO("serving %s on %s (port %d), %d hops, %d swarm shards%s%s, %d workers, %d API keys", l->name,
+                cfg->listen ? cfg->listen : "127.0.0.1:8080", port, cfg->n_hops, cfg->n_shards,
+                cfg->swarm_listen ? ", members join at " : "", cfg->swarm_listen ? cfg->swarm_listen : "",
+                cfg->workers, cfg->n_api_keys);
+    if (!rc && cfg->port_file) rc = write_port_file(cfg->port_file, port);
+    if (rc) {
         fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
-        goto done;
+    } else {
+        sigwait(&set, &sig);
+        FU_INFO("signal %d: shutting down", sig);
     }
-    FU_INFO("serving %s on %s (port %d), %d hops, %d swarm shards%s%s, %d workers, %d API keys", name,
-            cfg.listen ? cfg.listen : "127.0.0.1:8080", port, cfg.n_hops, cfg.n_shards,
-            cfg.swarm_listen ? ", members join at " : "", cfg.swarm_listen ? cfg.swarm_listen : "", cfg.workers,
-            cfg.n_api_keys);
-    if (cfg.port_file) {
-        char tmp[4096];
-        snprintf(tmp, sizeof tmp, "%s.tmp", cfg.port_file);
-        FILE *f = fopen(tmp, "w");
-        if (!f || fprintf(f, "%d\n", port) < 0 || fclose(f) || rename(tmp, cfg.port_file)) {
-            fprintf(stderr, "fusion-gateway: cannot write %s\n", cfg.port_file);
-            goto done;
-        }
-    }
-    int sig = 0;
-    sigwait(&set, &sig);
-    FU_INFO("signal %d: shutting down", sig);
-    status = 0;
-done:
     gw_server_stop(server);
     gw_engine_free(engine);
     gw_metrics_free(metrics);
-    tpl_free(tpl);
-    tok_free(tok);
-    mdl_free(m);
-    free(model_path);
-    free(name);
+    return rc ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    gw_config cfg;
+    gw_config_init(&cfg);
+    gw_loaded loaded = {0};
+    int status = gw_config_args(&cfg, argc, argv);
+    if (status < 0 && cfg.n_api_keys == 0) FU_WARN("no API keys configured: every client is accepted");
+    if (status < 0) status = gw_load(&cfg, &loaded) ? 1 : serve(&cfg, &loaded);
+    gw_loaded_free(&loaded);
     gw_config_free(&cfg);
     return status;
 }
