@@ -2,6 +2,8 @@
 #include "parse.h"
 
 #include <errno.h>
+#include <float.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,13 +20,38 @@ int fu_parse_long(const char *s, long lo, long hi, long *out) {
     return FU_OK;
 }
 
-int fu_parse_float(const char *s, float *out) {
+int fu_parse_double(const char *s, double *out) {
     char *end;
     errno = 0;
-    float v = strtof(s, &end);
+    double v = strtod(s, &end);
     if (errno || end == s || *end) return fu_errorf(FU_ERR_INVALID, "expected a number, got '%s'", s);
     *out = v;
     return FU_OK;
+}
+
+int fu_parse_float(const char *s, float *out) {
+    double v;
+    if (fu_parse_double(s, &v)) return FU_ERR_INVALID;
+    if (isfinite(v) && fabs(v) > FLT_MAX) return fu_errorf(FU_ERR_INVALID, "expected a number, got '%s'", s);
+    *out = (float)v;
+    return FU_OK;
+}
+
+int fu_parse_range(const char *s, long lo, long hi, long *a, long *b) {
+    const char *colon = strchr(s, ':');
+    char first[32];
+    size_t n = colon ? (size_t)(colon - s) : sizeof first;
+    long x, y;
+    if (n < sizeof first) {
+        memcpy(first, s, n);
+        first[n] = '\0';
+        if (!fu_parse_long(first, lo, hi, &x) && !fu_parse_long(colon + 1, x, hi, &y)) {
+            *a = x;
+            *b = y;
+            return FU_OK;
+        }
+    }
+    return fu_errorf(FU_ERR_INVALID, "expected A:B with %ld <= A <= B <= %ld, got '%s'", lo, hi, s);
 }
 
 int fu_parse_ids(const char *s, int32_t **ids, size_t *n) {

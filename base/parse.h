@@ -13,8 +13,14 @@
  * FU_OK or FU_ERR_INVALID (fu_last_error() quotes the value). */
 int fu_parse_long(const char *s, long lo, long hi, long *out);
 
-/* A whole floating-point number. FU_OK or FU_ERR_INVALID. */
+/* A whole floating-point number that a float holds. FU_OK or FU_ERR_INVALID. */
 int fu_parse_float(const char *s, float *out);
+
+/* A whole floating-point number (a double). FU_OK or FU_ERR_INVALID. */
+int fu_parse_double(const char *s, double *out);
+
+/* "A:B", two whole integers with lo <= A <= B <= hi. FU_OK or FU_ERR_INVALID. */
+int fu_parse_range(const char *s, long lo, long hi, long *a, long *b);
 
 /* "1,2,3" -> a malloc'd array of non-negative int32 ids (caller frees *ids).
  * FU_OK, FU_ERR_INVALID (empty or malformed list) or FU_ERR_NOMEM. */

@@ -254,9 +254,14 @@ int main(int argc, char **argv) {
     size_t n_batch = 4;
     int32_t *batch_arg = NULL;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--threads") && i + 1 < argc)
-            nth = (int)strtol(argv[++i], NULL, 10);
-        else if (!strcmp(argv[i], "--isa") && i + 1 < argc)
+        long v;
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
+            if (fu_parse_long(argv[++i], 0, 4096, &v)) {
+                fprintf(stderr, "--threads: %s\n", fu_last_error());
+                return 2;
+            }
+            nth = (int)v;
+        } else if (!strcmp(argv[i], "--isa") && i + 1 < argc)
             isa_arg = argv[++i];
         else if (!strcmp(argv[i], "--types") && i + 1 < argc)
             types = argv[++i];

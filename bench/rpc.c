@@ -8,6 +8,7 @@
  * uses a self-signed certificate made with the openssl CLI in a temporary
  * directory. Numbers are printed, not checked.
  */
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 
 #include "bench-util.h"
 #include "fusion.pb-c.h"
+#include "parse.h"
 #include "rpc.h"
 #include "status.h"
 
@@ -156,7 +158,11 @@ static int run_case(bool tls, const char *cert, const char *key, int n) {
 }
 
 int main(int argc, char **argv) {
-    int n = argc > 1 ? (int)strtol(argv[1], NULL, 10) : 2000;
+    long n = 2000;
+    if (argc > 2 || (argc == 2 && fu_parse_long(argv[1], 0, INT_MAX, &n))) {
+        fprintf(stderr, "usage: fusion-bench-rpc [ROUND_TRIPS] (default 2000, at least 10)\n");
+        return 2;
+    }
     if (n < 10) n = 10;
     char dir[] = "/tmp/fusion-bench-rpc-XXXXXX";
     if (!mkdtemp(dir)) return 1;
@@ -170,8 +176,8 @@ int main(int argc, char **argv) {
              key, cert);
     int have_tls = system(cmd) == 0;
     printf("fusion-bench-rpc: round trips on loopback, one client thread\n");
-    int bad = run_case(false, NULL, NULL, n);
-    if (have_tls) bad |= run_case(true, cert, key, n);
+    int bad = run_case(false, NULL, NULL, (int)n);
+    if (have_tls) bad |= run_case(true, cert, key, (int)n);
     else printf("TLS: skipped (openssl CLI failed)\n");
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
     if (system(cmd) != 0) bad = 1;

@@ -1,152 +1,72 @@
-/* gw-config.c -- the gateway's options: defaults, flags, a JSON config file, API key files. */
+/* gw-config.c -- the gateway's options: one table (options.h) for the flags, the JSON config
+ * file and --help; API key files; the environment. */
+#include <assert.h>
 #include <errno.h>
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "gw.h"
+#include "log.h"
+#include "options.h"
+#include "parse.h"
 #include "status.h"
 
-void gw_config_init(gw_config *c) {
-    memset(c, 0, sizeof *c);
-    c->workers = 32;
-    c->max_queue = 64;
-    c->max_body_bytes = 8u << 20;
-    c->connection_timeout_s = 30;
-    c->max_connections = 1024;
-    c->default_max_tokens = 512;
-    c->step_timeout_ms = 60000;
-    c->spares = 1;
-    c->min_gain_percent = 5;
-    c->heartbeat_ms = 500;
-    c->heartbeat_timeout_ms = 3000;
-    c->route_wait_ms = 5000;
-    c->measure_links = true;
-    c->measure_interval_ms = 5000;
-    c->rebalance_interval_ms = 30000;
-    gw_limits_default(&c->limits);
-}
+/* ---- values that are more than a field -------------------------------------------------- */
 
-void gw_config_free(gw_config *c) {
-    free(c->model);
-    free(c->model_name);
-    free(c->listen);
-    free(c->port_file);
-    for (int i = 0; i < c->n_hops; i++) free(c->hops[i].address);
-    for (int i = 0; i < c->n_shards; i++) free(c->shards[i]);
-    free(c->secret);
-    free(c->tls_ca);
-    for (int i = 0; i < c->n_api_keys; i++) free(c->api_keys[i]);
-    free(c->https_cert);
-    free(c->https_key);
-    free(c->swarm_listen);
-    free(c->swarm_tls_cert);
-    free(c->swarm_tls_key);
-    free(c->swarm_port_file);
-    for (int i = 0; i < c->n_links; i++) {
-        free(c->links[i].from);
-        free(c->links[i].to);
-    }
-    memset(c, 0, sizeof *c);
-}
-
-/* Replaces *dst with a copy of v, expanding a leading "~/" to $HOME. */
-static int set_str(char **dst, const char *v) {
-    char *s;
-    const char *home = getenv("HOME");
-    if (v[0] == '~' && v[1] == '/' && home) {
-        size_t n = strlen(home) + strlen(v);
-        s = malloc(n);
-        if (s) snprintf(s, n, "%s%s", home, v + 1);
-    } else {
-        s = strdup(v);
-    }
-    if (!s) return fu_errorf(FU_ERR_NOMEM, "config");
-    free(*dst);
-    *dst = s;
-    return FU_OK;
-}
-
-static int parse_long(const char *name, const char *v, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long x = strtol(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi)
-        return fu_errorf(FU_ERR_INVALID, "%s: expected an integer in [%ld, %ld], got '%s'", name, lo, hi, v);
-    *out = x;
-    return FU_OK;
-}
-
-static int parse_bool(const char *name, const char *v, bool *out) {
-    if (!strcmp(v, "1") || !strcmp(v, "true") || !strcmp(v, "yes") || !strcmp(v, "on")) *out = true;
-    else if (!strcmp(v, "0") || !strcmp(v, "false") || !strcmp(v, "no") || !strcmp(v, "off")) *out = false;
-    else return fu_errorf(FU_ERR_INVALID, "%s: expected true or false, got '%s'", name, v);
-    return FU_OK;
-}
-
-/* "HOST:PORT:FIRST:LAST" (the host may itself hold colons, e.g. "[::1]"). */
-static int parse_hop(gw_config *c, const char *v) {
-    if (c->n_hops == GW_MAX_HOPS) return fu_errorf(FU_ERR_INVALID, "hop: at most %d hops", GW_MAX_HOPS);
-    const char *b = strrchr(v, ':');
-    const char *a = b ? b - 1 : NULL;
-    while (a && a > v && *a != ':') a--;
-    if (!b || !a || a == v || *a != ':')
-        return fu_errorf(FU_ERR_INVALID, "hop: expected HOST:PORT:FIRST:LAST, got '%s'", v);
-    char num[32];
-    long first = 0, last = 0;
-    size_t fl = (size_t)(b - a - 1);
-    if (fl == 0 || fl >= sizeof num) return fu_errorf(FU_ERR_INVALID, "hop '%s': bad first block", v);
-    memcpy(num, a + 1, fl);
-    num[fl] = '\0';
-    if (parse_long("hop first block", num, 0, 1000000, &first) || parse_long("hop last block", b + 1, 1, 1000000, &last))
-        return FU_ERR_INVALID;
-    if (last <= first) return fu_errorf(FU_ERR_INVALID, "hop '%s': empty span", v);
-    char *addr = strndup(v, (size_t)(a - v));
-    if (!addr) return fu_errorf(FU_ERR_NOMEM, "config");
-    c->hops[c->n_hops++] = (gw_hop_cfg){addr, (int)first, (int)last};
+/* A static chain's hop: "HOST:PORT:FIRST:LAST" (the host may itself hold colons, e.g. "[::1]"). */
+static int add_hop(void *ctx, const char *v) {
+    gw_config *c = ctx;
+    if (c->n_hops == GW_MAX_HOPS) return fu_errorf(FU_ERR_INVALID, "at most %d hops", GW_MAX_HOPS);
+    gw_hop_cfg *h = &c->hops[c->n_hops];
+    int span[2];
+    int rc = fu_opt_split_span(v, 1000000, &h->address, span);
+    if (rc) return rc;
+    h->first = span[0];
+    h->last = span[1];
+    c->n_hops++;
     return FU_OK;
 }
 
 /* A swarm member: "host:port" (its span comes from its Info). */
-static int add_shard(gw_config *c, const char *v) {
-    if (c->n_shards == GW_MAX_SHARDS) return fu_errorf(FU_ERR_INVALID, "shard: at most %d shards", GW_MAX_SHARDS);
+static int add_shard(void *ctx, const char *v) {
+    gw_config *c = ctx;
+    if (c->n_shards == GW_MAX_SHARDS) return fu_errorf(FU_ERR_INVALID, "at most %d shards", GW_MAX_SHARDS);
     const char *colon = strrchr(v, ':');
-    if (!colon || colon == v || !colon[1] || strlen(v) >= 128)
-        return fu_errorf(FU_ERR_INVALID, "shard: expected HOST:PORT, got '%.200s'", v);
     long port;
-    if (parse_long("shard port", colon + 1, 1, 65535, &port)) return FU_ERR_INVALID;
-    char *a = strdup(v);
-    if (!a) return fu_errorf(FU_ERR_NOMEM, "shard");
-    c->shards[c->n_shards++] = a;
+    if (!colon || colon == v || strlen(v) >= 128 || fu_parse_long(colon + 1, 1, 65535, &port))
+        return fu_errorf(FU_ERR_INVALID, "expected HOST:PORT, got '%.200s'", v);
+    if (!(c->shards[c->n_shards] = strdup(v))) return fu_errorf(FU_ERR_NOMEM, "shard");
+    c->n_shards++;
     return FU_OK;
+}
+
+/* Splits text at commas into at most n parts; returns how many, or n + 1 when there are more. */
+static int split_commas(char *text, char **parts, int n) {
+    int k = 0;
+    for (char *p = text; p; k++) {
+        if (k == n) return n + 1;
+        parts[k] = p;
+        if ((p = strchr(p, ','))) *p++ = '\0';
+    }
+    return k;
 }
 
 /* "FROM,TO,BANDWIDTH,LATENCY": FROM/TO a member address or "gateway", bandwidth in bytes/s,
  * latency in seconds. */
-static int add_link(gw_config *c, const char *v) {
-    if (c->n_links == GW_MAX_LINKS) return fu_errorf(FU_ERR_INVALID, "link: at most %d links", GW_MAX_LINKS);
-    char buf[400];
-    if (strlen(v) >= sizeof buf) return fu_errorf(FU_ERR_INVALID, "link: too long");
-    snprintf(buf, sizeof buf, "%s", v);
-    char *parts[4];
-    int n = 0;
-    for (char *p = buf; n < 4; n++) {
-        parts[n] = p;
-        char *comma = strchr(p, ',');
-        if (!comma) {
-            n++;
-            break;
-        }
-        *comma = '\0';
-        p = comma + 1;
-    }
-    char *end1, *end2;
-    double bw = n == 4 ? strtod(parts[2], &end1) : 0, lat = n == 4 ? strtod(parts[3], &end2) : 0;
-    if (n != 4 || !parts[0][0] || !parts[1][0] || strlen(parts[0]) >= 128 || strlen(parts[1]) >= 128 ||
-        end1 == parts[2] || *end1 || end2 == parts[3] || *end2 || !(bw > 0) || !(lat >= 0) || bw > 1e15 || lat > 60)
+static int add_link(void *ctx, const char *v) {
+    gw_config *c = ctx;
+    if (c->n_links == GW_MAX_LINKS) return fu_errorf(FU_ERR_INVALID, "at most %d links", GW_MAX_LINKS);
+    char buf[400], *parts[4];
+    double bw = 0, lat = -1;
+    const size_t len = strlen(v);
+    if (len < sizeof buf) memcpy(buf, v, len + 1);
+    const bool ok = len < sizeof buf && split_commas(buf, parts, 4) == 4 && parts[0][0] && parts[1][0] &&
+                    strlen(parts[0]) < 128 && strlen(parts[1]) < 128 && !fu_parse_double(parts[2], &bw) &&
+                    !fu_parse_double(parts[3], &lat) && bw > 0 && bw <= 1e15 && lat >= 0 && lat <= 60;
+    if (!ok)
         return fu_errorf(FU_ERR_INVALID,
-                         "link: expected FROM,TO,BANDWIDTH_BYTES_PER_S,LATENCY_S (FROM/TO: HOST:PORT or gateway), "
+                         "expected FROM,TO,BANDWIDTH_BYTES_PER_S,LATENCY_S (FROM/TO: HOST:PORT or gateway), "
                          "got '%.200s'", v);
     gw_link_cfg *l = &c->links[c->n_links];
     l->from = strdup(parts[0]);
@@ -162,14 +82,16 @@ static int add_link(gw_config *c, const char *v) {
     return FU_OK;
 }
 
-static int add_key(gw_config *c, const char *k) {
+static int add_key(void *ctx, const char *k) {
+    gw_config *c = ctx;
     if (!k[0]) return FU_OK;
-    if (c->n_api_keys == GW_MAX_KEYS) return fu_errorf(FU_ERR_INVALID, "api-key: at most %d keys", GW_MAX_KEYS);
+    if (c->n_api_keys == GW_MAX_KEYS) return fu_errorf(FU_ERR_INVALID, "at most %d keys", GW_MAX_KEYS);
     if (!(c->api_keys[c->n_api_keys] = strdup(k))) return fu_errorf(FU_ERR_NOMEM, "config");
     c->n_api_keys++;
     return FU_OK;
 }
 
+/* The first `max` bytes of a file, NUL-terminated (malloc'd), or NULL with errno set. */
 static char *read_small_file(const char *path, size_t max) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;
@@ -181,9 +103,10 @@ static char *read_small_file(const char *path, size_t max) {
     return buf;
 }
 
-int gw_config_load_keys(gw_config *c, const char *path) {
+/* API keys, one per line ('#' comments, blank lines skipped). */
+static int load_keys(void *ctx, const char *path) {
     char *text = read_small_file(path, 1 << 20);
-    if (!text) return fu_errorf(FU_ERR_IO, "api-key-file %s: %s", path, strerror(errno));
+    if (!text) return fu_errorf(FU_ERR_IO, "%s: %s", path, strerror(errno));
     int rc = FU_OK;
     for (char *line = text; line && !rc;) {
         char *nl = strchr(line, '\n');
@@ -191,130 +114,193 @@ int gw_config_load_keys(gw_config *c, const char *path) {
         size_t n = strlen(line);
         while (n && (line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t')) line[--n] = '\0';
         while (*line == ' ' || *line == '\t') line++;
-        if (*line && *line != '#') rc = add_key(c, line);
+        if (*line && *line != '#') rc = add_key(ctx, line);
         line = nl ? nl + 1 : NULL;
     }
     free(text);
     return rc;
 }
 
-int gw_config_set(gw_config *c, const char *name_in, const char *v) {
-    char name[64];
-    size_t i = 0;
-    for (; name_in[i] && i + 1 < sizeof name; i++) name[i] = name_in[i] == '_' ? '-' : name_in[i];
-    name[i] = '\0';
-    long x;
-    int rc;
-    if (!strcmp(name, "model")) return set_str(&c->model, v);
-    if (!strcmp(name, "model-name") || !strcmp(name, "served-model-name")) return set_str(&c->model_name, v);
-    if (!strcmp(name, "listen")) return set_str(&c->listen, v);
-    if (!strcmp(name, "port-file")) return set_str(&c->port_file, v);
-    if (!strcmp(name, "hop") || !strcmp(name, "hops") || !strcmp(name, "chain")) return parse_hop(c, v);
-    if (!strcmp(name, "shard") || !strcmp(name, "shards")) return add_shard(c, v);
-    if (!strcmp(name, "secret")) return set_str(&c->secret, v);
-    if (!strcmp(name, "secret-file")) {
-        char *s = read_small_file(v, 4096);
-        if (!s) return fu_errorf(FU_ERR_IO, "secret-file %s: %s", v, strerror(errno));
-        size_t n = strlen(s);
-        while (n && (s[n - 1] == '\n' || s[n - 1] == '\r' || s[n - 1] == ' ')) s[--n] = '\0';
-        free(c->secret);
-        c->secret = s;
-        return FU_OK;
-    }
-    if (!strcmp(name, "tls-ca")) return set_str(&c->tls_ca, v);
-    if (!strcmp(name, "insecure")) return parse_bool(name, v, &c->insecure);
-    if (!strcmp(name, "forward")) return parse_bool(name, v, &c->forward);
-    if (!strcmp(name, "api-key") || !strcmp(name, "api-keys")) return add_key(c, v);
-    if (!strcmp(name, "api-key-file")) return gw_config_load_keys(c, v);
-    if (!strcmp(name, "https-cert") || !strcmp(name, "tls-cert")) return set_str(&c->https_cert, v);
-    if (!strcmp(name, "https-key") || !strcmp(name, "tls-key")) return set_str(&c->https_key, v);
-    if (!strcmp(name, "swarm-listen")) return set_str(&c->swarm_listen, v);
-    if (!strcmp(name, "swarm-tls-cert")) return set_str(&c->swarm_tls_cert, v);
-    if (!strcmp(name, "swarm-tls-key")) return set_str(&c->swarm_tls_key, v);
-    if (!strcmp(name, "swarm-port-file")) return set_str(&c->swarm_port_file, v);
-    if (!strcmp(name, "measure-links")) return parse_bool(name, v, &c->measure_links);
-    if (!strcmp(name, "link") || !strcmp(name, "links")) return add_link(c, v);
-    struct {
-        const char *name;
-        int *dst;
-        long lo, hi;
-    } ints[] = {
-        {"workers", &c->workers, 1, 4096},
-        {"max-queue", &c->max_queue, 0, 1000000},
-        {"connection-timeout-s", &c->connection_timeout_s, 1, 86400},
-        {"max-connections", &c->max_connections, 1, 1000000},
-        {"default-max-tokens", &c->default_max_tokens, 1, 1 << 24},
-        {"step-timeout-ms", &c->step_timeout_ms, 1, 3600000},
-        {"spares", &c->spares, 0, 1024},
-        {"min-gain-percent", &c->min_gain_percent, 0, 1000},
-        {"heartbeat-ms", &c->heartbeat_ms, 50, 60000},
-        {"heartbeat-timeout-ms", &c->heartbeat_timeout_ms, 100, 600000},
-        {"route-wait-ms", &c->route_wait_ms, 0, 600000},
-        {"measure-interval-ms", &c->measure_interval_ms, 100, 3600000},
-        {"rebalance-interval-ms", &c->rebalance_interval_ms, 0, 86400000},
-        {"max-n", &c->limits.max_n, 1, 1024},
-        {"max-choices", &c->limits.max_choices, 1, 4096},
-        {"max-prompts", &c->limits.max_prompts, 1, 4096},
-        {"max-stop", &c->limits.max_stop, 0, 1024},
-        {"max-stop-bytes", &c->limits.max_stop_bytes, 1, 65536},
-        {"max-logit-bias", &c->limits.max_logit_bias, 0, 300},
-        {"max-top-logprobs", &c->limits.max_top_logprobs, 0, 64},
-        {"max-messages", &c->limits.max_messages, 1, 1000000},
-    };
-    for (size_t k = 0; k < sizeof ints / sizeof ints[0]; k++)
-        if (!strcmp(name, ints[k].name)) {
-            if ((rc = parse_long(name, v, ints[k].lo, ints[k].hi, &x))) return rc;
-            *ints[k].dst = (int)x;
-            return FU_OK;
-        }
-    if (!strcmp(name, "max-body-bytes")) {
-        if ((rc = parse_long(name, v, 1024, 1L << 30, &x))) return rc;
-        c->max_body_bytes = (size_t)x;
-        return FU_OK;
-    }
-    return fu_errorf(FU_ERR_INVALID, "unknown option '%s'", name_in);
+static int set_log_level(void *ctx, const char *v) {
+    int level = fu_log_level_parse(v);
+    if (level < 0) return fu_errorf(FU_ERR_INVALID, "expected debug|info|warn|error|off, got '%s'", v);
+    fu_log_set_level((fu_log_level)level);
+    return FU_OK;
 }
 
-/* Applies one JSON value (scalars as text; arrays element by element). */
-static int gw_config_set_json(gw_config *c, const char *key, const json_t *val) {
-    char buf[64];
-    if (json_is_array(val)) {
-        size_t i;
-        json_t *e;
-        json_array_foreach(val, i, e) {
-            int rc = gw_config_set_json(c, key, e);
-            if (rc) return rc;
-        }
-        return FU_OK;
+/* ---- the table ------------------------------------------------------------------------------ */
+
+enum { GW_N_OPTIONS = 64 };
+
+/* The gateway's options bound to one config (a value, so that it can be made anywhere). */
+typedef struct gw_options {
+    fu_opt t[GW_N_OPTIONS];
+} gw_options;
+
+static gw_options options(gw_config *c) {
+    gw_limits *l = &c->limits;
+    const fu_opt t[] = {
+        {"config", 0, FU_OPT_CONFIG,
+         .help = "JSON config (keys as the long options; see config/gateway.example.json)"},
+        {"model", 0, FU_OPT_PATH, FU_OPT_TO(c->model), "PATH|REPO",
+         "model for the tokenizer, chat template and context length"},
+        {"model-name", 0, FU_OPT_STRING, FU_OPT_TO(c->model_name), "NAME",
+         "id served in /v1/models (default: the model file's name)", .alias = "served-model-name"},
+        {"listen", 0, FU_OPT_STRING, FU_OPT_TO(c->listen), "HOST:PORT",
+         "(default 127.0.0.1:8080; port 0 picks one)"},
+        {"port-file", 0, FU_OPT_PATH, FU_OPT_TO(c->port_file), "F", "write the bound port to F once serving"},
+        {"hop", 0, FU_OPT_CALL, .dest = c, .fn = add_hop, .arg = "HOST:PORT:A:B",
+         .help = "a shard serving blocks [A, B); in chain order (a static chain)", .alias = "hops|chain",
+         .flags = FU_OPT_REPEAT},
+        {"shard", 0, FU_OPT_CALL, .dest = c, .fn = add_shard, .arg = "HOST:PORT",
+         .help = "a swarm member (repeatable; spans may overlap): each request is\n"
+                 "routed over the live shards, with failover; GET /v1/swarm",
+         .alias = "shards", .flags = FU_OPT_REPEAT},
+        {"swarm-listen", 0, FU_OPT_STRING, FU_OPT_TO(c->swarm_listen), "HOST:PORT",
+         "host fusion.Swarm: shards started with --join register and heartbeat\n"
+         "here; the gateway assigns spans, keeps spares, GET /v1/swarm"},
+        {"swarm-tls-cert", 0, FU_OPT_PATH, FU_OPT_TO(c->swarm_tls_cert), "F",
+         "TLS of the membership service (default: the HTTPS pair;\n--insecure: plaintext on loopback)"},
+        {"swarm-tls-key", 0, FU_OPT_PATH, FU_OPT_TO(c->swarm_tls_key), "F", "its key"},
+        {"swarm-port-file", 0, FU_OPT_PATH, FU_OPT_TO(c->swarm_port_file), "F",
+         "write the membership service's bound port to F"},
+        {"spares", 0, FU_OPT_INT, FU_OPT_TO(c->spares), .help = "spares kept waiting once every block is covered",
+         .def = "1", .lo = 0, .hi = 1024},
+        {"min-gain-percent", 0, FU_OPT_INT, FU_OPT_TO(c->min_gain_percent), "P",
+         "a surplus spare serves if that raises the max flow by P%", .def = "5", .lo = 0, .hi = 1000},
+        {"rebalance-interval-ms", 0, FU_OPT_INT, FU_OPT_TO(c->rebalance_interval_ms),
+         .help = "least time between two moves of serving members; 0: never move one", .def = "30000",
+         .lo = 0, .hi = 86400000},
+        {"heartbeat-ms", 0, FU_OPT_INT, FU_OPT_TO(c->heartbeat_ms), .help = "member heartbeats", .def = "500",
+         .lo = 50, .hi = 60000},
+        {"heartbeat-timeout-ms", 0, FU_OPT_INT, FU_OPT_TO(c->heartbeat_timeout_ms),
+         .help = "retire a member silent this long", .def = "3000", .lo = 100, .hi = 600000},
+        {"route-wait-ms", 0, FU_OPT_INT, FU_OPT_TO(c->route_wait_ms),
+         .help = "wait for a spare loading an uncovered span", .def = "5000", .lo = 0, .hi = 600000},
+        {"measure-links", 0, FU_OPT_BOOL, FU_OPT_TO(c->measure_links), .help = "RTT/bandwidth probes",
+         .def = "true"},
+        {"measure-interval-ms", 0, FU_OPT_INT, FU_OPT_TO(c->measure_interval_ms),
+         .help = "between two probes of a link", .def = "5000", .lo = 100, .hi = 3600000},
+        {"link", 0, FU_OPT_CALL, .dest = c, .fn = add_link, .arg = "FROM,TO,BW,LAT",
+         .help = "given link figures (bytes/s, s; FROM/TO: HOST:PORT or gateway)", .alias = "links",
+         .flags = FU_OPT_REPEAT},
+        {"secret", 0, FU_OPT_STRING, FU_OPT_TO(c->secret), "S", "swarm secret (or env FUSION_SECRET)"},
+        {"secret-file", 0, FU_OPT_FILE_TEXT, FU_OPT_TO(c->secret), "F", "the swarm secret from a file"},
+        {"insecure", 0, FU_OPT_FLAG, FU_OPT_TO(c->insecure), .help = "plaintext to loopback shards"},
+        {"tls-ca", 0, FU_OPT_PATH, FU_OPT_TO(c->tls_ca), "F", "the shards' CA"},
+        {"forward", 0, FU_OPT_FLAG, FU_OPT_TO(c->forward), .help = "server-to-server forwarding along the chain"},
+        {"api-key", 0, FU_OPT_CALL, .dest = c, .fn = add_key, .arg = "K",
+         .help = "accepted API key (repeatable; env FUSION_API_KEY, comma-separated)", .alias = "api-keys",
+         .flags = FU_OPT_REPEAT},
+        {"api-key-file", 0, FU_OPT_CALL, .dest = c, .fn = load_keys, .arg = "F",
+         .help = "API keys, one per line (env FUSION_API_KEY_FILE)", .flags = FU_OPT_REPEAT},
+        {"https-cert", 0, FU_OPT_PATH, FU_OPT_TO(c->https_cert), "F", "serve HTTPS with this certificate",
+         .alias = "tls-cert"},
+        {"https-key", 0, FU_OPT_PATH, FU_OPT_TO(c->https_key), "F", "and this key", .alias = "tls-key"},
+        {"workers", 0, FU_OPT_INT, FU_OPT_TO(c->workers), .help = "concurrent generations", .def = "32", .lo = 1,
+         .hi = 4096},
+        {"max-queue", 0, FU_OPT_INT, FU_OPT_TO(c->max_queue), .help = "waiting generations before 429", .def = "64",
+         .lo = 0, .hi = 1000000},
+        {"max-body-bytes", 0, FU_OPT_INT, FU_OPT_TO(c->max_body_bytes), .help = "request body limit",
+         .def = "8388608", .lo = 1024, .hi = 1L << 30},
+        {"connection-timeout-s", 0, FU_OPT_INT, FU_OPT_TO(c->connection_timeout_s),
+         .help = "idle connection timeout", .def = "30", .lo = 1, .hi = 86400},
+        {"max-connections", 0, FU_OPT_INT, FU_OPT_TO(c->max_connections), .help = "open connections at most",
+         .def = "1024", .lo = 1, .hi = 1000000},
+        {"default-max-tokens", 0, FU_OPT_INT, FU_OPT_TO(c->default_max_tokens),
+         .help = "max_tokens when a request gives none", .def = "512", .lo = 1, .hi = 1 << 24},
+        {"step-timeout-ms", 0, FU_OPT_INT, FU_OPT_TO(c->step_timeout_ms), .help = "per chain step", .def = "60000",
+         .lo = 1, .hi = 3600000},
+        {"max-n", 0, FU_OPT_INT, FU_OPT_TO(l->max_n), .help = "request limit: choices per prompt (default 16)",
+         .lo = 1, .hi = 1024},
+        {"max-choices", 0, FU_OPT_INT, FU_OPT_TO(l->max_choices), .help = "request limit: prompts x n (default 64)",
+         .lo = 1, .hi = 4096},
+        {"max-prompts", 0, FU_OPT_INT, FU_OPT_TO(l->max_prompts),
+         .help = "request limit: prompts of a completion (default 64)", .lo = 1, .hi = 4096},
+        {"max-stop", 0, FU_OPT_INT, FU_OPT_TO(l->max_stop), .help = "request limit: stop strings (default 16)",
+         .lo = 0, .hi = 1024},
+        {"max-stop-bytes", 0, FU_OPT_INT, FU_OPT_TO(l->max_stop_bytes),
+         .help = "request limit: bytes per stop string (default 256)", .lo = 1, .hi = 65536},
+        {"max-logit-bias", 0, FU_OPT_INT, FU_OPT_TO(l->max_logit_bias),
+         .help = "request limit: logit_bias entries (default 300)", .lo = 0, .hi = 300},
+        {"max-top-logprobs", 0, FU_OPT_INT, FU_OPT_TO(l->max_top_logprobs),
+         .help = "request limit: top_logprobs (default 20)", .lo = 0, .hi = 64},
+        {"max-messages", 0, FU_OPT_INT, FU_OPT_TO(l->max_messages),
+         .help = "request limit: chat messages (default 4096)", .lo = 1, .hi = 1000000},
+        {"log-level", 0, FU_OPT_CALL, .fn = set_log_level, .arg = "debug|info|warn|error",
+         .help = "log threshold (default: env FUSION_LOG, else info)", .flags = FU_OPT_NOFILE},
+        FU_OPT_END,
+    };
+    _Static_assert(sizeof t <= sizeof(gw_options), "GW_N_OPTIONS is too small");
+    gw_options o;
+    memset(&o, 0, sizeof o);
+    memcpy(o.t, t, sizeof t);
+    return o;
+}
+
+/* ---- the interface ------------------------------------------------------------------------- */
+
+void gw_config_init(gw_config *c) {
+    memset(c, 0, sizeof *c);
+    gw_limits_default(&c->limits);
+    int rc = fu_opt_defaults(options(c).t);
+    assert(rc == FU_OK); /* the table's defaults parse */
+    (void)rc;
+}
+
+void gw_config_free(gw_config *c) {
+    fu_opt_free(options(c).t);
+    for (int i = 0; i < c->n_hops; i++) free(c->hops[i].address);
+    for (int i = 0; i < c->n_shards; i++) free(c->shards[i]);
+    for (int i = 0; i < c->n_api_keys; i++) free(c->api_keys[i]);
+    for (int i = 0; i < c->n_links; i++) {
+        free(c->links[i].from);
+        free(c->links[i].to);
     }
-    if (json_is_string(val)) return gw_config_set(c, key, json_string_value(val));
-    if (json_is_integer(val)) {
-        snprintf(buf, sizeof buf, "%lld", (long long)json_integer_value(val));
-        return gw_config_set(c, key, buf);
-    }
-    if (json_is_boolean(val)) return gw_config_set(c, key, json_is_true(val) ? "true" : "false");
-    if (json_is_null(val)) return FU_OK;
-    return fu_errorf(FU_ERR_INVALID, "config key '%s': unsupported value type", key);
+    memset(c, 0, sizeof *c);
+}
+
+int gw_config_set(gw_config *c, const char *name, const char *value) {
+    return fu_opt_set(options(c).t, name, value);
 }
 
 int gw_config_load(gw_config *c, const char *path) {
-    json_error_t err;
-    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &err);
-    if (!root) return fu_errorf(FU_ERR_FORMAT, "%s:%d: %s", path, err.line, err.text);
-    if (!json_is_object(root)) {
-        json_decref(root);
-        return fu_errorf(FU_ERR_FORMAT, "%s: the config must be a JSON object", path);
-    }
-    const char *key;
-    json_t *val;
+    return fu_opt_load(options(c).t, path);
+}
+
+/* The environment: FUSION_SECRET where no secret is given, FUSION_API_KEY_FILE and
+ * FUSION_API_KEY (comma-separated) add keys. */
+static int config_env(gw_config *c) {
+    const char *env;
     int rc = FU_OK;
-    json_object_foreach(root, key, val) {
-        if (key[0] == '_' || !strcmp(key, "comment")) continue; /* "_comment" keys document the file */
-        if ((rc = gw_config_set_json(c, key, val))) break;
+    if (!c->secret && (env = getenv("FUSION_SECRET")) && (rc = gw_config_set(c, "secret", env))) return rc;
+    if ((env = getenv("FUSION_API_KEY_FILE")) && (rc = load_keys(c, env))) return rc;
+    char *copy = (env = getenv("FUSION_API_KEY")) ? strdup(env) : NULL;
+    if (env && !copy) return fu_errorf(FU_ERR_NOMEM, "FUSION_API_KEY");
+    for (char *k = copy; k && !rc;) {
+        char *comma = strchr(k, ',');
+        if (comma) *comma = '\0';
+        rc = add_key(c, k);
+        k = comma ? comma + 1 : NULL;
     }
-    json_decref(root);
-    if (rc) return fu_errorf(rc, "%s: %s", path, fu_last_error());
+    free(copy);
     return rc;
+}
+
+int gw_config_args(gw_config *c, int argc, char **argv) {
+    gw_options o = options(c);
+    const fu_opt_spec spec = {
+        "fusion-gateway",
+        "usage: fusion-gateway --model PATH|ORG/NAME (--hop HOST:PORT:FIRST:LAST ... | --shard HOST:PORT ... |\n"
+        "                      --swarm-listen HOST:PORT) [options]",
+        o.t, NULL};
+    int status = fu_opt_main(&spec, argc, argv, NULL);
+    if (status >= 0) return status;
+    if (config_env(c)) {
+        fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
+        return 1;
+    }
+    return gw_config_check(c) ? fu_opt_fail(&spec, "%s", fu_last_error()) : -1;
 }
 
 int gw_config_check(const gw_config *c) {

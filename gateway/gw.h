@@ -220,15 +220,20 @@ void gw_config_init(gw_config *c);
 /* Frees every string the configuration owns and zeroes *c. */
 void gw_config_free(gw_config *c);
 /* Applies one option by its long name ("listen", "hop", "api-key", ...; '_' and
- * '-' are the same). Returns FU_OK or FU_ERR_INVALID (fu_last_error() says why). */
+ * '-' are the same). Returns FU_OK, FU_ERR_INVALID (fu_last_error() says why) or
+ * FU_ERR_IO (a file option's file cannot be read). */
 int gw_config_set(gw_config *c, const char *name, const char *value);
 /* Loads a JSON object whose keys are option names; arrays apply each element
  * (e.g. "hops": ["127.0.0.1:7001:0:15", ...], "shards": ["127.0.0.1:7001", ...], "api_keys": [...]). */
 int gw_config_load(gw_config *c, const char *path);
-/* Reads API keys, one per line ('#' comments), from a file. */
-int gw_config_load_keys(gw_config *c, const char *path);
 /* Checks the whole configuration after loading. */
 int gw_config_check(const gw_config *c);
+/* fusion-gateway's command line into c (after gw_config_init): the --config files, then the
+ * flags over them, then the environment (FUSION_SECRET where no secret is given,
+ * FUSION_API_KEY_FILE, FUSION_API_KEY), then gw_config_check(). Returns -1 to go on, else the
+ * exit status: 0 after --help (the help on stdout), 2 after a usage error (the message and the
+ * help on stderr), 1 when the environment's keys cannot be read. */
+int gw_config_args(gw_config *c, int argc, char **argv);
 
 /* ---- metrics -------------------------------------------------------------------------------- */
 

@@ -650,6 +650,13 @@ int op_backend_open(const char *device, int n_threads, op_cpu_isa isa, op_backen
     return FU_OK;
 }
 
+const fu_opt_choice op_cpu_isa_choices[] = {{"auto", OP_CPU_ISA_AUTO},
+                                            {"portable", OP_CPU_ISA_PORTABLE},
+                                            {"avx2", OP_CPU_ISA_AVX2},
+                                            {"avx512", OP_CPU_ISA_AVX512},
+                                            {NULL, 0}};
+const fu_opt_choice op_kv_type_choices[] = {{"f32", OP_TYPE_F32}, {"f16", OP_TYPE_F16}, {NULL, 0}};
+
 #ifndef FUSION_HAVE_CUDA
 op_backend *op_backend_cuda_new(int device) {
     (void)device;

@@ -26,6 +26,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "options.h"
+
 #define OP_QK 32 /* elements per block of the quantized types */
 
 typedef enum op_type {
@@ -186,6 +188,12 @@ op_backend *op_backend_cuda_new(int device);
  * owns *out. */
 int op_backend_open(const char *device, int n_threads, op_cpu_isa isa, op_backend **out, char *desc,
                     size_t desc_size);
+
+/* For the programs' option tables (options.h), each ending with a NULL name: the --isa
+ * names of op_cpu_isa ("auto", "portable", "avx2", "avx512") and the --kv names of the KV
+ * cache types (op_type: "f32", "f16"). */
+extern const fu_opt_choice op_cpu_isa_choices[];
+extern const fu_opt_choice op_kv_type_choices[];
 
 void op_backend_free(op_backend *be); /* NULL is a no-op */
 const char *op_backend_name(const op_backend *be);

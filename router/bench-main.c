@@ -1,10 +1,12 @@
 /* bench-main.c -- fusion-bench-router: fusion's placement search + IWRR routing vs Petals'
  * rule, Swarm's stages and Helix's published MILP placement on Helix's 24-node clusters. */
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "options.h"
 #include "router.h"
 #include "status.h"
 
@@ -98,43 +100,57 @@ static int run_cluster(const char *hdir, const char *title, const char *cluster,
     return FU_OK;
 }
 
-int main(int argc, char **argv) {
-    const char *hdir = FUSION_HELIX_DIR;
-    double tlimit = 5, sim_dur = 300;
-    uint64_t seed = 1;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--helix-dir") && i + 1 < argc) hdir = argv[++i];
-        else if (!strcmp(argv[i], "--time") && i + 1 < argc) tlimit = strtod(argv[++i], NULL);
-        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) seed = strtoull(argv[++i], NULL, 10);
-        else if (!strcmp(argv[i], "--sim-duration") && i + 1 < argc) sim_dur = strtod(argv[++i], NULL);
-        else {
-            fprintf(stderr, "usage: fusion-bench-router [--helix-dir DIR] [--time S] [--seed N] "
-                            "[--sim-duration S]\n");
-            return 2;
-        }
-    }
-    if (!(tlimit > 0) || !(sim_dur > 0)) {
-        fprintf(stderr, "fusion-bench-router: --time and --sim-duration must be positive\n");
-        return 2;
-    }
+/* What the command line gives. */
+typedef struct bench_args {
+    char *hdir;      /* the Helix data */
+    double tlimit;   /* search budget per cluster, seconds */
+    double sim_dur;  /* simulated seconds */
+    uint64_t seed;
+} bench_args;
+
+static bench_args args;
+
+static const fu_opt bench_options[] = {
+    {"helix-dir", 0, FU_OPT_STRING, FU_OPT_TO(args.hdir), "DIR", "the Helix data", .def = FUSION_HELIX_DIR},
+    {"time", 0, FU_OPT_FLOAT, FU_OPT_TO(args.tlimit), "S", "search budget per cluster", .def = "5"},
+    {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "search and simulation seed", .def = "1", .lo = 0,
+     .hi = LONG_MAX},
+    {"sim-duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.sim_dur), "S", "simulated seconds", .def = "300"},
+    FU_OPT_END,
+};
+
+static const fu_opt_spec bench_spec = {"fusion-bench-router", "usage: fusion-bench-router [options]",
+                                       bench_options, NULL};
+
+/* Compares the placements on both clusters; the exit status. */
+static int bench(const bench_args *args) {
     char a[4][4096], b[4][4096];
     const char *ae = "artifact_evaluation";
-    snprintf(a[0], 4096, "%s/%s/single_cluster/config/cluster24.ini", hdir, ae);
-    snprintf(a[1], 4096, "%s/%s/single_cluster/layout_llama70b/ilp/ilp_sol.ini", hdir, ae);
-    snprintf(a[2], 4096, "%s/%s/single_cluster/layout_llama70b/petals/petals_sol.ini", hdir, ae);
-    snprintf(a[3], 4096, "%s/%s/single_cluster/layout_llama70b/swarm/swarm_sol.ini", hdir, ae);
-    snprintf(b[0], 4096, "%s/%s/distributed_clusters/config/3cluster24.ini", hdir, ae);
-    snprintf(b[1], 4096, "%s/%s/distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", hdir, ae);
-    snprintf(b[2], 4096, "%s/%s/distributed_clusters/layout_llama70b/petals/petals_sol.ini", hdir, ae);
-    snprintf(b[3], 4096, "%s/%s/distributed_clusters/layout_llama70b/swarm/swarm_sol.ini", hdir, ae);
+    snprintf(a[0], 4096, "%s/%s/single_cluster/config/cluster24.ini", args->hdir, ae);
+    snprintf(a[1], 4096, "%s/%s/single_cluster/layout_llama70b/ilp/ilp_sol.ini", args->hdir, ae);
+    snprintf(a[2], 4096, "%s/%s/single_cluster/layout_llama70b/petals/petals_sol.ini", args->hdir, ae);
+    snprintf(a[3], 4096, "%s/%s/single_cluster/layout_llama70b/swarm/swarm_sol.ini", args->hdir, ae);
+    snprintf(b[0], 4096, "%s/%s/distributed_clusters/config/3cluster24.ini", args->hdir, ae);
+    snprintf(b[1], 4096, "%s/%s/distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", args->hdir, ae);
+    snprintf(b[2], 4096, "%s/%s/distributed_clusters/layout_llama70b/petals/petals_sol.ini", args->hdir, ae);
+    snprintf(b[3], 4096, "%s/%s/distributed_clusters/layout_llama70b/swarm/swarm_sol.ini", args->hdir, ae);
     printf("fusion-bench-router: search budget %.1f s per cluster, seed %llu, simulated %g s "
-           "(closed loop, 256 requests of 750 + 240 tokens)\n", tlimit, (unsigned long long)seed,
-           sim_dur);
-    int rc = run_cluster(hdir, "single region: cluster24", a[0], a[1], a[2], a[3], tlimit, seed, sim_dur);
-    if (!rc) rc = run_cluster(hdir, "3 regions: 3cluster24", b[0], b[1], b[2], b[3], tlimit, seed, sim_dur);
-    if (rc) {
-        fprintf(stderr, "fusion-bench-router: %s: %s\n", fu_status_str(rc), fu_last_error());
-        return 1;
-    }
-    return 0;
+           "(closed loop, 256 requests of 750 + 240 tokens)\n", args->tlimit, (unsigned long long)args->seed,
+           args->sim_dur);
+    int rc = run_cluster(args->hdir, "single region: cluster24", a[0], a[1], a[2], a[3], args->tlimit, args->seed,
+                         args->sim_dur);
+    if (!rc)
+        rc = run_cluster(args->hdir, "3 regions: 3cluster24", b[0], b[1], b[2], b[3], args->tlimit, args->seed,
+                         args->sim_dur);
+    if (rc) fprintf(stderr, "fusion-bench-router: %s: %s\n", fu_status_str(rc), fu_last_error());
+    return rc ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    int status = fu_opt_main(&bench_spec, argc, argv, NULL);
+    if (status < 0 && (!(args.tlimit > 0) || !(args.sim_dur > 0)))
+        status = fu_opt_fail(&bench_spec, "--time and --sim-duration must be positive");
+    if (status < 0) status = bench(&args);
+    fu_opt_free(bench_options);
+    return status;
 }

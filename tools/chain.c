@@ -1,6 +1,6 @@
 /* chain.c -- fusion-chain: generates through a chain of shard servers (tests, latency figures). */
 #include <errno.h>
-#include <getopt.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "chain.h"
+#include "options.h"
 #include "parse.h"
 #include "status.h"
 #include "wire.h"
@@ -73,72 +74,70 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-int main(int argc, char **argv) {
+/* What the command line gives. */
+typedef struct chain_args {
     chain_hop hops[MAX_HOPS];
-    char *hop_addr[MAX_HOPS] = {0};
-    int n_hops = 0, sessions = 1, max_tokens = 16, json = 0;
-    const char *prompt_ids = NULL, *logits_prefix = NULL;
-    chain_options co = {0};
-    co.secret = getenv("FUSION_SECRET");
-    smp_params sp = smp_params_default();
-    sp.temperature = 0;
-    static const struct option opts[] = {
-        {"hop", required_argument, 0, 'H'},       {"secret", required_argument, 0, 's'},
-        {"tls-ca", required_argument, 0, 'C'},    {"insecure", no_argument, 0, 'i'},
-        {"forward", no_argument, 0, 'f'},         {"wire", required_argument, 0, 'w'},
-        {"prompt-ids", required_argument, 0, 'p'}, {"max-tokens", required_argument, 0, 'n'},
-        {"sessions", required_argument, 0, 'S'},  {"temperature", required_argument, 0, 't'},
-        {"seed", required_argument, 0, 'e'},      {"logits-out", required_argument, 0, 'L'},
-        {"json", no_argument, 0, 'j'},            {0, 0, 0, 0}};
-    int c;
-    while ((c = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        switch (c) {
-        case 'H': { /* ADDRESS:FIRST:LAST, address may hold colons (host:port) */
-            if (n_hops == MAX_HOPS) goto bad;
-            char *s = strdup(optarg), *b = strrchr(s, ':');
-            if (!b) { free(s); goto bad; }
-            *b = '\0';
-            char *a2 = strrchr(s, ':');
-            if (!a2) { free(s); goto bad; }
-            *a2 = '\0';
-            hops[n_hops] = (chain_hop){s, atoi(a2 + 1), atoi(b + 1), NULL};
-            hop_addr[n_hops++] = s;
-            break;
-        }
-        case 's': co.secret = optarg; break;
-        case 'C': co.tls_ca = optarg; break;
-        case 'i': co.insecure = true; break;
-        case 'f': co.forward = true; break;
-        case 'w':
-            if (!strcmp(optarg, "f32")) co.wire_dtype = WIRE_F32;
-            else if (!strcmp(optarg, "bf16")) co.wire_dtype = WIRE_BF16;
-            else if (!strcmp(optarg, "f16")) co.wire_dtype = WIRE_F16;
-            else if (!strcmp(optarg, "int8")) co.wire_dtype = WIRE_INT8_BLOCK;
-            else goto bad;
-            break;
-        case 'p': prompt_ids = optarg; break;
-        case 'n': max_tokens = atoi(optarg); break;
-        case 'S': sessions = atoi(optarg); break;
-        case 't': sp.temperature = strtof(optarg, NULL); break;
-        case 'e': sp.seed = strtoull(optarg, NULL, 10); break;
-        case 'L': logits_prefix = optarg; break;
-        case 'j': json = 1; break;
-        default:
-        bad:
-            fprintf(stderr, "usage: fusion-chain --hop HOST:PORT:FIRST:LAST ... --prompt-ids 1,2,3 "
-                            "[--secret S] [--insecure | --tls-ca F] [--forward] [--wire f32|bf16|f16|int8] "
-                            "[--max-tokens N] [--sessions K] [--temperature T --seed S] "
-                            "[--logits-out PREFIX] [--json]\n");
-            return 2;
-        }
-    }
-    int32_t *prompt = NULL;
-    size_t n_prompt_z = 0;
-    if (!n_hops || !prompt_ids || fu_parse_ids(prompt_ids, &prompt, &n_prompt_z) || n_prompt_z > 1000000 ||
-        max_tokens < 1 ||
-        sessions < 1 || sessions > MAX_SESSIONS)
-        goto bad;
-    int n_prompt = (int)n_prompt_z;
+    int n_hops;
+    char *secret, *tls_ca, *prompt_ids, *logits_prefix;
+    chain_options co;
+    int sessions, max_tokens;
+    bool json;
+    smp_params sp;
+} chain_args;
+
+static chain_args args;
+
+/* --hop ADDRESS:FIRST:LAST (the address may hold colons: host:port). */
+static int add_hop(void *ctx, const char *v) {
+    chain_args *a = ctx;
+    if (a->n_hops == MAX_HOPS) return fu_errorf(FU_ERR_INVALID, "at most %d hops", MAX_HOPS);
+    char *address;
+    int span[2];
+    int rc = fu_opt_split_span(v, 1000000, &address, span);
+    if (!rc) a->hops[a->n_hops++] = (chain_hop){address, span[0], span[1], NULL};
+    return rc;
+}
+
+static const fu_opt_choice wire_choices[] = {
+    {"f32", WIRE_F32}, {"bf16", WIRE_BF16}, {"f16", WIRE_F16}, {"int8", WIRE_INT8_BLOCK}, {NULL, 0}};
+
+static const fu_opt chain_opts[] = {
+    {"hop", 0, FU_OPT_CALL, .dest = &args, .fn = add_hop, .arg = "HOST:PORT:FIRST:LAST",
+     .help = "a shard and its span, in chain order (repeatable)"},
+    {"prompt-ids", 0, FU_OPT_STRING, FU_OPT_TO(args.prompt_ids), "1,2,3", "the prompt's token ids"},
+    {"secret", 0, FU_OPT_STRING, FU_OPT_TO(args.secret), "S", "swarm secret (default: env FUSION_SECRET)"},
+    {"tls-ca", 0, FU_OPT_STRING, FU_OPT_TO(args.tls_ca), "F", "the shards' CA"},
+    {"insecure", 0, FU_OPT_FLAG, FU_OPT_TO(args.co.insecure), .help = "plaintext to loopback shards"},
+    {"forward", 0, FU_OPT_FLAG, FU_OPT_TO(args.co.forward), .help = "server-to-server forwarding"},
+    {"wire", 0, FU_OPT_CHOICE, FU_OPT_TO(args.co.wire_dtype), .help = "activations on the wire (default bf16)",
+     .choices = wire_choices},
+    {"max-tokens", 0, FU_OPT_INT, FU_OPT_TO(args.max_tokens), .help = "tokens to generate", .def = "16", .lo = 1,
+     .hi = 1 << 20},
+    {"sessions", 0, FU_OPT_INT, FU_OPT_TO(args.sessions), "K", "concurrent sessions", .def = "1", .lo = 1,
+     .hi = MAX_SESSIONS},
+    {"temperature", 0, FU_OPT_FLOAT, FU_OPT_TO(args.sp.temperature), "T", "0 = greedy", .def = "0"},
+    {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.sp.seed), "S", "session i samples with seed S + i", .lo = 0,
+     .hi = LONG_MAX},
+    {"logits-out", 0, FU_OPT_STRING, FU_OPT_TO(args.logits_prefix), "PREFIX",
+     "write each session's f32 logits to PREFIX.I.bin"},
+    {"json", 0, FU_OPT_FLAG, FU_OPT_TO(args.json), .help = "print the results as JSON"},
+    FU_OPT_END,
+};
+
+static const fu_opt_spec chain_cli = {
+    "fusion-chain", "usage: fusion-chain --hop HOST:PORT:FIRST:LAST ... --prompt-ids 1,2,3 [options]",
+    chain_opts, NULL};
+
+/* Runs the sessions and prints their results; the exit status. */
+static int run_chain(const chain_args *a, const int32_t *prompt, int n_prompt) {
+    chain_options co = a->co;
+    co.secret = a->secret ? a->secret : getenv("FUSION_SECRET");
+    co.tls_ca = a->tls_ca;
+    const chain_hop *hops = a->hops;
+    const int n_hops = a->n_hops, sessions = a->sessions, max_tokens = a->max_tokens;
+    const bool json = a->json;
+    const char *logits_prefix = a->logits_prefix;
+    const smp_params sp = a->sp;
     chain_client *client;
     if (chain_client_new(&co, &client)) {
         fprintf(stderr, "fusion-chain: %s\n", fu_last_error());
@@ -192,7 +191,20 @@ int main(int argc, char **argv) {
     }
     if (json) printf("]}\n");
     chain_client_free(client);
-    for (int i = 0; i < n_hops; i++) free(hop_addr[i]);
+    return status;
+}
+
+int main(int argc, char **argv) {
+    args.sp = smp_params_default();
+    int status = fu_opt_main(&chain_cli, argc, argv, NULL);
+    int32_t *prompt = NULL;
+    size_t n_prompt_z = 0;
+    if (status < 0 && (!args.n_hops || !args.prompt_ids || fu_parse_ids(args.prompt_ids, &prompt, &n_prompt_z) ||
+                       n_prompt_z > 1000000))
+        status = fu_opt_fail(&chain_cli, "give --hop and --prompt-ids (at most 1000000 token ids)");
+    if (status < 0) status = run_chain(&args, prompt, (int)n_prompt_z);
     free(prompt);
+    for (int i = 0; i < args.n_hops; i++) free((char *)args.hops[i].address);
+    fu_opt_free(chain_opts);
     return status;
 }

@@ -1,6 +1,5 @@
 /* generate.c -- fusion-generate: one process, all blocks, generates from a prompt (text, chat or token ids). */
 #include <errno.h>
-#include <getopt.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <limits.h>
@@ -17,47 +16,71 @@
 #include "log.h"
 #include "model.h"
 #include "ops.h"
+#include "options.h"
 #include "parse.h"
 #include "sampler.h"
 #include "status.h"
 #include "tokenizer.h"
 
 typedef struct gen_args {
-    const char *model;
-    const char *prompt;     /* raw text */
-    const char *chat;       /* a user message, rendered with the chat template */
-    const char *system;     /* optional system message for --chat */
-    const char *prompt_ids; /* "1,2,3" */
-    const char *logits_out;
+    char *model;
+    char *prompt;     /* raw text */
+    char *chat;       /* a user message, rendered with the chat template */
+    char *system;     /* optional system message for --chat */
+    char *prompt_ids; /* "1,2,3" */
+    char *logits_out;
     int max_tokens;
     int threads;
     int batch;
-    const char *device;
-    op_cpu_isa isa;
-    op_type kv_type;
-    int recompute;
-    int json;
-    int ignore_eos;
+    char *device;
+    int isa;          /* op_cpu_isa */
+    int kv_type;      /* op_type */
+    bool recompute;
+    bool json;
+    bool ignore_eos;
     smp_params sp;
 } gen_args;
 
-static void usage(FILE *f) {
-    fprintf(f,
-            "usage: fusion-generate --model PATH|ORG/NAME[@REV] (--chat TEXT | --prompt TEXT | --prompt-ids 1,2,3)\n"
-            "  --system TEXT         system message for --chat\n"
-            "  --max-tokens N        tokens to generate (default 128)\n"
-            "  --temperature T       0 = greedy (default 0)\n"
-            "  --top-k K --top-p P --min-p P --seed S\n"
-            "  --ignore-eos          keep going past end-of-generation tokens\n"
-            "  --device cpu|cuda|cuda:N   where the model runs (default cpu)\n"
-            "  --threads N           CPU threads (default: all)\n"
-            "  --isa auto|portable|avx2|avx512\n"
-            "  --kv f32|f16          KV cache type (default f32)\n"
-            "  --batch N             tokens per forward chunk (default 256)\n"
-            "  --recompute           recompute the whole sequence each step (no KV reuse)\n"
-            "  --logits-out FILE     write f32 logits of every position (prompt and generated)\n"
-            "  --json                print the result as JSON\n");
-}
+static gen_args args;
+
+
+static const fu_opt gen_options[] = {
+    {"model", 'm', FU_OPT_STRING, FU_OPT_TO(args.model), "PATH|REPO", "a local model or a hub repo id"},
+    {"chat", 'c', FU_OPT_STRING, FU_OPT_TO(args.chat), "TEXT", "a user message, rendered with the chat template"},
+    {"system", 'S', FU_OPT_STRING, FU_OPT_TO(args.system), "TEXT", "system message for --chat"},
+    {"prompt", 'P', FU_OPT_STRING, FU_OPT_TO(args.prompt), "TEXT", "raw prompt text"},
+    {"prompt-ids", 'i', FU_OPT_STRING, FU_OPT_TO(args.prompt_ids), "1,2,3", "prompt token ids"},
+    {"max-tokens", 'n', FU_OPT_INT, FU_OPT_TO(args.max_tokens), .help = "tokens to generate", .def = "128",
+     .lo = 0, .hi = 1 << 20},
+    {"temperature", 't', FU_OPT_FLOAT, FU_OPT_TO(args.sp.temperature), "T", "0 = greedy", .def = "0"},
+    {"top-k", 'k', FU_OPT_INT, FU_OPT_TO(args.sp.top_k), "K", "0: off", .lo = 0, .hi = INT32_MAX},
+    {"top-p", 'p', FU_OPT_FLOAT, FU_OPT_TO(args.sp.top_p), "P", "1: off"},
+    {"min-p", 'M', FU_OPT_FLOAT, FU_OPT_TO(args.sp.min_p), "P", "0: off"},
+    {"seed", 's', FU_OPT_INT, FU_OPT_TO(args.sp.seed), "S", "sampling seed", .lo = 0, .hi = LONG_MAX},
+    {"ignore-eos", 'E', FU_OPT_FLAG, FU_OPT_TO(args.ignore_eos),
+     .help = "keep going past end-of-generation tokens"},
+    {"device", 'D', FU_OPT_STRING, FU_OPT_TO(args.device), "cpu|cuda|cuda:N", "where the model runs",
+     .def = "cpu"},
+    {"threads", 'T', FU_OPT_INT, FU_OPT_TO(args.threads), .help = "CPU threads (default: all)", .lo = 0,
+     .hi = 1024},
+    {"isa", 'I', FU_OPT_CHOICE, FU_OPT_TO(args.isa), .help = "CPU kernels", .def = "auto",
+     .choices = op_cpu_isa_choices},
+    {"kv", 'K', FU_OPT_CHOICE, FU_OPT_TO(args.kv_type), .help = "KV cache type", .def = "f32",
+     .choices = op_kv_type_choices},
+    {"batch", 'b', FU_OPT_INT, FU_OPT_TO(args.batch), .help = "tokens per forward chunk (default 256)", .lo = 1,
+     .hi = 1 << 16},
+    {"recompute", 'r', FU_OPT_FLAG, FU_OPT_TO(args.recompute),
+     .help = "recompute the whole sequence each step (no KV reuse)"},
+    {"logits-out", 'L', FU_OPT_STRING, FU_OPT_TO(args.logits_out), "FILE",
+     "write f32 logits of every position (prompt and generated)"},
+    {"json", 'j', FU_OPT_FLAG, FU_OPT_TO(args.json), .help = "print the result as JSON"},
+    FU_OPT_END,
+};
+
+static const fu_opt_spec gen_spec = {
+    "fusion-generate",
+    "usage: fusion-generate --model PATH|ORG/NAME[@REV] (--chat TEXT | --prompt TEXT | --prompt-ids 1,2,3)",
+    gen_options, NULL};
 
 /* Loads the tokenizer that comes with the model: its GGUF metadata, or the
  * tokenizer.json beside config.json. */
@@ -82,258 +105,227 @@ static int render_chat(const tok_tokenizer *tok, const char *system, const char 
     return rc;
 }
 
-int main(int argc, char **argv) {
-    gen_args a = {.max_tokens = 128, .device = "cpu", .isa = OP_CPU_ISA_AUTO, .kv_type = OP_TYPE_F32};
-    a.sp = smp_params_default();
-    a.sp.temperature = 0;
-    static const struct option opts[] = {
-        {"model", required_argument, 0, 'm'},      {"prompt-ids", required_argument, 0, 'i'},
-        {"prompt", required_argument, 0, 'P'},     {"chat", required_argument, 0, 'c'},
-        {"system", required_argument, 0, 'S'},     {"ignore-eos", no_argument, 0, 'E'},
-        {"max-tokens", required_argument, 0, 'n'}, {"temperature", required_argument, 0, 't'},
-        {"top-k", required_argument, 0, 'k'},      {"top-p", required_argument, 0, 'p'},
-        {"min-p", required_argument, 0, 'M'},      {"seed", required_argument, 0, 's'},
-        {"threads", required_argument, 0, 'T'},    {"isa", required_argument, 0, 'I'},
-        {"kv", required_argument, 0, 'K'},         {"batch", required_argument, 0, 'b'},
-        {"recompute", no_argument, 0, 'r'},        {"logits-out", required_argument, 0, 'L'},
-        {"json", no_argument, 0, 'j'},             {"help", no_argument, 0, 'h'},
-        {"device", required_argument, 0, 'D'},     {0, 0, 0, 0}};
-    int c;
-    long v;
-    while ((c = getopt_long(argc, argv, "m:i:P:c:S:En:t:k:p:M:s:T:I:K:b:rL:jhD:", opts, NULL)) != -1) {
-        switch (c) {
-        case 'm': a.model = optarg; break;
-        case 'i': a.prompt_ids = optarg; break;
-        case 'P': a.prompt = optarg; break;
-        case 'c': a.chat = optarg; break;
-        case 'S': a.system = optarg; break;
-        case 'E': a.ignore_eos = 1; break;
-        case 'n':
-            if (fu_parse_long(optarg, 0, 1 << 20, &v)) goto bad;
-            a.max_tokens = (int)v;
-            break;
-        case 't': if (fu_parse_float(optarg, &a.sp.temperature)) goto bad; break;
-        case 'k':
-            if (fu_parse_long(optarg, 0, INT32_MAX, &v)) goto bad;
-            a.sp.top_k = (int)v;
-            break;
-        case 'p': if (fu_parse_float(optarg, &a.sp.top_p)) goto bad; break;
-        case 'M': if (fu_parse_float(optarg, &a.sp.min_p)) goto bad; break;
-        case 's':
-            if (fu_parse_long(optarg, 0, LONG_MAX, &v)) goto bad;
-            a.sp.seed = (uint64_t)v;
-            break;
-        case 'T':
-            if (fu_parse_long(optarg, 0, 1024, &v)) goto bad;
-            a.threads = (int)v;
-            break;
-        case 'I':
-            if (!strcmp(optarg, "auto")) a.isa = OP_CPU_ISA_AUTO;
-            else if (!strcmp(optarg, "portable")) a.isa = OP_CPU_ISA_PORTABLE;
-            else if (!strcmp(optarg, "avx2")) a.isa = OP_CPU_ISA_AVX2;
-            else if (!strcmp(optarg, "avx512")) a.isa = OP_CPU_ISA_AVX512;
-            else goto bad;
-            break;
-        case 'K':
-            if (!strcmp(optarg, "f32")) a.kv_type = OP_TYPE_F32;
-            else if (!strcmp(optarg, "f16")) a.kv_type = OP_TYPE_F16;
-            else goto bad;
-            break;
-        case 'b':
-            if (fu_parse_long(optarg, 1, 1 << 16, &v)) goto bad;
-            a.batch = (int)v;
-            break;
-        case 'r': a.recompute = 1; break;
-        case 'D': a.device = optarg; break;
-        case 'L': a.logits_out = optarg; break;
-        case 'j': a.json = 1; break;
-        case 'h': usage(stdout); return 0;
-        default:
-        bad:
-            fprintf(stderr, "fusion-generate: bad option or value near '%s'\n",
-                    optarg ? optarg : argv[optind - 1]);
-            usage(stderr);
-            return 2;
-        }
-    }
-    if (!a.model || (!!a.prompt + !!a.chat + !!a.prompt_ids) != 1) {
-        usage(stderr);
-        return 2;
-    }
+/* One generation: what it holds (gen_run_free releases it) and what it measured. */
+typedef struct gen_run {
+    char *model_path, *rendered;
+    mdl_model *m;
+    int vocab;
+    tok_tokenizer *tok;
+    tok_decoder *dec;        /* NULL: no tokenizer, ids are printed */
+    op_backend *be;
+    char device[300];
+    eng_engine *e;
+    eng_seq *seq;
+    smp_sampler *smp;
+    int32_t *prompt;         /* (n_prompt,) */
+    size_t n_prompt, total;  /* total: n_prompt + max tokens */
+    int32_t *tokens;         /* (total,): the prompt, then what is generated */
+    size_t n;                /* tokens so far */
+    eng_seq **seqs;          /* (total,): all the one sequence */
+    uint8_t *want;           /* (total,): positions whose logits are wanted */
+    float *logits;           /* (total + 1, vocab): every position's row; the last row the sampler's */
+    FILE *lf;                /* --logits-out */
+    json_t *text;            /* the decoded text */
+    const char *finish;      /* "length" or "stop" */
+    double t_prefill, t_decode;
+} gen_run;
 
-    int rc = FU_OK, status = 1;
-    char *model_path = NULL, *rendered = NULL;
-    mdl_model *m = NULL;
-    tok_tokenizer *tok = NULL;
-    tok_decoder *dec = NULL;
-    op_backend *be = NULL;
-    eng_engine *e = NULL;
-    eng_seq *seq = NULL;
-    smp_sampler *smp = NULL;
-    float *logits = NULL;
-    FILE *lf = NULL;
-    int32_t *prompt = NULL, *tokens = NULL;
-    eng_seq **seqs = NULL;
-    uint8_t *want = NULL;
-    size_t n_prompt = 0;
-    json_t *text_out = NULL;
+/* The prompt's token ids, from --prompt-ids, --chat or --prompt. */
+static int gen_prompt(gen_run *r, const gen_args *a) {
+    if (a->prompt_ids && fu_parse_ids(a->prompt_ids, &r->prompt, &r->n_prompt))
+        return fu_errorf(FU_ERR_INVALID, "--prompt-ids must be a comma-separated list of token ids");
+    int rc = FU_OK;
+    if (a->chat && !(rc = render_chat(r->tok, a->system, a->chat, &r->rendered)))
+        rc = tok_encode(r->tok, r->rendered, strlen(r->rendered), false, true, &r->prompt, &r->n_prompt);
+    else if (a->prompt)
+        rc = tok_encode(r->tok, a->prompt, strlen(a->prompt), true, true, &r->prompt, &r->n_prompt);
+    if (!rc && r->n_prompt == 0) rc = fu_errorf(FU_ERR_INVALID, "the prompt is empty");
+    return rc;
+}
 
+/* Resolves and opens the model and its tokenizer, and tokenizes the prompt. */
+static int gen_open(gen_run *r, const gen_args *a) {
     /* a local path, or a Hugging Face repo id fetched into the cache */
     hub_options ho;
     hub_options_init(&ho);
-    if ((rc = hub_resolve(a.model, &ho, &model_path))) goto done;
     mdl_open_options mo = mdl_open_options_all();
-    if ((rc = mdl_open(model_path, &mo, &m))) goto done;
-    const int V = m->cfg.vocab_size;
-
-    rc = load_tokenizer(m, model_path, &tok);
-    if (rc && !a.prompt_ids) goto done;
+    int rc = hub_resolve(a->model, &ho, &r->model_path);
+    if (rc || (rc = mdl_open(r->model_path, &mo, &r->m))) return rc;
+    r->vocab = r->m->cfg.vocab_size;
+    if ((rc = load_tokenizer(r->m, r->model_path, &r->tok)) && !a->prompt_ids) return rc;
     if (rc) FU_WARN("no tokenizer (%s): printing token ids only", fu_last_error());
-    if (a.prompt_ids) {
-        if (fu_parse_ids(a.prompt_ids, &prompt, &n_prompt)) {
-            rc = fu_errorf(FU_ERR_INVALID, "--prompt-ids must be a comma-separated list of token ids");
-            goto done;
-        }
-    } else if (a.chat) {
-        if ((rc = render_chat(tok, a.system, a.chat, &rendered))) goto done;
-        if ((rc = tok_encode(tok, rendered, strlen(rendered), false, true, &prompt, &n_prompt))) goto done;
-    } else {
-        if ((rc = tok_encode(tok, a.prompt, strlen(a.prompt), true, true, &prompt, &n_prompt))) goto done;
-    }
-    if (n_prompt == 0) {
-        rc = fu_errorf(FU_ERR_INVALID, "the prompt is empty");
-        goto done;
-    }
-    size_t total = n_prompt + (size_t)a.max_tokens;
-    if (total > (size_t)m->cfg.max_seq_len) {
-        rc = fu_errorf(FU_ERR_RANGE, "prompt (%zu tokens) + max tokens (%d) exceed the context (%d)",
-                       n_prompt, a.max_tokens, m->cfg.max_seq_len);
-        goto done;
-    }
+    if ((rc = gen_prompt(r, a))) return rc;
+    r->total = r->n_prompt + (size_t)a->max_tokens;
+    if (r->total > (size_t)r->m->cfg.max_seq_len)
+        return fu_errorf(FU_ERR_RANGE, "prompt (%zu tokens) + max tokens (%d) exceed the context (%d)",
+                         r->n_prompt, a->max_tokens, r->m->cfg.max_seq_len);
+    return FU_OK;
+}
 
-    char device[300];
-    if ((rc = op_backend_open(a.device, a.threads, a.isa, &be, device, sizeof device))) goto done;
-    eng_options eo = {a.batch, a.kv_type};
-    if ((rc = eng_new(m, be, &eo, &e))) goto done;
-    if ((rc = smp_new(&a.sp, V, &smp))) goto done;
-    if ((rc = eng_seq_new(e, (int)total, &seq))) goto done;
-    logits = malloc((total + 1) * (size_t)V * sizeof *logits);
-    tokens = malloc(total * sizeof *tokens);
-    seqs = malloc(total * sizeof *seqs);
-    want = calloc(total, 1);
-    text_out = json_string("");
-    if (!logits || !tokens || !seqs || !want || !text_out) {
-        rc = fu_errorf(FU_ERR_NOMEM, "buffers");
-        goto done;
-    }
-    if (tok && (rc = tok_decoder_init(tok, true, &dec))) goto done;
-    memcpy(tokens, prompt, n_prompt * sizeof *tokens);
-    for (size_t i = 0; i < total; i++) seqs[i] = seq;
-    if (a.logits_out && !(lf = fopen(a.logits_out, "wb"))) {
-        rc = fu_errorf(FU_ERR_IO, "%s: %s", a.logits_out, strerror(errno));
-        goto done;
-    }
+/* The backend, the engine, the sampler and every buffer of the run. */
+static int gen_prepare(gen_run *r, const gen_args *a) {
+    int rc = op_backend_open(a->device, a->threads, a->isa, &r->be, r->device, sizeof r->device);
+    eng_options eo = {a->batch, a->kv_type};
+    if (rc || (rc = eng_new(r->m, r->be, &eo, &r->e)) || (rc = smp_new(&a->sp, r->vocab, &r->smp)) ||
+        (rc = eng_seq_new(r->e, (int)r->total, &r->seq)))
+        return rc;
+    r->logits = malloc((r->total + 1) * (size_t)r->vocab * sizeof *r->logits);
+    r->tokens = malloc(r->total * sizeof *r->tokens);
+    r->seqs = malloc(r->total * sizeof *r->seqs);
+    r->want = calloc(r->total, 1);
+    r->text = json_string("");
+    if (!r->logits || !r->tokens || !r->seqs || !r->want || !r->text) return fu_errorf(FU_ERR_NOMEM, "buffers");
+    if (r->tok && (rc = tok_decoder_init(r->tok, true, &r->dec))) return rc;
+    memcpy(r->tokens, r->prompt, r->n_prompt * sizeof *r->tokens);
+    r->n = r->n_prompt;
+    for (size_t i = 0; i < r->total; i++) r->seqs[i] = r->seq;
+    if (a->logits_out && !(r->lf = fopen(a->logits_out, "wb")))
+        return fu_errorf(FU_ERR_IO, "%s: %s", a->logits_out, strerror(errno));
+    return FU_OK;
+}
 
+/* The prompt's forward; *last: the logits row to sample the first token from. The logits of
+ * every prompt position are computed only when they are written out. */
+static int gen_prefill(gen_run *r, const float **last) {
     double t0 = fu_now_s();
-    /* logits of every prompt position only when they are written out */
-    eng_batch b = {(int)n_prompt, tokens, NULL, seqs, NULL};
-    if (!lf) {
-        want[n_prompt - 1] = 1;
-        b.want = want;
+    eng_batch b = {(int)r->n_prompt, r->tokens, NULL, r->seqs, NULL};
+    if (!r->lf) {
+        r->want[r->n_prompt - 1] = 1;
+        b.want = r->want;
     }
-    if ((rc = eng_forward(e, &b, logits))) goto done;
-    double t_prefill = fu_now_s() - t0;
-    if (lf) fwrite(logits, sizeof(float), n_prompt * (size_t)V, lf);
-    const float *last = logits + (lf ? n_prompt - 1 : 0) * (size_t)V;
-    float *scratch = logits + total * (size_t)V; /* the sampler's row */
-    size_t n = n_prompt;
-    const char *finish = "length";
+    int rc = eng_forward(r->e, &b, r->logits);
+    r->t_prefill = fu_now_s() - t0;
+    if (rc) return rc;
+    if (r->lf) fwrite(r->logits, sizeof(float), r->n_prompt * (size_t)r->vocab, r->lf);
+    *last = r->logits + (r->lf ? r->n_prompt - 1 : 0) * (size_t)r->vocab;
+    return FU_OK;
+}
+
+/* Decodes token t: printed as it comes (unless --json) and added to the text. */
+static int gen_emit(gen_run *r, const gen_args *a, int32_t t) {
+    const char *piece;
+    size_t len;
+    int rc = tok_decoder_push(r->dec, t, &piece, &len);
+    if (rc || !len) return rc;
+    if (!a->json) {
+        fwrite(piece, 1, len, stdout);
+        fflush(stdout);
+    }
+    char *joined;
+    if (asprintf(&joined, "%s%.*s", json_string_value(r->text), (int)len, piece) < 0)
+        return fu_errorf(FU_ERR_NOMEM, "text");
+    json_string_set(r->text, joined);
+    free(joined);
+    return FU_OK;
+}
+
+/* The next position's logits into out: the last token's forward, or with --recompute the whole
+ * sequence from scratch (no cache reuse). */
+static int gen_step(gen_run *r, const gen_args *a, float *out) {
+    if (!a->recompute) {
+        eng_batch db = {1, r->tokens + r->n - 1, NULL, r->seqs, NULL};
+        return eng_forward(r->e, &db, out);
+    }
+    int rc = eng_seq_truncate(r->seq, 0);
+    if (rc) return rc;
+    memset(r->want, 0, r->n);
+    r->want[r->n - 1] = 1;
+    eng_batch rb = {(int)r->n, r->tokens, NULL, r->seqs, r->want};
+    return eng_forward(r->e, &rb, out);
+}
+
+/* Samples up to --max-tokens tokens after the prompt. */
+static int gen_decode(gen_run *r, const gen_args *a, const float *last) {
+    float *scratch = r->logits + r->total * (size_t)r->vocab; /* the sampler's row */
     double t1 = fu_now_s();
-    for (int step = 0; step < a.max_tokens; step++) {
-        memcpy(scratch, last, (size_t)V * sizeof(float));
-        int32_t t = smp_sample(smp, scratch);
-        smp_accept(smp, t);
-        tokens[n++] = t;
-        if (tok && !a.ignore_eos && tok_is_eog(tok, t)) {
-            finish = "stop";
+    r->finish = "length";
+    for (int step = 0; step < a->max_tokens; step++) {
+        memcpy(scratch, last, (size_t)r->vocab * sizeof(float));
+        int32_t t = smp_sample(r->smp, scratch);
+        smp_accept(r->smp, t);
+        r->tokens[r->n++] = t;
+        if (r->tok && !a->ignore_eos && tok_is_eog(r->tok, t)) {
+            r->finish = "stop";
             break;
         }
-        if (dec) {
-            const char *piece;
-            size_t len;
-            if ((rc = tok_decoder_push(dec, t, &piece, &len))) goto done;
-            if (len && !a.json) {
-                fwrite(piece, 1, len, stdout);
-                fflush(stdout);
-            }
-            if (len) {
-                char *joined;
-                if (asprintf(&joined, "%s%.*s", json_string_value(text_out), (int)len, piece) < 0) {
-                    rc = fu_errorf(FU_ERR_NOMEM, "text");
-                    goto done;
-                }
-                json_string_set(text_out, joined);
-                free(joined);
-            }
-        }
-        if (step + 1 == a.max_tokens) break;
-        float *out = logits + (n - 1) * (size_t)V;
-        if (a.recompute) { /* the whole sequence from scratch: no cache reuse */
-            if ((rc = eng_seq_truncate(seq, 0))) goto done;
-            memset(want, 0, n);
-            want[n - 1] = 1;
-            eng_batch rb = {(int)n, tokens, NULL, seqs, want};
-            rc = eng_forward(e, &rb, out);
-        } else {
-            eng_batch db = {1, tokens + n - 1, NULL, seqs, NULL};
-            rc = eng_forward(e, &db, out);
-        }
-        if (rc) goto done;
-        if (lf) fwrite(out, sizeof(float), (size_t)V, lf);
+        int rc = r->dec ? gen_emit(r, a, t) : FU_OK;
+        if (rc) return rc;
+        if (step + 1 == a->max_tokens) break;
+        float *out = r->logits + (r->n - 1) * (size_t)r->vocab;
+        if ((rc = gen_step(r, a, out))) return rc;
+        if (r->lf) fwrite(out, sizeof(float), (size_t)r->vocab, r->lf);
         last = out;
     }
-    double t_decode = fu_now_s() - t1;
+    r->t_decode = fu_now_s() - t1;
+    return FU_OK;
+}
 
-    size_t n_gen = n - n_prompt;
-    if (a.json) {
+/* Prints the result: JSON, or the ids (without a tokenizer) and the rates on stderr. */
+static void gen_print(const gen_run *r, const gen_args *a) {
+    size_t n_gen = r->n - r->n_prompt;
+    if (a->json) {
         json_t *ids = json_array();
-        for (size_t i = n_prompt; i < n; i++) json_array_append_new(ids, json_integer(tokens[i]));
-        json_t *res = json_pack("{s:I, s:o, s:O, s:s, s:f, s:f, s:s}", "prompt_tokens", (json_int_t)n_prompt,
-                                "tokens", ids, "text", text_out, "finish_reason", finish,
-                                "prefill_s", t_prefill, "decode_s", t_decode, "device", device);
+        for (size_t i = r->n_prompt; i < r->n; i++) json_array_append_new(ids, json_integer(r->tokens[i]));
+        json_t *res = json_pack("{s:I, s:o, s:O, s:s, s:f, s:f, s:s}", "prompt_tokens", (json_int_t)r->n_prompt,
+                                "tokens", ids, "text", r->text, "finish_reason", r->finish, "prefill_s",
+                                r->t_prefill, "decode_s", r->t_decode, "device", r->device);
         char *s = json_dumps(res, JSON_COMPACT);
         printf("%s\n", s);
         free(s);
         json_decref(res);
-    } else {
-        if (!dec) {
-            for (size_t i = n_prompt; i < n; i++) printf("%s%d", i > n_prompt ? "," : "", tokens[i]);
-        }
-        printf("\n");
-        fprintf(stderr, "[%s] prompt %zu tokens %.1f tok/s, generated %zu tokens %.1f tok/s on %s\n", finish,
-                n_prompt, n_prompt / t_prefill, n_gen, n_gen > 1 ? (double)(n_gen - 1) / t_decode : 0.0, device);
+        return;
     }
-    status = 0;
-done:
-    if (status) fprintf(stderr, "fusion-generate: %s: %s\n", fu_status_str(rc), fu_last_error());
-    if (lf && fclose(lf) && !status) {
-        fprintf(stderr, "fusion-generate: writing %s failed\n", a.logits_out);
-        status = 1;
+    for (size_t i = r->n_prompt; !r->dec && i < r->n; i++) printf("%s%d", i > r->n_prompt ? "," : "", r->tokens[i]);
+    printf("\n");
+    fprintf(stderr, "[%s] prompt %zu tokens %.1f tok/s, generated %zu tokens %.1f tok/s on %s\n", r->finish,
+            r->n_prompt, r->n_prompt / r->t_prefill, n_gen,
+            n_gen > 1 ? (double)(n_gen - 1) / r->t_decode : 0.0, r->device);
+}
+
+/* Releases what the run holds; closing the logits file may fail: FU_ERR_IO then. */
+static int gen_run_free(gen_run *r) {
+    int rc = r->lf && fclose(r->lf) ? FU_ERR_IO : FU_OK;
+    json_decref(r->text);
+    free(r->model_path);
+    free(r->rendered);
+    free(r->prompt);
+    free(r->tokens);
+    free(r->seqs);
+    free(r->want);
+    free(r->logits);
+    smp_free(r->smp);
+    eng_seq_free(r->e, r->seq);
+    eng_free(r->e);
+    op_backend_free(r->be);
+    tok_decoder_free(r->dec);
+    tok_free(r->tok);
+    mdl_free(r->m);
+    return rc;
+}
+
+/* Generates as `a` asks; the exit status. */
+static int generate(const gen_args *a) {
+    gen_run r = {0};
+    const float *last = NULL;
+    int rc = gen_open(&r, a);
+    if (!rc) rc = gen_prepare(&r, a);
+    if (!rc) rc = gen_prefill(&r, &last);
+    if (!rc) rc = gen_decode(&r, a, last);
+    if (!rc) gen_print(&r, a);
+    if (rc) fprintf(stderr, "fusion-generate: %s: %s\n", fu_status_str(rc), fu_last_error());
+    if (gen_run_free(&r) && !rc) {
+        fprintf(stderr, "fusion-generate: writing %s failed\n", a->logits_out);
+        rc = FU_ERR_IO;
     }
-    json_decref(text_out);
-    free(model_path);
-    free(rendered);
-    free(prompt);
-    free(tokens);
-    free(seqs);
-    free(want);
-    free(logits);
-    smp_free(smp);
-    eng_seq_free(e, seq);
-    eng_free(e);
-    op_backend_free(be);
-    tok_decoder_free(dec);
-    tok_free(tok);
-    mdl_free(m);
+    return rc ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    args.sp = smp_params_default();
+    int status = fu_opt_main(&gen_spec, argc, argv, NULL);
+    if (status < 0 && (!args.model || (!!args.prompt + !!args.chat + !!args.prompt_ids) != 1))
+        status = fu_opt_fail(&gen_spec, "give --model and one of --chat, --prompt and --prompt-ids");
+    if (status < 0) status = generate(&args);
+    fu_opt_free(gen_options);
     return status;
 }

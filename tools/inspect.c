@@ -16,6 +16,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
+#include <limits.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +26,7 @@
 
 #include "gguf.h"
 #include "ops.h"
+#include "parse.h"
 #include "safetensors.h"
 #include "status.h"
 
@@ -343,13 +345,8 @@ static int inspect_safetensors(const char *path, const char *tensor, row_range r
 /* ---- main -------------------------------------------------------------------- */
 
 static bool parse_rows(const char *s, row_range *r) {
-    char *end;
-    errno = 0;
-    long long a = strtoll(s, &end, 10);
-    if (errno || end == s || *end != ':' || a < 0) return false;
-    const char *p = end + 1;
-    long long b = strtoll(p, &end, 10);
-    if (errno || end == p || *end || b < a) return false;
+    long a, b;
+    if (fu_parse_range(s, 0, LONG_MAX, &a, &b)) return false;
     r->start = a;
     r->end = b;
     return true;

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "ops.h"
+#include "parse.h"
 #include "status.h"
 
 /* Reads exactly n bytes from stdin into a new buffer; NULL on short input. */
@@ -36,10 +37,10 @@ static int oc_write(const float *y, size_t n) {
     return fwrite(y, sizeof(float), n, stdout) == n ? 0 : 1;
 }
 
+/* A whole integer in [0, 2^31] (a size). */
 static bool oc_int(const char *s, long long *out) {
-    char *end;
-    long long v = strtoll(s, &end, 10);
-    if (end == s || *end || v < 0 || v > (1ll << 31)) return false;
+    long v;
+    if (fu_parse_long(s, 0, 1L << 31, &v)) return false;
     *out = v;
     return true;
 }
@@ -84,6 +85,7 @@ int main(int argc, char **argv) {
     if (!be) return oc_fail("backend");
     fprintf(stderr, "fusion-opcheck: %s on %s with %d threads\n", op, op_backend_isa(be), op_backend_n_threads(be));
     int rc = 2;
+    float eps = 0;
     if (!strcmp(op, "matmul") && nargs == 4 && oc_int(argv[i + 1], &a[0]) && oc_int(argv[i + 2], &a[1]) &&
         oc_int(argv[i + 3], &a[2])) {
         static const op_type mm_types[] = {OP_TYPE_F32, OP_TYPE_F16, OP_TYPE_BF16, OP_TYPE_Q8_0, OP_TYPE_Q4_0,
@@ -104,8 +106,8 @@ int main(int argc, char **argv) {
         free(w);
         free(x);
         free(y);
-    } else if (!strcmp(op, "rmsnorm") && nargs == 3 && oc_int(argv[i], &a[0]) && oc_int(argv[i + 1], &a[1])) {
-        float eps = strtof(argv[i + 2], NULL);
+    } else if (!strcmp(op, "rmsnorm") && nargs == 3 && oc_int(argv[i], &a[0]) && oc_int(argv[i + 1], &a[1]) &&
+               !fu_parse_float(argv[i + 2], &eps)) {
         float *x = oc_read((size_t)(a[0] * a[1]) * 4), *w = oc_read((size_t)a[1] * 4);
         if (x && w) {
             op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, a[1], a[0]), wt = op_tensor_1d(OP_TYPE_F32, w, a[1]);

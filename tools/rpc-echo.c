@@ -23,6 +23,7 @@
 
 #include "fusion.pb-c.h"
 #include "log.h"
+#include "options.h"
 #include "rpc.h"
 #include "status.h"
 
@@ -246,28 +247,34 @@ static int on_session(void *ctx, rpc_stream *s, rpc_status *st) {
     return rc == RPC_END_OF_STREAM ? RPC_OK : rc;
 }
 
-static int usage(void) {
-    fprintf(stderr, "usage: FUSION_SWARM_SECRET=... fusion-rpc-echo [--address HOST:PORT] "
-                    "[--tls-cert PEM --tls-key PEM | --insecure] [--max-message BYTES]\n");
-    return 2;
-}
+/* What the command line gives. */
+typedef struct echo_args {
+    char *address, *tls_cert, *tls_key;
+    bool insecure;
+    size_t max_message;
+} echo_args;
+
+static echo_args args;
+
+static const fu_opt echo_options[] = {
+    {"address", 0, FU_OPT_STRING, FU_OPT_TO(args.address), "HOST:PORT", "where to listen", .def = "127.0.0.1:0"},
+    {"tls-cert", 0, FU_OPT_STRING, FU_OPT_TO(args.tls_cert), "PEM", "serve TLS with this certificate"},
+    {"tls-key", 0, FU_OPT_STRING, FU_OPT_TO(args.tls_key), "PEM", "and this key"},
+    {"insecure", 0, FU_OPT_FLAG, FU_OPT_TO(args.insecure), .help = "plaintext, loopback addresses only"},
+    {"max-message", 0, FU_OPT_INT, FU_OPT_TO(args.max_message), "BYTES",
+     "bound on one message each way (default: the RPC default)", .lo = 0, .hi = 1L << 40},
+    FU_OPT_END,
+};
+
+static const fu_opt_spec echo_spec = {
+    "fusion-rpc-echo", "usage: FUSION_SWARM_SECRET=... fusion-rpc-echo [options]", echo_options, NULL};
 
 int main(int argc, char **argv) {
-    rpc_server_options o = {.address = "127.0.0.1:0", .secret = getenv("FUSION_SWARM_SECRET")};
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--insecure")) {
-            o.allow_insecure = true;
-            continue;
-        }
-        if (!v) return usage();
-        if (!strcmp(a, "--address")) o.address = v;
-        else if (!strcmp(a, "--tls-cert")) o.tls_cert = v;
-        else if (!strcmp(a, "--tls-key")) o.tls_key = v;
-        else if (!strcmp(a, "--max-message")) o.max_message_bytes = strtoull(v, NULL, 10);
-        else return usage();
-        i++;
-    }
+    int status = fu_opt_main(&echo_spec, argc, argv, NULL);
+    if (status >= 0) return status;
+    rpc_server_options o = {.address = args.address, .tls_cert = args.tls_cert, .tls_key = args.tls_key,
+                            .allow_insecure = args.insecure, .max_message_bytes = args.max_message,
+                            .secret = getenv("FUSION_SWARM_SECRET")};
     /* Block the signals before any thread starts; the main thread waits for them. */
     sigset_t sigs;
     sigemptyset(&sigs);
@@ -289,6 +296,7 @@ int main(int argc, char **argv) {
         rpc_server_start(srv)) {
         fprintf(stderr, "fusion-rpc-echo: %s\n", fu_last_error());
         rpc_server_free(srv);
+        fu_opt_free(echo_options);
         return 1;
     }
     printf("port %d\n", rpc_server_port(srv));
@@ -298,5 +306,6 @@ int main(int argc, char **argv) {
     FU_INFO("fusion-rpc-echo: signal %d, draining", sig);
     rpc_server_shutdown(srv, 2000);
     rpc_server_free(srv);
+    fu_opt_free(echo_options);
     return 0;
 }

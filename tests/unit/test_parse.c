@@ -1,4 +1,4 @@
-/* test_parse.c -- strict parsing of numbers and token-id lists; opening a backend by device name. */
+/* test_parse.c -- strict parsing of numbers, ranges and token-id lists; opening a backend by device name. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -30,6 +30,29 @@ static void test_float(void **state) {
     assert_int_equal(fu_parse_float("0.5x", &f), FU_ERR_INVALID);
     assert_int_equal(fu_parse_float("", &f), FU_ERR_INVALID);
     assert_int_equal(fu_parse_float("1e999", &f), FU_ERR_INVALID);
+}
+
+static void test_double_and_range(void **state) {
+    double d;
+    assert_int_equal(fu_parse_double("0.02", &d), FU_OK);
+    assert_true(d == 0.02);
+    assert_int_equal(fu_parse_double("1e300", &d), FU_OK);
+    const char *bad[] = {"", "1e999", "0.5x", "x", " "};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_int_equal(fu_parse_double(bad[i], &d), FU_ERR_INVALID);
+    float f;
+    assert_int_equal(fu_parse_float("1e39", &f), FU_ERR_INVALID); /* a double, not a float */
+    long a, b;
+    assert_int_equal(fu_parse_range("0:15", 0, 100, &a, &b), FU_OK);
+    assert_int_equal(a, 0);
+    assert_int_equal(b, 15);
+    assert_int_equal(fu_parse_range("7:7", 0, 100, &a, &b), FU_OK);
+    const char *bad_ranges[] = {"",      ":",     "1:",  ":2", "3:2", "-1:2",
+                                "1:101", "1:2:3", "1-2", "123456789012345678901234567890123:1"};
+    for (size_t i = 0; i < sizeof bad_ranges / sizeof bad_ranges[0]; i++) {
+        assert_int_equal(fu_parse_range(bad_ranges[i], 0, 100, &a, &b), FU_ERR_INVALID);
+        assert_non_null(strstr(fu_last_error(), "expected A:B with 0 <= A <= B <= 100"));
+    }
 }
 
 static void test_ids(void **state) {
@@ -83,6 +106,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_long),
         cmocka_unit_test(test_float),
+        cmocka_unit_test(test_double_and_range),
         cmocka_unit_test(test_ids),
         cmocka_unit_test(test_backend_open),
     };
