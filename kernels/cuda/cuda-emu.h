@@ -1,4 +1,9 @@
-/* cuda-emu.h -- the CUDA backend with every kernel run by the CPU emulator (tests only). */
+/* cuda-emu.h -- the CUDA backend with every kernel run by the CPU emulator (tests only).
+ *
+ * Threads and ownership as for any backend (ops.h): ops are serialized by the
+ * backend's lock, and the emulator runs a block's threads on host threads of
+ * its own within one op. The caller owns the backend.
+ */
 #ifndef FU_CUDA_EMU_PUBLIC_H
 #define FU_CUDA_EMU_PUBLIC_H
 
