@@ -33,6 +33,7 @@
 
 #include "bench-util.h"
 #include "ops.h"
+#include "options.h"
 #include "parse.h"
 #include "status.h"
 
@@ -246,57 +247,173 @@ static bool bench_type_selected(const char *list, op_type type) {
     return false;
 }
 
-int main(int argc, char **argv) {
-    int nth = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    const char *isa_arg = "all", *types = NULL;
-    bool quick = false, decode = true, prefill = true, batch = true;
-    int32_t batch_def[] = {1, 8, 16, 32}, *batch_t = batch_def;
-    size_t n_batch = 4;
-    int32_t *batch_arg = NULL;
-    for (int i = 1; i < argc; i++) {
-        long v;
-        if (!strcmp(argv[i], "--threads") && i + 1 < argc) {
-            if (fu_parse_long(argv[++i], 0, 4096, &v)) {
-                fprintf(stderr, "--threads: %s\n", fu_last_error());
-                return 2;
-            }
-            nth = (int)v;
-        } else if (!strcmp(argv[i], "--isa") && i + 1 < argc)
-            isa_arg = argv[++i];
-        else if (!strcmp(argv[i], "--types") && i + 1 < argc)
-            types = argv[++i];
-        else if (!strcmp(argv[i], "--quick"))
-            quick = true;
-        else if (!strcmp(argv[i], "--no-prefill"))
-            prefill = false;
-        else if (!strcmp(argv[i], "--no-decode"))
-            decode = false;
-        else if (!strcmp(argv[i], "--no-batch"))
-            batch = false;
-        else if (!strcmp(argv[i], "--batch-t") && i + 1 < argc) {
-            free(batch_arg);
-            batch_arg = NULL;
-            if (fu_parse_ids(argv[++i], &batch_arg, &n_batch)) {
-                fprintf(stderr, "--batch-t: %s\n", fu_last_error());
-                return 2;
-            }
-            for (size_t b = 0; b < n_batch; b++)
-                if (batch_arg[b] < 1 || batch_arg[b] > 4096) {
-                    fprintf(stderr, "--batch-t: %d outside [1, 4096]\n", batch_arg[b]);
-                    return 2;
-                }
-            batch_t = batch_arg;
-        } else {
-            fprintf(stderr, "usage: %s [--threads N] [--isa portable|avx2|avx512|all] [--types f16,...] "
-                            "[--quick] [--no-prefill] [--no-decode] [--no-batch] [--batch-t 1,8,...]\n",
-                    argv[0]);
-            return 2;
+/* ---- the run -------------------------------------------------------------- */
+
+/* What the command line chose, and the machine's limits measured at the start. */
+typedef struct bench_args {
+    int nth;
+    char *isa, *types;
+    bool quick, decode, prefill, batch;
+    int32_t *batch_t;
+    size_t n_batch;
+    double peak; /* AVX2 FMA peak, GFLOP/s */
+} bench_args;
+
+static bench_args args = {.batch = true, .decode = true, .prefill = true};
+
+/* --batch-t: a list of batch sizes in [1, 4096]. */
+static int bench_set_batch_t(void *ctx, const char *v) {
+    bench_args *a = ctx;
+    int32_t *ids;
+    size_t n;
+    int rc = fu_parse_ids(v, &ids, &n);
+    if (rc) return rc;
+    for (size_t b = 0; b < n; b++)
+        if (ids[b] < 1 || ids[b] > 4096) {
+            free(ids);
+            return fu_errorf(FU_ERR_INVALID, "%d outside [1, 4096]", ids[b]);
+        }
+    free(a->batch_t);
+    a->batch_t = ids;
+    a->n_batch = n;
+    return FU_OK;
+}
+
+static const fu_opt bench_options[] = {
+    {"threads", 0, FU_OPT_INT, FU_OPT_TO(args.nth), .help = "threads (default: all CPUs)", .lo = 1, .hi = 4096},
+    {"isa", 0, FU_OPT_STRING, FU_OPT_TO(args.isa), "portable|avx2|avx512|all", "the ISA paths to measure",
+     .def = "all"},
+    {"types", 0, FU_OPT_STRING, FU_OPT_TO(args.types), "f16,q4_0,...", "weight types (default: all)"},
+    {"quick", 0, FU_OPT_FLAG, FU_OPT_TO(args.quick), .help = "fewer shapes and repetitions"},
+    {"no-prefill", 0, FU_OPT_FLAG, FU_OPT_TO(args.prefill), .help = "leave out prefill", .flags = FU_OPT_NEGATE},
+    {"no-decode", 0, FU_OPT_FLAG, FU_OPT_TO(args.decode), .help = "leave out decode", .flags = FU_OPT_NEGATE},
+    {"no-batch", 0, FU_OPT_FLAG, FU_OPT_TO(args.batch), .help = "leave out batched decode", .flags = FU_OPT_NEGATE},
+    {"batch-t", 0, FU_OPT_CALL, .dest = &args, .arg = "1,8,...", .help = "batch sizes (default 1,8,16,32)",
+     .fn = bench_set_batch_t},
+    FU_OPT_END,
+};
+
+static const fu_opt_spec bench_spec = {
+    "fusion-bench-ops",
+    "usage: fusion-bench-ops [options]\n"
+    "Matmul throughput of the CPU backend against the machine's read bandwidth and FMA peak.\n",
+    bench_options, NULL};
+
+/* Makes w: `type` weights (n, k) in copies over at least rotate bytes. FU_OK or FU_ERR_NOMEM. */
+static int bench_weight_new(op_backend *be, bench_weight *w, op_type type, int64_t n, int64_t k, size_t rotate) {
+    memset(w, 0, sizeof *w);
+    if (bench_weight_make(be, w, type, n, k, rotate)) return fu_errorf(FU_ERR_NOMEM, "out of memory");
+    return FU_OK;
+}
+
+/* One decode line: T=1 matvec time, GB/s, and the fraction of the paired stream read. */
+static void bench_print_decode(const char *isa, op_type type, int64_t n, int64_t k, double sec, double sum_s,
+                               double bytes, const char *note) {
+    printf("[%-8s] decode  %-8s N=%-6lld K=%-5lld T=1   %8.3f ms  %6.1f GB/s  %5.2f of bandwidth (%s",
+           isa, op_type_name(type), (long long)n, (long long)k, sec * 1e3, bytes / sec * 1e-9, sum_s / sec, note);
+    fflush(stdout);
+}
+
+/* Decode (T=1) at one shape: the plain path, the opt-in int8 activations, the
+ * layout the engine runs. FU_OK or an error. */
+static int bench_decode_shape(op_backend *be, op_backend *beq, const char *isa, op_type type, int64_t n,
+                              int64_t k) {
+    bool portable = !strcmp(isa, "portable");
+    bench_weight w;
+    int rc = bench_weight_new(be, &w, type, n, k, portable ? 0 : (size_t)1 << 30);
+    if (rc) return rc;
+    double sum_s = 0;
+    double sec = bench_decode(be, &w, portable ? 2 : args.quick ? 3 : 6, &sum_s);
+    double bytes = (double)(op_row_bytes(type, k) * (size_t)n);
+    bench_print_decode(isa, type, n, k, sec, sum_s, bytes, "");
+    printf("stream-read of the same %.0f MiB x %d: %.1f GB/s)\n", bytes / 1048576.0, w.copies,
+           bytes / sum_s * 1e-9);
+    if (!portable && (type == OP_TYPE_Q8_0 || type == OP_TYPE_Q4_0 || type == OP_TYPE_Q4_1)) {
+        sec = bench_decode(beq, &w, args.quick ? 3 : 6, &sum_s);
+        bench_print_decode(isa, type, n, k, sec, sum_s, bytes, "int8-x: opt-in quantized_activations; ");
+        printf("stream-read %.1f GB/s)\n", bytes / sum_s * 1e-9);
+    }
+    if (op_weight_layout(be, type, n) != type) {
+        if ((rc = bench_weight_prepare(be, &w)) == FU_OK) {
+            sec = bench_decode(be, &w, args.quick ? 3 : 6, &sum_s);
+            bench_print_decode(isa, w.t[0].type, n, k, sec, sum_s, bytes, "the layout the engine runs; ");
+            printf("stream-read %.1f GB/s)\n", bytes / sum_s * 1e-9);
         }
     }
-    if (nth < 1) nth = 1;
-    double bw = bench_read_bandwidth(nth, (size_t)1 << 30, 5);
+    bench_weight_free(be, &w);
+    return rc;
+}
+
+/* Matmuls of T rows for each T of ts[0..n_ts) at N x K, plain layout then the
+ * engine's; `batch` lines compare with the AVX-512 peak and the weights'
+ * bandwidth, prefill lines with the AVX2 peak. FU_OK or an error. */
+static int bench_matmul_shapes(op_backend *be, const char *isa, op_type type, bool batch, const int32_t *ts,
+                               size_t n_ts, int64_t max_t, bool short_runs) {
+    const int64_t n = batch ? 8192 : 2048, k = 2048;
+    bench_weight w;
+    int rc = bench_weight_new(be, &w, type, n, k, batch && !short_runs ? (size_t)1 << 30 : 0);
+    if (rc) return rc;
+    double bytes = (double)(op_row_bytes(type, k) * (size_t)n);
+    const int passes = op_weight_layout(be, type, n) != type ? 2 : 1;
+    for (int pass = 0; pass < passes && !rc; pass++) {
+        if (pass == 1 && (rc = bench_weight_prepare(be, &w))) break;
+        for (size_t b = 0; b < n_ts; b++) {
+            int64_t t = ts[b];
+            if (t > max_t) continue;
+            double sec = bench_matmul(be, &w, t, short_runs ? 0.1 : 0.5);
+            double gf = 2.0 * (double)t * (double)n * (double)k / sec * 1e-9;
+            printf("[%-8s] %-7s %-8s N=%-6lld K=%-5lld T=%-4lld %8.3f ms  %6.1f GFLOP/s  ", isa,
+                   batch ? "batch" : "prefill", op_type_name(w.t[0].type), (long long)n, (long long)k, (long long)t,
+                   sec * 1e3, gf);
+            if (batch)
+                printf("%5.2f of AVX-512 peak  %6.1f GB/s of weights\n", gf / (2 * args.peak), bytes / sec * 1e-9);
+            else
+                printf("%5.2f of AVX2 peak\n", gf / args.peak);
+            fflush(stdout);
+        }
+    }
+    bench_weight_free(be, &w);
+    return rc;
+}
+
+/* Every selected measurement of one weight type on one ISA path. */
+static int bench_type(op_backend *be, op_backend *beq, const char *isa, op_type type) {
+    static const int64_t dshapes[][2] = {{8192, 2048}, {2048, 8192}, {128256, 2048}}; /* (N, K) */
+    static const int32_t prefill_t[] = {128, 512};
+    bool portable = !strcmp(isa, "portable"), short_runs = args.quick || portable;
+    int rc = FU_OK;
+    for (int s = 0; args.decode && s < 3 && !rc; s++)
+        if (!(short_runs && dshapes[s][0] > 8192))
+            rc = bench_decode_shape(be, beq, isa, type, dshapes[s][0], dshapes[s][1]);
+    if (!rc && args.batch)
+        rc = bench_matmul_shapes(be, isa, type, true, args.batch_t, args.n_batch, portable ? 32 : 4096, short_runs);
+    if (!rc && args.prefill)
+        rc = bench_matmul_shapes(be, isa, type, false, prefill_t, 2, short_runs ? 128 : 512, short_runs);
+    return rc;
+}
+
+/* All selected types on one ISA path; a path the CPU lacks is reported and skipped. */
+static int bench_isa(op_cpu_isa isa, const char *name) {
+    op_backend *be = op_backend_cpu_new(&(op_cpu_options){.n_threads = args.nth, .isa = isa});
+    op_backend *beq =
+        op_backend_cpu_new(&(op_cpu_options){.n_threads = args.nth, .isa = isa, .quantized_activations = true});
+    int rc = be && beq ? FU_OK : FU_ERR_INTERNAL;
+    if (!rc && strcmp(op_backend_isa(be), name)) {
+        printf("[%s] not available on this CPU\n", name);
+    } else {
+        for (size_t ti = 0; !rc && ti < sizeof bench_types / sizeof bench_types[0]; ti++)
+            if (bench_type_selected(args.types, bench_types[ti])) rc = bench_type(be, beq, name, bench_types[ti]);
+    }
+    op_backend_free(be);
+    op_backend_free(beq);
+    return rc;
+}
+
+/* The machine's limits, printed first. */
+static void bench_print_machine(void) {
+    double bw = bench_read_bandwidth(args.nth, (size_t)1 << 30, 5);
     double ghz = bench_clock_ghz();
-    double peak = nth * 2.0 * 8 * 2 * ghz; /* AVX2 FMA peak, GFLOP/s */
+    args.peak = args.nth * 2.0 * 8 * 2 * ghz;
     double load[3] = {0};
     FILE *la = fopen("/proc/loadavg", "r");
     if (la) {
@@ -305,122 +422,29 @@ int main(int argc, char **argv) {
     }
     printf("threads %d  read bandwidth %.1f GB/s  clock %.2f GHz  AVX2 FMA peak %.0f GFLOP/s  "
            "(load average %.2f: other processes share these cores)\n",
-           nth, bw, ghz, peak, load[0]);
+           args.nth, bw, ghz, args.peak, load[0]);
+}
 
+/* Measures the machine, then every selected ISA path. Returns the exit status. */
+static int bench_run(void) {
     static const struct {
         op_cpu_isa isa;
         const char *name;
     } isas[] = {{OP_CPU_ISA_PORTABLE, "portable"}, {OP_CPU_ISA_AVX2, "avx2"}, {OP_CPU_ISA_AVX512, "avx512"}};
-    static const int64_t dshapes[][2] = {{8192, 2048}, {2048, 8192}, {128256, 2048}}; /* (N, K) */
-    for (size_t ii = 0; ii < sizeof isas / sizeof isas[0]; ii++) {
-        if (strcmp(isa_arg, "all") && strcmp(isa_arg, isas[ii].name)) continue;
-        op_backend *be = op_backend_cpu_new(&(op_cpu_options){.n_threads = nth, .isa = isas[ii].isa});
-        op_backend *beq = op_backend_cpu_new(
-            &(op_cpu_options){.n_threads = nth, .isa = isas[ii].isa, .quantized_activations = true});
-        if (!be || !beq) {
-            fprintf(stderr, "backend: %s\n", fu_last_error());
-            return 1;
-        }
-        if (strcmp(op_backend_isa(be), isas[ii].name)) {
-            printf("[%s] not available on this CPU\n", isas[ii].name);
-            op_backend_free(be);
-            op_backend_free(beq);
-            continue;
-        }
-        bool portable = isas[ii].isa == OP_CPU_ISA_PORTABLE;
-        for (size_t ti = 0; ti < sizeof bench_types / sizeof bench_types[0]; ti++) {
-            op_type type = bench_types[ti];
-            if (!bench_type_selected(types, type)) continue;
-            if (decode) {
-                for (int s = 0; s < 3; s++) {
-                    int64_t n = dshapes[s][0], k = dshapes[s][1];
-                    if ((quick || portable) && n > 8192) continue;
-                    bench_weight w;
-                    memset(&w, 0, sizeof w);
-                    if (bench_weight_make(be, &w, type, n, k, portable ? 0 : (size_t)1 << 30)) {
-                        fprintf(stderr, "out of memory\n");
-                        return 1;
-                    }
-                    double sum_s = 0;
-                    double sec = bench_decode(be, &w, portable ? 2 : quick ? 3 : 6, &sum_s);
-                    double bytes = (double)(op_row_bytes(type, k) * (size_t)n);
-                    printf("[%-8s] decode  %-8s N=%-6lld K=%-5lld T=1   %8.3f ms  %6.1f GB/s  %5.2f of bandwidth"
-                           " (stream-read of the same %.0f MiB x %d: %.1f GB/s)\n",
-                           isas[ii].name, op_type_name(type), (long long)n, (long long)k, sec * 1e3,
-                           bytes / sec * 1e-9, sum_s / sec, bytes / 1048576.0, w.copies, bytes / sum_s * 1e-9);
-                    fflush(stdout);
-                    if (!portable && (type == OP_TYPE_Q8_0 || type == OP_TYPE_Q4_0 || type == OP_TYPE_Q4_1)) {
-                        sec = bench_decode(beq, &w, quick ? 3 : 6, &sum_s);
-                        printf("[%-8s] decode  %-8s N=%-6lld K=%-5lld T=1   %8.3f ms  %6.1f GB/s  %5.2f of bandwidth"
-                               " (int8-x: opt-in quantized_activations; stream-read %.1f GB/s)\n",
-                               isas[ii].name, op_type_name(type), (long long)n, (long long)k, sec * 1e3,
-                               bytes / sec * 1e-9, sum_s / sec, bytes / sum_s * 1e-9);
-                        fflush(stdout);
-                    }
-                    if (op_weight_layout(be, type, n) != type) {
-                        if (bench_weight_prepare(be, &w)) return 1;
-                        sec = bench_decode(be, &w, quick ? 3 : 6, &sum_s);
-                        printf("[%-8s] decode  %-8s N=%-6lld K=%-5lld T=1   %8.3f ms  %6.1f GB/s  %5.2f of bandwidth"
-                               " (the layout the engine runs; stream-read %.1f GB/s)\n",
-                               isas[ii].name, op_type_name(w.t[0].type), (long long)n, (long long)k, sec * 1e3,
-                               bytes / sec * 1e-9, sum_s / sec, bytes / sum_s * 1e-9);
-                        fflush(stdout);
-                    }
-                    bench_weight_free(be, &w);
-                }
-            }
-            if (batch) {
-                int64_t n = 8192, k = 2048;
-                bench_weight w;
-                memset(&w, 0, sizeof w);
-                if (bench_weight_make(be, &w, type, n, k, quick || portable ? 0 : (size_t)1 << 30)) {
-                    fprintf(stderr, "out of memory\n");
-                    return 1;
-                }
-                double bytes = (double)(op_row_bytes(type, k) * (size_t)n);
-                /* the plain layout, then the one the engine runs if it differs */
-                const int passes = op_weight_layout(be, type, n) != type ? 2 : 1;
-                for (int pass = 0; pass < passes; pass++) {
-                    if (pass == 1 && bench_weight_prepare(be, &w)) return 1;
-                    for (size_t b = 0; b < n_batch; b++) {
-                        int64_t t = batch_t[b];
-                        if (portable && t > 32) continue;
-                        double sec = bench_matmul(be, &w, t, quick || portable ? 0.1 : 0.5);
-                        double gf = 2.0 * (double)t * (double)n * (double)k / sec * 1e-9;
-                        printf("[%-8s] batch   %-8s N=%-6lld K=%-5lld T=%-4lld %8.3f ms  %6.1f GFLOP/s  %5.2f of "
-                               "AVX-512 peak  %6.1f GB/s of weights\n",
-                               isas[ii].name, op_type_name(w.t[0].type), (long long)n, (long long)k, (long long)t,
-                               sec * 1e3, gf, gf / (2 * peak), bytes / sec * 1e-9);
-                        fflush(stdout);
-                    }
-                }
-                bench_weight_free(be, &w);
-            }
-            if (prefill) {
-                static const int64_t ts[] = {128, 512};
-                int64_t n = 2048, k = 2048;
-                bench_weight w;
-                memset(&w, 0, sizeof w);
-                if (bench_weight_make(be, &w, type, n, k, 0)) return 1;
-                const int passes = op_weight_layout(be, type, n) != type ? 2 : 1; /* as for batch */
-                for (int pass = 0; pass < passes; pass++) {
-                    if (pass == 1 && bench_weight_prepare(be, &w)) return 1;
-                    for (int s = 0; s < 2; s++) {
-                        if ((quick || portable) && ts[s] > 128) continue;
-                        double sec = bench_matmul(be, &w, ts[s], quick || portable ? 0.1 : 0.5);
-                        double gf = 2.0 * (double)ts[s] * (double)n * (double)k / sec * 1e-9;
-                        printf("[%-8s] prefill %-8s N=%-6lld K=%-5lld T=%-4lld %8.3f ms  %6.1f GFLOP/s  %5.2f of AVX2 peak\n",
-                               isas[ii].name, op_type_name(w.t[0].type), (long long)n, (long long)k, (long long)ts[s],
-                               sec * 1e3, gf, gf / peak);
-                        fflush(stdout);
-                    }
-                }
-                bench_weight_free(be, &w);
-            }
-        }
-        op_backend_free(be);
-        op_backend_free(beq);
-    }
-    free(batch_arg);
-    return 0;
+    if (!args.batch_t && bench_set_batch_t(&args, "1,8,16,32")) return FU_ERR_NOMEM;
+    if (args.nth < 1) args.nth = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    bench_print_machine();
+    int rc = FU_OK;
+    for (size_t i = 0; !rc && i < sizeof isas / sizeof isas[0]; i++)
+        if (!strcmp(args.isa, "all") || !strcmp(args.isa, isas[i].name)) rc = bench_isa(isas[i].isa, isas[i].name);
+    if (rc) fprintf(stderr, "fusion-bench-ops: %s\n", fu_last_error());
+    return rc ? 1 : 0;
+}
+
+int main(int argc, char **argv) {
+    int status = fu_opt_main(&bench_spec, argc, argv, NULL);
+    if (status < 0) status = bench_run();
+    free(args.batch_t);
+    fu_opt_free(bench_options);
+    return status;
 }
