@@ -357,7 +357,7 @@ static void test_config(void **state) {
     char text[1024];
     snprintf(text, sizeof text,
              "{\"_comment\": \"x\", \"model\": \"/m.gguf\", \"listen\": \"127.0.0.1:0\", "
-             "\"hops\": [\"127.0.0.1:7001:0:15\", \"[::1]:7002:15:30\"], \"secret\": \"s\", \"insecure\": true, "
+             "\"hops\": [\"127.0.0.1:7001:0:15\", \"[::1]:7002:15:30\"], \"secret\": \"unit-test-secret-0123\", \"insecure\": true, "
              "\"api_keys\": [\"k0\"], \"api_key_file\": \"%s\", \"workers\": 4, \"max_n\": 3, "
              "\"max_body_bytes\": 4096}",
              keys);
@@ -381,6 +381,15 @@ static void test_config(void **state) {
     assert_int_equal(c.limits.max_n, 3);
     assert_int_equal(c.max_body_bytes, 4096);
     assert_int_equal(gw_config_check(&c), FU_OK);
+    /* a secret shorter than 16 bytes is refused; so are API keys with --no-auth */
+    assert_int_equal(gw_config_set(&c, "secret", "fifteen-bytes.."), FU_OK);
+    assert_int_equal(gw_config_check(&c), FU_ERR_INVALID);
+    assert_non_null(strstr(fu_last_error(), "at least 16"));
+    assert_int_equal(gw_config_set(&c, "secret", "sixteen-bytes..."), FU_OK);
+    assert_int_equal(gw_config_check(&c), FU_OK);
+    assert_int_equal(gw_config_set(&c, "no-auth", "true"), FU_OK);
+    assert_int_equal(gw_config_check(&c), FU_ERR_INVALID);
+    assert_int_equal(gw_config_set(&c, "no-auth", "false"), FU_OK);
     /* flags override; bad values are errors naming the option */
     assert_int_equal(gw_config_set(&c, "max-n", "5"), FU_OK);
     assert_int_equal(c.limits.max_n, 5);
@@ -396,7 +405,7 @@ static void test_config(void **state) {
     /* a chain with a gap fails the check */
     gw_config_init(&c);
     assert_int_equal(gw_config_set(&c, "model", "/m"), FU_OK);
-    assert_int_equal(gw_config_set(&c, "secret", "s"), FU_OK);
+    assert_int_equal(gw_config_set(&c, "secret", "unit-test-secret-0123"), FU_OK);
     assert_int_equal(gw_config_set(&c, "hop", "h:1:0:10"), FU_OK);
     assert_int_equal(gw_config_set(&c, "hop", "h:2:12:30"), FU_OK);
     assert_int_equal(gw_config_check(&c), FU_ERR_INVALID);
