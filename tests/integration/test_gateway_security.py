@@ -14,14 +14,13 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 import requests
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import SECRET, Gateway, default_model, program  # noqa: E402
+from shard_cluster import SECRET, Gateway, default_model, program, stop_process as stop  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
@@ -97,17 +96,6 @@ def start(cmd, port_file, timeout=30):
     while time.time() < deadline and proc.poll() is None and not os.path.exists(port_file):
         time.sleep(0.05)
     return proc, log
-
-
-def stop(proc):
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 def gateway_cmd(model, port_file, *extra, secret=SECRET):
