@@ -207,11 +207,13 @@ static bool gw_key_equal(const char *a, size_t alen, const char *b) {
     return diff == 0;
 }
 
-/* The value of header `name` and its full length (a value may hold NUL bytes), or NULL. */
+/* The value of header `name` and its length without trailing blanks (not part of a field
+ * value, and kept by libmicrohttpd), or NULL. */
 static const char *gw_header(gw_conn *c, const char *name, size_t *len) {
     const char *v = NULL;
     *len = 0;
     if (MHD_lookup_connection_value_n(c->mc, MHD_HEADER_KIND, name, strlen(name), &v, len) != MHD_YES) return NULL;
+    while (*len && (v[*len - 1] == ' ' || v[*len - 1] == '\t')) --*len;
     return v;
 }
 
