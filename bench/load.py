@@ -122,7 +122,7 @@ class LocalCluster:
                                text=True, check=True).stdout.strip().splitlines()[-1]
         self.dir = tempfile.mkdtemp(prefix="fusion-load-")
         self.procs = []
-        secret = "load-secret"
+        secret = "load-secret-0123456789"
         ports = []
         for first, last in ((0, 15), (15, 30)):
             pf = os.path.join(self.dir, f"shard{first}.port")

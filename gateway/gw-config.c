@@ -194,6 +194,14 @@ static gw_options options(gw_config *c) {
          .flags = FU_OPT_REPEAT},
         {"api-key-file", 0, FU_OPT_CALL, .dest = c, .fn = load_keys, .arg = "F",
          .help = "API keys, one per line (env FUSION_API_KEY_FILE)", .flags = FU_OPT_REPEAT},
+        {"no-auth", 0, FU_OPT_FLAG, FU_OPT_TO(c->no_auth),
+         .help = "serve without API keys on a --listen beyond loopback (refused otherwise)"},
+        {"allowed-host", 0, FU_OPT_LIST, FU_OPT_TO(c->allowed_hosts), "NAME",
+         "a Host header accepted besides loopback names and the --listen host\n"
+         "(repeatable; '*': any; others get 403)", .alias = "allowed-hosts"},
+        {"cors-origin", 0, FU_OPT_LIST, FU_OPT_TO(c->cors_origins), "ORIGIN",
+         "a browser Origin allowed, with CORS (repeatable, e.g. https://app.example;\n"
+         "'*': any); besides it only this gateway's loopback origins", .alias = "cors-origins"},
         {"https-cert", 0, FU_OPT_PATH, FU_OPT_TO(c->https_cert), "F", "serve HTTPS with this certificate",
          .alias = "tls-cert"},
         {"https-key", 0, FU_OPT_PATH, FU_OPT_TO(c->https_key), "F", "and this key", .alias = "tls-key"},
@@ -325,6 +333,11 @@ int gw_config_check(const gw_config *c) {
                              c->hops[i - 1].last);
     if (!c->secret || !c->secret[0])
         return fu_errorf(FU_ERR_INVALID, "no swarm secret: --secret, --secret-file or FUSION_SECRET");
+    if (strlen(c->secret) < GW_MIN_SECRET_BYTES)
+        return fu_errorf(FU_ERR_INVALID, "the swarm secret is %zu bytes: at least %d are needed (e.g. openssl rand "
+                         "-hex 16)", strlen(c->secret), GW_MIN_SECRET_BYTES);
+    if (c->no_auth && c->n_api_keys)
+        return fu_errorf(FU_ERR_INVALID, "give either API keys or --no-auth, not both");
     if (!!c->https_cert != !!c->https_key)
         return fu_errorf(FU_ERR_INVALID, "HTTPS needs both --https-cert and --https-key");
     return FU_OK;

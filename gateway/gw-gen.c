@@ -271,14 +271,16 @@ static int gw_job_prepare_locked(gw_job *j, gw_error *err) {
 /* Reports an error of one choice (job unlocked): before any response it fails the
  * job (and cancels its other choices); in a running stream it becomes an error event. */
 static void gw_job_report_error(gw_job *j, const gw_error *err) {
+    gw_error pub = *err; /* what the client sees: no internal addresses (the log keeps them) */
+    gw_error_public(&pub, j->id);
     pthread_mutex_lock(&j->mu);
     if (j->phase == GW_JOB_PENDING) {
-        j->err = *err;
+        j->err = pub;
         j->phase = GW_JOB_FAILED;
         atomic_store(&j->cancelled, true);
         gw_job_wake_locked(j);
     } else if (j->phase == GW_JOB_STREAMING) {
-        json_t *o = gw_error_object(err);
+        json_t *o = gw_error_object(&pub);
         if (o && gw_sse_event(&j->out, o) == FU_OK) gw_job_wake_locked(j);
         json_decref(o);
     }

@@ -7,8 +7,10 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <microhttpd.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -16,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -30,6 +33,12 @@
 
 /* How often the watchdog looks at suspended connections. */
 #define GW_WATCH_INTERVAL_MS 100
+
+/* Where the gateway listens without --listen. */
+#define GW_DEFAULT_LISTEN "127.0.0.1:8080"
+
+/* A host name as an HTTP Host header names it ("[v6]" with brackets), NUL-terminated. */
+#define GW_HOST_MAX 256
 
 typedef struct gw_conn gw_conn;
 
@@ -49,6 +58,8 @@ struct gw_server {
     gw_metrics *metrics;
     struct MHD_Daemon *d;
     int listen_fd;
+    int port;                       /* the bound port */
+    char listen_name[GW_HOST_MAX];  /* --listen's host, accepted in Host headers */
     char *https_cert, *https_key;
     atomic_bool stopping;
     pthread_mutex_t mu; /* the connection list */
@@ -86,11 +97,22 @@ struct gw_conn {
     bool deferred;  /* responses go to `reply` (set by the body thread while it runs the route) */
     bool body_failed; /* the route could not answer at all: close the connection */
     gw_reply reply;
+    char *origin;     /* the request's Origin once allowed, echoed in CORS headers (malloc'd), or NULL */
+    bool close;       /* the request's framing is doubtful: close the connection after answering */
 };
 
 /* ---- responses --------------------------------------------------------------------------- */
 
-/* Hands body[0..len) (malloc'd, taken) to libmicrohttpd (event loop only). */
+/* The headers of every response to c: CORS for an allowed Origin, a close after a doubtful request. */
+static void gw_add_headers(gw_conn *c, struct MHD_Response *r) {
+    if (c->origin) {
+        MHD_add_response_header(r, "Access-Control-Allow-Origin", c->origin);
+        MHD_add_response_header(r, "Vary", "Origin");
+    }
+    if (c->close) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+}
+
+/* Hands body[0..len) (malloc'd, taken) to libmicrohttpd (event loop only); ctype NULL: none. */
 static enum MHD_Result gw_queue(gw_conn *c, int status, const char *ctype, char *body, size_t len) {
     struct MHD_Response *r = MHD_create_response_from_buffer(len, body ? body : (char *)"",
                                                              body ? MHD_RESPMEM_MUST_FREE : MHD_RESPMEM_PERSISTENT);
@@ -98,8 +120,9 @@ static enum MHD_Result gw_queue(gw_conn *c, int status, const char *ctype, char 
         free(body);
         return MHD_NO;
     }
-    MHD_add_response_header(r, "Content-Type", ctype);
+    if (ctype) MHD_add_response_header(r, "Content-Type", ctype);
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
+    gw_add_headers(c, r);
     enum MHD_Result ret = MHD_queue_response(c->mc, (unsigned)status, r);
     MHD_destroy_response(r);
     return ret;
@@ -127,7 +150,11 @@ static enum MHD_Result gw_respond_json(gw_conn *c, int status, json_t *o) {
     return gw_respond(c, status, "application/json", s, strlen(s));
 }
 
+/* Answers an error; a server error's message is made public first (gw_error_public). */
 static enum MHD_Result gw_respond_error(gw_conn *c, const gw_error *e) {
+    gw_error pub = *e;
+    gw_error_public(&pub, NULL);
+    e = &pub;
     char *s = gw_error_json(e);
     if (!s) return MHD_NO;
     return gw_respond(c, e->http, "application/json", s, strlen(s));
@@ -180,17 +207,197 @@ static bool gw_key_equal(const char *a, size_t alen, const char *b) {
     return diff == 0;
 }
 
+/* The value of header `name` and its length without trailing blanks (not part of a field
+ * value, and kept by libmicrohttpd), or NULL. */
+static const char *gw_header(gw_conn *c, const char *name, size_t *len) {
+    const char *v = NULL;
+    *len = 0;
+    if (MHD_lookup_connection_value_n(c->mc, MHD_HEADER_KIND, name, strlen(name), &v, len) != MHD_YES) return NULL;
+    while (*len && (v[*len - 1] == ' ' || v[*len - 1] == '\t')) --*len;
+    return v;
+}
+
 static bool gw_authorized(gw_conn *c) {
     const gw_config *cfg = c->srv->cfg;
     if (cfg->n_api_keys == 0) return true;
-    const char *h = MHD_lookup_connection_value(c->mc, MHD_HEADER_KIND, "Authorization");
-    if (!h || strncasecmp(h, "Bearer ", 7)) return false;
-    const char *key = h + 7;
-    while (*key == ' ') key++;
-    size_t len = strlen(key);
+    size_t hlen;
+    const char *h = gw_header(c, "Authorization", &hlen);
+    if (!h || hlen < 7 || strncasecmp(h, "Bearer ", 7)) return false;
+    size_t skip = 7;
+    while (skip < hlen && h[skip] == ' ') skip++;
+    const char *key = h + skip;
+    size_t len = hlen - skip; /* the whole value: "KEY\0junk" is not KEY */
     bool ok = false;
     for (int i = 0; i < cfg->n_api_keys; i++) ok |= gw_key_equal(key, len, cfg->api_keys[i]);
     return ok;
+}
+
+/* ---- request checks: framing, Host, Origin (DNS rebinding, CSRF) ------------------------------ */
+
+/* What gw_scan_header counts over a request's headers. */
+typedef struct gw_header_scan {
+    int n_host, n_length, n_transfer;
+    const char *length; /* the first Content-Length */
+    size_t length_len;
+    bool lengths_differ;
+    bool nul;               /* a header line holds a NUL byte */
+    const char *value_end;  /* the previous header's value's end */
+} gw_header_scan;
+
+/* Whether bytes follow a NUL in a header line. libmicrohttpd parses the header block in place
+ * and cuts a value at its first NUL ("Bearer KEY\0junk" reads "Bearer KEY"); what the line
+ * held after it stays in the buffer between that value's end and the next header's name,
+ * where only the NULs and blanks of line ends may be. `next` is the next header's name, or
+ * NULL after the last header, whose line end is a NUL at most two bytes on. */
+static bool gw_bytes_after_nul(const char *end, const char *next) {
+    if (!end) return false;
+    if (next && next > end && next - end < 65536) {
+        for (const char *p = end; p < next; p++)
+            if (*p && *p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') return true;
+        return false;
+    }
+    const char *p = end + 1; /* end[0] is the value's NUL */
+    while (*p == ' ' || *p == '\t') p++;
+    return *p != '\0' && p != next;
+}
+
+static enum MHD_Result gw_scan_header(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_len,
+                                      const char *value, size_t value_len) {
+    (void)kind;
+    gw_header_scan *h = cls;
+    h->nul |= strlen(key) != key_len || (value && memchr(value, '\0', value_len)) ||
+              gw_bytes_after_nul(h->value_end, key);
+    h->value_end = value ? value + value_len : NULL;
+    if (!strcasecmp(key, MHD_HTTP_HEADER_HOST)) h->n_host++;
+    else if (!strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING)) h->n_transfer++;
+    else if (!strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH)) {
+        if (h->n_length++ == 0) {
+            h->length = value;
+            h->length_len = value_len;
+        } else if (value_len != h->length_len || memcmp(value, h->length, value_len)) {
+            h->lengths_differ = true;
+        }
+    }
+    return MHD_YES;
+}
+
+/* Whether list holds "*" or v[0..len) (case-insensitive). */
+static bool gw_list_has(const fu_opt_list *list, const char *v, size_t len) {
+    for (size_t i = 0; i < list->n; i++) {
+        const char *e = list->items[i];
+        if (!strcmp(e, "*") || (strlen(e) == len && !strncasecmp(e, v, len))) return true;
+    }
+    return false;
+}
+
+/* The local address c arrived on, as a Host header names it ("1.2.3.4", "[v6]"), into
+ * out[GW_HOST_MAX]; "" when unknown. */
+static void gw_local_name(gw_conn *c, char *out) {
+    out[0] = '\0';
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c->mc, MHD_CONNECTION_INFO_CONNECTION_FD);
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    if (!ci || getsockname(ci->connect_fd, (struct sockaddr *)&ss, &sl)) return;
+    char text[INET6_ADDRSTRLEN];
+    if (ss.ss_family == AF_INET) {
+        if (inet_ntop(AF_INET, &((struct sockaddr_in *)&ss)->sin_addr, out, GW_HOST_MAX) == NULL) out[0] = '\0';
+    } else if (ss.ss_family == AF_INET6) {
+        const struct in6_addr *a = &((struct sockaddr_in6 *)&ss)->sin6_addr;
+        if (IN6_IS_ADDR_V4MAPPED(a)) {
+            if (inet_ntop(AF_INET, &a->s6_addr[12], out, GW_HOST_MAX) == NULL) out[0] = '\0';
+        } else if (inet_ntop(AF_INET6, a, text, sizeof text)) {
+            snprintf(out, GW_HOST_MAX, "[%s]", text);
+        }
+    }
+}
+
+/* Whether the Host header h[0..len) names this gateway: a loopback name, the --listen
+ * host, the address the connection arrived on (an IP, which no rebinding page can use), or
+ * an --allowed-host entry (with or without the port); any port. -1 when it is malformed. */
+static int gw_host_allowed(gw_conn *c, const char *h, size_t len) {
+    size_t nl;
+    int port;
+    if (!gw_http_authority(h, len, &nl, &port)) return -1;
+    const gw_server *s = c->srv;
+    if (gw_http_loopback_name(h, nl) || gw_list_has(&s->cfg->allowed_hosts, h, nl) ||
+        gw_list_has(&s->cfg->allowed_hosts, h, len))
+        return 1;
+    if (s->listen_name[0] && strlen(s->listen_name) == nl && !strncasecmp(s->listen_name, h, nl)) return 1;
+    char local[GW_HOST_MAX];
+    gw_local_name(c, local);
+    return strlen(local) == nl && !strncasecmp(local, h, nl);
+}
+
+/* Whether a browser's Origin o[0..len) may use the API: a --cors-origin entry, a loopback
+ * origin on this gateway's port, or the request's own Host (same origin). */
+static bool gw_origin_allowed(gw_conn *c, const char *o, size_t len, const char *host, size_t host_len) {
+    const gw_server *s = c->srv;
+    if (gw_list_has(&s->cfg->cors_origins, o, len)) return true;
+    const char *name;
+    size_t nl, hnl;
+    int port, hport;
+    if (!gw_http_origin(o, len, &name, &nl, &port)) return false;
+    if (gw_http_loopback_name(name, nl) && port == s->port) return true;
+    if (!host || !gw_http_authority(host, host_len, &hnl, &hport)) return false;
+    return hnl == nl && !strncasecmp(host, name, nl) && (hport == port || (hport < 0 && (port == 80 || port == 443)));
+}
+
+/* Checks a new request's framing, Host and Origin; fills *e and returns its status when
+ * the request is refused, else 0 (an allowed Origin is kept in c->origin). */
+static int gw_check_request(gw_conn *c, const char *version, gw_error *e) {
+    gw_header_scan h = {0};
+    MHD_get_connection_values_n(c->mc, MHD_HEADER_KIND, gw_scan_header, &h);
+    h.nul |= gw_bytes_after_nul(h.value_end, NULL);
+    if (h.lengths_differ || (h.n_length && h.n_transfer)) {
+        c->close = true; /* where the body ends is ambiguous */
+        return gw_error_set(e, 400, NULL, "invalid_request",
+                            "conflicting Content-Length or Transfer-Encoding headers");
+    }
+    if (h.nul) return gw_error_set(e, 400, NULL, "invalid_request", "a header holds a NUL byte");
+    if (h.n_host > 1) return gw_error_set(e, 400, NULL, "invalid_request", "more than one Host header");
+    size_t host_len = 0, origin_len = 0;
+    const char *host = gw_header(c, MHD_HTTP_HEADER_HOST, &host_len);
+    if (!host && !strcmp(version, MHD_HTTP_VERSION_1_1))
+        return gw_error_set(e, 400, NULL, "invalid_request", "an HTTP/1.1 request needs a Host header");
+    if (host) {
+        int ok = gw_host_allowed(c, host, host_len);
+        if (ok < 0) return gw_error_set(e, 400, NULL, "invalid_request", "the Host header is malformed");
+        if (!ok)
+            return gw_error_set(e, 403, NULL, "host_not_allowed",
+                                "the Host '%.100s' is not served here (the gateway's --allowed-host option adds names)",
+                                host);
+    }
+    const char *origin = gw_header(c, "Origin", &origin_len);
+    if (!origin) return 0;
+    if (!gw_origin_allowed(c, origin, origin_len, host, host_len))
+        return gw_error_set(e, 403, NULL, "origin_not_allowed",
+                            "the Origin '%.100s' may not use this API (the gateway's --cors-origin option adds "
+                            "origins)", origin);
+    if (!(c->origin = strndup(origin, origin_len))) return gw_error_set(e, 500, NULL, NULL, "out of memory");
+    return 0;
+}
+
+/* Answers a CORS preflight (OPTIONS) on a known route: 204 with what the route allows. */
+static enum MHD_Result gw_preflight(gw_conn *c, bool post) {
+    struct MHD_Response *r = MHD_create_response_from_buffer(0, (char *)"", MHD_RESPMEM_PERSISTENT);
+    if (!r) return MHD_NO;
+    const char *methods = post ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
+    MHD_add_response_header(r, "Allow", methods);
+    if (c->origin) {
+        MHD_add_response_header(r, "Access-Control-Allow-Methods", methods);
+        size_t n = 0;
+        const char *asked = gw_header(c, "Access-Control-Request-Headers", &n);
+        bool plain = asked && n < 1024 && strspn(asked, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                        "0123456789-_, ") == n;
+        MHD_add_response_header(r, "Access-Control-Allow-Headers", plain ? asked : "Authorization, Content-Type");
+        MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+    }
+    gw_add_headers(c, r);
+    c->responded = true;
+    gw_metrics_request(c->srv->metrics, c->route, 204);
+    enum MHD_Result ret = MHD_queue_response(c->mc, 204, r);
+    MHD_destroy_response(r);
+    return ret;
 }
 
 /* ---- simple routes ---------------------------------------------------------------------------- */
@@ -366,6 +573,7 @@ static enum MHD_Result gw_job_progress(gw_conn *c) {
     MHD_add_response_header(r, "Content-Type", "text/event-stream");
     MHD_add_response_header(r, "Cache-Control", "no-cache");
     MHD_add_response_header(r, "X-Accel-Buffering", "no");
+    gw_add_headers(c, r);
     enum MHD_Result ret = MHD_queue_response(c->mc, 200, r);
     MHD_destroy_response(r);
     c->responded = true;
@@ -490,13 +698,21 @@ static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const cha
         bool want_post = false;
         c->route = gw_route_of(url, &want_post);
         c->is_post = !strcmp(method, "POST");
+        gw_error e;
+        if (gw_check_request(c, version, &e)) return gw_respond_error(c, &e);
         if (c->route == GW_ROUTE_OTHER)
             return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
+        if (!strcmp(method, "OPTIONS")) return gw_preflight(c, want_post);
         if (c->is_post != want_post && !(strcmp(method, "HEAD") == 0 && !want_post))
             return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
         if (c->route != GW_ROUTE_HEALTH && !gw_authorized(c))
             return gw_fail(c, 401, NULL, "invalid_api_key",
                            "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
+        size_t ct_len;
+        const char *ct = gw_header(c, MHD_HTTP_HEADER_CONTENT_TYPE, &ct_len);
+        if (c->is_post && (!ct || !gw_http_json_type(ct, ct_len)))
+            return gw_fail(c, 415, NULL, "unsupported_media_type",
+                           "the request body must be JSON sent with 'Content-Type: application/json'");
         const char *cl = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
         if (cl) {
             char *end;
@@ -556,6 +772,7 @@ static void gw_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     pthread_mutex_unlock(&s->mu);
     fu_buf_free(&c->body);
     free(c->reply.body);
+    free(c->origin);
     free(c);
 }
 
@@ -622,14 +839,14 @@ static void *gw_watch_main(void *arg) {
 
 /* ---- start and stop ---------------------------------------------------------------------------------- */
 
-/* Binds and listens on "host:port" ("[v6]:port" too); returns the socket or -1. */
-static int gw_listen(const char *spec, int *port) {
-    char host[256];
+/* Resolves a listen spec "host:port" ("[v6]:port" too; an empty host: every address) into
+ * *res (the caller frees it with freeaddrinfo). FU_OK or FU_ERR_INVALID. */
+static int gw_listen_resolve(const char *spec, struct addrinfo **res) {
+    char host[GW_HOST_MAX];
+    *res = NULL;
     const char *colon = strrchr(spec, ':');
-    if (!colon || (size_t)(colon - spec) >= sizeof host) {
-        fu_errorf(FU_ERR_INVALID, "listen: expected HOST:PORT, got '%s'", spec);
-        return -1;
-    }
+    if (!colon || (size_t)(colon - spec) >= sizeof host)
+        return fu_errorf(FU_ERR_INVALID, "listen: expected HOST:PORT, got '%s'", spec);
     size_t hl = (size_t)(colon - spec);
     memcpy(host, spec, hl);
     host[hl] = '\0';
@@ -637,15 +854,43 @@ static int gw_listen(const char *spec, int *port) {
         memmove(host, host + 1, hl - 2);
         host[hl - 2] = '\0';
     }
-    struct addrinfo hints = {0}, *res = NULL;
+    struct addrinfo hints = {0};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-    int gai = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, &res);
-    if (gai) {
-        fu_errorf(FU_ERR_INVALID, "listen %s: %s", spec, gai_strerror(gai));
-        return -1;
-    }
+    int gai = getaddrinfo(host[0] ? host : NULL, colon + 1, &hints, res);
+    if (gai) return fu_errorf(FU_ERR_INVALID, "listen %s: %s", spec, gai_strerror(gai));
+    return FU_OK;
+}
+
+/* Whether a socket address is a loopback one (127.0.0.0/8, ::1, ::ffff:127.x.y.z). */
+static bool gw_addr_loopback(const struct sockaddr *sa) {
+    if (sa->sa_family == AF_INET) return (ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >> 24) == 127;
+    if (sa->sa_family != AF_INET6) return false;
+    const struct in6_addr *a = &((const struct sockaddr_in6 *)sa)->sin6_addr;
+    return IN6_IS_ADDR_LOOPBACK(a) || (IN6_IS_ADDR_V4MAPPED(a) && a->s6_addr[12] == 127);
+}
+
+int gw_listen_check(const gw_config *cfg) {
+    const char *spec = cfg->listen ? cfg->listen : GW_DEFAULT_LISTEN;
+    struct addrinfo *res = NULL;
+    int rc = gw_listen_resolve(spec, &res);
+    if (rc) return rc;
+    bool beyond = false;
+    for (struct addrinfo *a = res; a; a = a->ai_next) beyond |= !gw_addr_loopback(a->ai_addr);
+    freeaddrinfo(res);
+    if (beyond && cfg->n_api_keys == 0 && !cfg->no_auth)
+        return fu_errorf(FU_ERR_INVALID,
+                         "--listen %s is reachable beyond loopback and no API key is set: give --api-key, "
+                         "--api-key-file or FUSION_API_KEY (or, to serve anyone who can connect, --no-auth)",
+                         spec);
+    return FU_OK;
+}
+
+/* Binds and listens on "host:port" ("[v6]:port" too); returns the socket or -1. */
+static int gw_listen(const char *spec, int *port) {
+    struct addrinfo *res = NULL;
+    if (gw_listen_resolve(spec, &res)) return -1;
     int fd = -1;
     for (struct addrinfo *a = res; a && fd < 0; a = a->ai_next) {
         fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
@@ -714,11 +959,22 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&s->body_mu, NULL);
     pthread_cond_init(&s->body_cv, NULL);
-    s->listen_fd = gw_listen(cfg->listen ? cfg->listen : "127.0.0.1:8080", port);
+    const char *spec = cfg->listen ? cfg->listen : GW_DEFAULT_LISTEN;
+    int rc = gw_listen_check(cfg);
+    if (rc) {
+        gw_server_destroy(s, false);
+        return rc;
+    }
+    s->listen_fd = gw_listen(spec, port);
     if (s->listen_fd < 0) {
         gw_server_destroy(s, false);
         return FU_ERR_NETWORK;
     }
+    s->port = *port;
+    const char *colon = strrchr(spec, ':'); /* gw_listen checked it is there */
+    snprintf(s->listen_name, sizeof s->listen_name, "%.*s", (int)(colon - spec), spec);
+    if (!strcmp(s->listen_name, "0.0.0.0") || !strcmp(s->listen_name, "[::]")) /* a wildcard names no host */
+        s->listen_name[0] = '\0';
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     if (cfg->https_cert) {
         if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {

@@ -14,6 +14,11 @@
 
 typedef struct gw_server gw_server;
 
+/* Refuses (FU_ERR_INVALID, fu_last_error() says why) a cfg->listen that resolves to an
+ * address beyond loopback when no API key is configured, unless cfg->no_auth; FU_OK otherwise.
+ * gw_server_start checks it too; a program calls it early to fail before loading a model. */
+int gw_listen_check(const gw_config *cfg);
+
 /* Binds cfg->listen and starts serving; everything passed in is borrowed and must
  * outlive the server. *port receives the bound port (useful with port 0). */
 int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engine, gw_metrics *metrics,

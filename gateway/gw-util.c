@@ -3,8 +3,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "gw.h"
+#include "log.h"
 #include "status.h"
 
 /* ---- UTF-8 ---------------------------------------------------------------------------- */
@@ -131,11 +133,97 @@ json_t *gw_error_object(const gw_error *e) {
     return o;
 }
 
+void gw_error_public(gw_error *e, const char *id) {
+    static const struct {
+        const char *code, *message;
+    } fixed[] = {
+        {"shard_unavailable", "a shard of the swarm is unavailable; retry later"},
+        {"overloaded", "the shard servers are at capacity; retry later"},
+        {"no_route", "no chain of shard servers can serve the request now; retry later"},
+        {"shutting_down", "the server is shutting down"},
+    };
+    if (e->http < 500) return;
+    int a, b, end = -1; /* the swarm's gap names blocks only: it stays */
+    if (sscanf(e->message, "no server covers blocks [%d, %d)%n", &a, &b, &end) == 2 && end >= 0 &&
+        !e->message[end])
+        return;
+    const char *msg = "the server could not complete the request";
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
+        if (e->code && !strcmp(e->code, fixed[i].code)) msg = fixed[i].message;
+    if (!strcmp(e->message, msg)) return;
+    FU_LOG(FU_LOG_LEVEL_WARN, id, "answering %d %s: %s", e->http, e->code ? e->code : "server_error", e->message);
+    snprintf(e->message, sizeof e->message, "%s", msg);
+}
+
 char *gw_error_json(const gw_error *e) {
     json_t *o = gw_error_object(e);
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return s;
+}
+
+/* ---- HTTP header checks --------------------------------------------------------------------- */
+
+static bool gw_host_char(char ch, bool bracketed) {
+    if ((ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f') || (ch >= 'A' && ch <= 'F') || ch == '.') return true;
+    if (bracketed) return ch == ':';
+    return (ch >= 'g' && ch <= 'z') || (ch >= 'G' && ch <= 'Z') || ch == '-' || ch == '_';
+}
+
+bool gw_http_authority(const char *v, size_t len, size_t *name_len, int *port) {
+    size_t i = 0;
+    bool bracketed = len > 0 && v[0] == '[';
+    if (bracketed) {
+        for (i = 1; i < len && v[i] != ']'; i++)
+            if (!gw_host_char(v[i], true)) return false;
+        if (i == len || i == 1) return false;
+        i++; /* past ']' */
+    } else {
+        while (i < len && v[i] != ':')
+            if (!gw_host_char(v[i++], false)) return false;
+        if (i == 0) return false;
+    }
+    *name_len = i;
+    *port = -1;
+    if (i == len) return true;
+    if (v[i] != ':' || len - i - 1 < 1 || len - i - 1 > 5) return false;
+    long p = 0;
+    for (size_t k = i + 1; k < len; k++) {
+        if (v[k] < '0' || v[k] > '9') return false;
+        p = p * 10 + (v[k] - '0');
+    }
+    if (p > 65535) return false;
+    *port = (int)p;
+    return true;
+}
+
+bool gw_http_loopback_name(const char *name, size_t len) {
+    static const char *const names[] = {"localhost", "127.0.0.1", "[::1]"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (len == strlen(names[i]) && !strncasecmp(name, names[i], len)) return true;
+    return false;
+}
+
+bool gw_http_origin(const char *v, size_t len, const char **host, size_t *host_len, int *port) {
+    int dflt;
+    size_t skip;
+    if (len > 7 && !strncasecmp(v, "http://", 7)) skip = 7, dflt = 80;
+    else if (len > 8 && !strncasecmp(v, "https://", 8)) skip = 8, dflt = 443;
+    else return false;
+    if (!gw_http_authority(v + skip, len - skip, host_len, port)) return false;
+    *host = v + skip;
+    if (*port < 0) *port = dflt;
+    return true;
+}
+
+bool gw_http_json_type(const char *v, size_t len) {
+    static const char json[] = "application/json";
+    const size_t n = sizeof json - 1;
+    size_t i = 0;
+    while (i < len && (v[i] == ' ' || v[i] == '\t')) i++;
+    if (len - i < n || strncasecmp(v + i, json, n)) return false;
+    for (i += n; i < len && (v[i] == ' ' || v[i] == '\t'); i++) {}
+    return i == len || v[i] == ';';
 }
 
 /* ---- server-sent events ------------------------------------------------------------------------- */

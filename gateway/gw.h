@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "buf.h"
+#include "options.h"
 #include "sampler.h"
 
 /* ---- UTF-8 ------------------------------------------------------------------------ */
@@ -57,6 +58,12 @@ int gw_error_set(gw_error *e, int http, const char *param, const char *code, con
 char *gw_error_json(const gw_error *e);
 /* The same as a JSON object (new reference). */
 json_t *gw_error_object(const gw_error *e);
+/* Makes *e fit for a client, at the gateway's boundary (HTTP bodies, stream error events):
+ * a server error (5xx) may carry internal details (a shard's address, a library's error
+ * text), so its message becomes a fixed one chosen by its code ("a shard of the swarm is
+ * unavailable; retry later") and the original goes to the log under `id` (NULL: none).
+ * Other errors are left as they are. Idempotent. */
+void gw_error_public(gw_error *e, const char *id);
 
 /* ---- requests ------------------------------------------------------------------------ */
 
@@ -153,6 +160,22 @@ int gw_sse_event(fu_buf *out, const json_t *obj);
 /* Appends "data: [DONE]\n\n". Returns FU_OK or FU_ERR_NOMEM. */
 int gw_sse_done(fu_buf *out);
 
+/* ---- HTTP header checks (pure: the server and the fuzz target use them) ------------------- */
+
+/* Splits an HTTP authority v[0..len), "NAME", "NAME:PORT", "[V6]" or "[V6]:PORT": *name_len
+ * is NAME's length ("[V6]" with its brackets), *port the port or -1 when none. Returns false
+ * when malformed (an empty name, a byte no host name holds, a port beyond 65535). */
+bool gw_http_authority(const char *v, size_t len, size_t *name_len, int *port);
+/* Whether name[0..len) names loopback: localhost, 127.0.0.1 or [::1] (case-insensitive). */
+bool gw_http_loopback_name(const char *name, size_t len);
+/* Splits an Origin v[0..len), "http://AUTHORITY" or "https://AUTHORITY" (no path): *host
+ * points into v at the name (*host_len bytes) and *port is the port, 80 or 443 when none.
+ * Returns false for anything else ("null", other schemes, paths). */
+bool gw_http_origin(const char *v, size_t len, const char **host, size_t *host_len, int *port);
+/* Whether a Content-Type value v[0..len) is application/json, parameters allowed
+ * ("application/json; charset=utf-8"), case-insensitive. */
+bool gw_http_json_type(const char *v, size_t len);
+
 /* ---- configuration ------------------------------------------------------------------------ */
 
 #define GW_MAX_HOPS 32
@@ -189,6 +212,9 @@ typedef struct gw_config {
     bool forward;           /* server-to-server forwarding */
     char *api_keys[GW_MAX_KEYS];
     int n_api_keys;
+    bool no_auth;           /* serve without API keys beyond loopback (explicit; else refused) */
+    fu_opt_list allowed_hosts; /* Host names accepted besides loopback and the listen host ("*": any) */
+    fu_opt_list cors_origins;  /* browser Origins accepted besides this gateway's loopback ones ("*": any) */
     char *https_cert, *https_key; /* serve HTTPS */
     int workers;            /* generation threads (concurrent sessions) */
     int max_queue;          /* waiting generations beyond the workers; more: 429 */
@@ -214,6 +240,9 @@ typedef struct gw_config {
     gw_link_cfg links[GW_MAX_LINKS]; /* given figures; they override measurements */
     int n_links;
 } gw_config;
+
+/* The shortest swarm secret accepted (bytes). */
+#define GW_MIN_SECRET_BYTES 16
 
 /* Fills *c with the defaults (nothing allocated). */
 void gw_config_init(gw_config *c);

@@ -123,7 +123,12 @@ int main(int argc, char **argv) {
     gw_config_init(&cfg);
     gw_loaded loaded = {0};
     int status = gw_config_args(&cfg, argc, argv);
-    if (status < 0 && cfg.n_api_keys == 0) FU_WARN("no API keys configured: every client is accepted");
+    if (status < 0 && gw_listen_check(&cfg)) {
+        fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
+        status = 2;
+    }
+    if (status < 0 && cfg.no_auth) FU_WARN("--no-auth: no API key is asked of anyone who can connect");
+    else if (status < 0 && cfg.n_api_keys == 0) FU_WARN("no API keys configured: every local client is accepted");
     if (status < 0) status = gw_load(&cfg, &loaded) ? 1 : serve(&cfg, &loaded);
     gw_loaded_free(&loaded);
     gw_config_free(&cfg);

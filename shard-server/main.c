@@ -350,6 +350,9 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
     return FU_OK;
 }
 
+/* The shortest swarm secret accepted (bytes), as the gateway's. */
+#define SHARD_MIN_SECRET_BYTES 16
+
 /* The command line into a: -1 to go on, else the exit status. */
 static int shard_args_parse(shard_args *a, int argc, char **argv) {
     int status = fu_opt_main(&shard_spec, argc, argv, NULL);
@@ -363,6 +366,9 @@ static int shard_args_parse(shard_args *a, int argc, char **argv) {
     if (!a->model || !a->secret || !a->secret[0])
         return fu_opt_fail(&shard_spec, "--model and a swarm secret (--secret, --secret-file or FUSION_SECRET) "
                                         "are required");
+    if (strlen(a->secret) < SHARD_MIN_SECRET_BYTES)
+        return fu_opt_fail(&shard_spec, "the swarm secret is %zu bytes: at least %d are needed (e.g. openssl rand "
+                                        "-hex 16)", strlen(a->secret), SHARD_MIN_SECRET_BYTES);
     return -1;
 }
 

@@ -19,6 +19,18 @@ def program(name):
     return path
 
 
+def stop_process(proc, sig=signal.SIGTERM, timeout=20):
+    """Sends sig to a running process, kills it after timeout seconds; returns its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class Shard:
     """One fusion-shard process serving [first, last) of a model on 127.0.0.1."""
 
@@ -55,14 +67,7 @@ class Shard:
         return self.log.read()
 
     def stop(self, sig=signal.SIGTERM, timeout=30):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig, timeout)
 
 
 def default_model():
@@ -105,14 +110,7 @@ class Gateway:
         return self.proc.poll() is None
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, signal.SIGTERM, 20)
 
 
 def make_tls(directory):

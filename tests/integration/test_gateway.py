@@ -23,6 +23,8 @@ from shard_cluster import SECRET, Gateway, Shard, default_model, program  # noqa
 openai = pytest.importorskip("openai")
 
 KEY = "sk-test-gateway-key"
+# what raw requests send first: a Host this gateway serves, a JSON body
+HEAD = "Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
 QUESTION = "What is the capital of France?"
 
 
@@ -78,7 +80,8 @@ def http(cluster, method, path, body=None, key=KEY, raw=None, headers=None, time
 
 
 def curl(cluster, *args, timeout=60):
-    res = subprocess.run(["curl", "-sS", "-N", "-H", f"Authorization: Bearer {KEY}", *args], capture_output=True,
+    res = subprocess.run(["curl", "-sS", "-N", "-H", f"Authorization: Bearer {KEY}", "-H",
+                          "Content-Type: application/json", *args], capture_output=True,
                          text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr
     return res.stdout
@@ -381,11 +384,11 @@ def test_hostile_requests(cluster):
     big = json.dumps({"messages": [{"role": "user", "content": "word " * 200000}], "max_tokens": 10}).encode()
     assert_error(*post(big), 400, code="context_length_exceeded")
     # beyond the body limit: 413, at once when Content-Length says so, at the end of a chunked upload
-    assert raw_request(cluster, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    assert raw_request(cluster, f"POST /v1/completions HTTP/1.1\r\n{HEAD}Authorization: Bearer {KEY}\r\n"
                        f"Content-Length: {9 << 20}\r\n\r\n".encode())[0] == 413
     chunk = b"a" * (1 << 20)
     body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(9)) + b"0\r\n\r\n"
-    status, text = raw_request(cluster, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+    status, text = raw_request(cluster, f"POST /v1/completions HTTP/1.1\r\n{HEAD}Authorization: Bearer {KEY}"
                                f"\r\nTransfer-Encoding: chunked\r\n\r\n".encode() + body)
     assert status == 413 and json.loads(text)["error"]["code"] == "request_too_large"
     assert_error(*http(cluster, "POST", "/tokenize", {"content": 5}), 400, param="content")
@@ -401,7 +404,7 @@ def test_hostile_requests(cluster):
 def test_slow_client_times_out(cluster):
     """A client that sends half a request and stalls is disconnected; others are served meanwhile."""
     s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=10)
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess")
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n" + HEAD.encode() + b"Content-Length: 100\r\n\r\n{\"mess")
     t0 = time.time()
     assert http(cluster, "GET", "/health", key=None)[0] == 200
     s.settimeout(15)
@@ -419,7 +422,7 @@ def test_disconnect_frees_sessions(cluster):
     body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "stream": True, "ignore_eos": True,
                        "temperature": 0})
     s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
-    s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    s.sendall((f"POST /v1/completions HTTP/1.1\r\n{HEAD}Authorization: Bearer {KEY}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
     got = b""
     while got.count(b"data: ") < 5:
@@ -457,7 +460,7 @@ def test_disconnect_non_streaming_frees_sessions(cluster, client):
     tokens_before = metric(cluster, "fusion_gateway_generation_tokens_total")
     body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "ignore_eos": True, "temperature": 0})
     s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
-    s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    s.sendall((f"POST /v1/completions HTTP/1.1\r\n{HEAD}Authorization: Bearer {KEY}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
     deadline = time.time() + 30
     while [shard_sessions(sh) for sh in cluster["shards"]] != [1, 1]:

@@ -54,7 +54,8 @@ def client(cluster):
 
 def curl(cluster, path, *args):
     res = subprocess.run(["curl", "-sS", "-N", "--cacert", cluster["ca"], "-H", f"Authorization: Bearer {KEY}",
-                          *args, cluster["url"] + path], capture_output=True, text=True, timeout=120)
+                          "-H", "Content-Type: application/json", *args, cluster["url"] + path],
+                         capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     return res.stdout
 
@@ -125,7 +126,7 @@ def test_disconnect_over_https_frees_session(cluster, client):
     body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "ignore_eos": True, "temperature": 0})
     raw = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
     s = ctx.wrap_socket(raw, server_hostname="localhost")
-    s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
     deadline = time.time() + 30
     while sessions(cluster) != 1:

@@ -105,7 +105,7 @@ def test_concurrent_sessions(cluster, reference, tmp_path):
 
 
 def test_wrong_secret_is_refused(cluster):
-    res = run_chain(cluster, PROMPT, 2, secret="not-the-secret", check=False)
+    res = run_chain(cluster, PROMPT, 2, secret="not-the-swarm-secret", check=False)
     assert res.returncode != 0
     assert "unauthenticated" in res.stderr
 

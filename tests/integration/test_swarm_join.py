@@ -382,7 +382,7 @@ def test_join_over_tls_and_secret(tmp_path):
         base = [program("shard"), "--model", model, "--join", join, "--listen", "127.0.0.1:0", "--threads", "1",
                 "--tls-cert", tls["cert"], "--tls-key", tls["key"], "--tls-ca", tls["cert"]]
         bad_log = open(str(tmp_path / "bad.log"), "w+")
-        procs.append(subprocess.Popen(base + ["--secret", "not-the-secret"], stdout=bad_log,
+        procs.append(subprocess.Popen(base + ["--secret", "not-the-swarm-secret"], stdout=bad_log,
                                       stderr=subprocess.STDOUT))
         good_log = open(str(tmp_path / "good.log"), "w+")
         procs.append(subprocess.Popen(base + ["--secret", SECRET], stdout=good_log, stderr=subprocess.STDOUT))

@@ -288,6 +288,47 @@ static void test_utf8_helpers(void **state) {
     json_decref(s);
 }
 
+/* The Host / Origin / Content-Type checks and the public form of server errors. */
+static void test_http_checks(void **state) {
+    (void)state;
+    size_t nl = 0, hl = 0;
+    int port = 0;
+    assert_true(gw_http_authority("localhost", 9, &nl, &port) && nl == 9 && port == -1);
+    assert_true(gw_http_authority("127.0.0.1:8080", 14, &nl, &port) && nl == 9 && port == 8080);
+    assert_true(gw_http_authority("[::1]:80", 8, &nl, &port) && nl == 5 && port == 80);
+    assert_true(gw_http_loopback_name("[::1]", 5) && gw_http_loopback_name("LocalHost", 9));
+    assert_false(gw_http_loopback_name("localhost.evil", 14));
+    const char *bad[] = {"", ":80", "a b", "x:", "x:99999", "x:8a", "[]", "[::1", "[zz]", "x\0y", "x/y"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_false(gw_http_authority(bad[i], i == 9 ? 3 : strlen(bad[i]), &nl, &port));
+    const char *host = NULL;
+    assert_true(gw_http_origin("http://localhost:8080", 21, &host, &hl, &port));
+    assert_true(hl == 9 && !strncmp(host, "localhost", 9) && port == 8080);
+    assert_true(gw_http_origin("https://app.example", 19, &host, &hl, &port) && port == 443);
+    assert_false(gw_http_origin("null", 4, &host, &hl, &port));
+    assert_false(gw_http_origin("http://a.example/path", 21, &host, &hl, &port));
+    assert_false(gw_http_origin("file://x", 8, &host, &hl, &port));
+    assert_true(gw_http_json_type("application/json", 16));
+    assert_true(gw_http_json_type("Application/JSON; charset=utf-8", 31));
+    assert_false(gw_http_json_type("text/plain", 10));
+    assert_false(gw_http_json_type("application/jsonp", 17));
+    assert_false(gw_http_json_type("application/json\0", 17 + 1));
+    /* a server error's text may name a shard: the client gets the code's fixed message */
+    gw_error e;
+    gw_error_set(&e, 503, NULL, "shard_unavailable", "generation failed: shard 127.0.0.1:1: unavailable");
+    gw_error_public(&e, NULL);
+    assert_string_equal(e.message, "a shard of the swarm is unavailable; retry later");
+    gw_error_set(&e, 500, NULL, NULL, "decoder: %s", "10.0.0.7:7001");
+    gw_error_public(&e, NULL);
+    assert_null(strstr(e.message, "10.0.0.7"));
+    gw_error_set(&e, 503, NULL, "no_route", "no server covers blocks [0, 15)");
+    gw_error_public(&e, NULL);
+    assert_string_equal(e.message, "no server covers blocks [0, 15)");
+    gw_error_set(&e, 400, "prompt", NULL, "the prompt is empty");
+    gw_error_public(&e, NULL);
+    assert_string_equal(e.message, "the prompt is empty");
+}
+
 static void test_sse_and_errors(void **state) {
     fu_buf b = {0};
     json_t *o = json_pack("{s:s, s:[i]}", "text", "line1\nline2 \xC3\xA9", "x", 1);
@@ -357,7 +398,7 @@ static void test_config(void **state) {
     char text[1024];
     snprintf(text, sizeof text,
              "{\"_comment\": \"x\", \"model\": \"/m.gguf\", \"listen\": \"127.0.0.1:0\", "
-             "\"hops\": [\"127.0.0.1:7001:0:15\", \"[::1]:7002:15:30\"], \"secret\": \"s\", \"insecure\": true, "
+             "\"hops\": [\"127.0.0.1:7001:0:15\", \"[::1]:7002:15:30\"], \"secret\": \"unit-test-secret-0123\", \"insecure\": true, "
              "\"api_keys\": [\"k0\"], \"api_key_file\": \"%s\", \"workers\": 4, \"max_n\": 3, "
              "\"max_body_bytes\": 4096}",
              keys);
@@ -381,6 +422,15 @@ static void test_config(void **state) {
     assert_int_equal(c.limits.max_n, 3);
     assert_int_equal(c.max_body_bytes, 4096);
     assert_int_equal(gw_config_check(&c), FU_OK);
+    /* a secret shorter than 16 bytes is refused; so are API keys with --no-auth */
+    assert_int_equal(gw_config_set(&c, "secret", "fifteen-bytes.."), FU_OK);
+    assert_int_equal(gw_config_check(&c), FU_ERR_INVALID);
+    assert_non_null(strstr(fu_last_error(), "at least 16"));
+    assert_int_equal(gw_config_set(&c, "secret", "sixteen-bytes..."), FU_OK);
+    assert_int_equal(gw_config_check(&c), FU_OK);
+    assert_int_equal(gw_config_set(&c, "no-auth", "true"), FU_OK);
+    assert_int_equal(gw_config_check(&c), FU_ERR_INVALID);
+    assert_int_equal(gw_config_set(&c, "no-auth", "false"), FU_OK);
     /* flags override; bad values are errors naming the option */
     assert_int_equal(gw_config_set(&c, "max-n", "5"), FU_OK);
     assert_int_equal(c.limits.max_n, 5);
@@ -396,7 +446,7 @@ static void test_config(void **state) {
     /* a chain with a gap fails the check */
     gw_config_init(&c);
     assert_int_equal(gw_config_set(&c, "model", "/m"), FU_OK);
-    assert_int_equal(gw_config_set(&c, "secret", "s"), FU_OK);
+    assert_int_equal(gw_config_set(&c, "secret", "unit-test-secret-0123"), FU_OK);
     assert_int_equal(gw_config_set(&c, "hop", "h:1:0:10"), FU_OK);
     assert_int_equal(gw_config_set(&c, "hop", "h:2:12:30"), FU_OK);
     assert_int_equal(gw_config_check(&c), FU_ERR_INVALID);
@@ -748,6 +798,7 @@ int main(void) {
         cmocka_unit_test(test_stop_utf8),
         cmocka_unit_test(test_utf8_helpers),
         cmocka_unit_test(test_sse_and_errors),
+        cmocka_unit_test(test_http_checks),
         cmocka_unit_test(test_step_seeds),
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_metrics),
