@@ -463,6 +463,8 @@ static void test_data_spans(void **state) {
         {"{{ ('<a>' + messages[1].content)|upper }}", "[<A>YO]"},
         {"{{ messages[0].content[1:] }}|{{ messages[0].content|trim }}|{{ messages[1].content[0] }}", "[hi ]|[hi]|[y]"},
         {"{{ messages[1].content.replace('y', '<a>') }}", "[<a>o]"},
+        {"{{ (' <a>' + messages[0].content).strip() }}|{{ ('<a>' + messages[1].content)|trim('<') }}", "<a>[ hi]|a>[yo]"},
+        {"{{ '<a>y'.strip(messages[1].content) }}", "[<a>]"},
         {"{% for c in messages[1].content %}{{ c }}<a>{% endfor %}", "[y]<a>[o]<a>"},
         {"{{ messages[0].content }}{{ messages[1].content }}", "[ hi yo]"},
         {"{% if messages[1].content == 'yo' %}<a>{% endif %}{{ messages|length }}", "<a>2"},

@@ -217,7 +217,7 @@ static int do_strip(tpl_rt *R, tpl_val s, const char *chars, size_t nchars, int 
         *out = s;
         return FU_OK;
     }
-    return tpl_str_new(R, p + lo, hi - lo, out);
+    return tpl_str_sub(R, s, lo, hi, out);
 }
 
 static int need_str(tpl_rt *R, tpl_val v, const char *what) {
@@ -877,7 +877,7 @@ enum {
     B_UNDEF_OK = 1, /* filters: Undefined input is accepted (seen as "" or empty) */
     B_RAW = 2,      /* nothing is bound: the handler reads b->a */
     B_KW = 4,       /* methods: keywords bind to `params`; otherwise only up to 3 positionals */
-    B_SPANS = 8,    /* concatenates: keeps its inputs' data ranges itself (no blanket taint) */
+    B_SPANS = 8,    /* keeps its inputs' data ranges itself (concatenation, substrings): no blanket taint */
 };
 
 /* One entry of a table. The tables of methods, filters and tests are sorted
@@ -1045,7 +1045,10 @@ static int m_strip(tpl_rt *R, tpl_val self, const bound *b, tpl_val *out) {
         chars = S(b->p[0]);
         nc = SL(b->p[0]);
     }
-    return do_strip(R, self, chars, nc, b->arg, out);
+    bool taint = tpl_taint_begin(R, tpl_holds_data(b->p[0])); /* data chooses what is cut */
+    int rc = do_strip(R, self, chars, nc, b->arg, out);
+    tpl_taint_end(R, taint);
+    return rc;
 }
 
 /* str.startswith/endswith(prefix or tuple of prefixes); arg: 0 start, 1 end. */
@@ -1304,7 +1307,7 @@ static const builtin STR_METHODS[] = {
     {"join", m_join, NULL, 0, B_SPANS},
     {"ljust", m_pad, NULL, '<', 0},
     {"lower", m_case, NULL, CASE_LOWER, 0},
-    {"lstrip", m_strip, NULL, 1, 0},
+    {"lstrip", m_strip, NULL, 1, B_SPANS},
     {"removeprefix", m_remove_affix, NULL, 0, 0},
     {"removesuffix", m_remove_affix, NULL, 1, 0},
     {"replace", m_replace, NULL, 0, 0},
@@ -1312,11 +1315,11 @@ static const builtin STR_METHODS[] = {
     {"rindex", m_find, NULL, FIND_LAST | FIND_RAISE, 0},
     {"rjust", m_pad, NULL, '>', 0},
     {"rsplit", m_split, KW_SPLIT, 1, B_KW},
-    {"rstrip", m_strip, NULL, 2, 0},
+    {"rstrip", m_strip, NULL, 2, B_SPANS},
     {"split", m_split, KW_SPLIT, 0, B_KW},
     {"splitlines", m_splitlines, NULL, 0, 0},
     {"startswith", m_affix, NULL, 0, 0},
-    {"strip", m_strip, NULL, 3, 0},
+    {"strip", m_strip, NULL, 3, B_SPANS},
     {"swapcase", m_case, NULL, CASE_SWAP, 0},
     {"title", m_case, NULL, CASE_TITLE_PY, 0},
     {"upper", m_case, NULL, CASE_UPPER, 0},
@@ -2151,7 +2154,10 @@ static int trim_str(tpl_rt *R, tpl_val s, const bound *b, tpl_val *out) {
     tpl_val ch = arg_or(b, 0, tpl_none());
     if (ch.kind != TPL_NONE && ch.kind != TPL_STR)
         return tpl_type_error(R, "strip arg must be None or str");
-    return do_strip(R, s, ch.kind == TPL_STR ? S(ch) : NULL, ch.kind == TPL_STR ? SL(ch) : 0, 3, out);
+    bool taint = tpl_taint_begin(R, tpl_holds_data(ch)); /* data chooses what is cut */
+    int rc = do_strip(R, s, ch.kind == TPL_STR ? S(ch) : NULL, ch.kind == TPL_STR ? SL(ch) : 0, 3, out);
+    tpl_taint_end(R, taint);
+    return rc;
 }
 
 static int f_trim(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) { return on_str(R, in, b, trim_str, out); }
@@ -2310,7 +2316,7 @@ static const builtin FILTERS[] = {
     {"sum", f_sum, PARAMS("attribute", "start"), 0, U},
     {"title", f_case, P_X, CASE_TITLE_JINJA, U},
     {"tojson", f_tojson, PARAMS("ensure_ascii", "indent", "separators", "sort_keys"), 0, U},
-    {"trim", f_trim, PARAMS("chars"), 0, U},
+    {"trim", f_trim, PARAMS("chars"), 0, U | B_SPANS},
     {"truncate", f_truncate, PARAMS("length", "killwords", "end", "leeway"), 0, U},
     {"unique", f_unique, P_CASE_ATTR, 0, U},
     {"upper", f_case, P_X, CASE_UPPER, U},

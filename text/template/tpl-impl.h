@@ -180,6 +180,8 @@ void tpl_free_immortal(tpl_val v);
 
 int tpl_str_new(tpl_rt *R, const char *s, size_t len, tpl_val *out);
 int tpl_str_cat(tpl_rt *R, const char *a, size_t alen, const char *b, size_t blen, tpl_val *out);
+/* The substring s[lo..hi) (byte offsets on character boundaries), keeping s's data ranges. */
+int tpl_str_sub(tpl_rt *R, tpl_val s, size_t lo, size_t hi, tpl_val *out);
 int tpl_list_new(tpl_rt *R, size_t cap, tpl_val *out);
 /* Appends `v`, taking ownership of it (it is dropped on failure). */
 int tpl_list_push(tpl_rt *R, tpl_val list, tpl_val v);

@@ -270,6 +270,25 @@ int tpl_str_new(tpl_rt *R, const char *s, size_t len, tpl_val *out) {
     return tpl_str_cat(R, s, len, NULL, 0, out);
 }
 
+int tpl_str_sub(tpl_rt *R, tpl_val s, size_t lo, size_t hi, tpl_val *out) {
+    tpl_str *x = tpl_as_str(s);
+    int rc = tpl_str_new(R, x->s + lo, hi - lo, out);
+    if (rc || !x->nspans)
+        return rc;
+    tpl_spans sp = {0};
+    for (size_t i = 0; i < x->nspans && !rc; i++) {
+        size_t a = x->spans[i].start > lo ? x->spans[i].start : lo;
+        size_t b = x->spans[i].end < hi ? x->spans[i].end : hi;
+        if (a < b)
+            rc = tpl_spans_add(R, &sp, a - lo, b - lo);
+    }
+    if (rc || (rc = attach_spans(R, tpl_as_str(*out), &sp))) {
+        tpl_spans_free(&sp);
+        tpl_drop(R, *out);
+    }
+    return rc;
+}
+
 int tpl_list_new(tpl_rt *R, size_t cap, tpl_val *out) {
     int rc;
     tpl_list *l = obj_alloc(R, sizeof(tpl_list), TPL_LIST, &rc);
@@ -1032,12 +1051,14 @@ int tpl_to_str(tpl_rt *R, tpl_val v, tpl_val *out) {
         return FU_OK;
     }
     fu_buf b = {0};
-    int rc = tpl_buf_str(R, &b, v);
+    tpl_spans sp = {0};
+    int rc = tpl_buf_str_sp(R, &b, &sp, v);
     if (rc) {
         fu_buf_free(&b);
+        tpl_spans_free(&sp);
         return rc;
     }
-    return tpl_buf_to_str(R, &b, out);
+    return tpl_buf_to_str_sp(R, &b, &sp, out);
 }
 
 /* ------------------------------------------------------------------------ */
