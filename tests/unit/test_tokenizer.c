@@ -68,11 +68,8 @@ static tok_tokenizer *load_json_expect(const char *json, int want) {
     return t;
 }
 
-static void expect_ids(const tok_tokenizer *t, const char *text, bool add_special, bool parse_special,
-                       const int32_t *want, size_t nwant) {
-    int32_t *ids;
-    size_t n;
-    assert_int_equal(tok_encode(t, text, strlen(text), add_special, parse_special, &ids, &n), FU_OK);
+/* Fails, printing both, unless ids[0..n) == want[0..nwant); frees ids. */
+static void check_ids(const char *text, int32_t *ids, size_t n, const int32_t *want, size_t nwant) {
     if (n != nwant || (n && memcmp(ids, want, n * sizeof *ids) != 0)) {
         fprintf(stderr, "encode '%s': got", text);
         for (size_t i = 0; i < n; i++) fprintf(stderr, " %d", ids[i]);
@@ -83,6 +80,14 @@ static void expect_ids(const tok_tokenizer *t, const char *text, bool add_specia
         fail();
     }
     free(ids);
+}
+
+static void expect_ids(const tok_tokenizer *t, const char *text, bool add_special, bool parse_special,
+                       const int32_t *want, size_t nwant) {
+    int32_t *ids;
+    size_t n;
+    assert_int_equal(tok_encode(t, text, strlen(text), add_special, parse_special, &ids, &n), FU_OK);
+    check_ids(text, ids, n, want, nwant);
 }
 
 #define EXPECT_IDS(t, text, add, parse, ...)                                                  \
@@ -649,16 +654,7 @@ static void expect_spans_ids(const tok_tokenizer *t, const char *text, const tok
     int32_t *ids;
     size_t n;
     assert_int_equal(tok_encode_spans(t, text, strlen(text), false, plain, n_plain, &ids, &n), FU_OK);
-    if (n != nwant || (n && memcmp(ids, want, n * sizeof *ids) != 0)) {
-        fprintf(stderr, "encode_spans '%s': got", text);
-        for (size_t i = 0; i < n; i++) fprintf(stderr, " %d", ids[i]);
-        fprintf(stderr, ", want");
-        for (size_t i = 0; i < nwant; i++) fprintf(stderr, " %d", want[i]);
-        fprintf(stderr, "\n");
-        free(ids);
-        fail();
-    }
-    free(ids);
+    check_ids(text, ids, n, want, nwant);
 }
 
 /* A special token overlapping a plain range is text; elsewhere it is its id; non-special

@@ -893,17 +893,23 @@ typedef struct builtin {
 #define PARAMS(...) ((const char *const[]){__VA_ARGS__, NULL})
 #define N_OF(t) (sizeof(t) / sizeof((t)[0]))
 
-/* Whether a builtin's input or arguments hold data, so that the strings it
- * makes are data (tpl_taint_begin) unless it keeps exact ranges (B_SPANS). */
-static bool call_holds_data(const builtin *e, tpl_val self, const tpl_args *a) {
-    if (e->flags & B_SPANS)
-        return false;
-    bool d = tpl_holds_data(self);
-    for (size_t i = 0; i < a->npos && !d; i++)
-        d = tpl_holds_data(a->pos[i]);
-    for (size_t i = 0; i < a->nkw && !d; i++)
-        d = tpl_holds_data(a->kw[i]);
-    return d;
+/* Runs a builtin whose arguments are bound. When its input or arguments hold
+ * data, every string it makes is data (tpl_taint_begin), unless it keeps
+ * exact ranges itself (B_SPANS). */
+static int run_builtin(tpl_rt *R, const builtin *e, tpl_val self, const bound *b, tpl_val *out) {
+    const tpl_args *a = b->a;
+    bool d = false;
+    if (!(e->flags & B_SPANS)) {
+        d = tpl_holds_data(self);
+        for (size_t i = 0; i < a->npos && !d; i++)
+            d = tpl_holds_data(a->pos[i]);
+        for (size_t i = 0; i < a->nkw && !d; i++)
+            d = tpl_holds_data(a->kw[i]);
+    }
+    bool taint = tpl_taint_begin(R, d);
+    int rc = e->fn(R, self, b, out);
+    tpl_taint_end(R, taint);
+    return rc;
 }
 
 static int builtin_cmp(const void *name, const void *entry) {
@@ -1371,12 +1377,7 @@ static int call_method(tpl_rt *R, const builtin *e, tpl_val self, const tpl_args
         if (!rc && self.kind == TPL_STR)
             rc = tpl_rt_charge(R, SL(self) / 32);
     }
-    if (rc)
-        return rc;
-    bool taint = tpl_taint_begin(R, call_holds_data(e, self, a));
-    rc = e->fn(R, self, &b, out);
-    tpl_taint_end(R, taint);
-    return rc;
+    return rc ? rc : run_builtin(R, e, self, &b, out);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -2339,12 +2340,7 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
         return tpl_undef_fail(R, in);
     bound b = {.a = a, .name = name, .arg = e->arg};
     int rc = e->flags & B_RAW ? FU_OK : bind_args(R, a, e->params, &b);
-    if (rc)
-        return rc;
-    bool taint = tpl_taint_begin(R, call_holds_data(e, in, a));
-    rc = e->fn(R, in, &b, out);
-    tpl_taint_end(R, taint);
-    return rc;
+    return rc ? rc : run_builtin(R, e, in, &b, out);
 }
 
 /* ------------------------------------------------------------------------ */
