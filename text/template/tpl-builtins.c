@@ -2686,7 +2686,7 @@ int tpl_call_builtin(tpl_rt *R, tpl_func *f, const tpl_args *a, tpl_val *out) {
     } else if (f->id > 0 && (size_t)f->id < N_OF(FUNCS) && FUNCS[f->id].fn) {
         const builtin *e = &FUNCS[f->id];
         bound b = {.a = a, .name = e->name, .arg = e->arg};
-        return e->fn(R, f->self, &b, out);
+        return run_builtin(R, e, f->self, &b, out);
     }
     return tpl_type_error(R, "object is not callable");
 }

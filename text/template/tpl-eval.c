@@ -212,10 +212,7 @@ int tpl_getitem(tpl_rt *R, tpl_val obj, tpl_val key, tpl_val *out) {
         if (norm_index(key, tpl_utf8_len(s->s, s->len), &idx)) {
             size_t off = tpl_utf8_offset(s->s, s->len, idx), adv;
             tpl_utf8_get(s->s + off, s->len - off, &adv);
-            bool taint = tpl_taint_begin(R, s->nspans > 0);
-            rc = tpl_str_new(R, s->s + off, adv, out);
-            tpl_taint_end(R, taint);
-            return rc;
+            return tpl_str_sub(R, obj, off, off + adv, out);
         }
         break;
     }
