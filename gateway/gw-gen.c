@@ -206,13 +206,38 @@ static void gw_job_fail(gw_job *j, const gw_error *err) {
     pthread_mutex_unlock(&j->mu);
 }
 
-int gw_render_chat(const gw_model *m, gw_request *r, char **out, gw_error *err) {
+/* gw_render_chat that also gives the text's data ranges (spans NULL: not wanted). */
+static int gw_render_chat_spans(const gw_model *m, gw_request *r, char **out, size_t *len, tpl_span **spans,
+                                size_t *n_spans, gw_error *err) {
     *out = NULL;
     if (!m->tpl)
         return gw_error_set(err, 400, "messages", NULL, "the model has no chat template: use /v1/completions");
     if (gw_tools_prepare_chat(r->messages, r->tools, m->tool_format, tok_chat_template(m->tok), err)) return err->http;
-    if (tpl_apply_chat(m->tpl, r->messages, r->tools, 1, tok_bos_str(m->tok), tok_eos_str(m->tok), NULL, out))
+    if (tpl_apply_chat_spans(m->tpl, r->messages, r->tools, 1, tok_bos_str(m->tok), tok_eos_str(m->tok), NULL, out,
+                             len, spans, n_spans))
         return gw_error_set(err, 400, "messages", NULL, "chat template: %s", fu_last_error());
+    return 0;
+}
+
+int gw_render_chat(const gw_model *m, gw_request *r, char **out, gw_error *err) {
+    return gw_render_chat_spans(m, r, out, NULL, NULL, NULL, err);
+}
+
+/* Tokenizes a rendered chat: the template's markers are special tokens, while
+ * markers written inside the messages (the data ranges) stay plain text. */
+static int gw_encode_chat(const gw_model *m, gw_request *r, int32_t **ids, size_t *n, gw_error *err) {
+    char *text = NULL;
+    size_t len = 0, n_spans = 0;
+    tpl_span *spans = NULL;
+    if (gw_render_chat_spans(m, r, &text, &len, &spans, &n_spans, err)) return err->http;
+    tok_span *plain = n_spans ? malloc(n_spans * sizeof *plain) : NULL;
+    int rc = n_spans && !plain ? fu_errorf(FU_ERR_NOMEM, "out of memory") : FU_OK;
+    for (size_t i = 0; i < n_spans && plain; i++) plain[i] = (tok_span){spans[i].start, spans[i].end};
+    if (!rc) rc = tok_encode_spans(m->tok, text, len, false, plain, n_spans, ids, n);
+    free(plain);
+    free(spans);
+    free(text);
+    if (rc) return gw_error_set(err, 400, "messages", NULL, "tokenizer: %s", fu_last_error());
     return 0;
 }
 
@@ -223,17 +248,13 @@ static int gw_job_prepare_locked(gw_job *j, gw_error *err) {
     const char *param = r->kind == GW_KIND_CHAT ? "messages" : "prompt";
     for (int p = 0; p < n_prompts; p++) {
         if (r->kind == GW_KIND_CHAT) {
-            char *text = NULL;
-            if (gw_render_chat(m, r, &text, err)) return err->http;
-            int rc = tok_encode(m->tok, text, strlen(text), false, true, &j->pids[p], &j->pn[p]);
-            free(text);
-            if (rc) return gw_error_set(err, 400, "messages", NULL, "tokenizer: %s", fu_last_error());
+            if (gw_encode_chat(m, r, &j->pids[p], &j->pn[p], err)) return err->http;
         } else if (r->prompts[p].ids) {
             j->pids[p] = malloc(r->prompts[p].n_ids * sizeof(int32_t));
             if (!j->pids[p]) return gw_error_set(err, 500, NULL, NULL, "out of memory");
             memcpy(j->pids[p], r->prompts[p].ids, r->prompts[p].n_ids * sizeof(int32_t));
             j->pn[p] = r->prompts[p].n_ids;
-        } else {
+        } else { /* a raw prompt is the caller's own text: special tokens in it are parsed */
             int rc = tok_encode(m->tok, r->prompts[p].text, r->prompts[p].text_len, true, true, &j->pids[p],
                                 &j->pn[p]);
             if (rc) return gw_error_set(err, 400, "prompt", NULL, "tokenizer: %s", fu_last_error());

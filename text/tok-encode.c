@@ -51,6 +51,10 @@ typedef struct spm_cand {
 typedef struct tok_enc {
     const tok_tokenizer *t;
     bool parse_special;
+    const tok_span *plain; /* ranges of base where special tokens are text */
+    size_t n_plain;
+    const char *base; /* the (repaired) text being encoded */
+    bool frag_plain;  /* the fragment being normalized overlaps a plain range */
     int32_t *out;
     size_t n_out, cap_out;
     tok_block *arena;
@@ -785,6 +789,25 @@ static int pretok_model(tok_enc *e, const char *s, size_t n, bool origin) {
 
 typedef int (*tok_text_fn)(tok_enc *e, const char *s, size_t n, bool origin);
 
+/* Whether base[start..end) overlaps one of e's plain ranges. */
+static bool overlaps_plain(const tok_enc *e, size_t start, size_t end) {
+    size_t lo = 0, hi = e->n_plain;
+    while (lo < hi) { /* first range that ends after start */
+        size_t mid = lo + (hi - lo) / 2;
+        if (e->plain[mid].end <= start) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo < e->n_plain && e->plain[lo].start < end;
+}
+
+/* Whether the special token matched at s[ms..ms+ml) is taken as its id. */
+static bool special_taken(const tok_enc *e, const tok_matcher *m, const char *s, size_t ms, size_t ml) {
+    if (!e->parse_special) return false;
+    if (!e->n_plain) return true;
+    if (m == &e->t->match_raw) return !overlaps_plain(e, (size_t)(s - e->base) + ms, (size_t)(s - e->base) + ms + ml);
+    return !e->frag_plain;
+}
+
 /* Splits s[0..n) on the matcher's added tokens (leftmost-longest, HF
  * AddedVocabulary::find_matches): token ids go out, the text between goes to fn. */
 static int split_added(tok_enc *e, const tok_matcher *m, const char *s, size_t n, bool origin,
@@ -810,7 +833,7 @@ static int split_added(tok_enc *e, const tok_matcher *m, const char *s, size_t n
         if (!a) break;
         size_t mstart = ms, mstop = ms + ml;
         pos = mstop;
-        if (a->special && !e->parse_special) continue;
+        if (a->special && !special_taken(e, m, s, ms, ml)) continue;
         if (a->single_word) {
             size_t st;
             bool left_ok = mstart == 0 || !is_word_char(utf8_prev(s, mstart, &st));
@@ -858,6 +881,7 @@ static int split_added(tok_enc *e, const tok_matcher *m, const char *s, size_t n
 static int encode_fragment(tok_enc *e, const char *s, size_t n, bool origin) {
     const tok_tokenizer *t = e->t;
     if (!n) return FU_OK;
+    if (e->n_plain) e->frag_plain = overlaps_plain(e, (size_t)(s - e->base), (size_t)(s - e->base) + n);
     if (!t->n_norm) {
         if (t->has_norm_added) return split_added(e, &t->match_norm, s, n, origin, pretok_model);
         return pretok_model(e, s, n, origin);
@@ -872,11 +896,13 @@ static int encode_fragment(tok_enc *e, const char *s, size_t n, bool origin) {
     return rc;
 }
 
-int tok_encode(const tok_tokenizer *t, const char *text, size_t len, bool add_special,
-               bool parse_special, int32_t **ids, size_t *n) {
+/* tok_encode and tok_encode_spans. */
+static int encode(const tok_tokenizer *t, const char *text, size_t len, bool add_special, bool parse_special,
+                  const tok_span *plain, size_t n_plain, int32_t **ids, size_t *n) {
     if (ids) *ids = NULL;
     if (n) *n = 0;
-    if (!t || !ids || !n || (!text && len)) return fu_errorf(FU_ERR_INVALID, "tok_encode: bad arguments");
+    if (!t || !ids || !n || (!text && len) || (!plain && n_plain))
+        return fu_errorf(FU_ERR_INVALID, "tok_encode: bad arguments");
     if (!text) text = "";
     char *fixed = NULL;
     size_t fixed_len = 0;
@@ -885,8 +911,9 @@ int tok_encode(const tok_tokenizer *t, const char *text, size_t len, bool add_sp
     if (fixed) {
         text = fixed;
         len = fixed_len;
+        if (n_plain) parse_special = false; /* the ranges no longer line up: no special token */
     }
-    tok_enc e = {.t = t, .parse_special = parse_special};
+    tok_enc e = {.t = t, .parse_special = parse_special, .plain = plain, .n_plain = n_plain, .base = text};
     if (t->n_pre) {
         e.md = calloc(t->n_pre, sizeof *e.md);
         if (!e.md) rc = fu_errorf(FU_ERR_NOMEM, "tokenizer: encode");
@@ -907,4 +934,14 @@ int tok_encode(const tok_tokenizer *t, const char *text, size_t len, bool add_sp
     e.out = NULL;
     enc_free(&e);
     return FU_OK;
+}
+
+int tok_encode(const tok_tokenizer *t, const char *text, size_t len, bool add_special, bool parse_special,
+               int32_t **ids, size_t *n) {
+    return encode(t, text, len, add_special, parse_special, NULL, 0, ids, n);
+}
+
+int tok_encode_spans(const tok_tokenizer *t, const char *text, size_t len, bool add_special, const tok_span *plain,
+                     size_t n_plain, int32_t **ids, size_t *n) {
+    return encode(t, text, len, add_special, true, plain, n_plain, ids, n);
 }

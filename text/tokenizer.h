@@ -66,6 +66,24 @@ void tok_free(tok_tokenizer *t); /* NULL is a no-op */
 int tok_encode(const tok_tokenizer *t, const char *text, size_t len, bool add_special,
                bool parse_special, int32_t **ids, size_t *n);
 
+/* A byte range [start, end) of the text to encode. */
+typedef struct tok_span {
+    size_t start, end;
+} tok_span;
+
+/* As tok_encode with parse_special, except that a special token whose text
+ * overlaps one of the ranges `plain` (sorted, disjoint) is not taken: that
+ * text is encoded as tok_encode with parse_special=false would (non-special
+ * added tokens are still recognised). Outside the ranges the ids are those of
+ * tok_encode(parse_special=true). Use it for a rendered chat whose messages
+ * must not forge the template's markers (tpl_apply_chat_spans gives the
+ * ranges). Special tokens that the tokenizer matches after normalization are
+ * not taken in a stretch between raw-matched tokens that overlaps a range;
+ * text that needs its invalid UTF-8 repaired parses no special token at all
+ * when ranges are given (the ranges would no longer line up). */
+int tok_encode_spans(const tok_tokenizer *t, const char *text, size_t len, bool add_special, const tok_span *plain,
+                     size_t n_plain, int32_t **ids, size_t *n);
+
 /* ---- decoding ---- */
 
 /* Decodes ids[0..n) to text: *text is malloc'd, NUL-terminated, *len bytes

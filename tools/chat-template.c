@@ -22,13 +22,18 @@
  * template error it prints "error: <status>: <message>" to stderr and exits 1.
  * --batch reads a JSON array of requests and prints a JSON array of results,
  * each {"ok": true, "output": "..."} or {"ok": false, "status": "...",
- * "error": "..."}, exiting 0 unless the input itself is unusable.
+ * "error": "..."}, exiting 0 unless the input itself is unusable. A chat
+ * rendered with "messages" (no "context" or "limits") also gets "spans":
+ * [[start, end], ...], the byte ranges of the output that came from the
+ * request's data (tpl_apply_chat_spans).
  */
 
-/* Renders one request. On success *out is malloc'd; returns a fu_status. */
-static int render_request(const json_t *req, char **out, size_t *out_len) {
+/* Renders one request. On success *out is malloc'd and *spans (NULL when the
+ * request gives the raw variables) holds the data ranges; returns a fu_status. */
+static int render_request(const json_t *req, char **out, size_t *out_len, json_t **spans) {
     *out = NULL;
     *out_len = 0;
+    *spans = NULL;
     if (!json_is_object(req))
         return fu_errorf(FU_ERR_INVALID, "request must be a JSON object");
     const char *src = json_string_value(json_object_get(req, "template"));
@@ -82,12 +87,18 @@ static int render_request(const json_t *req, char **out, size_t *out_len) {
         if (json_is_null(tools))
             tools = NULL;
         json_t *kw = json_object_get(req, "kwargs");
-        rc = tpl_apply_chat(tpl, messages, tools, json_is_true(json_object_get(req, "add_generation_prompt")),
-                            json_string_value(json_object_get(req, "bos_token")),
-                            json_string_value(json_object_get(req, "eos_token")), json_is_object(kw) ? kw : NULL,
-                            out);
-        if (!rc)
-            *out_len = strlen(*out);
+        tpl_span *sp = NULL;
+        size_t n = 0;
+        rc = tpl_apply_chat_spans(tpl, messages, tools, json_is_true(json_object_get(req, "add_generation_prompt")),
+                                  json_string_value(json_object_get(req, "bos_token")),
+                                  json_string_value(json_object_get(req, "eos_token")),
+                                  json_is_object(kw) ? kw : NULL, out, out_len, &sp, &n);
+        if (!rc) {
+            *spans = json_array();
+            for (size_t i = 0; i < n; i++)
+                json_array_append_new(*spans, json_pack("[I,I]", (json_int_t)sp[i].start, (json_int_t)sp[i].end));
+        }
+        free(sp);
     }
     tpl_free(tpl);
     return rc;
@@ -112,7 +123,9 @@ int main(int argc, char **argv) {
     if (!batch) {
         char *out = NULL;
         size_t len = 0;
-        int rc = render_request(in, &out, &len);
+        json_t *spans;
+        int rc = render_request(in, &out, &len, &spans);
+        json_decref(spans);
         json_decref(in);
         if (rc) {
             fprintf(stderr, "error: %s: %s\n", fu_status_str(rc), fu_last_error());
@@ -133,8 +146,9 @@ int main(int argc, char **argv) {
     json_array_foreach(in, i, req) {
         char *out = NULL;
         size_t len = 0;
+        json_t *spans;
         fu_error_clear();
-        int rc = render_request(req, &out, &len);
+        int rc = render_request(req, &out, &len, &spans);
         json_t *r;
         if (rc) {
             r = json_pack("{s:b, s:s, s:s}", "ok", 0, "status", fu_status_str(rc), "error", fu_last_error());
@@ -142,7 +156,10 @@ int main(int argc, char **argv) {
             r = json_pack("{s:b, s:s%}", "ok", 1, "output", out, len);
             if (!r) /* not valid UTF-8 */
                 r = json_pack("{s:b, s:s, s:s}", "ok", 0, "status", "invalid output", "error", "output is not UTF-8");
+            else if (spans)
+                json_object_set(r, "spans", spans);
         }
+        json_decref(spans);
         free(out);
         json_array_append_new(results, r);
     }

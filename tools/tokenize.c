@@ -4,7 +4,13 @@
  *
  * One JSON object per input line, one JSON object per output line:
  *   {"op":"encode","text":"...","add_special":false,"parse_special":true}  -> {"ids":[...]}
- *     ("text_hex":"48e4" instead of "text" encodes raw bytes, e.g. invalid UTF-8)
+ *     ("text_hex":"48e4" instead of "text" encodes raw bytes, e.g. invalid UTF-8;
+ *      "plain":[[start,end],...] byte ranges where special tokens stay text: tok_encode_spans)
+ *   {"op":"chat","messages":[...],"tools":[...],"add_generation_prompt":true,"kwargs":{...}}
+ *     -> {"text":"...","spans":[[start,end],...],"ids":[...],"ids_parsed":[...]}
+ *        (the tokenizer's chat template rendered with tpl_apply_chat_spans; ids:
+ *         tok_encode_spans of the text with its data ranges, as the gateway does;
+ *         ids_parsed: tok_encode with every special token parsed)
  *   {"op":"decode","ids":[...],"skip_special":false}
  *     -> {"text":"...","pieces":["...", ...]}  (pieces: what the streaming decoder
  *        emitted after each id, then after the flush)
@@ -18,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chat-template.h"
 #include "gguf.h"
 #include "status.h"
 #include "tokenizer.h"
@@ -35,6 +42,27 @@ static int hexval(char c) {
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
     return -1;
+}
+
+static json_t *ids_json(const int32_t *ids, size_t n) {
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    return arr;
+}
+
+/* Reads "plain": [[start, end], ...] into *out (malloc'd; NULL when absent). */
+static int read_plain(const json_t *jp, tok_span **out, size_t *n) {
+    *out = NULL;
+    *n = json_array_size(jp);
+    if (!*n) return 0;
+    *out = malloc(*n * sizeof **out);
+    if (!*out) return -1;
+    for (size_t i = 0; i < *n; i++) {
+        const json_t *r = json_array_get(jp, i);
+        (*out)[i] = (tok_span){(size_t)json_integer_value(json_array_get(r, 0)),
+                               (size_t)json_integer_value(json_array_get(r, 1))};
+    }
+    return 0;
 }
 
 static json_t *do_encode(const tok_tokenizer *t, const json_t *req) {
@@ -67,15 +95,59 @@ static json_t *do_encode(const tok_tokenizer *t, const json_t *req) {
     bool add_special = json_is_true(json_object_get(req, "add_special"));
     const json_t *ps = json_object_get(req, "parse_special");
     bool parse_special = ps ? json_is_true(ps) : true;
+    const json_t *jp = json_object_get(req, "plain");
+    tok_span *plain = NULL;
+    size_t n_plain = 0;
+    if (read_plain(jp, &plain, &n_plain)) {
+        free(buf);
+        return json_pack("{s:s}", "error", "out of memory");
+    }
     int32_t *ids;
     size_t n;
-    int rc = tok_encode(t, text, len, add_special, parse_special, &ids, &n);
+    int rc = jp ? tok_encode_spans(t, text, len, add_special, plain, n_plain, &ids, &n)
+                : tok_encode(t, text, len, add_special, parse_special, &ids, &n);
+    free(plain);
     free(buf);
     if (rc) return error_obj(rc);
-    json_t *arr = json_array();
-    for (size_t i = 0; i < n; i++) json_array_append_new(arr, json_integer(ids[i]));
+    json_t *arr = ids_json(ids, n);
     free(ids);
     return json_pack("{s:o}", "ids", arr);
+}
+
+static json_t *do_chat(const tok_tokenizer *t, const json_t *req) {
+    const char *src = tok_chat_template(t);
+    if (!src) return json_pack("{s:s}", "error", "the tokenizer has no chat template");
+    tpl_template *tpl;
+    int rc = tpl_compile(src, &tpl);
+    if (rc) return error_obj(rc);
+    const json_t *tools = json_object_get(req, "tools"), *kw = json_object_get(req, "kwargs");
+    char *text = NULL;
+    size_t len = 0, n_spans = 0, n = 0, n_parsed = 0;
+    tpl_span *spans = NULL;
+    tok_span *plain = NULL;
+    int32_t *ids = NULL, *parsed = NULL;
+    rc = tpl_apply_chat_spans(tpl, json_object_get(req, "messages"), json_is_array(tools) ? tools : NULL,
+                              json_is_true(json_object_get(req, "add_generation_prompt")), tok_bos_str(t),
+                              tok_eos_str(t), json_is_object(kw) ? kw : NULL, &text, &len, &spans, &n_spans);
+    tpl_free(tpl);
+    json_t *jspans = json_array();
+    if (!rc && n_spans && !(plain = malloc(n_spans * sizeof *plain))) rc = fu_errorf(FU_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; !rc && i < n_spans; i++) {
+        plain[i] = (tok_span){spans[i].start, spans[i].end};
+        json_array_append_new(jspans, json_pack("[I,I]", (json_int_t)spans[i].start, (json_int_t)spans[i].end));
+    }
+    if (!rc) rc = tok_encode_spans(t, text, len, false, plain, n_spans, &ids, &n);
+    if (!rc) rc = tok_encode(t, text, len, false, true, &parsed, &n_parsed);
+    json_t *res = rc ? error_obj(rc)
+                     : json_pack("{s:s%,s:O,s:o,s:o}", "text", text, len, "spans", jspans, "ids", ids_json(ids, n),
+                                 "ids_parsed", ids_json(parsed, n_parsed));
+    json_decref(jspans);
+    free(text);
+    free(spans);
+    free(plain);
+    free(ids);
+    free(parsed);
+    return res;
 }
 
 static json_t *do_decode(const tok_tokenizer *t, const json_t *req) {
@@ -184,6 +256,7 @@ int main(int argc, char **argv) {
         json_t *res;
         if (op && !strcmp(op, "decode")) res = do_decode(t, req);
         else if (op && !strcmp(op, "info")) res = do_info(t);
+        else if (op && !strcmp(op, "chat")) res = do_chat(t, req);
         else if (!op || !strcmp(op, "encode")) res = do_encode(t, req);
         else res = json_pack("{s:s}", "error", "unknown op");
         json_decref(req);

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -877,6 +878,34 @@ def test_matches_jinja2(fusion_results, idx):
     if case.get("fuzz") and fuzz_known_divergence(case, got):
         pytest.skip("known divergence: Python object repr or constant folding")
     check(case, got)
+
+
+MARKER_RE = re.compile(r"<\|[^|\s]{1,40}\|>|<start_of_turn>|<end_of_turn>|\[/?INST\]|<</?SYS>>|</?s>|<bos>|<eos>"
+                       r"|</?think>|</?tool_call>|</?tools>|</?tool_response>")
+
+
+@pytest.mark.parametrize("idx", [i for i, c in enumerate(ALL_CASES) if "messages" in c and "context" not in c
+                                 and "limits" not in c and "fuzz" not in c],
+                         ids=lambda i: ALL_CASES[i].get("name", f"snippet{i}"))
+def test_data_ranges_spare_template_markers(fusion_results, idx):
+    """tpl_apply_chat_spans marks what came from the messages, tools and kwargs as data. The
+    conservative rule (any operation on data but concatenation makes its whole result data) must
+    never swallow the template's own turn markers: a marker the request's data does not spell
+    lies outside every data range."""
+    case, got = ALL_CASES[idx], fusion_results[idx]
+    if not got.get("ok"):
+        return
+    data = json.dumps([case["messages"], case.get("tools"), case.get("kwargs")], ensure_ascii=False)
+    out = got["output"].encode()
+    spans = got["spans"]
+    for m in MARKER_RE.finditer(got["output"]):
+        if m.group() in data:
+            continue
+        start = len(got["output"][:m.start()].encode())
+        end = start + len(m.group().encode())
+        hit = [s for s in spans if s[0] < end and start < s[1]]
+        assert not hit, f"{case.get('name')}: marker {m.group()!r} at {start} inside data {hit}: " \
+                        f"{out[max(0, start - 60):end + 20]!r}"
 
 
 def test_case_coverage():

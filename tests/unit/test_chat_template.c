@@ -396,13 +396,96 @@ static void test_builtin_names(void **state) {
     expect_render("{{ cycle is defined }}{{ changed is defined }}", NULL, "FalseFalse");
 }
 
+/* Renders a chat with tpl_apply_chat_spans (bos "<s>", eos "</s>") and returns the text with
+ * each data range in brackets (caller frees); checks the text equals tpl_apply_chat's. */
+static char *render_marked(const char *src, const char *messages, const char *tools, const char *kwargs) {
+    tpl_template *t;
+    if (tpl_compile(src, &t))
+        fail_msg("compile %s: %s", src, fu_last_error());
+    json_t *m = json_loads(messages, 0, NULL), *tl = tools ? json_loads(tools, 0, NULL) : NULL;
+    json_t *kw = kwargs ? json_loads(kwargs, 0, NULL) : NULL;
+    assert_non_null(m);
+    char *text, *plain;
+    size_t len, n;
+    tpl_span *sp;
+    if (tpl_apply_chat_spans(t, m, tl, 0, "<s>", "</s>", kw, &text, &len, &sp, &n))
+        fail_msg("render %s: %s", src, fu_last_error());
+    assert_int_equal(tpl_apply_chat(t, m, tl, 0, "<s>", "</s>", kw, &plain), FU_OK);
+    assert_string_equal(text, plain);
+    char *out = malloc(len + 2 * n + 1);
+    assert_non_null(out);
+    size_t o = 0, k = 0;
+    for (size_t i = 0; i <= len; i++) {
+        if (k < n && sp[k].end == i) {
+            out[o++] = ']';
+            k++;
+        }
+        if (k < n && sp[k].start == i) {
+            assert_true(sp[k].start < sp[k].end && (k == 0 || sp[k - 1].end < sp[k].start));
+            out[o++] = '[';
+        }
+        if (i < len)
+            out[o++] = text[i];
+    }
+    out[o] = '\0';
+    assert_int_equal(k, n);
+    free(text);
+    free(plain);
+    free(sp);
+    json_decref(m);
+    json_decref(tl);
+    json_decref(kw);
+    tpl_free(t);
+    return out;
+}
+
+/* Data ranges: strings from messages, tools and kwargs are data; concatenation keeps exact
+ * ranges, other operations on data make their whole result data. [..] marks data. */
+static void test_data_spans(void **state) {
+    (void)state;
+    static const char *const msgs = "[{\"role\": \"user\", \"content\": \" hi \"}, {\"role\": \"bot\", \"content\": \"yo\"}]";
+    static const struct {
+        const char *src, *want;
+    } cases[] = {
+        {"{{ '<|im_start|>' + messages[0].role + '\\n' + messages[0].content + '<|im_end|>' }}",
+         "<|im_start|>[user]\n[ hi ]<|im_end|>"},
+        {"{{ bos_token ~ messages[1].content ~ 1 ~ eos_token }}", "<s>[yo]1</s>"},
+        {"{{ messages|map(attribute='content')|join('<sep>') }}", "[ hi ]<sep>[yo]"},
+        {"{{ '<sep>'.join([messages[1].content, 'x']) }}", "[yo]<sep>x"},
+        {"{{ '<a>%s</a>' % messages[1].content }}{{ '<b>%s%d</b>'|format(messages[1].content, 2) }}",
+         "<a>[yo]</a><b>[yo]2</b>"},
+        {"{{ '<a>{}</a>'.format(messages[1].content) }}", "<a>[yo]</a>"},
+        {"{% macro r(m) %}<a>{{ m.content }}</a>{% endmacro %}{{ r(messages[1]) }}", "<a>[yo]</a>"},
+        {"{% set ns = namespace(p='') %}{% for m in messages %}{% set ns.p = ns.p + '<a>' + m.content %}{% endfor %}"
+         "{{ ns.p }}",
+         "<a>[ hi ]<a>[yo]"},
+        {"{% set x %}<a>{{ messages[1].content }}{% endset %}{{ x }}", "<a>[yo]"},
+        {"{{ ('<a>' + messages[1].content)|upper }}", "[<A>YO]"},
+        {"{{ messages[0].content[1:] }}|{{ messages[0].content|trim }}|{{ messages[1].content[0] }}", "[hi ]|[hi]|[y]"},
+        {"{{ messages[1].content.replace('y', '<a>') }}", "[<a>o]"},
+        {"{{ (' <a>' + messages[0].content).strip() }}|{{ ('<a>' + messages[1].content)|trim('<') }}", "<a>[ hi]|a>[yo]"},
+        {"{{ '<a>y'.strip(messages[1].content) }}", "[<a>]"},
+        {"{% for c in messages[1].content %}{{ c }}<a>{% endfor %}", "[y]<a>[o]<a>"},
+        {"{{ messages[0].content }}{{ messages[1].content }}", "[ hi yo]"},
+        {"{% if messages[1].content == 'yo' %}<a>{% endif %}{{ messages|length }}", "<a>2"},
+        {"{{ tools|tojson }}", "[[{\"a\": 1}]]"},
+        {"{{ custom }}|{{ messages[1].content * 2 }}", "[zz]|[yoyo]"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char *got = render_marked(cases[i].src, msgs, "[{\"a\": 1}]", "{\"custom\": \"zz\"}");
+        if (strcmp(got, cases[i].want))
+            fail_msg("%s\n  got  %s\n  want %s", cases[i].src, got, cases[i].want);
+        free(got);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_basic_renders),   cmocka_unit_test(test_apply_chat),
         cmocka_unit_test(test_syntax_errors),   cmocka_unit_test(test_runtime_errors),
         cmocka_unit_test(test_limits),          cmocka_unit_test(test_output_with_nul),
         cmocka_unit_test(test_concurrent_renders), cmocka_unit_test(test_random_templates),
-        cmocka_unit_test(test_builtin_names),
+        cmocka_unit_test(test_builtin_names),   cmocka_unit_test(test_data_spans),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

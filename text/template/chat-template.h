@@ -53,6 +53,11 @@
 
 typedef struct tpl_template tpl_template;
 
+/* A byte range [start, end) of rendered text. */
+typedef struct tpl_span {
+    size_t start, end;
+} tpl_span;
+
 /* Per-render resource limits; zero fields take the defaults below. */
 typedef struct tpl_limits {
     size_t max_output;  /* bytes of output, including captured blocks (default 16 MiB) */
@@ -93,5 +98,21 @@ int tpl_render_ex(const tpl_template *tpl, const json_t *context, const tpl_limi
 int tpl_apply_chat(const tpl_template *tpl, const json_t *messages, const json_t *tools,
                    int add_generation_prompt, const char *bos_token, const char *eos_token,
                    const json_t *extra_kwargs, char **out);
+
+/* As tpl_apply_chat, but also says which bytes of the text came from the
+ * request's data rather than from the template: every string inside
+ * `messages`, `tools` and `extra_kwargs` is data; the template's literals,
+ * bos_token, eos_token and add_generation_prompt are not. Concatenation
+ * (+, ~, join, %, str.format, output captured by macros and blocks) keeps
+ * the ranges of its parts exactly; any other operation on data (a filter,
+ * a method, slicing...) makes its whole result data. On success *out (length
+ * *out_len, may be NULL) and *spans (*n_spans sorted, disjoint, non-adjacent
+ * ranges; NULL when none) are malloc'd for the caller. The text is that of
+ * tpl_apply_chat. Tokenize it with special tokens parsed only outside the
+ * ranges (tok_encode_spans), so that markers written in a message stay text. */
+int tpl_apply_chat_spans(const tpl_template *tpl, const json_t *messages, const json_t *tools,
+                         int add_generation_prompt, const char *bos_token, const char *eos_token,
+                         const json_t *extra_kwargs, char **out, size_t *out_len, tpl_span **spans,
+                         size_t *n_spans);
 
 #endif

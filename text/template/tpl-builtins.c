@@ -64,6 +64,24 @@ static int ret_str(tpl_rt *R, fu_buf *b, int rc, tpl_val *out) {
     return tpl_buf_to_str(R, b, out);
 }
 
+/* ret_str for text whose data ranges are in sp (freed either way). */
+static int ret_str_sp(tpl_rt *R, fu_buf *b, tpl_spans *sp, int rc, tpl_val *out) {
+    if (rc) {
+        fu_buf_free(b);
+        tpl_spans_free(sp);
+        return rc;
+    }
+    return tpl_buf_to_str_sp(R, b, sp, out);
+}
+
+/* ret_str_sp for a formatted string: all data when the format string holds data. */
+static int ret_format(tpl_rt *R, tpl_val fmt, fu_buf *b, tpl_spans *sp, int rc, tpl_val *out) {
+    bool taint = tpl_taint_begin(R, tpl_holds_data(fmt));
+    rc = ret_str_sp(R, b, sp, rc, out);
+    tpl_taint_end(R, taint);
+    return rc;
+}
+
 /* Python str.isspace() for one code point. */
 static bool py_space(int32_t c) {
     if (c < 0x80)
@@ -199,7 +217,7 @@ static int do_strip(tpl_rt *R, tpl_val s, const char *chars, size_t nchars, int 
         *out = s;
         return FU_OK;
     }
-    return tpl_str_new(R, p + lo, hi - lo, out);
+    return tpl_str_sub(R, s, lo, hi, out);
 }
 
 static int need_str(tpl_rt *R, tpl_val v, const char *what) {
@@ -736,6 +754,7 @@ int tpl_format_percent(tpl_rt *R, tpl_val fmt, tpl_val args, tpl_val *out) {
     pct_args pa = {.args = args, .is_tuple = is_tuple, .is_map = args.kind == TPL_DICT,
                    .nargs = is_tuple ? tpl_as_list(args)->len : 1};
     fu_buf b = {0};
+    tpl_spans spans = {0};
     int rc = FU_OK;
     for (size_t i = 0; i < n && !rc;) {
         if (p[i] != '%') {
@@ -748,15 +767,20 @@ int tpl_format_percent(tpl_rt *R, tpl_val fmt, tpl_val args, tpl_val *out) {
         }
         i++;
         pct_spec sp = {.have_arg = false};
+        size_t before = b.len;
         if (!(rc = pct_parse(R, p, n, &i, &pa, &sp)))
             rc = sp.conv == '%' ? tpl_buf_put(R, &b, "%", 1) : pct_convert(R, &b, &pa, &sp);
+        if (!rc && sp.conv != '%') /* an exact copy of a string keeps its ranges, else all data */
+            rc = sp.conv == 's' && sp.arg.kind == TPL_STR && b.len - before == SL(sp.arg)
+                     ? tpl_spans_note(R, &spans, before, b.len, sp.arg)
+                     : tpl_holds_data(sp.arg) ? tpl_spans_add(R, &spans, before, b.len) : FU_OK;
     }
     /* Python treats any argument with __getitem__ (list, dict, Undefined) as a
      * mapping and then never complains about unused arguments. */
     bool mapping_like = pa.is_map || (args.kind == TPL_LIST && !is_tuple) || args.kind == TPL_UNDEF;
     if (!rc && !pa.used_map && !mapping_like && pa.next < pa.nargs)
         rc = tpl_type_error(R, "not all arguments converted during string formatting");
-    return ret_str(R, &b, rc, out);
+    return ret_format(R, fmt, &b, &spans, rc, out);
 }
 
 /* str.format(*args, **kwargs) with {} {0} {name} {{ }} and no format specs. */
@@ -764,6 +788,7 @@ static int str_format(tpl_rt *R, tpl_val fmt, const tpl_args *a, tpl_val *out) {
     const char *p = S(fmt);
     size_t n = SL(fmt), auto_i = 0;
     fu_buf b = {0};
+    tpl_spans spans = {0};
     int rc = FU_OK;
     for (size_t i = 0; i < n && !rc;) {
         char c = p[i];
@@ -824,10 +849,10 @@ static int str_format(tpl_rt *R, tpl_val fmt, const tpl_args *a, tpl_val *out) {
                 break;
             }
         }
-        rc = tpl_buf_str(R, &b, arg);
+        rc = tpl_buf_str_sp(R, &b, &spans, arg);
         i = j + 1;
     }
-    return ret_str(R, &b, rc, out);
+    return ret_format(R, fmt, &b, &spans, rc, out);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -852,6 +877,7 @@ enum {
     B_UNDEF_OK = 1, /* filters: Undefined input is accepted (seen as "" or empty) */
     B_RAW = 2,      /* nothing is bound: the handler reads b->a */
     B_KW = 4,       /* methods: keywords bind to `params`; otherwise only up to 3 positionals */
+    B_SPANS = 8,    /* keeps its inputs' data ranges itself (concatenation, substrings): no blanket taint */
 };
 
 /* One entry of a table. The tables of methods, filters and tests are sorted
@@ -866,6 +892,25 @@ typedef struct builtin {
 
 #define PARAMS(...) ((const char *const[]){__VA_ARGS__, NULL})
 #define N_OF(t) (sizeof(t) / sizeof((t)[0]))
+
+/* Runs a builtin whose arguments are bound. When its input or arguments hold
+ * data, every string it makes is data (tpl_taint_begin), unless it keeps
+ * exact ranges itself (B_SPANS). */
+static int run_builtin(tpl_rt *R, const builtin *e, tpl_val self, const bound *b, tpl_val *out) {
+    const tpl_args *a = b->a;
+    bool d = false;
+    if (!(e->flags & B_SPANS)) {
+        d = tpl_holds_data(self);
+        for (size_t i = 0; i < a->npos && !d; i++)
+            d = tpl_holds_data(a->pos[i]);
+        for (size_t i = 0; i < a->nkw && !d; i++)
+            d = tpl_holds_data(a->kw[i]);
+    }
+    bool taint = tpl_taint_begin(R, d);
+    int rc = e->fn(R, self, b, out);
+    tpl_taint_end(R, taint);
+    return rc;
+}
 
 static int builtin_cmp(const void *name, const void *entry) {
     return strcmp(name, ((const builtin *)entry)->name);
@@ -1006,7 +1051,10 @@ static int m_strip(tpl_rt *R, tpl_val self, const bound *b, tpl_val *out) {
         chars = S(b->p[0]);
         nc = SL(b->p[0]);
     }
-    return do_strip(R, self, chars, nc, b->arg, out);
+    bool taint = tpl_taint_begin(R, tpl_holds_data(b->p[0])); /* data chooses what is cut */
+    int rc = do_strip(R, self, chars, nc, b->arg, out);
+    tpl_taint_end(R, taint);
+    return rc;
 }
 
 /* str.startswith/endswith(prefix or tuple of prefixes); arg: 0 start, 1 end. */
@@ -1118,18 +1166,19 @@ static int m_join(tpl_rt *R, tpl_val self, const bound *b, tpl_val *out) {
         return rc;
     tpl_list *l = tpl_as_list(items);
     fu_buf buf = {0};
+    tpl_spans spans = {0};
     for (size_t i = 0; i < l->len && !rc; i++) {
         if (l->v[i].kind != TPL_STR) {
             rc = tpl_type_error(R, "sequence item %zu: expected str instance, %s found", i, tpl_type_name(l->v[i]));
             break;
         }
         if (i)
-            rc = tpl_buf_put(R, &buf, S(self), SL(self));
+            rc = tpl_buf_str_sp(R, &buf, &spans, self);
         if (!rc)
-            rc = tpl_buf_put(R, &buf, S(l->v[i]), SL(l->v[i]));
+            rc = tpl_buf_str_sp(R, &buf, &spans, l->v[i]);
     }
     tpl_drop(R, items);
-    return ret_str(R, &buf, rc, out);
+    return ret_str_sp(R, &buf, &spans, rc, out);
 }
 
 static int m_format(tpl_rt *R, tpl_val self, const bound *b, tpl_val *out) { return str_format(R, self, b->a, out); }
@@ -1251,7 +1300,7 @@ static const builtin STR_METHODS[] = {
     {"count", m_count, NULL, 0, 0},
     {"endswith", m_affix, NULL, 1, 0},
     {"find", m_find, NULL, 0, 0},
-    {"format", m_format, NULL, 0, B_RAW},
+    {"format", m_format, NULL, 0, B_RAW | B_SPANS},
     {"index", m_find, NULL, FIND_RAISE, 0},
     {"isalnum", m_is, NULL, CP_ALNUM, 0},
     {"isalpha", m_is, NULL, CP_ALPHA, 0},
@@ -1261,10 +1310,10 @@ static const builtin STR_METHODS[] = {
     {"isnumeric", m_is, NULL, CP_NUMERIC, 0},
     {"isspace", m_is, NULL, CP_SPACE, 0},
     {"isupper", m_is, NULL, CP_UPPER, 0},
-    {"join", m_join, NULL, 0, 0},
+    {"join", m_join, NULL, 0, B_SPANS},
     {"ljust", m_pad, NULL, '<', 0},
     {"lower", m_case, NULL, CASE_LOWER, 0},
-    {"lstrip", m_strip, NULL, 1, 0},
+    {"lstrip", m_strip, NULL, 1, B_SPANS},
     {"removeprefix", m_remove_affix, NULL, 0, 0},
     {"removesuffix", m_remove_affix, NULL, 1, 0},
     {"replace", m_replace, NULL, 0, 0},
@@ -1272,11 +1321,11 @@ static const builtin STR_METHODS[] = {
     {"rindex", m_find, NULL, FIND_LAST | FIND_RAISE, 0},
     {"rjust", m_pad, NULL, '>', 0},
     {"rsplit", m_split, KW_SPLIT, 1, B_KW},
-    {"rstrip", m_strip, NULL, 2, 0},
+    {"rstrip", m_strip, NULL, 2, B_SPANS},
     {"split", m_split, KW_SPLIT, 0, B_KW},
     {"splitlines", m_splitlines, NULL, 0, 0},
     {"startswith", m_affix, NULL, 0, 0},
-    {"strip", m_strip, NULL, 3, 0},
+    {"strip", m_strip, NULL, 3, B_SPANS},
     {"swapcase", m_case, NULL, CASE_SWAP, 0},
     {"title", m_case, NULL, CASE_TITLE_PY, 0},
     {"upper", m_case, NULL, CASE_UPPER, 0},
@@ -1319,15 +1368,16 @@ int tpl_method_id(tpl_val obj, const char *name) {
  * length. */
 static int call_method(tpl_rt *R, const builtin *e, tpl_val self, const tpl_args *a, tpl_val *out) {
     bound b = {.a = a, .name = e->name, .arg = e->arg};
-    if (e->flags & B_RAW)
-        return e->fn(R, self, &b, out);
-    bool by_name = a->nkw && (e->flags & B_KW);
-    int rc = bind_args(R, a, by_name ? e->params : PARAMS("a", "b", "c"), &b);
-    if (!rc && a->nkw && !by_name)
-        rc = tpl_type_error(R, "%s() takes no keyword arguments", e->name);
-    if (!rc && self.kind == TPL_STR)
-        rc = tpl_rt_charge(R, SL(self) / 32);
-    return rc ? rc : e->fn(R, self, &b, out);
+    int rc = FU_OK;
+    if (!(e->flags & B_RAW)) {
+        bool by_name = a->nkw && (e->flags & B_KW);
+        rc = bind_args(R, a, by_name ? e->params : PARAMS("a", "b", "c"), &b);
+        if (!rc && a->nkw && !by_name)
+            rc = tpl_type_error(R, "%s() takes no keyword arguments", e->name);
+        if (!rc && self.kind == TPL_STR)
+            rc = tpl_rt_charge(R, SL(self) / 32);
+    }
+    return rc ? rc : run_builtin(R, e, self, &b, out);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -1767,15 +1817,17 @@ static int f_join(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
         return rc;
     tpl_list *l = tpl_as_list(items);
     fu_buf buf = {0};
+    tpl_spans spans = {0};
     for (size_t i = 0; i < l->len && !rc; i++) {
         tpl_val v;
-        if ((i && (rc = tpl_buf_str(R, &buf, sep))) || (rc = item_attr(R, l->v[i], arg_given(b, 1), b->p[1], &v)))
+        if ((i && (rc = tpl_buf_str_sp(R, &buf, &spans, sep))) ||
+            (rc = item_attr(R, l->v[i], arg_given(b, 1), b->p[1], &v)))
             break;
-        rc = tpl_buf_str(R, &buf, v);
+        rc = tpl_buf_str_sp(R, &buf, &spans, v);
         tpl_drop(R, v);
     }
     tpl_drop(R, items);
-    return ret_str(R, &buf, rc, out);
+    return ret_str_sp(R, &buf, &spans, rc, out);
 }
 
 static int f_list(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
@@ -2103,7 +2155,10 @@ static int trim_str(tpl_rt *R, tpl_val s, const bound *b, tpl_val *out) {
     tpl_val ch = arg_or(b, 0, tpl_none());
     if (ch.kind != TPL_NONE && ch.kind != TPL_STR)
         return tpl_type_error(R, "strip arg must be None or str");
-    return do_strip(R, s, ch.kind == TPL_STR ? S(ch) : NULL, ch.kind == TPL_STR ? SL(ch) : 0, 3, out);
+    bool taint = tpl_taint_begin(R, tpl_holds_data(ch)); /* data chooses what is cut */
+    int rc = do_strip(R, s, ch.kind == TPL_STR ? S(ch) : NULL, ch.kind == TPL_STR ? SL(ch) : 0, 3, out);
+    tpl_taint_end(R, taint);
+    return rc;
 }
 
 static int f_trim(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) { return on_str(R, in, b, trim_str, out); }
@@ -2236,11 +2291,11 @@ static const builtin FILTERS[] = {
     {"first", f_first_last, P_X, 0, U},
     {"float", f_float, PARAMS("default"), 0, 0},
     {"forceescape", f_escape, P_X, 0, U},
-    {"format", f_format, NULL, 0, U | B_RAW},
+    {"format", f_format, NULL, 0, U | B_RAW | B_SPANS},
     {"indent", f_indent, PARAMS("width", "first", "blank"), 0, 0},
     {"int", f_int, PARAMS("default", "base"), 0, 0},
     {"items", f_items, P_X, 0, U},
-    {"join", f_join, PARAMS("d", "attribute"), 0, U},
+    {"join", f_join, PARAMS("d", "attribute"), 0, U | B_SPANS},
     {"last", f_first_last, P_X, 1, U},
     {"length", f_length, P_X, 0, U},
     {"list", f_list, P_X, 0, U},
@@ -2262,7 +2317,7 @@ static const builtin FILTERS[] = {
     {"sum", f_sum, PARAMS("attribute", "start"), 0, U},
     {"title", f_case, P_X, CASE_TITLE_JINJA, U},
     {"tojson", f_tojson, PARAMS("ensure_ascii", "indent", "separators", "sort_keys"), 0, U},
-    {"trim", f_trim, PARAMS("chars"), 0, U},
+    {"trim", f_trim, PARAMS("chars"), 0, U | B_SPANS},
     {"truncate", f_truncate, PARAMS("length", "killwords", "end", "leeway"), 0, U},
     {"unique", f_unique, P_CASE_ATTR, 0, U},
     {"upper", f_case, P_X, CASE_UPPER, U},
@@ -2285,7 +2340,7 @@ int tpl_apply_filter(tpl_rt *R, int id, const char *name, tpl_val in, const tpl_
         return tpl_undef_fail(R, in);
     bound b = {.a = a, .name = name, .arg = e->arg};
     int rc = e->flags & B_RAW ? FU_OK : bind_args(R, a, e->params, &b);
-    return rc ? rc : e->fn(R, in, &b, out);
+    return rc ? rc : run_builtin(R, e, in, &b, out);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -2631,7 +2686,7 @@ int tpl_call_builtin(tpl_rt *R, tpl_func *f, const tpl_args *a, tpl_val *out) {
     } else if (f->id > 0 && (size_t)f->id < N_OF(FUNCS) && FUNCS[f->id].fn) {
         const builtin *e = &FUNCS[f->id];
         bound b = {.a = a, .name = e->name, .arg = e->arg};
-        return e->fn(R, f->self, &b, out);
+        return run_builtin(R, e, f->self, &b, out);
     }
     return tpl_type_error(R, "object is not callable");
 }

@@ -49,18 +49,21 @@ static int emit(tpl_rt *R, const char *s, size_t n) {
     return tpl_buf_put(R, R->out, s, n);
 }
 
+/* Writes str(v), recording its data ranges in R->out_spans. */
 static int emit_val(tpl_rt *R, tpl_val v) {
-    if (v.kind == TPL_STR)
-        return emit(R, tpl_as_str(v)->s, tpl_as_str(v)->len);
     size_t before = R->out->len;
-    int rc = tpl_buf_str(R, R->out, v);
-    if (rc)
-        return rc;
-    size_t n = R->out->len - before;
-    if (n > R->lim.max_output || R->out_total > R->lim.max_output - n)
-        return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template output exceeded its limit (%zu bytes)", R->lim.max_output);
-    R->out_total += n;
-    return FU_OK;
+    int rc;
+    if (v.kind == TPL_STR) {
+        rc = emit(R, tpl_as_str(v)->s, tpl_as_str(v)->len);
+    } else {
+        if ((rc = tpl_buf_str(R, R->out, v)))
+            return rc;
+        size_t n = R->out->len - before;
+        if (n > R->lim.max_output || R->out_total > R->lim.max_output - n)
+            return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template output exceeded its limit (%zu bytes)", R->lim.max_output);
+        R->out_total += n;
+    }
+    return rc ? rc : tpl_spans_note(R, R->out_spans, before, R->out->len, v);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -209,7 +212,7 @@ int tpl_getitem(tpl_rt *R, tpl_val obj, tpl_val key, tpl_val *out) {
         if (norm_index(key, tpl_utf8_len(s->s, s->len), &idx)) {
             size_t off = tpl_utf8_offset(s->s, s->len, idx), adv;
             tpl_utf8_get(s->s + off, s->len - off, &adv);
-            return tpl_str_new(R, s->s + off, adv, out);
+            return tpl_str_sub(R, obj, off, off + adv, out);
         }
         break;
     }
@@ -375,14 +378,16 @@ static int repeat_seq(tpl_rt *R, tpl_val seq, int64_t times, tpl_val *out) {
 /* a ~ b: str(a) + str(b). */
 static int binop_concat(tpl_rt *R, tpl_val a, tpl_val b, tpl_val *out) {
     fu_buf buf = {0};
-    int rc = tpl_buf_str(R, &buf, a);
+    tpl_spans sp = {0};
+    int rc = tpl_buf_str_sp(R, &buf, &sp, a);
     if (!rc)
-        rc = tpl_buf_str(R, &buf, b);
+        rc = tpl_buf_str_sp(R, &buf, &sp, b);
     if (rc) {
         fu_buf_free(&buf);
+        tpl_spans_free(&sp);
         return rc;
     }
-    return tpl_buf_to_str(R, &buf, out);
+    return tpl_buf_to_str_sp(R, &buf, &sp, out);
 }
 
 /* a + b, a - b, a * b on numbers: floats if either is, else ints checked for overflow. */
@@ -405,7 +410,7 @@ static int num_arith(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
 /* a + b on sequences: str + str, or list + list (tuple + tuple). */
 static int seq_add(tpl_rt *R, tpl_val a, tpl_val b, tpl_val *out) {
     if (a.kind == TPL_STR && b.kind == TPL_STR)
-        return tpl_str_cat(R, tpl_as_str(a)->s, tpl_as_str(a)->len, tpl_as_str(b)->s, tpl_as_str(b)->len, out);
+        return binop_concat(R, a, b, out);
     if (a.kind == TPL_LIST && b.kind == TPL_LIST && tpl_as_list(a)->tuple == tpl_as_list(b)->tuple) {
         tpl_list *x = tpl_as_list(a), *y = tpl_as_list(b);
         int rc = tpl_list_new(R, x->len + y->len, out);
@@ -514,7 +519,12 @@ int tpl_binop(tpl_rt *R, int op, tpl_val a, tpl_val b, tpl_val *out) {
         return unsupported(R, op, a, b);
     switch (op) {
     case OP_ADD: return seq_add(R, a, b, out);
-    case OP_MUL: return seq_mul(R, a, b, out);
+    case OP_MUL: {
+        bool taint = tpl_taint_begin(R, tpl_holds_data(a) || tpl_holds_data(b));
+        int rc = seq_mul(R, a, b, out);
+        tpl_taint_end(R, taint);
+        return rc;
+    }
     case OP_DIV:
         if (num_f(b) == 0.0)
             return tpl_type_error(R, "division by zero");
@@ -686,6 +696,7 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
     }
     tpl_scope *saved_scope = R->scope;
     fu_buf *saved_out = R->out;
+    tpl_spans *saved_spans = R->out_spans;
     tpl_ctl saved_ctl = R->ctl;
     tpl_scope sc;
     int rc = scope_push(R, &sc, R->root);
@@ -715,20 +726,24 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
             rc = scope_set(R, m->names[i], v);
     }
     fu_buf buf = {0};
+    tpl_spans sp = {0};
     if (!rc) {
         R->out = &buf;
+        R->out_spans = &sp;
         R->depth++;
         rc = exec_body(R, &m->body);
         R->depth--;
         R->out = saved_out;
+        R->out_spans = saved_spans;
     }
     R->ctl = saved_ctl;
     scope_pop(R, &sc, saved_scope);
     if (rc) {
         fu_buf_free(&buf);
+        tpl_spans_free(&sp);
         return rc;
     }
-    return tpl_buf_to_str(R, &buf, out);
+    return tpl_buf_to_str_sp(R, &buf, &sp, out);
 }
 
 static int call_value(tpl_rt *R, tpl_val f, const tpl_args *a, tpl_val *out) {
@@ -930,8 +945,11 @@ static int slice_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out) {
         if (s->kids.v[i])
             rc = eval(R, s->kids.v[i], &sv[i]);
     R->line = n->line;
-    if (!rc)
+    if (!rc) {
+        bool taint = tpl_taint_begin(R, tpl_holds_data(a));
         rc = do_slice(R, a, sv, out);
+        tpl_taint_end(R, taint);
+    }
     for (int i = 0; i < 3; i++)
         tpl_drop(R, sv[i]);
     return rc;
@@ -1316,12 +1334,16 @@ static int exec_set(tpl_rt *R, const tpl_node *n) {
 static int exec_capture(tpl_rt *R, const tpl_node *n) {
     fu_buf buf = {0};
     fu_buf *saved = R->out;
+    tpl_spans sp = {0}, *saved_spans = R->out_spans;
     tpl_val v;
     R->out = &buf;
+    R->out_spans = &sp;
     int rc = exec_body(R, &n->body);
     R->out = saved;
-    if (rc || (rc = tpl_buf_to_str(R, &buf, &v))) {
+    R->out_spans = saved_spans;
+    if (rc || (rc = tpl_buf_to_str_sp(R, &buf, &sp, &v))) {
         fu_buf_free(&buf);
+        tpl_spans_free(&sp);
         return rc;
     }
     if (n->kids.n) {

@@ -63,8 +63,18 @@ typedef struct tpl_val {
     };
 } tpl_val;
 
+/* A string's data ranges: the bytes that came from the request's data
+ * (messages, tools, ...) rather than from the template or the caller's own
+ * variables. Sorted, disjoint, non-adjacent. */
+typedef struct tpl_spans {
+    tpl_span *v;
+    size_t n, cap;
+} tpl_spans;
+
 typedef struct tpl_str {
     tpl_obj h;
+    tpl_span *spans; /* data ranges (owned, accounted in h.bytes); NULL when none */
+    size_t nspans;
     size_t len; /* bytes, not counting the terminating NUL */
     char s[];   /* UTF-8, NUL-terminated */
 } tpl_str;
@@ -75,6 +85,7 @@ typedef struct tpl_list {
     bool tuple; /* prints as (a, b) and compares unequal to lists */
     bool gen;   /* came from a generator-returning filter (map, select...) */
     bool holds_mut; /* some item is (or holds) a namespace, loop or function */
+    bool holds_data; /* some item is (or holds) a string with data ranges */
     tpl_val *v;
 } tpl_list;
 
@@ -82,6 +93,7 @@ typedef struct tpl_dict {
     tpl_obj h;
     size_t len, cap;
     bool holds_mut; /* as tpl_list (namespaces always count as mutable) */
+    bool holds_data; /* some key or value holds data (never cleared) */
     tpl_val *k, *v; /* keys are str, int, float, bool or none */
 } tpl_dict;
 
@@ -135,6 +147,8 @@ typedef struct tpl_rt {
     const tpl_template *tpl;
     tpl_limits lim;
     fu_buf *out;        /* where output goes now (the result or a capture) */
+    tpl_spans *out_spans; /* data ranges of *out */
+    int taint;          /* > 0: every new string is all data (see tpl_taint_begin) */
     size_t out_total;   /* bytes written into all buffers (bounded by lim) */
     size_t live_bytes;  /* bytes held by this render's objects */
     uint64_t fuel;      /* work units left */
@@ -166,6 +180,8 @@ void tpl_free_immortal(tpl_val v);
 
 int tpl_str_new(tpl_rt *R, const char *s, size_t len, tpl_val *out);
 int tpl_str_cat(tpl_rt *R, const char *a, size_t alen, const char *b, size_t blen, tpl_val *out);
+/* The substring s[lo..hi) (byte offsets on character boundaries), keeping s's data ranges. */
+int tpl_str_sub(tpl_rt *R, tpl_val s, size_t lo, size_t hi, tpl_val *out);
 int tpl_list_new(tpl_rt *R, size_t cap, tpl_val *out);
 /* Appends `v`, taking ownership of it (it is dropped on failure). */
 int tpl_list_push(tpl_rt *R, tpl_val list, tpl_val v);
@@ -180,6 +196,36 @@ tpl_val *tpl_dict_get_cstr(tpl_val dict, const char *key, size_t len);
 int tpl_func_new(tpl_rt *R, int id, tpl_val self, const struct tpl_node *mac, tpl_val *out);
 /* An Undefined carrying a hint message (printf-style). */
 int tpl_undef_hint(tpl_rt *R, tpl_val *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* ---- Data ranges (taint): which bytes of a string came from the request's data ----
+ * Strings converted from the data variables are all data. Concatenation
+ * (+, ~, join, % and str.format, output captured by macros and blocks) keeps
+ * the ranges of its parts; any other operation whose inputs hold data makes
+ * every string it creates all data (tpl_taint_begin/end around it). */
+
+/* True if v is, or holds, a string with data ranges. */
+bool tpl_holds_data(tpl_val v);
+/* Appends [start, end) to sp, merging with the last range; ranges must come in order. */
+int tpl_spans_add(tpl_rt *R, tpl_spans *sp, size_t start, size_t end);
+/* Records that b[before..b->len) is str(v): v's own ranges shifted by
+ * `before` when v is a string, else the whole stretch when v holds data. */
+int tpl_spans_note(tpl_rt *R, tpl_spans *sp, size_t before, size_t end, tpl_val v);
+void tpl_spans_free(tpl_spans *sp);
+/* Appends str(v) to b and its data ranges to sp. */
+int tpl_buf_str_sp(tpl_rt *R, fu_buf *b, tpl_spans *sp, tpl_val v);
+/* tpl_buf_to_str, then gives the new string the ranges of sp (emptied). */
+int tpl_buf_to_str_sp(tpl_rt *R, fu_buf *b, tpl_spans *sp, tpl_val *out);
+/* Starts/ends a stretch in which new strings are all data when `on`; returns
+ * whether it was started, to pass to tpl_taint_end. */
+static inline bool tpl_taint_begin(tpl_rt *R, bool on) {
+    if (on)
+        R->taint++;
+    return on;
+}
+static inline void tpl_taint_end(tpl_rt *R, bool began) {
+    if (began)
+        R->taint--;
+}
 
 /* Converts JSON to a value (deep copy) and back. */
 int tpl_from_json(tpl_rt *R, const json_t *j, tpl_val *out);

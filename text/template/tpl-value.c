@@ -144,6 +144,9 @@ void tpl_drop(tpl_rt *R, tpl_val v) {
             release_child(((tpl_loop *)o)->items, &stack, &n, &cap);
             release_child(((tpl_loop *)o)->last_changed, &stack, &n, &cap);
             break;
+        case TPL_STR:
+            free(((tpl_str *)o)->spans);
+            break;
         default:
             break;
         }
@@ -167,6 +170,77 @@ void tpl_free_immortal(tpl_val v) {
 /* Constructors                                                              */
 /* ------------------------------------------------------------------------ */
 
+/* Moves sp's ranges into the new string s (sp is emptied); the whole
+ * string's range when new strings are all data. */
+static int attach_spans(tpl_rt *R, tpl_str *s, tpl_spans *sp) {
+    if (!sp->n || s->spans) {
+        tpl_spans_free(sp);
+        return FU_OK;
+    }
+    size_t bytes = sp->n * sizeof(tpl_span);
+    int rc = account(R, bytes);
+    if (rc) {
+        tpl_spans_free(sp);
+        return rc;
+    }
+    s->h.bytes += bytes;
+    s->spans = sp->v;
+    s->nspans = sp->n;
+    *sp = (tpl_spans){0};
+    return FU_OK;
+}
+
+int tpl_spans_add(tpl_rt *R, tpl_spans *sp, size_t start, size_t end) {
+    if (start >= end)
+        return FU_OK;
+    if (sp->n && sp->v[sp->n - 1].end >= start) {
+        if (end > sp->v[sp->n - 1].end)
+            sp->v[sp->n - 1].end = end;
+        return FU_OK;
+    }
+    int rc = tpl_rt_charge(R, 1);
+    if (rc)
+        return rc;
+    if (sp->n == sp->cap) {
+        size_t nc = sp->cap ? sp->cap * 2 : 4;
+        tpl_span *v = realloc(sp->v, nc * sizeof *v);
+        if (!v)
+            return oom(R);
+        sp->v = v;
+        sp->cap = nc;
+    }
+    sp->v[sp->n++] = (tpl_span){start, end};
+    return FU_OK;
+}
+
+int tpl_spans_note(tpl_rt *R, tpl_spans *sp, size_t before, size_t end, tpl_val v) {
+    int rc = FU_OK;
+    if (v.kind == TPL_STR) {
+        tpl_str *s = tpl_as_str(v);
+        for (size_t i = 0; i < s->nspans && !rc; i++)
+            rc = tpl_spans_add(R, sp, before + s->spans[i].start, before + s->spans[i].end);
+        return rc;
+    }
+    return tpl_holds_data(v) ? tpl_spans_add(R, sp, before, end) : FU_OK;
+}
+
+void tpl_spans_free(tpl_spans *sp) {
+    free(sp->v);
+    *sp = (tpl_spans){0};
+}
+
+bool tpl_holds_data(tpl_val v) {
+    switch (v.kind) {
+    case TPL_STR: return tpl_as_str(v)->nspans > 0;
+    case TPL_LIST: return tpl_as_list(v)->holds_data;
+    case TPL_DICT:
+    case TPL_NS: return tpl_as_dict(v)->holds_data;
+    case TPL_FUNC: return tpl_holds_data(((tpl_func *)v.o)->self);
+    case TPL_LOOP: return tpl_holds_data(((tpl_loop *)v.o)->items);
+    default: return false;
+    }
+}
+
 int tpl_str_cat(tpl_rt *R, const char *a, size_t alen, const char *b, size_t blen, tpl_val *out) {
     if (alen > SIZE_MAX / 2 || blen > SIZE_MAX / 2)
         return oom(R);
@@ -182,11 +256,37 @@ int tpl_str_cat(tpl_rt *R, const char *a, size_t alen, const char *b, size_t ble
     s->s[s->len] = '\0';
     out->kind = TPL_STR;
     out->o = &s->h;
+    if (R && R->taint > 0 && s->len) {
+        tpl_spans all = {0};
+        if ((rc = tpl_spans_add(R, &all, 0, s->len)) || (rc = attach_spans(R, s, &all))) {
+            tpl_drop(R, *out);
+            return rc;
+        }
+    }
     return FU_OK;
 }
 
 int tpl_str_new(tpl_rt *R, const char *s, size_t len, tpl_val *out) {
     return tpl_str_cat(R, s, len, NULL, 0, out);
+}
+
+int tpl_str_sub(tpl_rt *R, tpl_val s, size_t lo, size_t hi, tpl_val *out) {
+    tpl_str *x = tpl_as_str(s);
+    int rc = tpl_str_new(R, x->s + lo, hi - lo, out);
+    if (rc || !x->nspans)
+        return rc;
+    tpl_spans sp = {0};
+    for (size_t i = 0; i < x->nspans && !rc; i++) {
+        size_t a = x->spans[i].start > lo ? x->spans[i].start : lo;
+        size_t b = x->spans[i].end < hi ? x->spans[i].end : hi;
+        if (a < b)
+            rc = tpl_spans_add(R, &sp, a - lo, b - lo);
+    }
+    if (rc || (rc = attach_spans(R, tpl_as_str(*out), &sp))) {
+        tpl_spans_free(&sp);
+        tpl_drop(R, *out);
+    }
+    return rc;
 }
 
 int tpl_list_new(tpl_rt *R, size_t cap, tpl_val *out) {
@@ -262,6 +362,7 @@ static bool mutable_ref(tpl_val v) {
 int tpl_list_push(tpl_rt *R, tpl_val list, tpl_val v) {
     tpl_list *l = tpl_as_list(list);
     l->holds_mut |= mutable_ref(v);
+    l->holds_data |= tpl_holds_data(v);
     int rc = grow(R, &l->h, &l->v, &l->cap, l->len + 1, 1, NULL);
     if (rc) {
         tpl_drop(R, v);
@@ -316,6 +417,7 @@ tpl_val *tpl_dict_get_cstr(tpl_val dict, const char *key, size_t len) {
 int tpl_dict_set(tpl_rt *R, tpl_val dict, tpl_val key, tpl_val v) {
     tpl_dict *d = tpl_as_dict(dict);
     d->holds_mut |= mutable_ref(v);
+    d->holds_data |= tpl_holds_data(key) || tpl_holds_data(v);
     tpl_val *slot = tpl_dict_get(dict, key);
     if (slot) {
         tpl_drop(R, key);
@@ -612,17 +714,19 @@ int tpl_iter_list(tpl_rt *R, tpl_val v, tpl_val *out) {
         tpl_str *s = tpl_as_str(v);
         if ((rc = tpl_list_new(R, 0, out)))
             return rc;
-        for (size_t i = 0; i < s->len;) {
+        bool taint = tpl_taint_begin(R, s->nspans > 0);
+        for (size_t i = 0; i < s->len && !rc;) {
             size_t adv;
             tpl_utf8_get(s->s + i, s->len - i, &adv);
             tpl_val c;
-            if ((rc = tpl_str_new(R, s->s + i, adv, &c)) || (rc = tpl_list_push(R, *out, c))) {
-                tpl_drop(R, *out);
-                return rc;
-            }
+            if (!(rc = tpl_str_new(R, s->s + i, adv, &c)))
+                rc = tpl_list_push(R, *out, c);
             i += adv;
         }
-        return FU_OK;
+        tpl_taint_end(R, taint);
+        if (rc)
+            tpl_drop(R, *out);
+        return rc;
     }
     default:
         return tpl_type_error(R, "'%s' object is not iterable", tpl_type_name(v));
@@ -694,6 +798,23 @@ int tpl_buf_to_str(tpl_rt *R, fu_buf *b, tpl_val *out) {
     int rc = tpl_str_new(R, b->data ? b->data : "", b->len, out);
     fu_buf_free(b);
     return rc;
+}
+
+int tpl_buf_to_str_sp(tpl_rt *R, fu_buf *b, tpl_spans *sp, tpl_val *out) {
+    int rc = tpl_buf_to_str(R, b, out);
+    if (rc) {
+        tpl_spans_free(sp);
+        return rc;
+    }
+    if ((rc = attach_spans(R, tpl_as_str(*out), sp)))
+        tpl_drop(R, *out);
+    return rc;
+}
+
+int tpl_buf_str_sp(tpl_rt *R, fu_buf *b, tpl_spans *sp, tpl_val v) {
+    size_t before = b->len;
+    int rc = tpl_buf_str(R, b, v);
+    return rc ? rc : tpl_spans_note(R, sp, before, b->len, v);
 }
 
 void tpl_float_repr(double f, char *buf, size_t n) {
@@ -930,12 +1051,14 @@ int tpl_to_str(tpl_rt *R, tpl_val v, tpl_val *out) {
         return FU_OK;
     }
     fu_buf b = {0};
-    int rc = tpl_buf_str(R, &b, v);
+    tpl_spans sp = {0};
+    int rc = tpl_buf_str_sp(R, &b, &sp, v);
     if (rc) {
         fu_buf_free(&b);
+        tpl_spans_free(&sp);
         return rc;
     }
-    return tpl_buf_to_str(R, &b, out);
+    return tpl_buf_to_str_sp(R, &b, &sp, out);
 }
 
 /* ------------------------------------------------------------------------ */
