@@ -138,6 +138,8 @@ typedef struct tpl_rt {
     size_t out_total;   /* bytes written into all buffers (bounded by lim) */
     size_t live_bytes;  /* bytes held by this render's objects */
     uint64_t fuel;      /* work units left */
+    uint64_t steps;     /* steps left (lim.max_steps) */
+    uint64_t scanned;   /* variables scanned by lookups, not yet counted as steps */
     int depth;          /* macro call depth */
     int frames;         /* nested eval/exec calls, bounding C stack use */
     int line;           /* template line being evaluated, for messages */
@@ -181,7 +183,7 @@ int tpl_func_new(tpl_rt *R, int id, tpl_val self, const struct tpl_node *mac, tp
 /* An Undefined carrying a hint message (printf-style). */
 int tpl_undef_hint(tpl_rt *R, tpl_val *out, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
-/* Converts JSON to a value (deep copy) and back. */
+/* Converts JSON to a value (deep copy; FU_ERR_INVALID past 100 levels of nesting) and back. */
 int tpl_from_json(tpl_rt *R, const json_t *j, tpl_val *out);
 
 /* Python semantics. */
