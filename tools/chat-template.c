@@ -16,7 +16,8 @@
  *    "add_generation_prompt": bool, "bos_token": "...", "eos_token": "...",
  *    "kwargs": {...},                         extra template variables
  *    "context": {...},                        instead of the above: the raw variables
- *    "limits": {"max_output": n, "max_memory": n, "max_work": n, "max_depth": n}}
+ *    "limits": {"max_output": n, "max_memory": n, "max_work": n, "max_depth": n,
+ *               "max_steps": n}}
  *
  * Single mode prints the rendering (exact bytes) to stdout and exits 0; on a
  * template error it prints "error: <status>: <message>" to stderr and exits 1.
@@ -51,6 +52,7 @@ static int render_request(const json_t *req, char **out, size_t *out_len, json_t
         lim.max_memory = (size_t)json_integer_value(json_object_get(jl, "max_memory"));
         lim.max_work = (uint64_t)json_integer_value(json_object_get(jl, "max_work"));
         lim.max_depth = (int)json_integer_value(json_object_get(jl, "max_depth"));
+        lim.max_steps = (uint64_t)json_integer_value(json_object_get(jl, "max_steps"));
     }
     json_t *ctx = json_object_get(req, "context");
     json_t *messages = json_object_get(req, "messages");

@@ -1,4 +1,5 @@
 /* test_chat_template.c -- chat-template interpreter: error paths, limits, concurrency and malformed input. */
+#include <limits.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -6,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 #include <jansson.h>
@@ -44,7 +46,7 @@ static void expect_error(const char *src, const char *ctx, int status, const cha
     char *out = NULL;
     int rc = render(src, ctx, &out);
     if (rc != status)
-        fail_msg("%s: expected status %d, got %d (%s) output=%s", src, status, rc, fu_last_error(),
+        fail_msg("%.80s: expected status %d, got %d (%s) output=%.80s", src, status, rc, fu_last_error(),
                  out ? out : "(null)");
     assert_null(out);
     if (needle && !strstr(fu_last_error(), needle))
@@ -351,6 +353,199 @@ static void test_random_templates(void **state) {
     json_decref(ctx);
 }
 
+/* `prefix` + `piece` * n + `suffix` as a malloc'd string. */
+static char *repeat(const char *prefix, const char *piece, size_t n, const char *suffix) {
+    size_t lp = strlen(prefix), lc = strlen(piece), ls = strlen(suffix);
+    char *s = malloc(lp + lc * n + ls + 1);
+    assert_non_null(s);
+    memcpy(s, prefix, lp);
+    for (size_t i = 0; i < n; i++)
+        memcpy(s + lp + i * lc, piece, lc);
+    memcpy(s + lp + lc * n, suffix, ls + 1);
+    return s;
+}
+
+/* One compile (and, if it compiles, render) run on a small thread stack. */
+typedef struct stack_job {
+    const char *src;
+    tpl_limits lim;
+    int rc;
+    char out[64];
+    char err[256];
+} stack_job;
+
+static void *stack_job_run(void *arg) {
+    stack_job *j = arg;
+    tpl_template *t = NULL;
+    j->rc = tpl_compile(j->src, &t);
+    char *out = NULL;
+    if (!j->rc)
+        j->rc = tpl_render_ex(t, NULL, &j->lim, &out, NULL);
+    snprintf(j->out, sizeof j->out, "%s", out ? out : "");
+    snprintf(j->err, sizeof j->err, "%s", j->rc ? fu_last_error() : "");
+    free(out);
+    tpl_free(t);
+    return NULL;
+}
+
+#define ANY_STATUS INT_MIN
+
+/* Compiles and renders `src` in a thread with a 192 KiB stack, a margin
+ * below the 256 KiB that the interpreter's nesting limits are sized for (a
+ * crash there is a stack overflow), and checks the status (unless
+ * ANY_STATUS) and the error or the output. */
+static void expect_on_small_stack(const char *src, const tpl_limits *lim, int status, const char *want) {
+    stack_job j = {.src = src};
+    if (lim)
+        j.lim = *lim;
+    pthread_attr_t attr;
+    pthread_t th;
+    assert_int_equal(pthread_attr_init(&attr), 0);
+    assert_int_equal(pthread_attr_setstacksize(&attr, 192 << 10), 0);
+    assert_int_equal(pthread_create(&th, &attr, stack_job_run, &j), 0);
+    assert_int_equal(pthread_join(th, NULL), 0);
+    pthread_attr_destroy(&attr);
+    if (status != ANY_STATUS && j.rc != status)
+        fail_msg("%.60s...: expected status %d, got %d (%s)", src, status, j.rc, j.err);
+    if (want && !strstr(status ? j.err : j.out, want))
+        fail_msg("%.60s...: \"%s\" lacks \"%s\"", src, status ? j.err : j.out, want);
+}
+
+/* Long chains (a + b + c..., a|f|g..., a.b.c..., elif...) nest the tree one
+ * level per link: they fail to compile with a clear error instead of
+ * overflowing the stack in the parser, the name check, eval or free. */
+static void test_deep_chains(void **state) {
+    (void)state;
+    static const struct {
+        const char *prefix, *piece, *suffix;
+    } chains[] = {
+        {"{{ 1", " + 1", " }}"},       {"{{ 'a'", " ~ 'a'", " }}"}, {"{{ 2", " ** 1", " }}"},
+        {"{{ x", "|e", " }}"},         {"{{ x", ".a", " }}"},       {"{{ x", "[0]", " }}"},
+        {"{{ x", "()", " }}"},         {"{{ x", " or x", " }}"},    {"{{ x", " and x", " }}"},
+        {"{{ 1", " if x", " }}"},      {"{{ 1", " * 1", " }}"},     {"{{ x", " is defined or x", " }}"},
+        {"{% if x %}", "{% elif x %}", "{% endif %}"},
+        {"{% set y | e", "|e", " %}{% endset %}"},
+        {"{{ ", "-", "1 }}"},          {"{{ ", "not ", "1 }}"},     {"{{ ", "(", "1 }}"},
+        {"{{ ", "[", "1 }}"},          {"", "{% if x %}", ""},      {"", "{% for x in y %}", ""},
+    };
+    for (size_t i = 0; i < sizeof chains / sizeof chains[0]; i++) {
+        char *src = repeat(chains[i].prefix, chains[i].piece, 150000, chains[i].suffix);
+        expect_on_small_stack(src, NULL, FU_ERR_TEMPLATE, "nested too deeply");
+        free(src);
+    }
+    /* Chains and nesting as deep as real templates go compile and render. */
+    char *src = repeat("{{ 0", " + 1", 150, " }}");
+    expect_on_small_stack(src, NULL, FU_OK, "150");
+    free(src);
+    src = repeat("{{ 'x'", "|upper", 100, " }}");
+    expect_on_small_stack(src, NULL, FU_OK, "X");
+    free(src);
+    src = repeat("", "{% if true %}", 60, "ok");
+    char *end = repeat(src, "{% endif %}", 60, "");
+    expect_on_small_stack(end, NULL, FU_OK, "ok");
+    free(src);
+    free(end);
+}
+
+/* The deepest templates that compile, and runaway recursion at run time,
+ * stay inside a small thread stack. */
+static void test_deep_runtime(void **state) {
+    (void)state;
+    tpl_limits lim = {.max_depth = 100000};
+    /* Recursion through macros with deep expressions inside. */
+    expect_on_small_stack("{% macro r(n) %}{{ r(((((((n + 1))))))) ~ [[[[[n]]]]] }}{% endmacro %}{{ r(0) }}", &lim,
+                          FU_ERR_EXHAUSTED, "nested too deeply at run time");
+    expect_on_small_stack("{% macro r(n) %}{% with a = n %}{% for i in [1] %}{% if true %}{% set x %}{{ r(a) }}"
+                          "{% endset %}{% endif %}{% endfor %}{% endwith %}{% endmacro %}{{ r(0) }}",
+                          &lim, FU_ERR_EXHAUSTED, "nested too deeply at run time");
+    expect_on_small_stack("{% macro r(n) %}{% filter upper %}{{ r(n)|e|e|e }}{% endfilter %}{% endmacro %}{{ r(0) }}",
+                          &lim, FU_ERR_EXHAUSTED, "nested too deeply at run time");
+    /* Macro recursion far deeper than real templates use works. */
+    expect_on_small_stack("{% macro r(n) %}{% if n %}{{ r(n - 1) }}{% endif %}{{ n }}{% endmacro %}{{ r(40)|length }}",
+                          NULL, FU_OK, "72");
+    /* Printing, serializing and comparing the most deeply nested values at the deepest recursion. */
+    expect_on_small_stack("{% set ns = namespace(l=[]) %}{% for i in range(99) %}{% set ns.l = [ns.l] %}{% endfor %}"
+                          "{% macro r(n) %}{% if n %}{{ r(n - 1) }}{% else %}{{ ns.l|tojson|length }}{{ ns.l|string|length }}"
+                          "{{ ns.l == ns.l }}{{ ns.l < ns.l }}{% endif %}{% endmacro %}{{ r(48) }}",
+                          NULL, ANY_STATUS, NULL);
+    /* The deepest expressions and blocks the parser accepts. */
+    for (size_t n = 1; n < 400; n += 7) {
+        char *open = repeat("{{ ", "(", n, "1");
+        char *src = repeat(open, ")", n, " }}");
+        expect_on_small_stack(src, NULL, ANY_STATUS, NULL);
+        free(open);
+        free(src);
+        open = repeat("{{ ", "[", n, "1");
+        src = repeat(open, "]", n, "|tojson }}");
+        expect_on_small_stack(src, NULL, ANY_STATUS, NULL);
+        free(open);
+        free(src);
+        open = repeat("", "{% if true %}{% for i in [1] %}{% with %}", n, "ok");
+        src = repeat(open, "{% endwith %}{% endfor %}{% endif %}", n, "");
+        expect_on_small_stack(src, NULL, ANY_STATUS, NULL);
+        free(open);
+        free(src);
+    }
+}
+
+/* Deeply nested JSON variables fail cleanly (jansson itself builds up to 2048 levels). */
+static void test_deep_json(void **state) {
+    (void)state;
+    json_t *v = json_array();
+    for (int i = 0; i < 5000 && v; i++) {
+        json_t *w = json_array();
+        if (w && json_array_append_new(w, v)) {
+            json_decref(w);
+            w = NULL;
+        }
+        v = w;
+    }
+    json_t *ctx = json_pack("{s:o}", "x", v);
+    assert_non_null(ctx);
+    tpl_template *t = NULL;
+    assert_int_equal(tpl_compile("{{ x|length }}", &t), FU_OK);
+    char *out = NULL;
+    assert_int_equal(tpl_render(t, ctx, &out), FU_ERR_INVALID);
+    assert_non_null(strstr(fu_last_error(), "nested too deeply"));
+    assert_null(out);
+    tpl_free(t);
+    json_decref(ctx);
+}
+
+/* Each render has a step budget: tens of thousands of statements (here
+ * assignments to distinct variables, whose tables are searched linearly) fail
+ * fast with a clear error instead of running for seconds. */
+static void test_step_budget(void **state) {
+    (void)state;
+    size_t n = 60000;
+    char *src = malloc(n * 32);
+    assert_non_null(src);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        k += (size_t)snprintf(src + k, n * 32 - k, "{%% set v%zu = %zu %%}", i, i);
+    struct timespec t0, t1;
+    char *out = NULL;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int rc = render(src, NULL, &out);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    free(src);
+    free(out);
+    double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    if (rc != FU_ERR_EXHAUSTED || !strstr(fu_last_error(), "step limit"))
+        fail_msg("60000 assignments: expected the step limit, got %d (%s) after %.2f s", rc,
+                 rc ? fu_last_error() : "ok", secs);
+    /* ~0.1 s unsanitized; the unbounded render took 5 s (30 s under ASan) */
+    if (secs > 10.0)
+        fail_msg("the step budget took %.2f s to stop the render", secs);
+    /* The budget is configurable and counts loop iterations. */
+    tpl_limits lim = {.max_steps = 1000};
+    assert_int_equal(render_limited("{% for i in range(1000) %}{% endfor %}", &lim), FU_ERR_EXHAUSTED);
+    assert_non_null(strstr(fu_last_error(), "step limit (1000 steps)"));
+    assert_int_equal(render_limited("{% for i in range(100) %}{{ i }}{% endfor %}", &lim), FU_OK);
+    lim.max_steps = 0; /* the default */
+    assert_int_equal(render_limited("{% for i in range(100000) %}{% set x = i %}{% endfor %}", &lim), FU_OK);
+}
+
 /* Every builtin is found by name (the interpreter's tables are searched by
  * bisection, so this also checks that they are sorted), and no other name is. */
 static void test_builtin_names(void **state) {
@@ -486,6 +681,8 @@ int main(void) {
         cmocka_unit_test(test_limits),          cmocka_unit_test(test_output_with_nul),
         cmocka_unit_test(test_concurrent_renders), cmocka_unit_test(test_random_templates),
         cmocka_unit_test(test_builtin_names),   cmocka_unit_test(test_data_spans),
+        cmocka_unit_test(test_deep_chains),     cmocka_unit_test(test_deep_runtime),
+        cmocka_unit_test(test_deep_json),       cmocka_unit_test(test_step_budget),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -75,7 +75,10 @@ static int render(const tpl_template *tpl, const json_t *context, const json_t *
         R.lim.max_work = TPL_DEFAULT_MAX_WORK;
     if (!R.lim.max_depth)
         R.lim.max_depth = TPL_DEFAULT_MAX_DEPTH;
+    if (!R.lim.max_steps)
+        R.lim.max_steps = TPL_DEFAULT_MAX_STEPS;
     R.fuel = R.lim.max_work;
+    R.steps = R.lim.max_steps;
     R.line = 1;
 
     fu_buf buf = {0};

@@ -64,12 +64,16 @@ typedef struct tpl_limits {
     size_t max_memory;  /* bytes held by live template values (default 256 MiB) */
     uint64_t max_work;  /* work units: ~1 per evaluated node + 1 per 32 bytes copied (default 50M) */
     int max_depth;      /* nested macro calls (default 64) */
+    uint64_t max_steps; /* steps: evaluated statements, expression nodes and loop iterations, plus
+                           1 per 8 variables scanned by name lookups (default 5M; each step also
+                           costs 1 work unit, so max_work bounds the steps and copying together) */
 } tpl_limits;
 
 #define TPL_DEFAULT_MAX_OUTPUT ((size_t)16 << 20)
 #define TPL_DEFAULT_MAX_MEMORY ((size_t)256 << 20)
 #define TPL_DEFAULT_MAX_WORK ((uint64_t)50000000)
 #define TPL_DEFAULT_MAX_DEPTH 64
+#define TPL_DEFAULT_MAX_STEPS ((uint64_t)5000000)
 
 /* Compiles `src` (NUL-terminated UTF-8). On success *out owns a template to
  * release with tpl_free(); on failure *out is NULL and the error names the

@@ -9,6 +9,25 @@
 static int eval(tpl_rt *R, const tpl_node *n, tpl_val *out);
 static int exec_body(tpl_rt *R, const tpl_nodevec *body);
 
+/* Keeps the recursive dispatchers (eval_node, exec_stmt) small: each kind of
+ * node pays for its own stack frame only when it is evaluated, which is what
+ * lets TPL_MAX_FRAMES nested evaluations fit a small thread stack. */
+#define TPL_NOINLINE __attribute__((noinline))
+
+/* Run-time nesting, weighted by C stack use: an expression counts 1 (about
+ * 200 bytes under ASan), a statement body 3 and a macro call 1 more. Macro
+ * calls and the tree's nesting (bounded at compile time) are the sources of
+ * depth. Measured under ASan: the full 400 frames of macro recursion take
+ * about 80 KiB, and printing a value nested as deep as tpl-value.c allows at
+ * that point about 90 KiB more, so the worst case stays well inside a
+ * 256 KiB thread stack (the unit tests run it on 192 KiB). */
+#define TPL_MAX_FRAMES 400
+#define TPL_FRAMES_EXPR 1
+#define TPL_FRAMES_BODY 3
+#define TPL_FRAMES_MACRO 1
+
+static int frame_enter(tpl_rt *R, int weight);
+
 /* ------------------------------------------------------------------------ */
 /* Scopes and output                                                         */
 /* ------------------------------------------------------------------------ */
@@ -28,8 +47,29 @@ static void scope_pop(tpl_rt *R, tpl_scope *s, tpl_scope *restore) {
     R->scope = restore;
 }
 
+/* Variable tables are searched linearly: a lookup notes the variables it
+ * scans, and the next step() counts them, so that a template defining tens
+ * of thousands of variables runs out of steps instead of going quadratic. */
+static void note_scan(tpl_rt *R, tpl_val dict) { R->scanned += tpl_as_dict(dict)->len; }
+
+/* Counts `units` steps plus the variables scanned since the last call (8 to
+ * a step) against the step budget, and charges them as work; fails with
+ * FU_ERR_EXHAUSTED when either budget is spent. */
+static int step(tpl_rt *R, uint64_t units) {
+    units += R->scanned / 8;
+    R->scanned %= 8;
+    if (units > R->steps) {
+        R->steps = 0;
+        return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template exceeded its step limit (%llu steps)",
+                           (unsigned long long)R->lim.max_steps);
+    }
+    R->steps -= units;
+    return tpl_rt_charge(R, units);
+}
+
 static tpl_val *scope_lookup(tpl_rt *R, const char *name, size_t len) {
     for (tpl_scope *s = R->scope; s; s = s->parent) {
+        note_scan(R, s->vars);
         tpl_val *v = tpl_dict_get_cstr(s->vars, name, len);
         if (v)
             return v;
@@ -39,6 +79,7 @@ static tpl_val *scope_lookup(tpl_rt *R, const char *name, size_t len) {
 
 /* Binds name -> v (owned) in the innermost scope. */
 static int scope_set(tpl_rt *R, const char *name, tpl_val v) {
+    note_scan(R, R->scope->vars);
     return tpl_dict_set_cstr(R, R->scope->vars, name, v);
 }
 
@@ -680,7 +721,7 @@ int tpl_bind(tpl_rt *R, const char *fname, const tpl_args *a, const char *const 
     return FU_OK;
 }
 
-static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *out) {
+TPL_NOINLINE static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *out) {
     if (a->npos > m->nnames)
         return tpl_type_error(R, "macro '%s' takes not more than %zu argument(s)", m->str, m->nnames);
     if (R->depth >= R->lim.max_depth)
@@ -727,12 +768,13 @@ static int call_macro(tpl_rt *R, const tpl_node *m, const tpl_args *a, tpl_val *
     }
     fu_buf buf = {0};
     tpl_spans sp = {0};
-    if (!rc) {
+    if (!rc && !(rc = frame_enter(R, TPL_FRAMES_MACRO))) {
         R->out = &buf;
         R->out_spans = &sp;
         R->depth++;
         rc = exec_body(R, &m->body);
         R->depth--;
+        R->frames -= TPL_FRAMES_MACRO;
         R->out = saved_out;
         R->out_spans = saved_spans;
     }
@@ -757,54 +799,32 @@ static int call_value(tpl_rt *R, tpl_val f, const tpl_args *a, tpl_val *out) {
     return tpl_call_builtin(R, fn, a, out);
 }
 
-static int eval_call(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+/* A call: obj.method(...) and global functions run as a transient builtin
+ * without materializing a function value; anything else is evaluated and called. */
+TPL_NOINLINE static int eval_call(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     const tpl_node *callee = n->a;
+    tpl_func fn = {.h = {.rc = -1, .kind = TPL_FUNC}, .id = -1, .self = tpl_undef()};
     tpl_val fv = tpl_undef();
-    int rc;
+    int rc = FU_OK;
     if (callee->type == ND_GETATTR) {
-        /* obj.method(...): call the method without materializing it. */
-        tpl_val obj;
-        if ((rc = eval(R, callee->a, &obj)))
+        if ((rc = eval(R, callee->a, &fn.self)))
             return rc;
-        int mid = obj.kind == TPL_UNDEF ? -1 : tpl_method_id(obj, callee->str);
-        if (mid >= 0) {
-            eargs e;
-            if ((rc = args_eval(R, n, &e))) {
-                tpl_drop(R, obj);
-                return rc;
-            }
-            tpl_func fn = {.h = {.rc = -1, .kind = TPL_FUNC}, .id = mid, .self = obj};
-            R->line = n->line;
-            rc = tpl_call_builtin(R, &fn, &e.a, out);
-            args_free(R, &e);
-            tpl_drop(R, obj);
-            return rc;
-        }
-        rc = tpl_getattr(R, obj, callee->str, callee->len, &fv);
-        tpl_drop(R, obj);
-        if (rc)
-            return rc;
+        fn.id = fn.self.kind == TPL_UNDEF ? -1 : tpl_method_id(fn.self, callee->str);
+        if (fn.id < 0)
+            rc = tpl_getattr(R, fn.self, callee->str, callee->len, &fv);
     } else if (callee->type == ND_NAME && !scope_lookup(R, callee->str, callee->len) &&
                tpl_global_id(callee->str) > 0) {
-        eargs e;
-        if ((rc = args_eval(R, n, &e)))
-            return rc;
-        tpl_func fn = {.h = {.rc = -1, .kind = TPL_FUNC}, .id = tpl_global_id(callee->str), .self = tpl_undef()};
-        R->line = n->line;
-        rc = tpl_call_builtin(R, &fn, &e.a, out);
-        args_free(R, &e);
-        return rc;
-    } else if ((rc = eval(R, callee, &fv))) {
-        return rc;
+        fn.id = tpl_global_id(callee->str);
+    } else {
+        rc = eval(R, callee, &fv);
     }
     eargs e;
-    if ((rc = args_eval(R, n, &e))) {
-        tpl_drop(R, fv);
-        return rc;
+    if (!rc && !(rc = args_eval(R, n, &e))) {
+        R->line = n->line;
+        rc = fn.id >= 0 ? tpl_call_builtin(R, &fn, &e.a, out) : call_value(R, fv, &e.a, out);
+        args_free(R, &e);
     }
-    R->line = n->line;
-    rc = call_value(R, fv, &e.a, out);
-    args_free(R, &e);
+    tpl_drop(R, fn.self);
     tpl_drop(R, fv);
     return rc;
 }
@@ -823,14 +843,18 @@ static int filter_apply(tpl_rt *R, const tpl_node *f, tpl_val x, tpl_val *out) {
 
 /* Applies a filter chain whose innermost input is the placeholder ND_CONST
  * (for {% filter %} and {% set x | f %}) to `in` (borrowed). */
-static int apply_chain(tpl_rt *R, const tpl_node *f, tpl_val in, tpl_val *out) {
+TPL_NOINLINE static int apply_chain(tpl_rt *R, const tpl_node *f, tpl_val in, tpl_val *out) {
     if (f->type != ND_FILTER) {
         tpl_ref(in);
         *out = in;
         return FU_OK;
     }
     tpl_val x;
-    int rc = apply_chain(R, f->a, in, &x);
+    int rc = frame_enter(R, TPL_FRAMES_EXPR);
+    if (rc)
+        return rc;
+    rc = apply_chain(R, f->a, in, &x);
+    R->frames -= TPL_FRAMES_EXPR;
     if (rc)
         return rc;
     rc = filter_apply(R, f, x, out);
@@ -842,7 +866,7 @@ static int apply_chain(tpl_rt *R, const tpl_node *f, tpl_val in, tpl_val *out) {
 /* Expressions                                                               */
 /* ------------------------------------------------------------------------ */
 
-static int eval_seq(tpl_rt *R, const tpl_node *n, bool tuple, tpl_val *out) {
+TPL_NOINLINE static int eval_seq(tpl_rt *R, const tpl_node *n, bool tuple, tpl_val *out) {
     int rc = tpl_list_new(R, n->body.n, out);
     if (rc)
         return rc;
@@ -859,16 +883,24 @@ static int eval_seq(tpl_rt *R, const tpl_node *n, bool tuple, tpl_val *out) {
 
 static bool hashable(tpl_val v) { return v.kind <= TPL_STR || (v.kind == TPL_LIST && tpl_as_list(v)->tuple); }
 
-#define TPL_MAX_FRAMES 3000 /* nested evaluations; keeps C stack use to about a megabyte */
 
 static int eval_node(tpl_rt *R, const tpl_node *n, tpl_val *out);
 
+/* Enters a nesting level of `weight` frames; fails past TPL_MAX_FRAMES (the
+ * caller leaves with R->frames -= weight). */
+static int frame_enter(tpl_rt *R, int weight) {
+    if (R->frames + weight > TPL_MAX_FRAMES)
+        return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template nested too deeply at run time (limit %d)", TPL_MAX_FRAMES);
+    R->frames += weight;
+    return FU_OK;
+}
+
 static int eval(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    if (R->frames >= TPL_MAX_FRAMES)
-        return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template nested too deeply at run time");
-    R->frames++;
-    int rc = eval_node(R, n, out);
-    R->frames--;
+    int rc = frame_enter(R, TPL_FRAMES_EXPR);
+    if (rc)
+        return rc;
+    rc = eval_node(R, n, out);
+    R->frames -= TPL_FRAMES_EXPR;
     return rc;
 }
 
@@ -878,7 +910,7 @@ typedef int (*unary_fn)(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val *out);
 typedef int (*binary_fn)(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val b, tpl_val *out);
 
 /* Evaluates n->a, then fn on it. */
-static int eval_unary(tpl_rt *R, const tpl_node *n, unary_fn fn, tpl_val *out) {
+TPL_NOINLINE static int eval_unary(tpl_rt *R, const tpl_node *n, unary_fn fn, tpl_val *out) {
     tpl_val a;
     int rc = eval(R, n->a, &a);
     if (rc)
@@ -889,7 +921,7 @@ static int eval_unary(tpl_rt *R, const tpl_node *n, unary_fn fn, tpl_val *out) {
 }
 
 /* Evaluates n->a and n->b, then fn on them (at n's line). */
-static int eval_binary(tpl_rt *R, const tpl_node *n, binary_fn fn, tpl_val *out) {
+TPL_NOINLINE static int eval_binary(tpl_rt *R, const tpl_node *n, binary_fn fn, tpl_val *out) {
     tpl_val a, b;
     int rc = eval(R, n->a, &a);
     if (rc)
@@ -917,7 +949,7 @@ static int eval_truth(tpl_rt *R, const tpl_node *e, bool *t) {
 }
 
 /* A variable: the innermost binding, else a global function, else Undefined. */
-static int eval_name(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+TPL_NOINLINE static int eval_name(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     tpl_val *v = scope_lookup(R, n->str, n->len);
     if (v) {
         *out = *v;
@@ -1004,7 +1036,7 @@ static int binop_of(tpl_rt *R, const tpl_node *n, tpl_val a, tpl_val b, tpl_val 
 }
 
 /* a op1 b op2 c ...: chained, each operand evaluated at most once, stopping at the first false. */
-static int eval_compare(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+TPL_NOINLINE static int eval_compare(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     tpl_val a, b;
     int rc = eval(R, n->a, &a);
     if (rc)
@@ -1030,7 +1062,7 @@ static int eval_compare(tpl_rt *R, const tpl_node *n, tpl_val *out) {
 }
 
 /* a and b, a or b: the deciding operand itself. */
-static int eval_logic(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+TPL_NOINLINE static int eval_logic(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     tpl_val a;
     int rc = eval(R, n->a, &a);
     if (rc)
@@ -1044,7 +1076,7 @@ static int eval_logic(tpl_rt *R, const tpl_node *n, tpl_val *out) {
 }
 
 /* a if b else c; without else, an Undefined when b is false. */
-static int eval_cond(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+TPL_NOINLINE static int eval_cond(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     bool yes;
     int rc = eval_truth(R, n->b, &yes);
     if (rc)
@@ -1073,10 +1105,11 @@ static int dict_item(tpl_rt *R, const tpl_node *kn, const tpl_node *vn, tpl_val 
         tpl_drop(R, k);
         return rc;
     }
+    note_scan(R, dict);
     return tpl_dict_set(R, dict, k, v);
 }
 
-static int eval_dict(tpl_rt *R, const tpl_node *n, tpl_val *out) {
+TPL_NOINLINE static int eval_dict(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     int rc = tpl_dict_new(R, n->body.n, out);
     if (rc)
         return rc;
@@ -1088,7 +1121,7 @@ static int eval_dict(tpl_rt *R, const tpl_node *n, tpl_val *out) {
 }
 
 static int eval_node(tpl_rt *R, const tpl_node *n, tpl_val *out) {
-    int rc = tpl_rt_charge(R, 1);
+    int rc = step(R, 1);
     if (rc)
         return rc;
     R->line = n->line;
@@ -1203,6 +1236,7 @@ static int assign_target(tpl_rt *R, const tpl_node *n, tpl_val v) {
             tpl_drop(R, v);
             return rc ? rc : tpl_type_error(R, "cannot store a namespace inside itself");
         }
+        note_scan(R, *ns);
         return tpl_dict_set_cstr(R, *ns, n->str, v);
     }
     rc = assign_names(R, n->names, n->nnames, v);
@@ -1249,7 +1283,7 @@ static int loop_run(tpl_rt *R, const tpl_node *n, tpl_scope *outer, tpl_val loop
     tpl_scope sc;
     int rc = FU_OK;
     for (size_t i = 0; i < l->len && !rc; i++) {
-        if ((rc = tpl_rt_charge(R, 1)))
+        if ((rc = step(R, 1)))
             break;
         loop->index0 = i;
         if ((rc = scope_push(R, &sc, outer)))
@@ -1272,7 +1306,7 @@ static int loop_run(tpl_rt *R, const tpl_node *n, tpl_scope *outer, tpl_val loop
 }
 
 /* {% for names in seq [if cond] %}body{% else %}alt{% endfor %} */
-static int exec_for(tpl_rt *R, const tpl_node *n) {
+TPL_NOINLINE static int exec_for(tpl_rt *R, const tpl_node *n) {
     tpl_val seq, items;
     int rc = eval(R, n->a, &seq);
     if (rc)
@@ -1304,7 +1338,7 @@ static int exec_for(tpl_rt *R, const tpl_node *n) {
     return rc;
 }
 
-static int exec_output(tpl_rt *R, const tpl_node *n) {
+TPL_NOINLINE static int exec_output(tpl_rt *R, const tpl_node *n) {
     tpl_val v;
     int rc = eval(R, n->a, &v);
     if (rc)
@@ -1314,13 +1348,13 @@ static int exec_output(tpl_rt *R, const tpl_node *n) {
     return rc;
 }
 
-static int exec_if(tpl_rt *R, const tpl_node *n) {
+TPL_NOINLINE static int exec_if(tpl_rt *R, const tpl_node *n) {
     bool t;
     int rc = eval_truth(R, n->a, &t);
     return rc ? rc : exec_body(R, t ? &n->body : &n->alt);
 }
 
-static int exec_set(tpl_rt *R, const tpl_node *n) {
+TPL_NOINLINE static int exec_set(tpl_rt *R, const tpl_node *n) {
     tpl_val v;
     int rc = eval(R, n->a, &v);
     if (rc)
@@ -1331,7 +1365,7 @@ static int exec_set(tpl_rt *R, const tpl_node *n) {
 
 /* {% set x %}...{% endset %} and {% filter f %}...{% endfilter %}: the body's
  * output captured, passed through the filters, then assigned or emitted. */
-static int exec_capture(tpl_rt *R, const tpl_node *n) {
+TPL_NOINLINE static int exec_capture(tpl_rt *R, const tpl_node *n) {
     fu_buf buf = {0};
     fu_buf *saved = R->out;
     tpl_spans sp = {0}, *saved_spans = R->out_spans;
@@ -1361,7 +1395,7 @@ static int exec_capture(tpl_rt *R, const tpl_node *n) {
     return rc;
 }
 
-static int exec_macro(tpl_rt *R, const tpl_node *n) {
+TPL_NOINLINE static int exec_macro(tpl_rt *R, const tpl_node *n) {
     tpl_val v;
     int rc = tpl_func_new(R, TPL_FN_MACRO, tpl_undef(), n, &v);
     if (rc)
@@ -1370,7 +1404,7 @@ static int exec_macro(tpl_rt *R, const tpl_node *n) {
 }
 
 /* {% with a = x, ... %}body{% endwith %}: the values are evaluated in the outer scope. */
-static int exec_with(tpl_rt *R, const tpl_node *n) {
+TPL_NOINLINE static int exec_with(tpl_rt *R, const tpl_node *n) {
     tpl_scope *outer = R->scope;
     tpl_scope sc;
     tpl_val vals[16];
@@ -1403,7 +1437,7 @@ static int exec_with(tpl_rt *R, const tpl_node *n) {
 }
 
 static int exec_stmt(tpl_rt *R, const tpl_node *n) {
-    int rc = tpl_rt_charge(R, 1);
+    int rc = step(R, 1);
     if (rc)
         return rc;
     R->line = n->line;
@@ -1429,16 +1463,15 @@ static int exec_stmt(tpl_rt *R, const tpl_node *n) {
 }
 
 static int exec_body(tpl_rt *R, const tpl_nodevec *body) {
-    if (R->frames >= TPL_MAX_FRAMES)
-        return tpl_rt_fail(R, FU_ERR_EXHAUSTED, "template nested too deeply at run time");
-    R->frames++;
-    int rc = FU_OK;
+    int rc = frame_enter(R, TPL_FRAMES_BODY);
+    if (rc)
+        return rc;
     for (size_t i = 0; i < body->n && !rc; i++) {
         rc = exec_stmt(R, body->v[i]);
         if (R->ctl != TPL_CTL_NONE)
             break;
     }
-    R->frames--;
+    R->frames -= TPL_FRAMES_BODY;
     return rc;
 }
 

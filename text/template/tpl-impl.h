@@ -152,6 +152,8 @@ typedef struct tpl_rt {
     size_t out_total;   /* bytes written into all buffers (bounded by lim) */
     size_t live_bytes;  /* bytes held by this render's objects */
     uint64_t fuel;      /* work units left */
+    uint64_t steps;     /* steps left (lim.max_steps) */
+    uint64_t scanned;   /* variables scanned by lookups, not yet counted as steps */
     int depth;          /* macro call depth */
     int frames;         /* nested eval/exec calls, bounding C stack use */
     int line;           /* template line being evaluated, for messages */
@@ -227,7 +229,7 @@ static inline void tpl_taint_end(tpl_rt *R, bool began) {
         R->taint--;
 }
 
-/* Converts JSON to a value (deep copy) and back. */
+/* Converts JSON to a value (deep copy; FU_ERR_INVALID past 100 levels of nesting) and back. */
 int tpl_from_json(tpl_rt *R, const json_t *j, tpl_val *out);
 
 /* Python semantics. */

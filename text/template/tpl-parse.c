@@ -6,7 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TPL_MAX_PARSE_DEPTH 128 /* nesting of expressions and blocks */
+/* Nesting of expressions, blocks and chains (each link of a + b + c, a.b.c or
+ * a|f|g nests the tree one level deeper). It bounds the recursion of the
+ * parser and of every walk of the tree (checking, evaluation, freeing) so
+ * that the worst case fits a 256 KiB thread stack even under ASan; real
+ * templates nest less than 50. */
+#define TPL_MAX_PARSE_DEPTH 200
 
 typedef struct parser {
     tpl_toks *t;
@@ -156,8 +161,18 @@ static int expect_type(parser *P, int type, const char *what) {
 
 static int enter(parser *P) {
     if (++P->depth > TPL_MAX_PARSE_DEPTH)
-        return pfail(P, cur(P)->line, "template nested too deeply");
+        return pfail(P, cur(P)->line, "template nested too deeply (limit %d)", TPL_MAX_PARSE_DEPTH);
     return FU_OK;
+}
+
+/* Enters one more level for a chain link that will nest `n` (owned) inside
+ * a new node; returns n, or NULL (n freed) past the nesting limit. The
+ * caller restores P->depth when the chain ends. */
+static tpl_node *deeper(parser *P, tpl_node *n) {
+    if (!enter(P))
+        return n;
+    tpl_node_free(n);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -230,7 +245,8 @@ static int append_dotted(parser *P, tpl_node *n) {
 }
 
 static tpl_node *parse_filter(parser *P, tpl_node *in, bool start_inline) {
-    while (in && (is_op(cur(P), "|") || start_inline)) {
+    int base = P->depth;
+    while (in && (is_op(cur(P), "|") || start_inline) && (in = deeper(P, in))) {
         if (!start_inline)
             advance(P);
         start_inline = false;
@@ -258,6 +274,7 @@ static tpl_node *parse_filter(parser *P, tpl_node *in, bool start_inline) {
         }
         in = f;
     }
+    P->depth = base;
     return in;
 }
 
@@ -339,17 +356,16 @@ static tpl_node *parse_call(parser *P, tpl_node *callee) {
 }
 
 static tpl_node *parse_filter_expr(parser *P, tpl_node *n) {
-    while (n) {
-        if (is_op(cur(P), "|")) {
+    int base = P->depth;
+    while (n && (is_op(cur(P), "|") || is_name(cur(P), "is") || is_op(cur(P), "(")) && (n = deeper(P, n))) {
+        if (is_op(cur(P), "|"))
             n = parse_filter(P, n, false);
-        } else if (is_name(cur(P), "is")) {
+        else if (is_name(cur(P), "is"))
             n = parse_test(P, n);
-        } else if (is_op(cur(P), "(")) {
+        else
             n = parse_call(P, n);
-        } else {
-            break;
-        }
     }
+    P->depth = base;
     return n;
 }
 
@@ -470,15 +486,14 @@ err:
 }
 
 static tpl_node *parse_postfix(parser *P, tpl_node *n) {
-    while (n) {
-        if (is_op(cur(P), ".") || is_op(cur(P), "[")) {
-            n = parse_subscript(P, n);
-        } else if (is_op(cur(P), "(")) {
+    int base = P->depth;
+    while (n && (is_op(cur(P), ".") || is_op(cur(P), "[") || is_op(cur(P), "(")) && (n = deeper(P, n))) {
+        if (is_op(cur(P), "("))
             n = parse_call(P, n);
-        } else {
-            break;
-        }
+        else
+            n = parse_subscript(P, n);
     }
+    P->depth = base;
     return n;
 }
 
@@ -616,46 +631,55 @@ static tpl_node *binop(parser *P, int op, tpl_node *a, tpl_node *b, int line) {
 }
 
 static tpl_node *parse_pow(parser *P) {
+    int base = P->depth;
     tpl_node *n = parse_unary(P, true);
-    while (n && is_op(cur(P), "**")) {
+    while (n && is_op(cur(P), "**") && (n = deeper(P, n))) {
         int line = cur(P)->line;
         advance(P);
         n = binop(P, OP_POW, n, parse_unary(P, true), line);
     }
+    P->depth = base;
     return n;
 }
 
+static int math2_op(tpl_tok *t) {
+    return is_op(t, "*") ? OP_MUL : is_op(t, "/") ? OP_DIV : is_op(t, "//") ? OP_FLOORDIV : is_op(t, "%") ? OP_MOD : 0;
+}
+
 static tpl_node *parse_math2(parser *P) {
+    int base = P->depth;
     tpl_node *n = parse_pow(P);
-    while (n) {
+    while (n && math2_op(cur(P)) && (n = deeper(P, n))) {
         tpl_tok *t = cur(P);
-        int op = is_op(t, "*") ? OP_MUL : is_op(t, "/") ? OP_DIV : is_op(t, "//") ? OP_FLOORDIV : is_op(t, "%") ? OP_MOD : 0;
-        if (!op)
-            break;
         advance(P);
-        n = binop(P, op, n, parse_pow(P), t->line);
+        n = binop(P, math2_op(t), n, parse_pow(P), t->line);
     }
+    P->depth = base;
     return n;
 }
 
 static tpl_node *parse_concat(parser *P) {
+    int base = P->depth;
     tpl_node *n = parse_math2(P);
-    while (n && is_op(cur(P), "~")) {
+    while (n && is_op(cur(P), "~") && (n = deeper(P, n))) {
         int line = cur(P)->line;
         advance(P);
         n = binop(P, OP_CONCAT, n, parse_math2(P), line);
     }
+    P->depth = base;
     return n;
 }
 
 static tpl_node *parse_math1(parser *P) {
+    int base = P->depth;
     tpl_node *n = parse_concat(P);
-    while (n && (is_op(cur(P), "+") || is_op(cur(P), "-"))) {
+    while (n && (is_op(cur(P), "+") || is_op(cur(P), "-")) && (n = deeper(P, n))) {
         int op = is_op(cur(P), "+") ? OP_ADD : OP_SUB;
         int line = cur(P)->line;
         advance(P);
         n = binop(P, op, n, parse_concat(P), line);
     }
+    P->depth = base;
     return n;
 }
 
@@ -730,20 +754,23 @@ static tpl_node *parse_not(parser *P) {
 /* `a and b` (or_level false) or `a or b` (true), left-associative. */
 static tpl_node *parse_logic(parser *P, bool or_level) {
     const char *word = or_level ? "or" : "and";
+    int base = P->depth;
     tpl_node *n = or_level ? parse_logic(P, false) : parse_not(P);
-    while (n && is_name(cur(P), word)) {
+    while (n && is_name(cur(P), word) && (n = deeper(P, n))) {
         int line = cur(P)->line;
         advance(P);
         tpl_node *b = or_level ? parse_logic(P, false) : parse_not(P);
         n = pair_node(P, or_level ? ND_OR : ND_AND, 0, n, b, line);
     }
+    P->depth = base;
     return n;
 }
 
 static tpl_node *parse_condexpr(parser *P) {
     int line = cur(P)->line;
+    int base = P->depth;
     tpl_node *n = parse_logic(P, true);
-    while (n && is_name(cur(P), "if")) {
+    while (n && is_name(cur(P), "if") && (n = deeper(P, n))) {
         advance(P);
         tpl_node *test = parse_logic(P, true);
         tpl_node *other = NULL;
@@ -774,6 +801,7 @@ static tpl_node *parse_condexpr(parser *P) {
         n = c;
         line = cur(P)->line;
     }
+    P->depth = base;
     return n;
 }
 
@@ -934,9 +962,12 @@ static tpl_node *parse_if(parser *P, int line) {
         subparse(P, &n->body, ends, "if", line))
         goto err;
     tpl_node *tail = n; /* the innermost if whose else we fill */
+    int base = P->depth;
     for (;;) {
         if (is_name(cur(P), "elif")) {
             int eline = cur(P)->line;
+            if (enter(P)) /* each elif nests one level deeper */
+                goto err;
             advance(P);
             tpl_node *e = node_new(P, ND_IF, eline);
             if (!e || vec_push(P, &tail->alt, e))
@@ -954,6 +985,7 @@ static tpl_node *parse_if(parser *P, int line) {
         }
         break;
     }
+    P->depth = base;
     advance(P); /* endif */
     if (expect_block_end(P))
         goto err;
