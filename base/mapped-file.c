@@ -11,35 +11,80 @@
 
 #include "status.h"
 
+int mf_open_regular(const char *path, uint64_t max, int *fd_out, uint64_t *size) {
+    *fd_out = -1;
+    *size = 0;
+    /* O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0)
+        return fu_errorf(errno == ENOENT ? FU_ERR_NOT_FOUND : FU_ERR_IO, "%s: cannot open: %s", path,
+                         strerror(errno));
+    struct stat st;
+    int rc = FU_OK;
+    if (fstat(fd, &st) != 0)
+        rc = fu_errorf(FU_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
+    else if (S_ISDIR(st.st_mode))
+        rc = fu_errorf(FU_ERR_IO, "%s: is a directory, not a file", path);
+    else if (!S_ISREG(st.st_mode))
+        rc = fu_errorf(FU_ERR_IO, "%s: not a regular file (a FIFO, socket or device)", path);
+    else if (st.st_size < 0 || (uint64_t)st.st_size > max)
+        rc = fu_errorf(FU_ERR_IO, "%s: file too large (%lld bytes, at most %llu)", path,
+                       (long long)st.st_size, (unsigned long long)max);
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0)
+        rc = fu_errorf(FU_ERR_IO, "%s: cannot clear O_NONBLOCK: %s", path, strerror(errno));
+    if (rc) {
+        close(fd);
+        return rc;
+    }
+    *fd_out = fd;
+    *size = (uint64_t)st.st_size;
+    return FU_OK;
+}
+
+int mf_read(const char *path, size_t max, char **out, size_t *len) {
+    *out = NULL;
+    *len = 0;
+    int fd;
+    uint64_t size;
+    int rc = mf_open_regular(path, max, &fd, &size);
+    if (rc) return rc;
+    char *buf = malloc((size_t)size + 1);
+    if (!buf) {
+        close(fd);
+        return fu_errorf(FU_ERR_NOMEM, "%s: out of memory", path);
+    }
+    size_t got = 0;
+    while (got < (size_t)size) {
+        ssize_t r = read(fd, buf + got, (size_t)size - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            int e = r < 0 ? errno : EIO;
+            close(fd);
+            free(buf);
+            return fu_errorf(FU_ERR_IO, "%s: cannot read: %s", path, strerror(e));
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    buf[got] = '\0';
+    *out = buf;
+    *len = got;
+    return FU_OK;
+}
+
 int mf_open(mf_file *mf, const char *path) {
     memset(mf, 0, sizeof *mf);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return fu_errorf(FU_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    int rc;
-    if (fstat(fd, &st) != 0) {
-        rc = fu_errorf(FU_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-        goto err;
-    }
-    if (S_ISDIR(st.st_mode)) {
-        rc = fu_errorf(FU_ERR_IO, "%s: is a directory, not a file", path);
-        goto err;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        rc = fu_errorf(FU_ERR_IO, "%s: not a regular file", path);
-        goto err;
-    }
-    if (st.st_size < 0 || (uint64_t)st.st_size > (uint64_t)SIZE_MAX) {
-        rc = fu_errorf(FU_ERR_IO, "%s: file too large to map (%lld bytes)", path,
-                       (long long)st.st_size);
-        goto err;
-    }
+    int fd;
+    uint64_t size;
+    int rc = mf_open_regular(path, (uint64_t)SIZE_MAX, &fd, &size);
+    if (rc == FU_ERR_NOT_FOUND) return FU_ERR_IO; /* the message is set; callers expect FU_ERR_IO */
+    if (rc) return rc;
     mf->path = strdup(path);
     if (!mf->path) {
         rc = fu_errorf(FU_ERR_NOMEM, "%s: out of memory", path);
         goto err;
     }
-    mf->size = (size_t)st.st_size;
+    mf->size = (size_t)size;
     if (mf->size > 0) {
         void *p = mmap(NULL, mf->size, PROT_READ, MAP_PRIVATE, fd, 0);
         if (p == MAP_FAILED) {

@@ -18,11 +18,26 @@ typedef struct mf_file {
 } mf_file;
 
 /* Maps `path` read-only into *mf (which the caller provides; its previous
- * contents are ignored). Fails with FU_ERR_IO (missing/unreadable file, or a
- * directory) naming the path; a zero-length file succeeds with data == NULL
- * and size == 0 (format readers reject it with their own message). On failure
+ * contents are ignored). Fails with FU_ERR_IO (missing/unreadable file, a
+ * directory, FIFO, socket or device: never blocks on one) naming the path; a
+ * zero-length file succeeds with data == NULL and size == 0 (format readers
+ * reject it with their own message). On failure
  * *mf is left zeroed, so mf_close() on it is a no-op. */
 int mf_open(mf_file *mf, const char *path);
+
+/* Opens `path` for reading, only if it is a regular file of at most `max`
+ * bytes: never blocks on a FIFO or device (it is opened O_NONBLOCK and
+ * checked with fstat). On success *fd (the caller closes it) and *size are
+ * set; else *fd = -1 and the status is FU_ERR_NOT_FOUND (absent) or
+ * FU_ERR_IO (unreadable, a directory, FIFO, socket or device, too large),
+ * with a message naming the path. */
+int mf_open_regular(const char *path, uint64_t max, int *fd, uint64_t *size);
+
+/* Reads a whole regular file of at most `max` bytes (config files,
+ * tokenizer.json) into a malloc'ed, NUL-terminated buffer (*out, freed by the
+ * caller; *len excludes the NUL). Statuses as mf_open_regular; on failure
+ * *out = NULL. */
+int mf_read(const char *path, size_t max, char **out, size_t *len);
 
 /* Unmaps and frees what mf_open() set up, and zeroes *mf. NULL, a zeroed or
  * an already closed mf_file are no-ops. */

@@ -22,6 +22,7 @@
 
 #include "format.h"
 #include "log.h"
+#include "mapped-file.h"
 #include "status.h"
 
 #define HUB_LISTING_MAX (64u << 20) /* bytes of API answer we accept */
@@ -386,44 +387,6 @@ static int write_file_atomic(const char *path, const void *data, size_t len) {
     return rc;
 }
 
-/* Reads a whole regular file of at most `max` bytes into a malloc'ed,
- * NUL-terminated buffer. FU_ERR_NOT_FOUND if absent. */
-static int read_file(const char *path, size_t max, char **out, size_t *len) {
-    *out = NULL;
-    *len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return fu_errorf(errno == ENOENT ? FU_ERR_NOT_FOUND : FU_ERR_IO, "cannot open %s: %s",
-                         path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size > max) {
-        close(fd);
-        return fu_errorf(FU_ERR_IO, "%s is not a regular file of at most %zu bytes", path, max);
-    }
-    char *buf = malloc((size_t)st.st_size + 1);
-    if (!buf) {
-        close(fd);
-        return fu_errorf(FU_ERR_NOMEM, "out of memory");
-    }
-    size_t got = 0;
-    while (got < (size_t)st.st_size) {
-        ssize_t r = read(fd, buf + got, (size_t)st.st_size - got);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-            int e = r < 0 ? errno : EIO;
-            close(fd);
-            free(buf);
-            return fu_errorf(FU_ERR_IO, "cannot read %s: %s", path, strerror(e));
-        }
-        got += (size_t)r;
-    }
-    close(fd);
-    buf[got] = '\0';
-    *out = buf;
-    *len = got;
-    return FU_OK;
-}
-
 static void hex_encode(const unsigned char *d, size_t n, char *hex) {
     static const char digits[] = "0123456789abcdef";
     for (size_t i = 0; i < n; i++) {
@@ -460,14 +423,13 @@ static int hash_prefix(int fd, int64_t n, EVP_MD_CTX *md, const char *what) {
 
 int hub_sha256_file(const char *path, char hex[65]) {
     hex[0] = '\0';
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return fu_errorf(FU_ERR_IO, "cannot open %s: %s", path, strerror(errno));
-    struct stat st;
+    int fd;
+    uint64_t size;
+    int rc = mf_open_regular(path, (uint64_t)INT64_MAX, &fd, &size);
+    if (rc) return rc == FU_ERR_NOT_FOUND ? FU_ERR_IO : rc;
     EVP_MD_CTX *md = EVP_MD_CTX_new();
-    int rc = FU_OK;
     if (!md || EVP_DigestInit_ex(md, EVP_sha256(), NULL) != 1) rc = fu_errorf(FU_ERR_INTERNAL, "sha256 init failed");
-    else if (fstat(fd, &st) != 0) rc = fu_errorf(FU_ERR_IO, "cannot stat %s: %s", path, strerror(errno));
-    else rc = hash_prefix(fd, st.st_size, md, path);
+    else rc = hash_prefix(fd, (int64_t)size, md, path);
     unsigned char d[EVP_MAX_MD_SIZE];
     unsigned int dn = 0;
     if (rc == FU_OK && EVP_DigestFinal_ex(md, d, &dn) != 1) rc = fu_errorf(FU_ERR_INTERNAL, "sha256 final failed");
@@ -1640,7 +1602,7 @@ static int plan_run(hub_session *s) {
         char *text = NULL;
         size_t len = 0;
         size_t before = plan.n_paths;
-        rc = path ? read_file(path, HUB_INDEX_MAX, &text, &len) : fu_errorf(FU_ERR_NOMEM, "out of memory");
+        rc = path ? mf_read(path, HUB_INDEX_MAX, &text, &len) : fu_errorf(FU_ERR_NOMEM, "out of memory");
         if (rc == FU_OK) rc = hub_plan_add_index(&plan, s->listing, text, len);
         if (rc == FU_OK) rc = plan_apply(s, &plan, before, plan.n_paths);
         free(text);
@@ -1694,7 +1656,7 @@ static int resolve_cached(const hub_options *o, const hub_ref *ref, const char *
             rc = fu_errorf(FU_ERR_NOMEM, "out of memory");
             goto done;
         }
-        rc = read_file(refp, 256, &text, &len);
+        rc = mf_read(refp, 256, &text, &len);
         while (rc == FU_OK && len > 0 && (text[len - 1] == '\n' || text[len - 1] == '\r')) text[--len] = '\0';
         if (rc != FU_OK || !hub_is_commit(text)) {
             rc = fu_errorf(FU_ERR_NOT_FOUND, "%s@%s is not in the cache (%s): %s", ref->repo_id, ref->revision, refp,
@@ -1709,7 +1671,7 @@ static int resolve_cached(const hub_options *o, const hub_ref *ref, const char *
         rc = fu_errorf(FU_ERR_NOMEM, "out of memory");
         goto done;
     }
-    if ((rc = read_file(meta, HUB_LISTING_MAX, &text, &len)) != FU_OK) {
+    if ((rc = mf_read(meta, HUB_LISTING_MAX, &text, &len)) != FU_OK) {
         rc = fu_errorf(FU_ERR_NOT_FOUND, "%s@%s (commit %s) is not in the cache: no listing at %s", ref->repo_id,
                        ref->revision, commit, meta);
         goto done;

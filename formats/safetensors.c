@@ -63,6 +63,7 @@ struct st_model {
     int n_shards;
     st_tensor *tensors;  /* (n_tensors) sorted by name */
     int64_t n_tensors, cap_tensors;
+    bool in_memory;      /* st_model_open_mem: the shard's bytes are the caller's, not a mapping */
 };
 
 /* ---- helpers ----------------------------------------------------------------- */
@@ -208,11 +209,11 @@ static int st_check_overlap(st_model *m, int64_t first, const char *path) {
     return FU_OK;
 }
 
-/* Maps the file `path` as shard number m->n_shards and appends its tensors. */
-static int st_open_shard(st_model *m, const char *path) {
+/* Parses the header of shard number m->n_shards (its bytes in sh->mf, `path`
+ * for messages), counts the shard and appends its tensors. */
+static int st_parse_shard(st_model *m, const char *path) {
     st_shard *sh = &m->shards[m->n_shards];
-    int rc = mf_open(&sh->mf, path);
-    if (rc) return rc;
+    int rc;
     const int si = m->n_shards++;
     const size_t size = sh->mf.size;
     if (size < 8)
@@ -254,6 +255,12 @@ static int st_open_shard(st_model *m, const char *path) {
     json_decref(root);
     if (!rc) rc = st_check_overlap(m, first, path);
     return rc;
+}
+
+/* Maps the file `path` as shard number m->n_shards and appends its tensors. */
+static int st_open_shard(st_model *m, const char *path) {
+    int rc = mf_open(&m->shards[m->n_shards].mf, path);
+    return rc ? rc : st_parse_shard(m, path);
 }
 
 /* ---- index ------------------------------------------------------------------ */
@@ -463,8 +470,30 @@ err:
     return rc;
 }
 
+int st_model_open_mem(const void *data, size_t size, const char *name, st_model **out) {
+    *out = NULL;
+    st_model *m = calloc(1, sizeof *m);
+    int rc;
+    if (!m || !(m->path = strdup(name)) || !(m->shards = calloc(1, sizeof *m->shards)) ||
+        !(m->shards[0].mf.path = strdup(name))) {
+        rc = fu_errorf(FU_ERR_NOMEM, "%s: out of memory", name);
+        goto err;
+    }
+    m->in_memory = true;
+    m->shards[0].mf.data = size ? data : NULL;
+    m->shards[0].mf.size = size;
+    if ((rc = st_parse_shard(m, name))) goto err;
+    if (m->n_tensors > 1)
+        qsort(m->tensors, (size_t)m->n_tensors, sizeof *m->tensors, st_tensor_cmp);
+    *out = m;
+    return FU_OK;
+err:
+    st_model_close(m);
+    return rc;
+}
+
 void st_model_release(const st_model *m, const void *p, size_t n) {
-    if (!m) return;
+    if (!m || m->in_memory) return;
     for (int i = 0; i < m->n_shards; i++) mf_release(&m->shards[i].mf, p, n);
 }
 
@@ -476,7 +505,9 @@ void st_model_close(st_model *m) {
         free(m->tensors[i].shape);
     }
     free(m->tensors);
-    for (int i = 0; i < m->n_shards; i++) mf_close(&m->shards[i].mf);
+    if (m->in_memory && m->shards) free(m->shards[0].mf.path);
+    else
+        for (int i = 0; i < m->n_shards; i++) mf_close(&m->shards[i].mf);
     free(m->shards);
     free(m->path);
     free(m);

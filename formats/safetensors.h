@@ -27,6 +27,12 @@ typedef struct st_model st_model;
 int st_model_open(const char *path, st_model **out);
 void st_model_close(st_model *m); /* NULL is a no-op */
 
+/* Like st_model_open() for one safetensors file held in memory: `size` bytes
+ * at `data` (not copied: they must outlive the model), `name` used in
+ * messages. Parsed and validated exactly as a mapped file. For tests and
+ * fuzzing. */
+int st_model_open_mem(const void *data, size_t size, const char *name, st_model **out);
+
 /* The path given to st_model_open() and the number of files mapped. */
 const char *st_model_path(const st_model *m);
 int st_model_n_shards(const st_model *m);

@@ -12,8 +12,12 @@
 
 #include "gguf.h"
 #include "log.h"
+#include "mapped-file.h"
 #include "safetensors.h"
 #include "status.h"
+
+/* Largest config.json read (real ones are a few KiB). */
+#define MDL_CONFIG_MAX (16u << 20)
 
 /* What a model owns besides its struct: the open sources and converted copies. */
 typedef struct mdl_impl {
@@ -90,25 +94,87 @@ static int mdl_rope_init(mdl_model *m, const float *factors) {
 
 /* ---- config validation ----------------------------------------------------- */
 
-static int mdl_config_check(const mdl_config *c, const char *path) {
-    if (c->n_layers <= 0 || c->n_layers > 4096 || c->dim <= 0 || c->dim > (1 << 20) ||
-        c->ffn_dim <= 0 || c->ffn_dim > (1 << 22) || c->n_heads <= 0 || c->n_heads > 4096 ||
-        c->n_kv_heads <= 0 || c->n_kv_heads > c->n_heads || c->n_heads % c->n_kv_heads ||
-        c->head_dim <= 0 || c->head_dim > 4096 || c->head_dim % 2 || c->vocab_size <= 0 ||
-        c->vocab_size > (1 << 24) || c->max_seq_len <= 0 || !(c->norm_eps > 0) ||
-        !(c->rope_theta > 0))
-        return fu_errorf(FU_ERR_FORMAT,
-                         "%s: implausible model configuration (layers %d, hidden %d, ffn %d, "
-                         "heads %d/%d, head_dim %d, vocab %d, context %d)",
-                         path, c->n_layers, c->dim, c->ffn_dim, c->n_heads, c->n_kv_heads,
-                         c->head_dim, c->vocab_size, c->max_seq_len);
-    if (c->rope_scaling != MDL_ROPE_SCALING_NONE && !(c->rope_factor > 0))
-        return fu_errorf(FU_ERR_FORMAT, "%s: rope scaling factor must be positive", path);
-    if (c->rope_scaling == MDL_ROPE_SCALING_LLAMA3 &&
-        (!(c->rope_low_freq_factor > 0) || !(c->rope_high_freq_factor > c->rope_low_freq_factor) ||
-         c->rope_orig_max_pos <= 0))
-        return fu_errorf(FU_ERR_FORMAT, "%s: bad llama3 rope_scaling parameters", path);
+/* Range checks of one hyper-parameter: `key` is the name in the source
+ * (config.json key or GGUF metadata key) so the message names it. */
+static int mdl_check_int(const char *path, const char *pre, const char *key, int v, int lo, int hi) {
+    if (v < lo || v > hi)
+        return fu_errorf(FU_ERR_FORMAT, "%s: %s%s = %d outside [%d, %d]", path, pre, key, v, lo, hi);
     return FU_OK;
+}
+
+/* A float must be finite and in (lo, hi) (exclusive bounds). */
+static int mdl_check_float(const char *path, const char *pre, const char *key, float v, float lo, float hi) {
+    if (!isfinite(v) || !(v > lo) || !(v < hi))
+        return fu_errorf(FU_ERR_FORMAT, "%s: %s%s = %g must be finite and in (%g, %g)", path, pre, key, (double)v,
+                         (double)lo, (double)hi);
+    return FU_OK;
+}
+
+/* Names of the hyper-parameters in one source, for messages. */
+typedef struct mdl_keys {
+    const char *n_layers, *dim, *ffn_dim, *n_heads, *n_kv_heads, *head_dim, *vocab_size, *max_seq_len,
+        *norm_eps, *rope_theta, *rope_factor, *rope_low, *rope_high, *rope_orig;
+} mdl_keys;
+
+static const mdl_keys mdl_keys_hf = {
+    "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling.factor",
+    "rope_scaling.low_freq_factor", "rope_scaling.high_freq_factor",
+    "rope_scaling.original_max_position_embeddings",
+};
+
+static const mdl_keys mdl_keys_gguf = {
+    "block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "vocab_size", "context_length",
+    "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "-", "-", "-",
+};
+
+/* Every hyper-parameter finite, positive, in a sensible range and consistent
+ * with the others; the message names the offending key (`pre` + its name). */
+static int mdl_config_check_keys(const mdl_config *c, const char *path, const char *pre, const mdl_keys *k) {
+    int rc;
+    if ((rc = mdl_check_int(path, pre, k->n_layers, c->n_layers, 1, 4096)) ||
+        (rc = mdl_check_int(path, pre, k->dim, c->dim, 1, 1 << 20)) ||
+        (rc = mdl_check_int(path, pre, k->ffn_dim, c->ffn_dim, 1, 1 << 22)) ||
+        (rc = mdl_check_int(path, pre, k->n_heads, c->n_heads, 1, 4096)) ||
+        (rc = mdl_check_int(path, pre, k->n_kv_heads, c->n_kv_heads, 1, c->n_heads)) ||
+        (rc = mdl_check_int(path, pre, k->head_dim, c->head_dim, 2, 4096)) ||
+        (rc = mdl_check_int(path, pre, k->vocab_size, c->vocab_size, 1, 1 << 24)) ||
+        (rc = mdl_check_int(path, pre, k->max_seq_len, c->max_seq_len, 1, 1 << 24)) ||
+        (rc = mdl_check_float(path, pre, k->norm_eps, c->norm_eps, 0.0f, 1.0f)) ||
+        (rc = mdl_check_float(path, pre, k->rope_theta, c->rope_theta, 0.0f, 1e12f)))
+        return rc;
+    if (c->n_heads % c->n_kv_heads)
+        return fu_errorf(FU_ERR_FORMAT, "%s: %s%s = %d is not a multiple of %s%s = %d", path, pre, k->n_heads,
+                         c->n_heads, pre, k->n_kv_heads, c->n_kv_heads);
+    if (c->head_dim % 2)
+        return fu_errorf(FU_ERR_FORMAT, "%s: %s%s = %d must be even (rotary pairs)", path, pre, k->head_dim,
+                         c->head_dim);
+    if ((int64_t)c->n_heads * c->head_dim > (1 << 20))
+        return fu_errorf(FU_ERR_FORMAT, "%s: %s%s x %s%s = %lld is too large", path, pre, k->n_heads, pre,
+                         k->head_dim, (long long)c->n_heads * c->head_dim);
+    if (c->rope_scaling != MDL_ROPE_SCALING_NONE && (rc = mdl_check_float(path, pre, k->rope_factor, c->rope_factor,
+                                                                          0.0f, 1e6f)))
+        return rc;
+    if (c->rope_scaling == MDL_ROPE_SCALING_LLAMA3) {
+        if ((rc = mdl_check_float(path, pre, k->rope_low, c->rope_low_freq_factor, 0.0f, 1e6f)) ||
+            (rc = mdl_check_float(path, pre, k->rope_high, c->rope_high_freq_factor, 0.0f, 1e6f)) ||
+            (rc = mdl_check_int(path, pre, k->rope_orig, c->rope_orig_max_pos, 1, 1 << 24)))
+            return rc;
+        if (!(c->rope_high_freq_factor > c->rope_low_freq_factor))
+            return fu_errorf(FU_ERR_FORMAT, "%s: %s%s must be greater than %s%s", path, pre, k->rope_high, pre,
+                             k->rope_low);
+    }
+    return FU_OK;
+}
+
+static int mdl_config_check(const mdl_config *c, const char *name) {
+    static const mdl_keys plain = {
+        "n_layers", "dim", "ffn_dim", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len",
+        "norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+        "rope_orig_max_pos",
+    };
+    return mdl_config_check_keys(c, name, "", &plain);
 }
 
 /* ---- Hugging Face config.json ---------------------------------------------- */
@@ -138,14 +204,14 @@ static int json_float(json_t *o, const char *key, float def, float *out, const c
     return FU_OK;
 }
 
-static int mdl_config_from_hf(const char *cfg_path, mdl_config *c) {
+int mdl_config_read_hf(const char *json, size_t len, const char *cfg_path, mdl_config *c) {
+    memset(c, 0, sizeof *c);
     json_error_t jerr;
-    json_t *root = json_load_file(cfg_path, JSON_REJECT_DUPLICATES, &jerr);
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!root)
         return fu_errorf(FU_ERR_FORMAT, "%s: invalid JSON at line %d: %s", cfg_path, jerr.line,
                          jerr.text);
     int rc = FU_OK;
-    memset(c, 0, sizeof *c);
     if (!json_is_object(root)) {
         rc = fu_errorf(FU_ERR_FORMAT, "%s: not a JSON object", cfg_path);
         goto done;
@@ -239,9 +305,20 @@ static int mdl_config_from_hf(const char *cfg_path, mdl_config *c) {
         rc = fu_errorf(FU_ERR_FORMAT, "%s: rope_scaling must be an object", cfg_path);
         goto done;
     }
-    rc = mdl_config_check(c, cfg_path);
+    rc = mdl_config_check_keys(c, cfg_path, "", &mdl_keys_hf);
 done:
     json_decref(root);
+    return rc;
+}
+
+/* Reads config.json (a regular file of at most MDL_CONFIG_MAX bytes) into *c. */
+static int mdl_config_from_hf(const char *cfg_path, mdl_config *c) {
+    char *text;
+    size_t len;
+    int rc = mf_read(cfg_path, MDL_CONFIG_MAX, &text, &len);
+    if (rc) return rc;
+    rc = mdl_config_read_hf(text, len, cfg_path, c);
+    free(text);
     return rc;
 }
 
@@ -402,7 +479,7 @@ static int gguf_arch_f32(const gguf_file *f, const char *arch, const char *suffi
     return rc == FU_ERR_NOT_FOUND ? FU_OK : rc;
 }
 
-static int mdl_config_from_gguf(const gguf_file *f, mdl_config *c) {
+int mdl_config_read_gguf(const gguf_file *f, mdl_config *c) {
     const char *path = gguf_path(f);
     memset(c, 0, sizeof *c);
     char arch[32];
@@ -469,7 +546,9 @@ static int mdl_config_from_gguf(const gguf_file *f, mdl_config *c) {
             return fu_errorf(FU_ERR_UNSUPPORTED, "%s: rope scaling type \"%.*s\"", path, (int)len, s);
         }
     }
-    return mdl_config_check(c, path);
+    char pre[40];
+    snprintf(pre, sizeof pre, "%s.", arch);
+    return mdl_config_check_keys(c, path, pre, &mdl_keys_gguf);
 }
 
 /* ---- opening ---------------------------------------------------------------------- */
@@ -572,7 +651,7 @@ int mdl_open(const char *path, const mdl_open_options *opts, mdl_model **out) {
     if (!st) {
         const char *gp = gguf_path_buf ? gguf_path_buf : path;
         rc = gguf_open(gp, &gf);
-        if (rc == FU_OK) rc = mdl_config_from_gguf(gf, &cfg);
+        if (rc == FU_OK) rc = mdl_config_read_gguf(gf, &cfg);
         if (rc) {
             gguf_close(gf);
             free(gguf_path_buf);

@@ -14,6 +14,7 @@
 #define FU_MODEL_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "ops.h"
@@ -101,6 +102,17 @@ mdl_open_options mdl_open_options_all(void);
  * failure returns a negative status; fu_last_error() names the file, tensor and
  * problem. The caller frees *out with mdl_free(). */
 int mdl_open(const char *path, const mdl_open_options *opts, mdl_model **out);
+
+/* Reads a Hugging Face config.json of `len` bytes at `json` into *out
+ * (`name` is used in messages). Every hyper-parameter is checked: finite, in
+ * a sensible range and consistent (heads a multiple of KV heads, even head
+ * dim, ...); FU_ERR_FORMAT / FU_ERR_UNSUPPORTED name the key otherwise. */
+int mdl_config_read_hf(const char *json, size_t len, const char *name, mdl_config *out);
+
+/* Reads the configuration from a GGUF file's metadata (and its token_embd
+ * rows), checked as mdl_config_read_hf; messages name the metadata key. */
+struct gguf_file;
+int mdl_config_read_gguf(const struct gguf_file *f, mdl_config *out);
 
 /* Builds a model of random weights (normal, std 0.02; norms near 1) of
  * `weight_type` for every matmul weight, deterministic in `seed`. An

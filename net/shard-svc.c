@@ -1,6 +1,7 @@
 /* shard-svc.c -- fusion.Shard's messages packed from and unpacked into the plain structs of shard-svc.h. */
 #include "shard-svc.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,10 +17,10 @@
  * (so a warm one packs and unpacks without allocating). Packing and views
  * use different kinds: a reply may be packed while request views live. */
 enum {
-    SC_BIAS, SC_BIAS_PTRS, SC_HOPS, SC_HOP_PTRS,                 /* packing requests */
+    SC_BIAS, SC_BIAS_PTRS, SC_HOPS, SC_HOP_PTRS, SC_TOKENS,      /* packing requests */
     SC_OUTS, SC_OUT_PTRS, SC_TENSORS, SC_TOPS, SC_TOP_PTRS,      /* packing outputs */
     SC_ENTRIES, SC_ENTRY_PTRS, SC_TIMING, SC_TIMING_PTRS,
-    SC_V_BIAS, SC_V_HOPS, SC_V_INPUTS, SC_V_TENSORS,             /* views of requests */
+    SC_V_BIAS, SC_V_HOPS, SC_V_INPUTS, SC_V_TENSORS, SC_V_TOKENS, SC_V_ID, /* views of requests */
     SC_V_TOP, SC_V_TOP_TOKENS, SC_V_TOP_LP, SC_V_TIMING,         /* views of replies */
     SC_KINDS
 };
@@ -64,15 +65,20 @@ static void tensor_pack(const wire_tensor *v, Fusion__Tensor *m) {
     m->scale_dtype = (Fusion__Dtype)v->scale_dtype;
 }
 
-/* An Input pointing at v's tokens (and its hidden tensor in *hidden). */
-static void input_pack(const shard_svc_input *v, Fusion__Input *m, Fusion__Tensor *hidden) {
+/* An Input with v's tokens (widened to the wire's int64 in scratch) and its hidden tensor in
+ * *hidden. -1 when out of memory. */
+static int input_pack(const shard_svc_input *v, Fusion__Input *m, Fusion__Tensor *hidden, svc_scratch *sc) {
     fusion__input__init(m);
+    int64_t *tokens = scratch(sc, SC_TOKENS, v->n_tokens, sizeof *tokens);
+    if (!tokens) return -1;
+    for (size_t i = 0; i < v->n_tokens; i++) tokens[i] = v->tokens[i];
     m->n_tokens = v->n_tokens;
-    m->tokens = (int32_t *)v->tokens;
+    m->tokens = v->n_tokens ? tokens : NULL;
     if (v->hidden) {
         tensor_pack(v->hidden, hidden);
         m->hidden = hidden;
     }
+    return 0;
 }
 
 /* The OutputSpec (and its Sampling in *samp); -1 when out of memory. */
@@ -126,7 +132,7 @@ static int step_pack(const shard_svc_step *v, step_msg *m, svc_scratch *sc) {
     m->sr.request_id = v->request_id;
     m->sr.start_position = v->start_position;
     if (v->input) {
-        input_pack(v->input, &m->in, &m->hidden);
+        if (input_pack(v->input, &m->in, &m->hidden, sc)) return -1;
         m->sr.input = &m->in;
     }
     if (v->output) {
@@ -143,7 +149,8 @@ static int step_pack(const shard_svc_step *v, step_msg *m, svc_scratch *sc) {
 /* The chain protocol's open request (hops in scratch). -1 when out of memory. */
 static int open_pack(const shard_svc_open *v, Fusion__OpenSession *m, svc_scratch *sc) {
     fusion__open_session__init(m);
-    m->session_id = str_or_empty(v->session_id);
+    m->session_id.data = (uint8_t *)str_or_empty(v->session_id);
+    m->session_id.len = strlen((const char *)m->session_id.data);
     m->max_length = v->max_length;
     m->wire_dtype = (Fusion__Dtype)v->wire_dtype;
     m->int8_block_size = v->int8_block_size;
@@ -268,49 +275,104 @@ static void tensor_view(const Fusion__Tensor *m, wire_tensor *v) {
     v->scale_dtype = (int)m->scale_dtype;
 }
 
-/* The view of a received Input (its hidden tensor in *hidden). */
-static void input_view(const Fusion__Input *m, shard_svc_input *v, wire_tensor *hidden) {
-    v->tokens = m->tokens;
-    v->n_tokens = m->n_tokens;
-    v->hidden = NULL;
-    if (m->hidden) {
-        tensor_view(m->hidden, hidden);
-        v->hidden = hidden;
+/* The views of n received Inputs m[0..n) in v[0..n) (hidden tensors in hidden[0..n), token ids
+ * narrowed to int32 in scratch). Ids that do not fit int32 are refused here, before narrowing
+ * (the vocabulary bound is the receiver's): INVALID_ARGUMENT naming `what` (with the input's
+ * index when `indexed`) and the entry. */
+static int inputs_view(Fusion__Input *const *m, size_t n, shard_svc_input *v, wire_tensor *hidden, const char *what,
+                       bool indexed, svc_scratch *sc, rpc_status *st) {
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++) total += m[i]->n_tokens;
+    int32_t *tokens = scratch(sc, SC_V_TOKENS, total, sizeof *tokens);
+    if (!tokens) return no_memory(st);
+    for (size_t i = 0; i < n; i++) {
+        const Fusion__Input *in = m[i];
+        for (size_t k = 0; k < in->n_tokens; k++) {
+            if (in->tokens[k] < 0 || in->tokens[k] > INT32_MAX) {
+                char label[48];
+                if (indexed) snprintf(label, sizeof label, "%s[%zu]", what, i);
+                else snprintf(label, sizeof label, "%s", what);
+                return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s.tokens[%zu]: token id %lld is not a valid id",
+                                       label, k, (long long)in->tokens[k]);
+            }
+            tokens[k] = (int32_t)in->tokens[k];
+        }
+        v[i].tokens = in->n_tokens ? tokens : NULL;
+        v[i].n_tokens = in->n_tokens;
+        tokens += in->n_tokens;
+        v[i].hidden = NULL;
+        if (in->hidden) {
+            tensor_view(in->hidden, &hidden[i]);
+            v[i].hidden = &hidden[i];
+        }
     }
+    return RPC_OK;
 }
 
-/* The OutputSpec's view (its sampling in *samp, logit_bias copied to scratch); -1 when out of memory. */
+/* The OutputSpec's view (its sampling in *samp, logit_bias copied to scratch). Bias token ids
+ * that do not fit int32 are refused (INVALID_ARGUMENT). */
 static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shard_svc_sampling *samp,
-                     svc_scratch *sc) {
+                     svc_scratch *sc, rpc_status *st) {
     v->want_logits = m->want_logits;
     v->all_positions = m->all_positions;
     v->top_logprobs = m->top_logprobs;
     v->sampling = NULL;
     const Fusion__Sampling *w = m->sampling;
-    if (!w) return 0;
+    if (!w) return RPC_OK;
     smp_bias *bias = scratch(sc, SC_V_BIAS, w->n_logit_bias, sizeof *bias);
-    if (!bias) return -1;
+    if (!bias) return no_memory(st);
     for (size_t i = 0; i < w->n_logit_bias; i++) {
-        bias[i].token = w->logit_bias[i]->token;
+        int64_t tok = w->logit_bias[i]->token;
+        if (tok < 0 || tok > INT32_MAX)
+            return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "sampling.logit_bias[%zu].token: %lld is not a valid id",
+                                   i, (long long)tok);
+        bias[i].token = (int32_t)tok;
         bias[i].bias = w->logit_bias[i]->bias;
     }
     *samp = (shard_svc_sampling){w->temperature, w->top_p, w->top_k, w->min_p, w->seed, w->presence_penalty,
                                  w->frequency_penalty, w->repetition_penalty, bias, w->n_logit_bias,
                                  w->penalty_start};
     v->sampling = samp;
-    return 0;
+    return RPC_OK;
 }
 
-/* The OpenSession's view (hops in scratch); -1 when out of memory. */
-static int open_view(const Fusion__OpenSession *m, shard_svc_open *v, svc_scratch *sc) {
+/* Refuses a received name (`what`, for the message) longer than `max` bytes or holding control
+ * characters: NULL-free strings only reach the views. */
+static int name_check(const char *s, size_t max, const char *what, rpc_status *st) {
+    size_t n = strlen(s);
+    if (n > max) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s: longer than %zu bytes", what, max);
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f)
+            return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s: control character 0x%02x at byte %zu", what,
+                                   (unsigned char)s[i], i);
+    return RPC_OK;
+}
+
+/* The OpenSession's view (session id and hops in scratch). The session id (bytes on the wire)
+ * is refused with an embedded NUL, a control character or beyond SHARD_SVC_MAX_ID bytes; the
+ * other names with a control character or beyond SHARD_SVC_MAX_NAME bytes (INVALID_ARGUMENT). */
+static int open_view(const Fusion__OpenSession *m, shard_svc_open *v, svc_scratch *sc, rpc_status *st) {
+    const ProtobufCBinaryData *sid = &m->session_id;
+    if (sid->len > SHARD_SVC_MAX_ID)
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "open.session_id: longer than %d bytes", SHARD_SVC_MAX_ID);
+    if (sid->len && memchr(sid->data, '\0', sid->len))
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "open.session_id: embedded NUL byte");
+    char *id = scratch(sc, SC_V_ID, sid->len + 1, 1);
     shard_svc_hop *hops = scratch(sc, SC_V_HOPS, m->n_chain, sizeof *hops);
-    if (!hops) return -1;
-    for (size_t i = 0; i < m->n_chain; i++) {
+    if (!id || !hops) return no_memory(st);
+    if (sid->len) memcpy(id, sid->data, sid->len);
+    id[sid->len] = '\0';
+    int rc = name_check(id, SHARD_SVC_MAX_ID, "open.session_id", st);
+    if (!rc) rc = name_check(str_or_empty(m->adapter_id), SHARD_SVC_MAX_NAME, "open.adapter_id", st);
+    for (size_t i = 0; !rc && i < m->n_chain; i++) {
         const Fusion__Hop *h = m->chain[i];
         hops[i] = (shard_svc_hop){str_or_empty(h->address), h->first_block, h->last_block,
                                   str_or_empty(h->tls_server_name)};
+        if (!(rc = name_check(hops[i].address, SHARD_SVC_MAX_NAME, "open.chain.address", st)))
+            rc = name_check(hops[i].tls_server_name, SHARD_SVC_MAX_NAME, "open.chain.tls_server_name", st);
     }
-    *v = (shard_svc_open){str_or_empty(m->session_id), m->max_length, (int)m->wire_dtype, m->int8_block_size,
+    if (rc) return rc;
+    *v = (shard_svc_open){id, m->max_length, (int)m->wire_dtype, m->int8_block_size,
                           str_or_empty(m->adapter_id),
                           m->first_block, m->last_block, hops, m->n_chain, m->idle_timeout_ms};
     return 0;
@@ -379,7 +441,8 @@ static int req_view_set(req_view *rv, ProtobufCMessage *msg, rpc_status *st) {
     const Fusion__SessionRequest *m = (const Fusion__SessionRequest *)msg;
     shard_svc_request *r = &rv->req;
     if (m->kind_case == FUSION__SESSION_REQUEST__KIND_OPEN && m->open) {
-        if (open_view(m->open, &rv->open, &rv->sc)) return no_memory(st);
+        int rc = open_view(m->open, &rv->open, &rv->sc, st);
+        if (rc) return rc;
         r->kind = SHARD_SVC_OPEN;
         r->open = &rv->open;
     } else if (m->kind_case == FUSION__SESSION_REQUEST__KIND_STEP && m->step) {
@@ -387,12 +450,13 @@ static int req_view_set(req_view *rv, ProtobufCMessage *msg, rpc_status *st) {
         rv->step = (shard_svc_step){s->request_id, s->start_position, NULL, NULL,
                                     s->rollback_case == FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO,
                                     s->rollback_to};
+        int rc;
         if (s->input) {
-            input_view(s->input, &rv->in, &rv->hidden);
+            if ((rc = inputs_view(&s->input, 1, &rv->in, &rv->hidden, "input", false, &rv->sc, st))) return rc;
             rv->step.input = &rv->in;
         }
         if (s->output) {
-            if (spec_view(s->output, &rv->spec, &rv->samp, &rv->sc)) return no_memory(st);
+            if ((rc = spec_view(s->output, &rv->spec, &rv->samp, &rv->sc, st))) return rc;
             rv->step.output = &rv->spec;
         }
         r->kind = SHARD_SVC_STEP;
@@ -537,20 +601,23 @@ static void forward_free(void *ctx, ProtobufCMessage *msg) {
     free(c);
 }
 
-/* The ForwardRequest's view; sequences, tensors and logit_bias in scratch. */
+/* The ForwardRequest's view; sequences, tensors and logit_bias in scratch. Refuses what the
+ * views cannot carry, as the Session views do. */
 static int forward_view(const Fusion__ForwardRequest *m, shard_svc_forward *v, shard_svc_output_spec *spec,
-                        shard_svc_sampling *samp, svc_scratch *sc) {
+                        shard_svc_sampling *samp, svc_scratch *sc, rpc_status *st) {
     shard_svc_input *seq = scratch(sc, SC_V_INPUTS, m->n_sequences, sizeof *seq);
     wire_tensor *hidden = scratch(sc, SC_V_TENSORS, m->n_sequences, sizeof *hidden);
-    if (!seq || !hidden) return -1;
-    for (size_t i = 0; i < m->n_sequences; i++) input_view(m->sequences[i], &seq[i], &hidden[i]);
+    if (!seq || !hidden) return no_memory(st);
+    int rc = inputs_view(m->sequences, m->n_sequences, seq, hidden, "sequences", true, sc, st);
+    if (!rc) rc = name_check(str_or_empty(m->adapter_id), SHARD_SVC_MAX_NAME, "adapter_id", st);
+    if (rc) return rc;
     *v = (shard_svc_forward){m->request_id, seq, m->n_sequences, NULL, (int)m->wire_dtype, str_or_empty(m->adapter_id),
                              m->first_block, m->last_block};
     if (m->output) {
-        if (spec_view(m->output, spec, samp, sc)) return -1;
+        if ((rc = spec_view(m->output, spec, samp, sc, st))) return rc;
         v->output = spec;
     }
-    return 0;
+    return RPC_OK;
 }
 
 /* Forward: the request's view to the handler, its reply packed (released by forward_free). */
@@ -562,8 +629,7 @@ static int forward_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMe
     shard_svc_sampling samp;
     shard_svc_forward_reply r = {0};
     void *hold = NULL;
-    int rc = forward_view((const Fusion__ForwardRequest *)req_msg, &req, &spec, &samp, &vs) ? no_memory(st)
-                                                                                           : RPC_OK;
+    int rc = forward_view((const Fusion__ForwardRequest *)req_msg, &req, &spec, &samp, &vs, st);
     if (!rc) rc = h->forward(h->ctx, &req, &r, &hold, st);
     scratch_free(&vs);
     if (rc) return rc;

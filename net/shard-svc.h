@@ -13,7 +13,12 @@
  * meanings, units and rules; see the proto for those. Sub-messages are
  * pointers, NULL when absent; repeated fields are a pointer and a count.
  * Received values are unchecked beyond what the protobuf decoder guarantees
- * (strings are never NULL): the receiver validates them.
+ * (strings are never NULL): the receiver validates them. The exception is
+ * what these structs cannot carry, refused here with INVALID_ARGUMENT naming
+ * the field: token ids (int64 on the wire) outside int32, a session id with
+ * an embedded NUL, a control character or over SHARD_SVC_MAX_ID bytes, and
+ * addresses, TLS names and adapter ids with a control character or over
+ * SHARD_SVC_MAX_NAME bytes.
  *
  * Ownership: structs passed in are borrowed; they are packed before the call
  * returns (a handler's reply: when the handler returns, or for Forward before
@@ -36,6 +41,11 @@
 #include "rpc-base.h"
 #include "sampler.h"
 #include "wire.h"
+
+/* Longest session id (OpenSession.session_id) and other received name (addresses, TLS names,
+ * adapter ids), in bytes. */
+#define SHARD_SVC_MAX_ID 128
+#define SHARD_SVC_MAX_NAME 256
 
 /* Longest Echo reply a server sends (EchoRequest.reply_bytes). */
 #define SHARD_SVC_ECHO_MAX (4 << 20)

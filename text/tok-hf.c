@@ -9,7 +9,11 @@
 #include <sys/stat.h>
 
 #include "log.h"
+#include "mapped-file.h"
 #include "status.h"
+
+/* Largest tokenizer.json or side file read. */
+#define TOK_JSON_MAX ((size_t)256 << 20)
 
 /* ---- JSON helpers ---------------------------------------------------------------------- */
 
@@ -34,31 +38,37 @@ static const char *jtoken(const json_t *obj, const char *key) {
     return json_is_string(v) ? json_string_value(v) : NULL;
 }
 
-/* Loads a JSON file. FU_ERR_NOT_FOUND if it does not exist (when `optional`,
- * *out = NULL and FU_OK), FU_ERR_FORMAT naming file, line and column.
+/* Parses `len` bytes of JSON text (NULs allowed inside strings) into *out, a
+ * JSON object; FU_ERR_FORMAT names `name`, line and column. */
+static int parse_json(const char *text, size_t len, const char *name, size_t flags, json_t **out) {
+    *out = NULL;
+    json_error_t jerr;
+    json_t *root = json_loadb(text, len, JSON_ALLOW_NUL | flags, &jerr);
+    if (!root) return fu_errorf(FU_ERR_FORMAT, "%s:%d:%d: %s", name, jerr.line, jerr.column, jerr.text);
+    if (!json_is_object(root)) {
+        json_decref(root);
+        return fu_errorf(FU_ERR_FORMAT, "%s: top level is not a JSON object", name);
+    }
+    *out = root;
+    return FU_OK;
+}
+
+/* Loads a JSON file (a regular file: never waits on a FIFO or device).
+ * FU_ERR_NOT_FOUND if it does not exist (when `optional`, *out = NULL and
+ * FU_OK), FU_ERR_IO if it is not a readable regular file, FU_ERR_FORMAT
+ * naming file, line and column.
  * `flags`: extra jansson decoding flags (JSON_DECODE_INT_AS_REAL for configs,
  * whose model_max_length can exceed 64 bits). */
 static int load_json(const char *path, bool optional, size_t flags, json_t **out) {
     *out = NULL;
-    struct stat st;
-    if (stat(path, &st) != 0) {
-        if (optional && errno == ENOENT) return FU_OK;
-        return fu_errorf(errno == ENOENT ? FU_ERR_NOT_FOUND : FU_ERR_IO, "%s: %s", path,
-                         strerror(errno));
-    }
-    json_error_t jerr;
-    json_t *root = json_load_file(path, JSON_ALLOW_NUL | flags, &jerr);
-    if (!root) {
-        if (json_error_code(&jerr) == json_error_cannot_open_file)
-            return fu_errorf(FU_ERR_IO, "%s: %s", path, jerr.text);
-        return fu_errorf(FU_ERR_FORMAT, "%s:%d:%d: %s", path, jerr.line, jerr.column, jerr.text);
-    }
-    if (!json_is_object(root)) {
-        json_decref(root);
-        return fu_errorf(FU_ERR_FORMAT, "%s: top level is not a JSON object", path);
-    }
-    *out = root;
-    return FU_OK;
+    char *text;
+    size_t len;
+    int rc = mf_read(path, TOK_JSON_MAX, &text, &len);
+    if (rc == FU_ERR_NOT_FOUND && optional) return FU_OK;
+    if (rc) return rc;
+    rc = parse_json(text, len, path, flags, out);
+    free(text);
+    return rc;
 }
 
 static char *path_join(const char *dir, const char *name) {
@@ -462,36 +472,11 @@ static int dup_opt(const char *s, char **out) {
     return *out ? FU_OK : fu_errorf(FU_ERR_NOMEM, "tokenizer config");
 }
 
+/* Reads an optional text file (chat_template.jinja): *out = NULL when absent. */
 static int read_text_file(const char *path, char **out) {
-    *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return errno == ENOENT ? FU_OK : fu_errorf(FU_ERR_IO, "%s: %s", path, strerror(errno));
-    size_t cap = 4096, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        if (n + 1 >= cap) {
-            char *nb = cap < (64u << 20) ? realloc(buf, cap * 2) : NULL;
-            if (!nb) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = nb;
-            cap *= 2;
-        }
-        size_t r = fread(buf + n, 1, cap - n - 1, f);
-        n += r;
-        if (r == 0) break;
-    }
-    bool err = ferror(f);
-    fclose(f);
-    if (!buf || err) {
-        free(buf);
-        return fu_errorf(buf ? FU_ERR_IO : FU_ERR_NOMEM, "%s: cannot read", path);
-    }
-    buf[n] = '\0';
-    *out = buf;
-    return FU_OK;
+    size_t len;
+    int rc = mf_read(path, TOK_JSON_MAX, out, &len);
+    return rc == FU_ERR_NOT_FOUND ? FU_OK : rc;
 }
 
 static int load_config(tok_tokenizer *t, const char *dir) {
@@ -588,30 +573,11 @@ out:
 
 /* ---- entry point ------------------------------------------------------------------------------- */
 
-int tok_load_hf(const char *path, tok_tokenizer **out) {
-    if (!out) return fu_errorf(FU_ERR_INVALID, "tok_load_hf: no output");
-    *out = NULL;
-    if (!path) return fu_errorf(FU_ERR_INVALID, "tok_load_hf: no path");
-    struct stat st;
-    if (stat(path, &st) != 0)
-        return fu_errorf(errno == ENOENT ? FU_ERR_NOT_FOUND : FU_ERR_IO, "%s: %s", path, strerror(errno));
-    char *file, *dir;
-    if (S_ISDIR(st.st_mode)) {
-        dir = strdup(path);
-        file = path_join(path, "tokenizer.json");
-    } else {
-        file = strdup(path);
-        const char *slash = strrchr(path, '/');
-        dir = slash ? tok__strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    }
-    json_t *root = NULL;
+/* Builds a tokenizer from a parsed tokenizer.json (`file` names it in
+ * messages); `dir` (NULL: none) holds the side files read by load_config. */
+static int load_root(const json_t *root, const char *file, const char *dir, tok_tokenizer **out) {
     tok_tokenizer *t = NULL;
     int rc;
-    if (!file || !dir) {
-        rc = fu_errorf(FU_ERR_NOMEM, "tok_load_hf");
-        goto done;
-    }
-    if ((rc = load_json(file, false, 0, &root))) goto done;
     const json_t *model = json_object_get(root, "model");
     if (!json_is_object(model)) {
         rc = fu_errorf(FU_ERR_FORMAT, "%s: no 'model' object", file);
@@ -648,22 +614,55 @@ int tok_load_hf(const char *path, tok_tokenizer **out) {
     bool fused = false;
     if ((rc = load_decoder(t, json_object_get(root, "decoder"), 0, &fused))) goto done;
     if ((rc = load_post(t, json_object_get(root, "post_processor"), 0))) goto done;
-    if ((rc = load_config(t, dir))) goto done;
+    if (dir && (rc = load_config(t, dir))) goto done;
     if ((rc = tok__finalize(t))) goto done;
     FU_DEBUG("tokenizer: %s: %d tokens, %zu merges, %zu added, %s", file, (int)t->n_vocab,
              t->merges.n, t->n_added, t->kind_name);
     *out = t;
     t = NULL;
 done:
+    tok_free(t);
+    return rc;
+}
+
+int tok_load_hf(const char *path, tok_tokenizer **out) {
+    if (!out) return fu_errorf(FU_ERR_INVALID, "tok_load_hf: no output");
+    *out = NULL;
+    if (!path) return fu_errorf(FU_ERR_INVALID, "tok_load_hf: no path");
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return fu_errorf(errno == ENOENT ? FU_ERR_NOT_FOUND : FU_ERR_IO, "%s: %s", path, strerror(errno));
+    char *file, *dir;
+    if (S_ISDIR(st.st_mode)) {
+        dir = strdup(path);
+        file = path_join(path, "tokenizer.json");
+    } else {
+        file = strdup(path);
+        const char *slash = strrchr(path, '/');
+        dir = slash ? tok__strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+    }
+    json_t *root = NULL;
+    int rc;
+    if (!file || !dir) rc = fu_errorf(FU_ERR_NOMEM, "tok_load_hf");
+    else if (!(rc = load_json(file, false, 0, &root))) rc = load_root(root, file, dir, out);
     if (rc && file && dir && fu_last_error()[0] && strstr(fu_last_error(), dir) == NULL) {
         /* prefix the file name to messages that name no file of this directory */
         char msg[768];
         snprintf(msg, sizeof msg, "%s", fu_last_error());
         fu_errorf(rc, "%s: %s", file, msg);
     }
-    tok_free(t);
     json_decref(root);
     free(file);
     free(dir);
+    return rc;
+}
+
+int tok_load_hf_mem(const char *json, size_t len, tok_tokenizer **out) {
+    if (!out) return fu_errorf(FU_ERR_INVALID, "tok_load_hf_mem: no output");
+    *out = NULL;
+    json_t *root;
+    int rc = parse_json(json, len, "tokenizer.json", 0, &root);
+    if (!rc) rc = load_root(root, "tokenizer.json", NULL, out);
+    json_decref(root);
     return rc;
 }

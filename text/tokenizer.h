@@ -46,6 +46,10 @@ typedef struct gguf_file gguf_file;
  * module does not implement); fu_last_error() says which. */
 int tok_load_hf(const char *path, tok_tokenizer **out);
 
+/* Like tok_load_hf over the text of a tokenizer.json held in memory (`len`
+ * bytes, not NUL-terminated; no side files are read). For tests and fuzzing. */
+int tok_load_hf_mem(const char *json, size_t len, tok_tokenizer **out);
+
 /* Loads the tokenizer stored in a GGUF file's metadata (tokenizer.ggml.*:
  * model "gpt2" or "llama", pre, tokens, scores, token_type, merges, special
  * ids, add_bos/eos_token, chat_template). Copies what it needs: `f` may be

@@ -22,9 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <utf8proc.h>
 
 #include "gguf.h"
+#include "mapped-file.h"
 #include "ops.h"
 #include "parse.h"
 #include "safetensors.h"
@@ -383,13 +385,17 @@ int main(int argc, char **argv) {
         return 1;
     }
     bool is_gguf = false;
-    if (S_ISREG(st.st_mode)) {
-        FILE *fp = fopen(path, "rb");
-        char magic[4] = {0};
-        if (fp) {
-            is_gguf = fread(magic, 1, 4, fp) == 4 && memcmp(magic, "GGUF", 4) == 0;
-            fclose(fp);
+    if (!S_ISDIR(st.st_mode)) {
+        /* only a regular file is read: a FIFO or device would block or never end */
+        int fd;
+        uint64_t size;
+        if (mf_open_regular(path, UINT64_MAX, &fd, &size)) {
+            fprintf(stderr, "fusion-inspect: %s\n", fu_last_error());
+            return 1;
         }
+        char magic[4] = {0};
+        is_gguf = read(fd, magic, 4) == 4 && memcmp(magic, "GGUF", 4) == 0;
+        close(fd);
         size_t len = strlen(path);
         if (!is_gguf && len >= 5 && strcmp(path + len - 5, ".gguf") == 0) is_gguf = true;
     }

@@ -168,13 +168,16 @@ static int on_session(void *ctx, rpc_stream *s, rpc_status *st) {
         return rpc_status_setf(st, RPC_FAILED_PRECONDITION, "the first message must be open");
     }
     const Fusion__OpenSession *open = req->open;
-    if (!open->session_id[0] || open->max_length <= 0) {
+    if (!open->session_id.len || open->max_length <= 0) {
         rpc_msg_free(m);
         return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "session_id and max_length > 0 required");
     }
     int64_t max_len = open->max_length, len = 0;
     Fusion__OpenReply opened = FUSION__OPEN_REPLY__INIT;
-    opened.session_id = open->session_id;
+    char sid[129];
+    snprintf(sid, sizeof sid, "%.*s", (int)(open->session_id.len < 128 ? open->session_id.len : 128),
+             (const char *)open->session_id.data);
+    opened.session_id = sid;
     opened.first_block = ECHO_FIRST;
     opened.last_block = ECHO_LAST;
     opened.max_length = open->max_length;

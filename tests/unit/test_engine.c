@@ -6,8 +6,10 @@
 #include <stdint.h>
 #include <cmocka.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine.h"
 #include "model.h"
@@ -276,6 +278,162 @@ static void test_bad_input(void **state) {
     assert_int_equal(mdl_open("/nonexistent/model", NULL, &m), FU_ERR_NOT_FOUND);
 }
 
+/* ---- hyper-parameters read from files ------------------------------------------------------ */
+
+/* Writes `text` as dir/config.json and opens dir; the status (fu_last_error says why). */
+static int open_hf_config(const char *dir, const char *text) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    fputs(text, fp);
+    assert_int_equal(fclose(fp), 0);
+    mdl_model *m = NULL;
+    int rc = mdl_open(dir, NULL, &m);
+    mdl_free(m);
+    return rc;
+}
+
+static void expect_config_refused(int rc, const char *key) {
+    if (rc != FU_ERR_FORMAT || !strstr(fu_last_error(), key))
+        fail_msg("expected FU_ERR_FORMAT naming %s, got %s: %s", key, fu_status_str(rc), fu_last_error());
+}
+
+/* config.json values that parse as numbers but are not usable are refused naming the key, before
+ * any weights are looked at (float overflow gives inf; eps must lie in (0, 1)). */
+static void test_hf_config_values_checked(void **state) {
+    char dir[] = "/tmp/fusion-config-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    static const char *const base =
+        "{\"architectures\": [\"LlamaForCausalLM\"], \"num_hidden_layers\": 2, \"hidden_size\": 64, "
+        "\"intermediate_size\": 96, \"num_attention_heads\": 4, "
+        "\"vocab_size\": 50, %s}";
+    static const struct {
+        const char *extra, *key;
+    } bad[] = {
+        {"\"rope_theta\": 1e39", "rope_theta"},
+        {"\"rope_theta\": -5", "rope_theta"},
+        {"\"rms_norm_eps\": 1e39", "rms_norm_eps"},
+        {"\"rms_norm_eps\": 2", "rms_norm_eps"},
+        {"\"rope_scaling\": {\"rope_type\": \"linear\", \"factor\": 1e39}", "factor"},
+        {"\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 8, \"low_freq_factor\": 1e39}",
+         "low_freq_factor"},
+        {"\"max_position_embeddings\": -1", "max_position_embeddings"},
+        {"\"head_dim\": 15", "head_dim"},
+        {"\"num_key_value_heads\": 3", "num_key_value_heads"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char text[1024];
+        snprintf(text, sizeof text, base, bad[i].extra);
+        expect_config_refused(open_hf_config(dir, text), bad[i].key);
+    }
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    unlink(path);
+    rmdir(dir);
+}
+
+/* A GGUF writer for metadata-only files with one tiny token_embd tensor. */
+typedef struct gw {
+    uint8_t b[4096];
+    size_t n;
+} gw;
+
+static void gw_put(gw *w, const void *p, size_t n) {
+    assert_true(w->n + n <= sizeof w->b);
+    memcpy(w->b + w->n, p, n);
+    w->n += n;
+}
+static void gw_u32(gw *w, uint32_t v) { gw_put(w, &v, 4); }
+static void gw_u64(gw *w, uint64_t v) { gw_put(w, &v, 8); }
+static void gw_str(gw *w, const char *s) {
+    gw_u64(w, strlen(s));
+    gw_put(w, s, strlen(s));
+}
+static void gw_key_u32(gw *w, const char *k, uint32_t v) {
+    gw_str(w, k);
+    gw_u32(w, 4); /* UINT32 */
+    gw_u32(w, v);
+}
+static void gw_key_f32(gw *w, const char *k, float v) {
+    gw_str(w, k);
+    gw_u32(w, 6); /* FLOAT32 */
+    gw_put(w, &v, 4);
+}
+
+/* A llama GGUF whose `key` (a float) is `value`; written to `path`. */
+static void write_gguf(const char *path, const char *key, float value) {
+    gw w = {0};
+    gw_put(&w, "GGUF", 4);
+    gw_u32(&w, 3);
+    gw_u64(&w, 1); /* tensors */
+    gw_u64(&w, 8); /* keys */
+    gw_str(&w, "general.architecture");
+    gw_u32(&w, 8); /* STRING */
+    gw_str(&w, "llama");
+    gw_key_u32(&w, "llama.block_count", 2);
+    gw_key_u32(&w, "llama.embedding_length", 64);
+    gw_key_u32(&w, "llama.feed_forward_length", 96);
+    gw_key_u32(&w, "llama.attention.head_count", 4);
+    gw_key_u32(&w, "llama.attention.head_count_kv", 2);
+    gw_key_f32(&w, "llama.attention.layer_norm_rms_epsilon",
+               strcmp(key, "llama.attention.layer_norm_rms_epsilon") ? 1e-5f : value);
+    gw_key_f32(&w, "llama.rope.freq_base", strcmp(key, "llama.rope.freq_base") ? 10000.0f : value);
+    gw_str(&w, "token_embd.weight");
+    gw_u32(&w, 2);
+    gw_u64(&w, 64);
+    gw_u64(&w, 50);
+    gw_u32(&w, 0); /* F32 */
+    gw_u64(&w, 0);
+    while (w.n % 32) gw_put(&w, "", 1);
+    FILE *fp = fopen(path, "wb");
+    assert_non_null(fp);
+    assert_int_equal(fwrite(w.b, 1, w.n, fp), w.n);
+    static float embd[50 * 64];
+    assert_int_equal(fwrite(embd, 1, sizeof embd, fp), sizeof embd);
+    assert_int_equal(fclose(fp), 0);
+}
+
+/* GGUF float metadata that is infinite, NaN or out of range is refused naming the key. */
+static void test_gguf_config_values_checked(void **state) {
+    char dir[] = "/tmp/fusion-gguf-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[512];
+    snprintf(path, sizeof path, "%s/m.gguf", dir);
+    static const struct {
+        const char *key;
+        float v;
+    } bad[] = {
+        {"llama.rope.freq_base", INFINITY},
+        {"llama.rope.freq_base", NAN},
+        {"llama.rope.freq_base", 0},
+        {"llama.attention.layer_norm_rms_epsilon", INFINITY},
+        {"llama.attention.layer_norm_rms_epsilon", 1.5f},
+        {"llama.attention.layer_norm_rms_epsilon", -1e-5f},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        write_gguf(path, bad[i].key, bad[i].v);
+        mdl_model *m = NULL;
+        int rc = mdl_open(path, NULL, &m);
+        mdl_free(m);
+        expect_config_refused(rc, bad[i].key);
+    }
+    unlink(path);
+    rmdir(dir);
+}
+
+/* The same checks guard configurations built in code. */
+static void test_random_config_values_checked(void **state) {
+    mdl_config c = test_small_config(MDL_ARCH_LLAMA);
+    mdl_model *m = NULL;
+    c.rope_theta = INFINITY;
+    assert_int_not_equal(mdl_random(&c, OP_TYPE_F32, 1, NULL, &m), FU_OK);
+    c = test_small_config(MDL_ARCH_LLAMA);
+    c.norm_eps = INFINITY;
+    assert_int_not_equal(mdl_random(&c, OP_TYPE_F32, 1, NULL, &m), FU_OK);
+    assert_null(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batched_llama_f32),
@@ -286,6 +444,9 @@ int main(void) {
         cmocka_unit_test(test_weights_prepared_for_the_backend),
         cmocka_unit_test(test_span_without_embeddings_takes_hidden_states),
         cmocka_unit_test(test_bad_input),
+        cmocka_unit_test(test_hf_config_values_checked),
+        cmocka_unit_test(test_gguf_config_values_checked),
+        cmocka_unit_test(test_random_config_values_checked),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

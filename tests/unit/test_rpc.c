@@ -368,7 +368,7 @@ static void test_loopback_addresses(void **state) {
  * refused without a crash. */
 static void test_messages(void **state) {
     (void)state;
-    int32_t toks[3] = {1, 22, 333};
+    int64_t toks[3] = {1, 22, 333};
     Fusion__Input in = FUSION__INPUT__INIT;
     in.tokens = toks;
     in.n_tokens = 3;
@@ -1112,7 +1112,7 @@ static void test_shard_svc_unary(void **state) {
  * size of its generated twin; malformed bytes are refused. */
 static void test_shard_svc_wire(void **state) {
     (void)state;
-    int32_t toks[2] = {3, 4};
+    int64_t toks[2] = {3, 4};
     Fusion__LogitBias b = FUSION__LOGIT_BIAS__INIT, *bp = &b;
     b.token = 9;
     b.bias = -100;

@@ -11,9 +11,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include "gguf.h"
 #include "ops.h"
 #include "safetensors.h"
 #include "status.h"
@@ -523,6 +526,51 @@ static void test_open_does_not_touch_data(void **state) {
     st_model_close(m);
 }
 
+/* Runs fn(path) in a child process, which must return within 5 s: opening a FIFO for reading
+ * blocks until a writer comes, so an opener that does not refuse non-regular files hangs. */
+static void expect_refused_in_time(int (*fn)(const char *), const char *path) {
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) _exit(fn(path) == FU_ERR_IO && strstr(fu_last_error(), "regular") ? 0 : 1);
+    int status = 0;
+    for (int i = 0; i < 500 && waitpid(pid, &status, WNOHANG) == 0; i++) usleep(10000);
+    if (waitpid(pid, &status, WNOHANG) == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        fail_msg("%s: still blocked after 5 s (a FIFO must be refused, not opened)", path);
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fail_msg("%s: not refused with FU_ERR_IO \"not a regular file\"", path);
+}
+
+static int open_st(const char *path) {
+    st_model *m = NULL;
+    int rc = st_model_open(path, &m);
+    st_model_close(m);
+    return rc;
+}
+
+static int open_gguf(const char *path) {
+    gguf_file *f = NULL;
+    int rc = gguf_open(path, &f);
+    gguf_close(f);
+    return rc;
+}
+
+static void test_fifo_refused(void **state) {
+    (void)state;
+    char fifo[512], index[512];
+    tmp_path(fifo, sizeof fifo, "fifo-model.safetensors");
+    tmp_path(index, sizeof index, "fifo-model.safetensors.index.json");
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    assert_int_equal(mkfifo(index, 0600), 0);
+    expect_refused_in_time(open_st, fifo);
+    expect_refused_in_time(open_st, index);
+    expect_refused_in_time(open_gguf, fifo);
+    unlink(fifo);
+    unlink(index);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid_single),
@@ -532,6 +580,7 @@ int main(void) {
         cmocka_unit_test(test_sharded),
         cmocka_unit_test(test_sharded_errors),
         cmocka_unit_test(test_open_does_not_touch_data),
+        cmocka_unit_test(test_fifo_refused),
     };
     return cmocka_run_group_tests(tests, tf_setup, tf_teardown);
 }

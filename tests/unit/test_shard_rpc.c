@@ -100,7 +100,8 @@ static int send_step(rpc_stream *s, const Fusion__StepRequest *sr, Fusion__Sessi
 
 static Fusion__OpenSession open_msg(const char *id, int max_len) {
     Fusion__OpenSession o = FUSION__OPEN_SESSION__INIT;
-    o.session_id = (char *)id;
+    o.session_id.data = (uint8_t *)id;
+    o.session_id.len = strlen(id);
     o.max_length = max_len;
     o.wire_dtype = FUSION__DTYPE__DTYPE_F32;
     return o;
@@ -124,7 +125,7 @@ static void test_info_and_good_session(void **state) {
     rpc_stream *s;
     Fusion__OpenSession o = open_msg("good", 16);
     assert_int_equal(open_session(&f, &s, &o, &st), RPC_OK);
-    int32_t toks[3] = {1, 2, 3};
+    int64_t toks[3] = {1, 2, 3};
     Fusion__Input in = FUSION__INPUT__INIT;
     in.n_tokens = 3;
     in.tokens = toks;
@@ -197,7 +198,7 @@ static void test_bad_steps(void **state) {
     memcpy(bytes + 8, &nan, 4);
     expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "non-finite");
     memset(bytes, 0, sizeof bytes);
-    int32_t toks[2] = {1, 2};
+    int64_t toks[2] = {1, 2};
     in.n_tokens = 2; /* 2 ids for 3 positions */
     in.tokens = toks;
     expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "tokens");
@@ -296,7 +297,7 @@ static void test_bad_opens_and_auth(void **state) {
                      RPC_UNAUTHENTICATED);
     rpc_channel_free(bad);
     /* a stateless forward of two sequences */
-    int32_t a[3] = {1, 2, 3}, b[2] = {4, 5};
+    int64_t a[3] = {1, 2, 3}, b[2] = {4, 5};
     Fusion__Input ia = FUSION__INPUT__INIT, ib = FUSION__INPUT__INIT;
     ia.n_tokens = 3;
     ia.tokens = a;
@@ -335,7 +336,7 @@ static int64_t free_kv(fixture *f) {
 
 /* One step of one token at position `pos` over an open session; the rpc code. */
 static int step_one(rpc_stream *s, int pos, rpc_status *st) {
-    int32_t toks[1] = {1};
+    int64_t toks[1] = {1};
     Fusion__Input in = FUSION__INPUT__INIT;
     in.n_tokens = 1;
     in.tokens = toks;
@@ -461,6 +462,121 @@ static void test_move_beside_old_span(void **state) {
     mdl_free(f.m);
 }
 
+/* ---- raw wire messages: what the typed structs cannot express ------------------------------ */
+
+/* A protobuf message built by hand. */
+typedef struct pbuf {
+    uint8_t b[512];
+    size_t n;
+} pbuf;
+
+static void pb_varint(pbuf *p, uint64_t v) {
+    do {
+        assert_true(p->n < sizeof p->b);
+        p->b[p->n++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+        v >>= 7;
+    } while (v);
+}
+
+/* Field `field` as varint `v`. */
+static void pb_uint(pbuf *p, int field, uint64_t v) {
+    pb_varint(p, (uint64_t)field << 3);
+    pb_varint(p, v);
+}
+
+/* Field `field` as `n` length-delimited bytes. */
+static void pb_bytes(pbuf *p, int field, const void *d, size_t n) {
+    pb_varint(p, (uint64_t)field << 3 | 2);
+    pb_varint(p, n);
+    assert_true(p->n + n <= sizeof p->b);
+    memcpy(p->b + p->n, d, n);
+    p->n += n;
+}
+
+/* Sends SessionRequest{kind `kind` (1 open, 2 step) = body} and returns the reply's code. */
+static int send_raw(rpc_stream *s, int kind, const pbuf *body, rpc_status *st) {
+    pbuf req = {0};
+    pb_bytes(&req, kind, body->b, body->n);
+    int rc = rpc_stream_send_raw(s, req.b, req.n, st);
+    ProtobufCMessage *msg = NULL;
+    if (!rc) rc = rpc_stream_recv(s, &fusion__session_reply__descriptor, &msg, 10000, st);
+    rpc_msg_free(msg);
+    return rc;
+}
+
+/* OpenSession{session_id = id[0..n), max_length 16, wire_dtype F32} as raw bytes on a new stream. */
+static int open_raw(fixture *f, rpc_stream **s, const char *id, size_t n, rpc_status *st) {
+    assert_int_equal(rpc_stream_open(f->ch, RPC_SHARD_SESSION, 10000, s, st), RPC_OK);
+    pbuf open = {0};
+    pb_bytes(&open, 1, id, n);
+    pb_uint(&open, 2, 16);
+    pb_uint(&open, 3, 1);
+    return send_raw(*s, 1, &open, st);
+}
+
+static void expect_code(int rc, int code, const rpc_status *st, const char *needle) {
+    if (rc != code || !strstr(st->message, needle))
+        fail_msg("expected %s containing '%s', got %s: %s", rpc_code_str(code), needle, rpc_code_str(rc),
+                 st->message);
+}
+
+/* A session id is 1..128 printable bytes: an embedded NUL (which a C string would silently cut
+ * at), a control character or 129 bytes are refused, and the server goes on serving. */
+static void test_session_id_bytes_refused(void **state) {
+    fixture f;
+    start(&f, 0, 2, true, false);
+    rpc_stream *s;
+    rpc_status st;
+    expect_code(open_raw(&f, &s, "a\0b", 3, &st), RPC_INVALID_ARGUMENT, &st, "session_id");
+    rpc_stream_free(s);
+    expect_code(open_raw(&f, &s, "a\nb", 3, &st), RPC_INVALID_ARGUMENT, &st, "session_id");
+    rpc_stream_free(s);
+    char long_id[129];
+    memset(long_id, 'x', sizeof long_id);
+    expect_code(open_raw(&f, &s, long_id, sizeof long_id, &st), RPC_INVALID_ARGUMENT, &st, "session_id");
+    rpc_stream_free(s);
+    assert_int_equal(open_raw(&f, &s, long_id, 128, &st), RPC_OK);
+    rpc_stream_free(s);
+    stop(&f);
+}
+
+/* Token ids that do not fit int32 (2^40, 2^32 + 1: both look valid once truncated) and negative
+ * ones are refused with INVALID_ARGUMENT naming the field; so are logit-bias tokens beyond
+ * int32. The session and server stay usable. */
+static void test_token_ids_beyond_int32_refused(void **state) {
+    fixture f;
+    start(&f, 0, 4, true, true);
+    const uint64_t bad[] = {1ull << 40, (1ull << 32) + 1, (uint64_t)-1};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        rpc_stream *s;
+        rpc_status st;
+        char id[16];
+        snprintf(id, sizeof id, "tok-%zu", i);
+        assert_int_equal(open_raw(&f, &s, id, strlen(id), &st), RPC_OK);
+        pbuf packed = {0}, input = {0}, step = {0};
+        pb_varint(&packed, 1);
+        pb_varint(&packed, bad[i]);
+        pb_bytes(&input, 1, packed.b, packed.n); /* Input.tokens, packed */
+        pb_bytes(&step, 3, input.b, input.n);    /* StepRequest.input */
+        expect_code(send_raw(s, 2, &step, &st), RPC_INVALID_ARGUMENT, &st, "tokens");
+        rpc_stream_free(s);
+    }
+    /* logit_bias { token: 2^40 } */
+    rpc_stream *s;
+    rpc_status st;
+    assert_int_equal(open_raw(&f, &s, "bias", 4, &st), RPC_OK);
+    pbuf bias = {0}, samp = {0}, spec = {0}, input = {0}, step = {0};
+    pb_uint(&bias, 1, 1ull << 40);
+    pb_bytes(&samp, 9, bias.b, bias.n);  /* Sampling.logit_bias */
+    pb_bytes(&spec, 3, samp.b, samp.n);  /* OutputSpec.sampling */
+    pb_uint(&input, 1, 1);               /* Input.tokens = [1], unpacked */
+    pb_bytes(&step, 3, input.b, input.n);
+    pb_bytes(&step, 4, spec.b, spec.n);  /* StepRequest.output */
+    expect_code(send_raw(s, 2, &step, &st), RPC_INVALID_ARGUMENT, &st, "logit_bias");
+    rpc_stream_free(s);
+    stop(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_info_and_good_session),
@@ -468,6 +584,8 @@ int main(void) {
         cmocka_unit_test(test_bad_opens_and_auth),
         cmocka_unit_test(test_sessions_free_memory_when_dropped_or_idle),
         cmocka_unit_test(test_move_beside_old_span),
+        cmocka_unit_test(test_session_id_bytes_refused),
+        cmocka_unit_test(test_token_ids_beyond_int32_refused),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

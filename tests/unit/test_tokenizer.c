@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "chat-template.h"
@@ -745,6 +746,39 @@ static void test_long_runs(void **state) {
     tok_free(t);
 }
 
+/* A tokenizer.json that is a FIFO is refused at once (not waited on: the alarm ends a test that
+ * blocks); tok_load_hf_mem loads the same text as the file and encodes alike. */
+static void test_fifo_and_memory(void **state) {
+    (void)state;
+    char p[128];
+    snprintf(p, sizeof p, "%s/tokenizer.json", tmpdir);
+    remove_file("tokenizer.json");
+    assert_int_equal(mkfifo(p, 0600), 0);
+    tok_tokenizer *t = (tok_tokenizer *)0x1;
+    alarm(10);
+    assert_int_equal(tok_load_hf(tmpdir, &t), FU_ERR_IO);
+    alarm(0);
+    assert_null(t);
+    assert_non_null(strstr(fu_last_error(), "not a regular file"));
+    remove_file("tokenizer.json");
+
+    tok_tokenizer *file = load_json_expect(bytelevel_json, FU_OK), *mem = NULL;
+    assert_int_equal(tok_load_hf_mem(bytelevel_json, strlen(bytelevel_json), &mem), FU_OK);
+    int32_t *a, *b;
+    size_t na, nb;
+    const char *text = "hello world 12";
+    assert_int_equal(tok_encode(file, text, strlen(text), true, true, &a, &na), FU_OK);
+    assert_int_equal(tok_encode(mem, text, strlen(text), true, true, &b, &nb), FU_OK);
+    assert_int_equal(na, nb);
+    assert_memory_equal(a, b, na * sizeof *a);
+    free(a);
+    free(b);
+    tok_free(file);
+    tok_free(mem);
+    assert_int_equal(tok_load_hf_mem("{\"model\": 1}", 12, &mem), FU_ERR_FORMAT);
+    assert_null(mem);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_missing_file),
@@ -763,6 +797,7 @@ int main(void) {
         cmocka_unit_test(test_long_runs),
         cmocka_unit_test(test_encode_spans),
         cmocka_unit_test(test_chat_injection),
+        cmocka_unit_test(test_fifo_and_memory),
     };
     return cmocka_run_group_tests(tests, setup_dir, teardown_dir);
 }
