@@ -74,7 +74,7 @@ print(json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 64, "temperatu
                   "messages": [{"role": "user", "content": os.environ["PROMPT"]}]}))
 EOF
 )
-echo "\$ curl $url/v1/chat/completions -H 'Authorization: Bearer ...' -d '$body'" >&2
+echo "\$ curl $url/v1/chat/completions -H 'Authorization: Bearer ...' -H 'Content-Type: application/json' -d '$body'" >&2
 reply=$(curl -sS --fail-with-body "$url/v1/chat/completions" -H "Authorization: Bearer $key" \
   -H "Content-Type: application/json" -d "$body")
 REPLY_JSON=$reply "$root/.venv/bin/python" - <<'EOF'
