@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes seed inputs for fuzz_template: the chat templates of the tokenizers under
-/work/shared/tokenizers (or $FUSION_TOKENIZERS) and a few hand-written ones that exercise
+shared/tokenizers beside the checkout (or $FUSION_TOKENIZERS) and a few hand-written ones that exercise
 macros, loops, namespaces, filters and whitespace control."""
 import glob
 import hashlib
@@ -24,7 +24,9 @@ HANDWRITTEN = [
 
 
 def templates():
-    root = os.environ.get("FUSION_TOKENIZERS", "/work/shared/tokenizers")
+    here = os.path.dirname(os.path.abspath(__file__))
+    default = os.path.join(here, "..", "..", "..", "shared", "tokenizers")
+    root = os.environ.get("FUSION_TOKENIZERS", default)
     for path in sorted(glob.glob(os.path.join(root, "*", "tokenizer_config.json"))):
         try:
             with open(path, encoding="utf-8") as f:
