@@ -12,6 +12,7 @@
 
 #include "chain.h"
 #include "clock.h"
+#include "gw-pace.h"
 #include "gw-swarm.h"
 #include "gw-tools.h"
 #include "log.h"
@@ -44,6 +45,7 @@ struct gw_engine {
     chain_hop hops[GW_MAX_HOPS];
     int n_hops;
     gw_swarm *swarm;    /* routed mode (cfg->shards); NULL: the static chain above */
+    gw_pace *pace;      /* routed mode: step deadlines from the members' measured step times */
     pthread_t *threads;
     int n_threads;
     pthread_mutex_t mu;
@@ -575,6 +577,21 @@ static int gw_choice_output(gw_job *j, gw_choice *c, const char *text, size_t le
 
 /* ---- one choice ------------------------------------------------------------------------------------ */
 
+/* A shard's message without the "shard HOST:PORT: ", "next hop HOST:PORT: " and code prefixes
+ * that chain errors carry (clients are not told internal addresses). */
+static const char *gw_shard_detail(const char *msg) {
+    static const char *const prefixes[] = {"shard ", "next hop "};
+    for (bool again = true; again;) {
+        again = false;
+        for (size_t i = 0; i < sizeof prefixes / sizeof prefixes[0]; i++) {
+            const char *colon = strstr(msg, ": ");
+            if (!strncmp(msg, prefixes[i], strlen(prefixes[i])) && colon) msg = colon + 2, again = true;
+        }
+        if (!strncmp(msg, "RESOURCE_EXHAUSTED: ", 20)) msg += 20, again = true;
+    }
+    return msg;
+}
+
 /* Maps a chain failure to an HTTP error. */
 static void gw_chain_error(gw_error *err, int rc) {
     if (rc == FU_ERR_EXHAUSTED)
@@ -585,13 +602,29 @@ static void gw_chain_error(gw_error *err, int rc) {
                      fu_last_error());
 }
 
+/* Maps a failure of a step (the session was open) to an HTTP error: a request too big for
+ * the shards' limits is the client's 400 (with the shard's figures, without its address). */
+static void gw_step_error(gw_error *err, int rc) {
+    if (rc == FU_ERR_EXHAUSTED)
+        gw_error_set(err, 400, NULL, "request_too_large", "the request exceeds a shard server's limits: %s",
+                     gw_shard_detail(fu_last_error()));
+    else
+        gw_chain_error(err, rc);
+}
+
 /* Failovers one choice may make (each a dead hop, a failed open or a failed replay). */
 #define GW_MAX_FAILOVERS 3
 
 /* Whether a chain failure may be cured by another path (the request itself is fine). */
 static bool gw_retryable(int rc) {
     return rc != FU_ERR_INVALID && rc != FU_ERR_NOMEM && rc != FU_ERR_AUTH && rc != FU_ERR_RANGE &&
-           rc != FU_ERR_UNSUPPORTED;
+           rc != FU_ERR_UNSUPPORTED && rc != FU_ERR_CANCELLED;
+}
+
+/* Whether a chain failure says a hop is dead or hung (it is retired), rather than busy or
+ * full (FU_ERR_EXHAUSTED: another path is tried, the member stays). */
+static bool gw_hop_dead(int rc) {
+    return rc != FU_ERR_EXHAUSTED && gw_retryable(rc);
 }
 
 /* One choice while a worker runs it, through the stages of gw_run_choice: prepare ->
@@ -643,12 +676,30 @@ static int gw_run_fail(gw_run *r, int rc, const char *what) {
 
 /* Gives up the current path after a failure described by msg (swarm): closes the session,
  * reports the failure (the swarm retires the dead hop) and releases the lease. */
-static void gw_run_drop_path(gw_run *r, const char *msg) {
+static void gw_run_drop_path(gw_run *r, int rc, const char *msg) {
     gw_swarm *sw = r->j->e->swarm;
     chain_session_close(r->s);
     r->s = NULL;
-    gw_swarm_report_failure(sw, &r->lease, msg);
+    if (gw_hop_dead(rc)) gw_swarm_report_failure(sw, &r->lease, msg);
     gw_swarm_release(sw, &r->lease);
+}
+
+/* Polled by a step waiting for the chain: the job's client has gone. */
+static bool gw_job_gone(void *arg) {
+    gw_job *j = arg;
+    return atomic_load(&j->cancelled);
+}
+
+/* Runs one step of n positions from `in` on the open session with r->spec, waiting for it
+ * as long as the leased hops' measured pace allows (routed mode; gw-pace.h), and records
+ * its timings there. */
+static int gw_run_timed_step(gw_run *r, const int32_t *in, int n, const chain_spec *spec, const chain_result **res) {
+    gw_pace *pace = r->j->e->pace;
+    chain_spec sp = *spec;
+    if (pace) sp.timeout_ms = gw_pace_deadline_ms(pace, r->lease.hops, r->lease.n_hops, n);
+    int rc = chain_session_step(r->s, in, n, -1, &sp, res);
+    if (!rc && pace) gw_pace_record(pace, r->lease.hops, r->lease.n_hops, n, *res);
+    return rc;
 }
 
 /* Opens a session on the leased path (swarm) into r->s and, when n_replay > 0, replays
@@ -658,10 +709,12 @@ static int gw_run_open_path(gw_run *r, int n_replay) {
     char id[128];
     snprintf(id, sizeof id, "%s.%d", r->sid, r->failovers);
     int rc = chain_session_open(r->j->e->chain, r->lease.hops, r->lease.n_hops, id, r->max_length, &r->s);
-    if (rc || n_replay == 0) return rc;
+    if (rc) return rc;
+    chain_session_set_cancel(r->s, gw_job_gone, r->j);
+    if (n_replay == 0) return FU_OK;
     chain_spec none = {0};
     const chain_result *res = NULL;
-    return chain_session_step(r->s, r->hist, n_replay, -1, &none, &res);
+    return gw_run_timed_step(r, r->hist, n_replay, &none, &res);
 }
 
 /* Opens the choice's chain session into r->s. Static chain: one try. Swarm: routes a
@@ -673,6 +726,7 @@ static int gw_run_open_session(gw_run *r, int n_replay) {
     if (!e->swarm) {
         int rc = chain_session_open(e->chain, e->hops, e->n_hops, r->sid, r->max_length, &r->s);
         if (rc) gw_chain_error(&r->err, rc);
+        else chain_session_set_cancel(r->s, gw_job_gone, r->j);
         return rc;
     }
     for (;;) {
@@ -683,7 +737,7 @@ static int gw_run_open_session(gw_run *r, int n_replay) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", fu_last_error());
         FU_LOG(FU_LOG_LEVEL_WARN, r->sid, "opening a session on a routed chain failed: %s", msg);
-        gw_run_drop_path(r, msg);
+        gw_run_drop_path(r, rc, msg);
         if (!gw_retryable(rc) || ++r->failovers > GW_MAX_FAILOVERS) {
             fu_errorf(rc, "%s", msg);
             gw_chain_error(&r->err, rc);
@@ -700,10 +754,10 @@ static int gw_run_chain_step(gw_run *r, const chain_result **res) {
     gw_job *j = r->j;
     const int32_t *in = r->hist + r->n_hist - r->n_in;
     for (;;) {
-        int rc = chain_session_step(r->s, in, r->n_in, -1, &r->spec, res);
+        int rc = gw_run_timed_step(r, in, r->n_in, &r->spec, res);
         if (!rc) return FU_OK;
-        if (!j->e->swarm || !gw_retryable(rc) || r->failovers >= GW_MAX_FAILOVERS || atomic_load(&j->cancelled)) {
-            gw_chain_error(&r->err, rc);
+        if (!j->e->swarm || !gw_hop_dead(rc) || r->failovers >= GW_MAX_FAILOVERS || atomic_load(&j->cancelled)) {
+            gw_step_error(&r->err, rc);
             FU_LOG(FU_LOG_LEVEL_WARN, r->sid, "step failed: %s", r->err.message);
             return rc;
         }
@@ -712,7 +766,7 @@ static int gw_run_chain_step(gw_run *r, const chain_result **res) {
         r->failovers++;
         FU_LOG(FU_LOG_LEVEL_WARN, r->sid, "step failed (%s), failing over (%d of %d)", msg, r->failovers,
                GW_MAX_FAILOVERS);
-        gw_run_drop_path(r, msg);
+        gw_run_drop_path(r, rc, msg);
         rc = gw_run_open_session(r, r->n_hist - r->n_in);
         if (rc) return rc;
     }
@@ -758,22 +812,20 @@ static int gw_run_release_echo(gw_run *r, json_t *lp) {
     return rc ? gw_run_fail(r, rc, "out of memory") : FU_OK;
 }
 
-/* Echo + logprobs, on the first step: the prompt tokens' logprobs from its all-position
- * logits (the first token has none) go out with the prompt's text; c->text_off moves
- * past the prompt. */
+/* Echo + logprobs, on the first step: the prompt tokens' logprobs, scored by the last shard
+ * (row i - 1 holds token i's; the first token has none), go out with the prompt's text;
+ * c->text_off moves past the prompt. */
 static int gw_run_prompt_logprobs(gw_run *r, const chain_result *res) {
     const gw_job *j = r->j;
-    int k = j->req.top_logprobs;
-    int32_t ids[64];
-    float lps[64];
+    int k = res->top_k;
     size_t off = 0;
     json_t *lp = gw_cmpl_lp_new();
     int rc = lp ? FU_OK : fu_errorf(FU_ERR_NOMEM, "logprobs");
     for (size_t i = 0; !rc && i < r->n_prompt; i++) {
-        bool has = i > 0 && res->logits && (int)i <= res->n_out;
-        float l = 0;
-        if (has) l = smp_top_logprobs(res->logits + (i - 1) * (size_t)res->vocab, res->vocab, r->prompt[i], k, ids, lps);
-        rc = gw_cmpl_lp_add(j, lp, r->prompt[i], has, l, ids, lps, k, off);
+        bool has = i > 0 && (int)i < res->n_out && res->tokens[i - 1] == r->prompt[i];
+        const int32_t *ids = has && k ? res->top_ids + (i - 1) * (size_t)k : NULL;
+        const float *lps = has && k ? res->top_logprobs + (i - 1) * (size_t)k : NULL;
+        rc = gw_cmpl_lp_add(j, lp, r->prompt[i], has, has ? res->logprobs[i - 1] : 0.0f, ids, lps, has ? k : 0, off);
         const char *b;
         size_t len;
         if (!tok_token_piece(j->e->model->tok, r->prompt[i], &b, &len)) off += len;
@@ -918,12 +970,12 @@ static int gw_run_step(gw_run *r) {
     gw_job *j = r->j;
     if (atomic_load(&j->cancelled)) return gw_run_end(r, NULL);
     bool prompt_lp = r->echo_lp && r->step == 0;
-    r->spec.want_logits = r->spec.all_positions = prompt_lp;
+    r->spec.all_positions = r->spec.score_inputs = prompt_lp;
     /* the seed of the step's last position, the one whose token is sampled (fusion.proto) */
     r->spec.sampling.seed = gw_step_seed(j->seed, r->ci, (int64_t)r->n_prompt + r->step);
     const chain_result *res = NULL;
     int rc = gw_run_chain_step(r, &res);
-    if (rc) return rc;
+    if (rc) return atomic_load(&j->cancelled) ? gw_run_end(r, NULL) : rc;
     gw_run_step_metrics(r);
     int o = res->n_out - 1;
     int32_t tok = res->tokens[o];
@@ -1065,6 +1117,8 @@ int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metri
                         .forward = cfg->forward, .timeout_ms = cfg->step_timeout_ms};
     int rc = chain_client_new(&co, &e->chain);
     if (!rc && (cfg->n_shards > 0 || cfg->swarm_listen)) rc = gw_swarm_new(cfg, model->n_layers, &e->swarm);
+    gw_pace_options po = {.floor_ms = cfg->step_deadline_floor_ms, .fallback_ms = cfg->step_timeout_ms};
+    if (!rc && e->swarm && !(e->pace = gw_pace_new(&po))) rc = fu_errorf(FU_ERR_NOMEM, "engine");
     if (rc) {
         gw_engine_free(e);
         return rc;
@@ -1095,6 +1149,7 @@ void gw_engine_free(gw_engine *e) {
     pthread_mutex_unlock(&e->mu);
     for (int i = 0; i < e->n_threads; i++) pthread_join(e->threads[i], NULL);
     gw_swarm_free(e->swarm);
+    gw_pace_free(e->pace);
     chain_client_free(e->chain);
     free(e->threads);
     free(e->q);

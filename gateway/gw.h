@@ -222,7 +222,8 @@ typedef struct gw_config {
     int connection_timeout_s;
     int max_connections;
     int default_max_tokens;
-    int step_timeout_ms;    /* per chain step */
+    int step_timeout_ms;    /* per chain step; routed: the wait before a path is measured (gw-pace.h) */
+    int step_deadline_floor_ms; /* routed: the floor of a step's measured deadline */
     gw_limits limits;
     /* swarm membership (fusion.Swarm): shards join, heartbeat, get spans or wait as spares */
     char *swarm_listen;     /* "host:port" of the membership service; NULL: none */

@@ -4,6 +4,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include "chat-template.h"
 #include "gw-gen.h"
@@ -118,7 +121,18 @@ static int serve(gw_config *cfg, const gw_loaded *l) {
     return rc ? 1 : 0;
 }
 
+/* Large blocks (a long prompt's tokens, an echo + logprobs body) are mapped and unmapped on
+ * their own, so that the memory of a burst of big requests goes back to the system instead of
+ * staying in the heap (glibc would raise its mapping threshold after the first such free). */
+static void gw_malloc_tune(void) {
+#ifdef __GLIBC__
+    mallopt(M_MMAP_THRESHOLD, 256 * 1024);
+    mallopt(M_TRIM_THRESHOLD, 4 * 1024 * 1024);
+#endif
+}
+
 int main(int argc, char **argv) {
+    gw_malloc_tune();
     gw_config cfg;
     gw_config_init(&cfg);
     gw_loaded loaded = {0};

@@ -43,6 +43,8 @@ struct chain_session {
     int n_hops;
     int64_t len;
     uint64_t next_request;
+    bool (*cancelled)(void *arg); /* chain_session_set_cancel */
+    void *cancel_arg;
     /* result storage */
     chain_result res;
     float *logits;
@@ -217,6 +219,11 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
 
 int64_t chain_session_len(const chain_session *s) { return s->len; }
 
+void chain_session_set_cancel(chain_session *s, bool (*cancelled)(void *arg), void *arg) {
+    s->cancelled = cancelled;
+    s->cancel_arg = arg;
+}
+
 /* Sends one step on link i and receives its reply (*reply: valid until the link's next step or
  * shard_svc_session_drop_reply). */
 static int chain_link_step(chain_session *s, int i, const shard_svc_step *step, const shard_svc_step_reply **reply) {
@@ -327,7 +334,13 @@ int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t r
     int64_t start = rollback_to >= 0 ? rollback_to : s->len;
 
     shard_svc_sampling samp;
-    shard_svc_output_spec os = {spec->want_logits, spec->all_positions, NULL, spec->top_logprobs};
+    shard_svc_output_spec os = {.want_logits = spec->want_logits,
+                                .all_positions = spec->all_positions,
+                                .score_inputs = spec->score_inputs,
+                                .top_logprobs = spec->top_logprobs};
+    for (int i = 0; i < s->n_links; i++)
+        shard_svc_session_set_wait(s->links[i].sess, spec->timeout_ms > 0 ? spec->timeout_ms : s->c->o.timeout_ms,
+                                   s->cancelled, s->cancel_arg);
     if (spec->sample) {
         const smp_params *p = &spec->sampling;
         if (p->n_bias > SMP_MAX_LOGIT_BIAS)

@@ -64,6 +64,9 @@ typedef struct chain_spec {
                                    * last hop derives the earlier rows' (fusion.proto, Sampling.seed) */
     int64_t penalty_start;
     int top_logprobs;
+    bool score_inputs;            /* with sample and all_positions: rows but the last report the
+                                   * next input token's log-prob and top alternatives */
+    int timeout_ms;               /* the wait for this step's reply; 0: the client's timeout_ms */
 } chain_spec;
 
 typedef struct chain_timing {
@@ -92,6 +95,11 @@ typedef struct chain_result {
  * owned by the session and valid until its next step or close. */
 int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t rollback_to,
                        const chain_spec *spec, const chain_result **out);
+
+/* Sets a poll (NULL: none) that the session's steps call on their thread about every 50 ms
+ * while they wait: once it returns true the step is cancelled on every hop (a shard stops the
+ * prefill in flight) and fails with FU_ERR_CANCELLED. */
+void chain_session_set_cancel(chain_session *s, bool (*cancelled)(void *arg), void *arg);
 
 /* Positions the session holds (after its last successful step). */
 int64_t chain_session_len(const chain_session *s);

@@ -87,6 +87,7 @@ static int spec_pack(const shard_svc_output_spec *v, Fusion__OutputSpec *m, Fusi
     fusion__output_spec__init(m);
     m->want_logits = v->want_logits;
     m->all_positions = v->all_positions;
+    m->score_inputs = v->score_inputs;
     m->top_logprobs = v->top_logprobs;
     const shard_svc_sampling *w = v->sampling;
     if (!w) return 0;
@@ -315,6 +316,7 @@ static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shar
                      svc_scratch *sc, rpc_status *st) {
     v->want_logits = m->want_logits;
     v->all_positions = m->all_positions;
+    v->score_inputs = m->score_inputs;
     v->top_logprobs = m->top_logprobs;
     v->sampling = NULL;
     const Fusion__Sampling *w = m->sampling;
@@ -498,6 +500,8 @@ struct shard_svc_stream {
     req_view rv;    /* the last request received */
     svc_scratch sc; /* packing replies */
 };
+
+bool shard_svc_stream_cancelled(shard_svc_stream *s) { return rpc_stream_cancelled(s->s); }
 
 /* A Session stream: the handler runs on a shard_svc_stream wrapping it, freed when it returns. */
 static int session_entry(void *ctx, rpc_stream *rs, rpc_status *st) {
@@ -774,6 +778,8 @@ int shard_svc_serve(rpc_server *srv, const shard_svc_handlers *h) {
 struct shard_svc_session {
     rpc_stream *s;
     int timeout_ms;            /* for each reply */
+    shard_svc_cancel_fn cancel; /* NULL: none */
+    void *cancel_arg;
     ProtobufCMessage *msg;     /* the last step reply; the views point into it */
     shard_svc_step_reply rep;
     shard_svc_output out;
@@ -791,10 +797,31 @@ static int session_send(shard_svc_session *s, Fusion__SessionRequest__KindCase k
     return rpc_stream_send(s->s, &req.base, st);
 }
 
+/* Slices of a wait for a reply between two polls of the session's cancel function. */
+#define SVC_CANCEL_POLL_MS 50
+
+/* Waits up to the session's timeout for its next reply message, polling its cancel function
+ * (if any) between slices: once it says so the call is cancelled and RPC_CANCELLED returned. */
+static int session_wait(shard_svc_session *s, ProtobufCMessage **msg, rpc_status *st) {
+    const ProtobufCMessageDescriptor *d = &fusion__session_reply__descriptor;
+    if (!s->cancel) return rpc_stream_recv(s->s, d, msg, s->timeout_ms, st);
+    int64_t end = s->timeout_ms < 0 ? INT64_MAX : fu_now_us() + (int64_t)s->timeout_ms * 1000;
+    for (;;) {
+        if (s->cancel(s->cancel_arg)) {
+            rpc_stream_cancel(s->s);
+            return rpc_status_setf(st, RPC_CANCELLED, "the reply is no longer wanted");
+        }
+        int64_t left_ms = (end - fu_now_us()) / 1000;
+        if (left_ms <= 0) return rpc_status_setf(st, RPC_DEADLINE_EXCEEDED, "no reply within %d ms", s->timeout_ms);
+        int rc = rpc_stream_recv(s->s, d, msg, left_ms < SVC_CANCEL_POLL_MS ? (int)left_ms : SVC_CANCEL_POLL_MS, st);
+        if (rc != RPC_DEADLINE_EXCEEDED) return rc;
+    }
+}
+
 /* Receives one SessionReply of the expected kind into *msg (the caller frees it). */
 static int session_recv(shard_svc_session *s, Fusion__SessionReply__KindCase kind, ProtobufCMessage **msg,
                         rpc_status *st) {
-    int rc = rpc_stream_recv(s->s, &fusion__session_reply__descriptor, msg, s->timeout_ms, st);
+    int rc = session_wait(s, msg, st);
     if (rc) return rc;
     const Fusion__SessionReply *rep = (const Fusion__SessionReply *)*msg;
     bool ok = rep->kind_case == kind && (kind == FUSION__SESSION_REPLY__KIND_OPENED ? rep->opened != NULL
@@ -824,6 +851,12 @@ int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int time
     }
     *out = s;
     return RPC_OK;
+}
+
+void shard_svc_session_set_wait(shard_svc_session *s, int timeout_ms, shard_svc_cancel_fn fn, void *arg) {
+    s->timeout_ms = timeout_ms;
+    s->cancel = fn;
+    s->cancel_arg = arg;
 }
 
 void shard_svc_session_drop_reply(shard_svc_session *s) {

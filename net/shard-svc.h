@@ -77,6 +77,7 @@ typedef struct shard_svc_output_spec {
     bool want_logits, all_positions;
     const shard_svc_sampling *sampling; /* NULL: do not sample */
     int32_t top_logprobs;
+    bool score_inputs;                  /* rows but the last: the next input token's log-prob */
 } shard_svc_output_spec;
 
 /* TopLogprobs of one output position: n alternatives, most likely first. */
@@ -270,6 +271,8 @@ int shard_svc_stream_recv(shard_svc_stream *s, const shard_svc_request **req, in
 
 /* Sends an open reply / a step reply (packed at once; borrowed for the call). RPC_CANCELLED:
  * the client went away. */
+/* Non-blocking: true once the stream's client cancelled or went away. On the stream's thread. */
+bool shard_svc_stream_cancelled(shard_svc_stream *s);
 int shard_svc_stream_send_opened(shard_svc_stream *s, const shard_svc_opened *o, rpc_status *st);
 int shard_svc_stream_send_step(shard_svc_stream *s, const shard_svc_step_reply *r, rpc_status *st);
 
@@ -304,6 +307,14 @@ int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int time
  * not a step reply) and *reply NULL. `step` may point into another session's reply. */
 int shard_svc_session_step(shard_svc_session *s, const shard_svc_step *step, const shard_svc_step_reply **reply,
                            rpc_status *st);
+
+/* Polled while a client waits for a reply: true once the reply is no longer wanted. */
+typedef bool (*shard_svc_cancel_fn)(void *arg);
+
+/* Sets how long each next reply of s is waited for (< 0: forever) and a cancel poll (NULL:
+ * none), called on the waiting thread about every 50 ms: once it returns true the call is
+ * cancelled (the server sees its client go) and the wait ends with RPC_CANCELLED. */
+void shard_svc_session_set_wait(shard_svc_session *s, int timeout_ms, shard_svc_cancel_fn fn, void *arg);
 
 /* Frees the last step reply now (its view ends) instead of at the next step. */
 void shard_svc_session_drop_reply(shard_svc_session *s);

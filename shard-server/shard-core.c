@@ -41,7 +41,10 @@ struct shard_session {
     bool done;
     int rc;
     char err[256];
+    int step_done;             /* positions of the step computed so far (chunks) */
+    bool cancel;               /* the step's client has gone: compute no more of it */
     int64_t t_enqueue_us;
+    int64_t compute_acc_us;    /* the step's chunks' forward time so far */
     int64_t last_step_us;      /* when the session last queued a step or got its answer */
 };
 
@@ -63,13 +66,14 @@ struct shard_core {
     shard_core_stats stats;
 
     /* batch scratch: batcher thread only */
-    shard_session **b_sess;  /* (max steps per batch) */
+    shard_session **b_sess;  /* (entries per batch) */
+    int *b_off, *b_len;      /* each entry's chunk: positions [off, off + len) of its step */
     int32_t *b_tokens;       /* (cap_tokens) */
     float *b_hidden;         /* (cap_tokens, D) */
     eng_seq **b_seqs;        /* (cap_tokens) */
     uint8_t *b_want;         /* (cap_tokens) */
     float *b_out;            /* (cap_out) floats */
-    size_t cap_tok, cap_seqs, cap_want, cap_hidden, cap_steps, cap_out;
+    size_t cap_tok, cap_seqs, cap_want, cap_hidden, cap_steps, cap_off, cap_len, cap_out;
 };
 
 
@@ -86,6 +90,17 @@ static int step_n_out(const shard_core *c, const shard_step *st) {
     return st->all_positions ? st->n : 1;
 }
 
+/* Output rows that the chunk [off, off + len) of a step produces; *first: the first one's index
+ * among the step's n_out rows. */
+static int chunk_n_out(const shard_core *c, const shard_step *st, int off, int len, int *first) {
+    *first = off;
+    if (!c->m->has_head) return len;
+    if (!st->want_logits && !st->sample) return 0;
+    if (st->all_positions) return len;
+    *first = 0;
+    return off + len == st->n ? 1 : 0;
+}
+
 /* The sampling seed of output row i (0 <= i < n_out): the step's seed is the seed
  * of its last row; with all_positions the earlier rows count down from it, so
  * row i draws with seed - (n_out - 1 - i). */
@@ -93,25 +108,18 @@ static uint64_t shard_row_seed(const shard_step *st, int i) {
     return st->sampling.seed - (uint64_t)(st->n_out - 1 - i);
 }
 
-/* Fills a session's outputs from the rows of the batch's output. */
-static int shard_finish_step(shard_core *c, shard_session *s, const float *rows) {
+/* Output row i's token, its log-prob and top alternatives from the row's logits: the next
+ * input token when scoring inputs (every row but the last), else a sampled one. */
+static int shard_sample_row(shard_core *c, shard_session *s, const float *row, int i) {
     shard_step *st = s->step;
-    const mdl_config *cfg = &c->m->cfg;
-    const int n_out = st->n_out;
-    if (!c->m->has_head) {
-        memcpy(s->out_f, rows, (size_t)st->n * (size_t)cfg->dim * sizeof(float));
-        st->out_hidden = s->out_f;
-        return FU_OK;
-    }
-    const size_t V = (size_t)cfg->vocab_size;
-    if (st->want_logits) {
-        memcpy(s->out_f, rows, (size_t)n_out * V * sizeof(float));
-        st->out_logits = s->out_f;
-    }
-    if (!st->sample) return FU_OK;
+    const size_t V = (size_t)c->m->cfg.vocab_size;
     const int k = st->top_logprobs;
-    for (int i = 0; i < n_out; i++) {
-        const float *row = rows + (size_t)i * V;
+    int32_t *ids = s->out_top_ids + (size_t)i * k;
+    float *lps = s->out_top_lp + (size_t)i * k;
+    int32_t tok;
+    if (st->score_inputs && i < st->n_out - 1) {
+        tok = st->tokens[i + 1];
+    } else {
         int pos = st->all_positions ? (int)st->start_pos + i : (int)st->start_pos + st->n - 1;
         smp_params p = st->sampling;
         p.seed = shard_row_seed(st, i);
@@ -119,88 +127,212 @@ static int shard_finish_step(shard_core *c, shard_session *s, const float *rows)
         if (rc) return rc;
         for (int64_t q = st->penalty_start < 0 ? 0 : st->penalty_start; q <= pos; q++)
             if (s->history[q] >= 0) smp_accept(s->smp, s->history[q]);
-        float *work = s->out_f + (st->want_logits ? (size_t)n_out * V : 0); /* (V) scratch */
+        float *work = s->out_f + (st->want_logits ? (size_t)st->n_out * V : 0); /* (V) scratch */
         memcpy(work, row, V * sizeof(float));
-        int32_t tok = smp_sample(s->smp, work);
-        s->out_tok[i] = tok;
-        s->out_lp[i] = smp_top_logprobs(row, (int)V, tok, k, s->out_top_ids + (size_t)i * k,
-                                        s->out_top_lp + (size_t)i * k);
+        tok = smp_sample(s->smp, work);
     }
-    st->out_tokens = s->out_tok;
-    st->out_logprobs = s->out_lp;
-    st->out_top_ids = k ? s->out_top_ids : NULL;
-    st->out_top_lp = k ? s->out_top_lp : NULL;
+    s->out_tok[i] = tok;
+    s->out_lp[i] = smp_top_logprobs(row, (int)V, tok, k, ids, lps);
     return FU_OK;
 }
 
-/* Runs one batched forward over the sessions b_sess[0..n) and completes them. */
-static void shard_run_batch(shard_core *c, int n) {
-    const mdl_model *m = c->m;
-    const int D = m->cfg.dim;
-    const size_t row = m->has_head ? (size_t)m->cfg.vocab_size : (size_t)D;
-    size_t T = 0, n_want = 0;
-    for (int i = 0; i < n; i++) {
-        T += (size_t)c->b_sess[i]->step->n;
-        n_want += (size_t)step_n_out(c, c->b_sess[i]->step);
+/* Fills a session's outputs for the chunk [off, off + len) of its step from the chunk's rows
+ * of the batch's output. */
+static int shard_finish_chunk(shard_core *c, shard_session *s, const float *rows, int off, int len) {
+    shard_step *st = s->step;
+    const mdl_config *cfg = &c->m->cfg;
+    for (int j = 0; j < len; j++) s->history[st->start_pos + off + j] = st->tokens ? st->tokens[off + j] : -1;
+    if (!c->m->has_head) {
+        memcpy(s->out_f + (size_t)off * (size_t)cfg->dim, rows, (size_t)len * (size_t)cfg->dim * sizeof(float));
+        return FU_OK;
     }
-    int rc = FU_OK;
+    const size_t V = (size_t)cfg->vocab_size;
+    int first, n = chunk_n_out(c, st, off, len, &first);
+    if (st->want_logits) memcpy(s->out_f + (size_t)first * V, rows, (size_t)n * V * sizeof(float));
+    for (int i = 0; st->sample && i < n; i++) {
+        int rc = shard_sample_row(c, s, rows + (size_t)i * V, first + i);
+        if (rc) return rc;
+    }
+    return FU_OK;
+}
+
+/* Points a finished step's outputs at the session's buffers. */
+static void shard_publish_outputs(shard_core *c, shard_session *s) {
+    shard_step *st = s->step;
+    if (!c->m->has_head) {
+        st->out_hidden = s->out_f;
+        return;
+    }
+    if (st->want_logits) st->out_logits = s->out_f;
+    if (!st->sample) return;
+    st->out_tokens = s->out_tok;
+    st->out_logprobs = s->out_lp;
+    st->out_top_ids = st->top_logprobs ? s->out_top_ids : NULL;
+    st->out_top_lp = st->top_logprobs ? s->out_top_lp : NULL;
+}
+
+/* Ends a session's step with rc (mu held): a failed or cancelled one is rolled back to where
+ * it started; the submitter is woken. */
+static void shard_complete(shard_core *c, shard_session *s, int rc, const char *why) {
+    shard_step *st = s->step;
+    if (rc) {
+        eng_seq_truncate(s->seq, (int)st->start_pos);
+        if (why) snprintf(s->err, sizeof s->err, "%s", why);
+        if (rc == FU_ERR_CANCELLED && s->cancel)
+            FU_LOG(FU_LOG_LEVEL_INFO, s->id, "step cancelled after %d of %d positions: its client went away",
+                   s->step_done, st->n);
+    } else {
+        shard_publish_outputs(c, s);
+    }
+    int64_t now = fu_now_us();
+    st->compute_us = s->compute_acc_us;
+    st->queue_us = now - s->t_enqueue_us - s->compute_acc_us;
+    s->rc = rc;
+    s->done = true;
+    s->last_step_us = now;
+    pthread_cond_broadcast(&c->cv_done);
+}
+
+/* Appends a session to the queue of pending steps (mu held). */
+static void shard_enqueue(shard_core *c, shard_session *s) {
+    s->next_pending = NULL;
+    if (c->pend_tail) c->pend_tail->next_pending = s;
+    else c->pend_head = s;
+    c->pend_tail = s;
+    c->n_pending++;
+}
+
+/* Takes the first pending session off the queue (mu held; the queue is not empty). */
+static shard_session *shard_dequeue(shard_core *c) {
+    shard_session *s = c->pend_head;
+    c->pend_head = s->next_pending;
+    if (!c->pend_head) c->pend_tail = NULL;
+    c->n_pending--;
+    return s;
+}
+
+/* Grows the batch's per-entry arrays to hold n entries. */
+static int shard_grow_batch(shard_core *c, size_t n) {
+    if (fu_grow((void **)&c->b_off, &c->cap_off, n, sizeof *c->b_off) ||
+        fu_grow((void **)&c->b_len, &c->cap_len, n, sizeof *c->b_len) ||
+        fu_grow((void **)&c->b_sess, &c->cap_steps, n, sizeof *c->b_sess))
+        return FU_ERR_NOMEM;
+    return FU_OK;
+}
+
+/* Takes pending steps, or their next chunks, in arrival order into the batch while it has
+ * room (mu held): a step longer than the room left runs its first positions now and goes back
+ * to the end of the queue. Cancelled steps are completed on the way. Returns the entries. */
+static int shard_take_batch(shard_core *c) {
+    int n = 0, tokens = 0;
+    while (c->pend_head && tokens < c->o.max_batch_tokens) {
+        if (shard_grow_batch(c, (size_t)n + 1)) break;
+        shard_session *s = shard_dequeue(c);
+        if (s->cancel) {
+            shard_complete(c, s, FU_ERR_CANCELLED, "cancelled: the client went away");
+            continue;
+        }
+        int left = s->step->n - s->step_done, room = c->o.max_batch_tokens - tokens;
+        c->b_sess[n] = s;
+        c->b_off[n] = s->step_done;
+        c->b_len[n] = left < room ? left : room;
+        tokens += c->b_len[n++];
+    }
+    return n;
+}
+
+/* Sizes the batch scratch for T tokens and n_want output rows. */
+static int shard_grow_scratch(shard_core *c, size_t T, size_t n_want) {
+    const mdl_model *m = c->m;
+    const size_t row = m->has_head ? (size_t)m->cfg.vocab_size : (size_t)m->cfg.dim;
     if (fu_grow((void **)&c->b_tokens, &c->cap_tok, T, sizeof *c->b_tokens) ||
         fu_grow((void **)&c->b_seqs, &c->cap_seqs, T, sizeof *c->b_seqs) ||
         fu_grow((void **)&c->b_want, &c->cap_want, T, sizeof *c->b_want) ||
-        (!m->has_embed && fu_grow((void **)&c->b_hidden, &c->cap_hidden, T * (size_t)D, sizeof(float))) ||
+        (!m->has_embed && fu_grow((void **)&c->b_hidden, &c->cap_hidden, T * (size_t)m->cfg.dim, sizeof(float))) ||
         fu_grow((void **)&c->b_out, &c->cap_out, (n_want ? n_want : 1) * row, sizeof(float)))
-        rc = fu_errorf(FU_ERR_NOMEM, "batch of %zu tokens", T);
-    int64_t t0 = fu_now_us();
-    if (!rc) {
-        size_t t = 0;
-        for (int i = 0; i < n; i++) {
-            shard_step *st = c->b_sess[i]->step;
-            bool out = step_wants_output(c, st);
-            for (int j = 0; j < st->n; j++, t++) {
-                c->b_seqs[t] = c->b_sess[i]->seq;
-                if (m->has_embed) c->b_tokens[t] = st->tokens[j];
-                c->b_want[t] = out && (!m->has_head || st->all_positions || j == st->n - 1);
-            }
-            if (!m->has_embed)
-                memcpy(c->b_hidden + (t - (size_t)st->n) * (size_t)D, st->hidden,
-                       (size_t)st->n * (size_t)D * sizeof(float));
+        return fu_errorf(FU_ERR_NOMEM, "batch of %zu tokens", T);
+    return FU_OK;
+}
+
+/* Lays the batch's n entries out as one eng_batch (tokens or hidden states, sequences, which
+ * rows to output) and runs the forward into b_out. */
+static int shard_forward_batch(shard_core *c, int n, size_t T) {
+    const mdl_model *m = c->m;
+    const int D = m->cfg.dim;
+    size_t t = 0;
+    for (int i = 0; i < n; i++) {
+        shard_step *st = c->b_sess[i]->step;
+        const int off = c->b_off[i], len = c->b_len[i];
+        bool out = step_wants_output(c, st);
+        if (!m->has_embed)
+            memcpy(c->b_hidden + t * (size_t)D, st->hidden + (size_t)off * (size_t)D,
+                   (size_t)len * (size_t)D * sizeof(float));
+        for (int j = off; j < off + len; j++, t++) {
+            c->b_seqs[t] = c->b_sess[i]->seq;
+            if (m->has_embed) c->b_tokens[t] = st->tokens[j];
+            c->b_want[t] = out && (!m->has_head || st->all_positions || j == st->n - 1);
         }
-        eng_batch b = {(int)T, m->has_embed ? c->b_tokens : NULL, m->has_embed ? NULL : c->b_hidden,
-                       c->b_seqs, c->b_want};
-        rc = eng_forward(c->e, &b, c->b_out);
     }
+    eng_batch b = {(int)T, m->has_embed ? c->b_tokens : NULL, m->has_embed ? NULL : c->b_hidden, c->b_seqs,
+                   c->b_want};
+    return eng_forward(c->e, &b, c->b_out);
+}
+
+/* Runs one batched forward over the batch's n entries, fills their outputs, then completes
+ * each step whose last chunk ran (or that failed or was cancelled) and queues the others'
+ * next chunks. */
+static void shard_run_batch(shard_core *c, int n) {
+    const size_t row = c->m->has_head ? (size_t)c->m->cfg.vocab_size : (size_t)c->m->cfg.dim;
+    size_t T = 0, n_want = 0;
+    int first;
+    for (int i = 0; i < n; i++) {
+        T += (size_t)c->b_len[i];
+        n_want += (size_t)chunk_n_out(c, c->b_sess[i]->step, c->b_off[i], c->b_len[i], &first);
+    }
+    int64_t t0 = fu_now_us();
+    int rc = shard_grow_scratch(c, T, n_want);
+    if (!rc) rc = shard_forward_batch(c, n, T);
     int64_t t1 = fu_now_us();
     const char *err = rc ? fu_last_error() : "";
     const float *rows = c->b_out;
     for (int i = 0; i < n; i++) {
         shard_session *s = c->b_sess[i];
-        shard_step *st = s->step;
-        int src = rc;
-        if (!src) {
-            for (int j = 0; j < st->n; j++)
-                s->history[st->start_pos + j] = st->tokens ? st->tokens[j] : -1;
-            src = shard_finish_step(c, s, rows);
-            if (src) snprintf(s->err, sizeof s->err, "%s", fu_last_error());
-        } else {
-            snprintf(s->err, sizeof s->err, "%s", err);
-        }
-        rows += (size_t)step_n_out(c, st) * row;
-        st->queue_us = t0 - s->t_enqueue_us;
-        st->compute_us = t1 - t0;
-        s->rc = src;
+        s->rc = rc;
+        if (rc) snprintf(s->err, sizeof s->err, "%s", err);
+        else if ((s->rc = shard_finish_chunk(c, s, rows, c->b_off[i], c->b_len[i])))
+            snprintf(s->err, sizeof s->err, "%s", fu_last_error());
+        rows += (size_t)chunk_n_out(c, s->step, c->b_off[i], c->b_len[i], &first) * row;
     }
     pthread_mutex_lock(&c->mu);
     for (int i = 0; i < n; i++) {
-        c->b_sess[i]->done = true;
-        c->b_sess[i]->last_step_us = t1;
+        shard_session *s = c->b_sess[i];
+        s->step_done += c->b_len[i];
+        s->compute_acc_us += t1 - t0;
+        if (s->rc) shard_complete(c, s, s->rc, NULL);
+        else if (s->step_done == s->step->n) shard_complete(c, s, FU_OK, NULL);
+        else if (s->cancel) shard_complete(c, s, FU_ERR_CANCELLED, "cancelled: the client went away");
+        else shard_enqueue(c, s);
     }
     if (!rc) {
         c->stats.batches++;
         c->stats.batched_steps += (uint64_t)n;
         c->stats.tokens += T;
     }
-    pthread_cond_broadcast(&c->cv_done);
     pthread_mutex_unlock(&c->mu);
+}
+
+/* Waits a moment for the next steps of recently active sessions (mu held): they send them
+ * within a round trip of their last reply, and running them in one batch beats alternating
+ * in smaller ones. (Counting from the answer matters: a batch can take longer than
+ * SHARD_ACTIVE_US.) */
+static void shard_gather(shard_core *c) {
+    int active = 0;
+    int64_t now = fu_now_us();
+    for (shard_session *s = c->sessions; s; s = s->next) active += now - s->last_step_us < SHARD_ACTIVE_US;
+    if (c->n_pending >= active) return;
+    struct timespec dl = fu_deadline_us(CLOCK_REALTIME, SHARD_GATHER_US);
+    while (!c->stop && c->n_pending < active && pthread_cond_timedwait(&c->cv_work, &c->mu, &dl) == 0) {
+    }
 }
 
 static void *shard_batcher(void *arg) {
@@ -209,57 +341,18 @@ static void *shard_batcher(void *arg) {
     for (;;) {
         while (!c->pend_head && !c->stop) pthread_cond_wait(&c->cv_work, &c->mu);
         if (c->stop) break;
-        /* Sessions answered or queued recently send their next steps within a
-         * round trip of their last reply: wait a moment for them so that they
-         * all run in one batch instead of alternating in smaller ones. (Counting
-         * from the answer matters: a batch can take longer than SHARD_ACTIVE_US.) */
-        int active = 0;
-        int64_t now = fu_now_us();
-        for (shard_session *s = c->sessions; s; s = s->next)
-            active += now - s->last_step_us < SHARD_ACTIVE_US;
-        if (c->n_pending < active) {
-            struct timespec dl = fu_deadline_us(CLOCK_REALTIME, SHARD_GATHER_US);
-            while (!c->stop && c->n_pending < active &&
-                   pthread_cond_timedwait(&c->cv_work, &c->mu, &dl) == 0) {
-            }
-            if (c->stop) break;
-        }
-        /* take ready steps in arrival order up to the token budget (the first always) */
-        int n = 0, tokens = 0;
-        while (c->pend_head) {
-            shard_session *s = c->pend_head;
-            if (n > 0 && tokens + s->step->n > c->o.max_batch_tokens) break;
-            if (fu_grow((void **)&c->b_sess, &c->cap_steps, (size_t)n + 1, sizeof *c->b_sess)) break;
-            c->pend_head = s->next_pending;
-            if (!c->pend_head) c->pend_tail = NULL;
-            c->n_pending--;
-            c->b_sess[n++] = s;
-            tokens += s->step->n;
-        }
-        if (n == 0) { /* could not grow the step list: fail the first step */
-            shard_session *s = c->pend_head;
-            c->n_pending--;
-            c->pend_head = s->next_pending;
-            if (!c->pend_head) c->pend_tail = NULL;
-            s->rc = FU_ERR_NOMEM;
-            snprintf(s->err, sizeof s->err, "batch");
-            s->done = true;
-            pthread_cond_broadcast(&c->cv_done);
+        shard_gather(c);
+        if (c->stop) break;
+        int n = shard_take_batch(c);
+        if (n == 0) { /* all cancelled, or the batch list could not grow: fail the first step */
+            if (c->pend_head) shard_complete(c, shard_dequeue(c), FU_ERR_NOMEM, "batch");
             continue;
         }
         pthread_mutex_unlock(&c->mu);
         shard_run_batch(c, n);
         pthread_mutex_lock(&c->mu);
     }
-    /* fail whatever is still queued */
-    for (shard_session *s = c->pend_head; s; s = s->next_pending) {
-        s->rc = FU_ERR_CANCELLED;
-        snprintf(s->err, sizeof s->err, "the server is shutting down");
-        s->done = true;
-    }
-    c->pend_head = c->pend_tail = NULL;
-    c->n_pending = 0;
-    pthread_cond_broadcast(&c->cv_done);
+    while (c->pend_head) shard_complete(c, shard_dequeue(c), FU_ERR_CANCELLED, "the server is shutting down");
     pthread_mutex_unlock(&c->mu);
     return NULL;
 }
@@ -309,6 +402,8 @@ void shard_core_free(shard_core *c) {
     pthread_cond_destroy(&c->cv_done);
     eng_free(c->e);
     free(c->b_sess);
+    free(c->b_off);
+    free(c->b_len);
     free(c->b_tokens);
     free(c->b_hidden);
     free(c->b_seqs);
@@ -447,6 +542,9 @@ static int shard_step_prepare(shard_core *c, shard_session *s, shard_step *st) {
         st->want_logits = st->sample = false;
         st->top_logprobs = 0;
     }
+    if (!m->has_head) st->score_inputs = false;
+    if (st->score_inputs && (!st->sample || !st->all_positions || !st->tokens))
+        return fu_errorf(FU_ERR_INVALID, "scoring inputs needs sampling, all positions and the token ids");
     if (st->top_logprobs < 0 || st->top_logprobs > SHARD_MAX_TOP_LOGPROBS)
         return fu_errorf(FU_ERR_INVALID, "top_logprobs must be in [0, %d]", SHARD_MAX_TOP_LOGPROBS);
     if (st->sample) {
@@ -475,6 +573,23 @@ static int shard_step_prepare(shard_core *c, shard_session *s, shard_step *st) {
     return FU_OK;
 }
 
+/* Waits for the session's step to complete (mu held), polling the step's cancel callback
+ * (outside the lock) when it has one. */
+static void shard_wait_step(shard_core *c, shard_session *s, shard_step *st) {
+    while (!s->done) {
+        if (!st->cancelled || s->cancel) {
+            pthread_cond_wait(&c->cv_done, &c->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&c->mu);
+        bool gone = st->cancelled(st->cancel_arg);
+        pthread_mutex_lock(&c->mu);
+        if (gone) s->cancel = true;
+        struct timespec dl = fu_deadline_us(CLOCK_REALTIME, 50000);
+        if (!s->done && !gone) pthread_cond_timedwait(&c->cv_done, &c->mu, &dl);
+    }
+}
+
 int shard_session_step(shard_core *c, shard_session *s, shard_step *st) {
     int rc = shard_step_prepare(c, s, st);
     if (rc) return rc;
@@ -484,15 +599,13 @@ int shard_session_step(shard_core *c, shard_session *s, shard_step *st) {
         return fu_errorf(FU_ERR_CANCELLED, "the server is shutting down");
     }
     s->step = st;
-    s->done = false;
-    s->next_pending = NULL;
+    s->done = s->cancel = false;
+    s->step_done = 0;
+    s->compute_acc_us = 0;
     s->t_enqueue_us = s->last_step_us = fu_now_us();
-    if (c->pend_tail) c->pend_tail->next_pending = s;
-    else c->pend_head = s;
-    c->pend_tail = s;
-    c->n_pending++;
+    shard_enqueue(c, s);
     pthread_cond_signal(&c->cv_work);
-    while (!s->done) pthread_cond_wait(&c->cv_done, &c->mu);
+    shard_wait_step(c, s, st);
     rc = s->rc;
     s->step = NULL;
     pthread_mutex_unlock(&c->mu);

@@ -23,7 +23,9 @@ typedef struct shard_session shard_session;
 
 typedef struct shard_core_options {
     uint64_t kv_budget_bytes; /* KV cache memory for all sessions (0: 1 GiB) */
-    int max_batch_tokens;     /* tokens per batched forward (0: 512) */
+    int max_batch_tokens;     /* tokens per batched forward (0: 512); a longer step (a prompt's
+                               * prefill) runs in chunks of at most this many, and the other
+                               * sessions' steps join the batches between its chunks */
     op_type kv_type;          /* OP_TYPE_F32 (default) or OP_TYPE_F16 */
 } shard_core_options;
 
@@ -70,6 +72,10 @@ const char *shard_session_id(const shard_session *s);
 /* Rolls back to the first `len` positions. */
 int shard_session_rollback(shard_session *s, int len);
 
+/* Polled by a waiting submitter (on its own thread, about every 50 ms): true once the
+ * step's client has gone, so that the rest of the step is not computed. */
+typedef bool (*shard_cancel_fn)(void *arg);
+
 /* One step of one session. The caller fills the inputs and the output spec;
  * the core fills the outputs into buffers it owns (valid until the session's
  * next step or close). */
@@ -89,6 +95,11 @@ typedef struct shard_step {
                                  * seed - (n_out - 1 - i) */
     int64_t penalty_start;      /* penalties count session tokens at positions >= this */
     int top_logprobs;           /* 0..20 */
+    bool score_inputs;          /* with sample and all_positions: row i < n - 1 reports the
+                                 * next input token tokens[i + 1] (its log-prob and top
+                                 * alternatives) instead of sampling; the last row samples */
+    shard_cancel_fn cancelled;  /* NULL: the step always runs to its end */
+    void *cancel_arg;
 
     /* outputs */
     int n_out;                  /* output positions */
@@ -103,7 +114,10 @@ typedef struct shard_step {
 } shard_step;
 
 /* Queues the step for the next batched forward and waits for it. Validates
- * the inputs (FU_ERR_INVALID / FU_ERR_RANGE with a message) before queueing. */
+ * the inputs (FU_ERR_INVALID / FU_ERR_RANGE with a message) before queueing.
+ * A step longer than max_batch_tokens runs in chunks, other sessions' steps
+ * between them. FU_ERR_CANCELLED when step->cancelled said so before the last
+ * chunk ran; a failed or cancelled step leaves the session as it was before it. */
 int shard_session_step(shard_core *c, shard_session *s, shard_step *step);
 
 #endif

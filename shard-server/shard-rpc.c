@@ -95,6 +95,7 @@ static int encode_tensor(wire_tensor *t, int64_t *shape, const float *x, int64_t
 static int step_spec(const shard_svc_output_spec *spec, shard_step *step, rpc_status *st) {
     step->want_logits = spec->want_logits;
     step->all_positions = spec->all_positions;
+    step->score_inputs = spec->score_inputs;
     step->top_logprobs = spec->top_logprobs;
     const shard_svc_sampling *sp = spec->sampling;
     if (!sp) return RPC_OK;
@@ -325,6 +326,13 @@ typedef struct session {
     out_storage os;     /* the step's outputs as sent */
 } session;
 
+/* Whether the session's client has gone (cancelled or dropped): polled on the stream's thread
+ * while a step computes or waits for the next hop, so that a prefill stops early. */
+static bool session_gone(void *arg) {
+    session *c = arg;
+    return shard_svc_stream_cancelled(c->s);
+}
+
 /* Takes the open message: checks it, holds the span's core, opens the session in it (and on
  * the next hop when forwarding) and answers. RPC_OK once open. */
 static int session_start(session *c, const shard_svc_open *open, rpc_status *st) {
@@ -342,6 +350,7 @@ static int session_start(session *c, const shard_svc_open *open, rpc_status *st)
     if ((rc = shard_session_open(c->core, open->session_id, open->max_length, &c->sess)))
         return rpc_status_from_fu(st, rc);
     if (open->n_chain && (rc = downstream_open(srv, open, &c->ds, st))) return rc;
+    if (c->ds.sess) shard_svc_session_set_wait(c->ds.sess, -1, session_gone, c);
     FU_LOG(FU_LOG_LEVEL_DEBUG, open->session_id, "opened: max_length %d, wire %s%s", open->max_length,
            wire_dtype_name(c->wire), open->n_chain ? ", forwarding" : "");
     shard_core_stats stats;
@@ -367,6 +376,8 @@ static int session_step(session *c, const shard_svc_step *sr, rpc_status *st) {
     shard_step step;
     int rc = step_from_req(c->core, sr->input, sr->output, sr->start_position, &step, &c->hbuf, st);
     if (rc) return rc;
+    step.cancelled = session_gone;
+    step.cancel_arg = c;
     if ((rc = shard_session_step(c->core, c->sess, &step)) ||
         (rc = output_from_step(c->core, &step, c->wire, c->block, &c->os)))
         return rpc_status_from_fu(st, rc);

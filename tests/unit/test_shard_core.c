@@ -283,12 +283,165 @@ static void test_all_positions_row_seeds(void **state) {
     fixture_close(&f);
 }
 
+/* A step longer than max_batch_tokens runs in chunks and computes what one forward computes:
+ * the logits of every position, and a no-head span's hidden states. */
+static void test_chunked_step_equals_whole(void **state) {
+    fixture whole, chunked;
+    shard_core_options small = {0, 4, OP_TYPE_F32};
+    fixture_open(&whole, OP_TYPE_F32, 21, 1, NULL);
+    fixture_open(&chunked, OP_TYPE_F32, 21, 1, &small);
+    enum { N = 37 };
+    int32_t ids[N];
+    for (int i = 0; i < N; i++) ids[i] = (i * 13 + 5) % 97;
+    shard_session *sw, *sc;
+    assert_int_equal(shard_session_open(whole.core, "w", 64, &sw), FU_OK);
+    assert_int_equal(shard_session_open(chunked.core, "c", 64, &sc), FU_OK);
+    shard_step a = {.n = N, .tokens = ids, .want_logits = true, .all_positions = true};
+    shard_step b = a;
+    assert_int_equal(shard_session_step(whole.core, sw, &a), FU_OK);
+    assert_int_equal(shard_session_step(chunked.core, sc, &b), FU_OK);
+    assert_int_equal(b.n_out, N);
+    for (int i = 0; i < N * 97; i++) assert_true(fabsf(a.out_logits[i] - b.out_logits[i]) < 1e-4f);
+    shard_core_stats st;
+    shard_core_get_stats(chunked.core, &st);
+    assert_int_equal((int)st.batches, (N + 3) / 4);
+    assert_int_equal(shard_session_len(sc), N);
+    /* last-position output of a chunked step: the last row only */
+    shard_step c1 = {.n = 9, .start_pos = N, .tokens = ids, .want_logits = true};
+    shard_step c2 = c1;
+    assert_int_equal(shard_session_step(whole.core, sw, &c1), FU_OK);
+    assert_int_equal(shard_session_step(chunked.core, sc, &c2), FU_OK);
+    assert_int_equal(c2.n_out, 1);
+    for (int i = 0; i < 97; i++) assert_true(fabsf(c1.out_logits[i] - c2.out_logits[i]) < 1e-4f);
+    shard_session_close(whole.core, sw);
+    shard_session_close(chunked.core, sc);
+    fixture_close(&whole);
+    fixture_close(&chunked);
+}
+
+/* Scoring inputs: row i < n - 1 reports the next input token with its log-softmax and top
+ * alternatives (no full-vocabulary rows needed); the last row samples as usual. */
+static void test_score_inputs(void **state) {
+    fixture f;
+    shard_core_options small = {0, 5, OP_TYPE_F32};
+    fixture_open(&f, OP_TYPE_F32, 31, 1, &small);
+    enum { N = 12, K = 3 };
+    int32_t ids[N];
+    for (int i = 0; i < N; i++) ids[i] = (i * 29 + 3) % 97;
+    shard_session *sl, *ss;
+    assert_int_equal(shard_session_open(f.core, "l", 32, &sl), FU_OK);
+    assert_int_equal(shard_session_open(f.core, "s", 32, &ss), FU_OK);
+    shard_step lg = {.n = N, .tokens = ids, .want_logits = true, .all_positions = true};
+    assert_int_equal(shard_session_step(f.core, sl, &lg), FU_OK);
+    shard_step sc = {.n = N, .tokens = ids, .sample = true, .all_positions = true, .score_inputs = true,
+                     .top_logprobs = K};
+    sc.sampling = smp_params_default();
+    sc.sampling.temperature = 0;
+    assert_int_equal(shard_session_step(f.core, ss, &sc), FU_OK);
+    assert_int_equal(sc.n_out, N);
+    assert_null(sc.out_logits);
+    for (int i = 0; i < N; i++) {
+        const float *row = lg.out_logits + (size_t)i * 97;
+        float mx = row[0], sum = 0;
+        for (int v = 1; v < 97; v++) mx = row[v] > mx ? row[v] : mx;
+        for (int v = 0; v < 97; v++) sum += expf(row[v] - mx);
+        int32_t want = i < N - 1 ? ids[i + 1] : smp_argmax(row, 97);
+        assert_int_equal(sc.out_tokens[i], want);
+        assert_true(fabsf(sc.out_logprobs[i] - (row[want] - mx - logf(sum))) < 1e-4f);
+        assert_int_equal(sc.out_top_ids[i * K], smp_argmax(row, 97));
+    }
+    shard_step bad = {.n = 2, .start_pos = N, .tokens = ids, .sample = true, .score_inputs = true};
+    bad.sampling = smp_params_default();
+    assert_int_equal(shard_session_step(f.core, ss, &bad), FU_ERR_INVALID); /* needs all_positions */
+    shard_session_close(f.core, sl);
+    shard_session_close(f.core, ss);
+    fixture_close(&f);
+}
+
+typedef struct long_step {
+    shard_core *core;
+    shard_session *s;
+    shard_step st;
+    int32_t ids[120];
+    bool cancel;
+    int rc;
+    _Atomic int finished;
+} long_step;
+
+static bool long_step_cancelled(void *arg) { return ((long_step *)arg)->cancel; }
+
+static void *long_step_run(void *arg) {
+    long_step *l = arg;
+    l->rc = shard_session_step(l->core, l->s, &l->st);
+    l->finished = 1;
+    return NULL;
+}
+
+/* Starts a 120-position step of session `id` in chunks of one position on its own thread, and
+ * waits until its first chunk has run. */
+static void long_step_start(long_step *l, shard_core *core, const char *id, bool cancel, pthread_t *t) {
+    memset(l, 0, sizeof *l);
+    l->core = core;
+    l->cancel = cancel;
+    for (int i = 0; i < 120; i++) l->ids[i] = i % 97;
+    assert_int_equal(shard_session_open(core, id, 128, &l->s), FU_OK);
+    l->st = (shard_step){.n = 120, .tokens = l->ids, .want_logits = true, .cancelled = long_step_cancelled,
+                         .cancel_arg = l};
+    shard_core_stats before, now;
+    shard_core_get_stats(core, &before);
+    assert_int_equal(pthread_create(t, NULL, long_step_run, l), 0);
+    do shard_core_get_stats(core, &now);
+    while (now.batches == before.batches && !l->finished);
+}
+
+/* A session's short step is answered between the chunks of another's long prefill; a step
+ * whose client goes away stops after the chunk in flight and leaves its session as it was. */
+static void test_prefill_interleaves_and_cancels(void **state) {
+    fixture f;
+    shard_core_options one = {0, 1, OP_TYPE_F32};
+    fixture_open(&f, OP_TYPE_F32, 41, 1, &one);
+    shard_session *quick;
+    assert_int_equal(shard_session_open(f.core, "quick", 128, &quick), FU_OK);
+    int interleaved = 0, cancelled = 0;
+    for (int round = 0; round < 20 && (!interleaved || !cancelled); round++) {
+        long_step l;
+        pthread_t t;
+        long_step_start(&l, f.core, "long", false, &t);
+        int32_t tok = 7;
+        shard_step q = {.n = 1, .start_pos = shard_session_len(quick), .tokens = &tok, .want_logits = true};
+        assert_int_equal(shard_session_step(f.core, quick, &q), FU_OK);
+        interleaved += !l.finished;
+        pthread_join(t, NULL);
+        assert_int_equal(l.rc, FU_OK);
+        assert_int_equal(shard_session_len(l.s), 120);
+        shard_session_close(f.core, l.s);
+        assert_int_equal(shard_session_rollback(quick, 0), FU_OK);
+
+        long_step_start(&l, f.core, "gone", true, &t);
+        pthread_join(t, NULL);
+        if (l.rc == FU_ERR_CANCELLED) {
+            cancelled++;
+            assert_int_equal(shard_session_len(l.s), 0);
+        } else {
+            assert_int_equal(l.rc, FU_OK);
+        }
+        shard_session_close(f.core, l.s);
+    }
+    assert_true(interleaved > 0);
+    assert_true(cancelled > 0);
+    shard_session_close(f.core, quick);
+    fixture_close(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_concurrent_sessions_batch_and_match),
         cmocka_unit_test(test_chained_spans_equal_whole),
         cmocka_unit_test(test_admission_and_bad_steps),
         cmocka_unit_test(test_all_positions_row_seeds),
+        cmocka_unit_test(test_chunked_step_equals_whole),
+        cmocka_unit_test(test_score_inputs),
+        cmocka_unit_test(test_prefill_interleaves_and_cancels),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
