@@ -649,6 +649,12 @@ typedef struct gw_run {
     int failovers;
     gw_lease lease;         /* routed mode: the path held */
     chain_session *s;
+    int64_t wait_ms;        /* the step in flight: its measured deadline (gw-pace.h) */
+    int64_t next_check_ms;  /* when its hops are probed next (alive: waiting goes on) */
+    int64_t cap_ms;         /* when it is given up even though its hops answer */
+    int silent_hop;         /* the hop that answered no probe (-1: none) */
+    bool hop_retired;       /* ...or that the swarm retired while the step waited */
+    bool capped;            /* the step was given up at cap_ms, its hops answering: busy, not dead */
     bool counted;           /* the choice counts in the open-sessions metric */
     chain_spec spec;
     bool echo_lp;           /* completions echo + logprobs: the prompt's logprobs come with step 0 */
@@ -684,21 +690,61 @@ static void gw_run_drop_path(gw_run *r, int rc, const char *msg) {
     gw_swarm_release(sw, &r->lease);
 }
 
-/* Polled by a step waiting for the chain: the job's client has gone. */
-static bool gw_job_gone(void *arg) {
-    gw_job *j = arg;
-    return atomic_load(&j->cancelled);
+/* How long a probe of a step's hops waits for each Echo. */
+#define GW_PROBE_MS 1000
+
+/* After this long a waiting step asks the swarm whether one of its hops was retired meanwhile. */
+#define GW_RETIRED_CHECK_MS 200
+
+/* The watch of a step in flight: cancels it when the job's client has gone; gives it up when the
+ * swarm has retired one of its hops (r->silent_hop names it); once the step is past its
+ * measured deadline, probes its hops: one that does not answer is hung or dead (given up, named
+ * the same way), else the step is busy, not stuck, and waiting goes on for another deadline, up
+ * to r->cap_ms. */
+static int gw_run_watch(void *arg, int64_t waited_ms) {
+    gw_run *r = arg;
+    gw_swarm *sw = r->j->e->swarm;
+    if (atomic_load(&r->j->cancelled)) return CHAIN_CANCEL;
+    if (sw && waited_ms >= GW_RETIRED_CHECK_MS && (r->silent_hop = gw_swarm_lease_retired(sw, &r->lease)) >= 0) {
+        r->hop_retired = true;
+        return CHAIN_GIVE_UP;
+    }
+    if (waited_ms < r->next_check_ms) return CHAIN_WAIT;
+    if (waited_ms >= r->cap_ms) {
+        r->capped = true;
+        return CHAIN_GIVE_UP;
+    }
+    r->silent_hop = chain_session_probe(r->s, GW_PROBE_MS);
+    if (r->silent_hop >= 0) return CHAIN_GIVE_UP;
+    FU_LOG(FU_LOG_LEVEL_INFO, r->sid, "a step is past its %lld ms deadline after %lld ms; its shards answer: waiting",
+           (long long)r->wait_ms, (long long)waited_ms);
+    r->next_check_ms = waited_ms + r->wait_ms;
+    return CHAIN_WAIT;
 }
 
-/* Runs one step of n positions from `in` on the open session with r->spec, waiting for it
- * as long as the leased hops' measured pace allows (routed mode; gw-pace.h), and records
- * its timings there. */
+/* Runs one step of n positions from `in` on the open session with `spec`. Routed, it waits
+ * for the leased hops' measured deadline (gw-pace.h), then as long as they answer probes (up
+ * to the step timeout, scaled by n), and records the step's timings. A hop that answers no
+ * probe is named in the failure's message, so that it is the one retired. */
 static int gw_run_timed_step(gw_run *r, const int32_t *in, int n, const chain_spec *spec, const chain_result **res) {
     gw_pace *pace = r->j->e->pace;
+    const gw_config *cfg = r->j->e->cfg;
+    r->wait_ms = pace ? gw_pace_deadline_ms(pace, r->lease.hops, r->lease.n_hops, n) : cfg->step_timeout_ms;
+    r->next_check_ms = r->wait_ms;
+    r->cap_ms = (int64_t)cfg->step_timeout_ms * (1 + n / GW_PACE_CHUNK);
+    r->silent_hop = -1;
+    r->hop_retired = r->capped = false;
     chain_spec sp = *spec;
-    if (pace) sp.timeout_ms = gw_pace_deadline_ms(pace, r->lease.hops, r->lease.n_hops, n);
+    sp.timeout_ms = (int)(r->cap_ms + GW_PROBE_MS * (int64_t)GW_MAX_HOPS);
     int rc = chain_session_step(r->s, in, n, -1, &sp, res);
     if (!rc && pace) gw_pace_record(pace, r->lease.hops, r->lease.n_hops, n, *res);
+    if (rc && r->silent_hop >= 0 && r->silent_hop < r->lease.n_hops)
+        rc = fu_errorf(FU_ERR_NETWORK, r->hop_retired ? "shard %s: retired while a step waited for it"
+                                                      : "shard %s: no reply to a step within %lld ms, nor to a probe",
+                       r->lease.hops[r->silent_hop].address, (long long)r->wait_ms);
+    else if (rc && r->capped)
+        rc = fu_errorf(FU_ERR_EXHAUSTED, "the shard servers, though answering, did not finish a step of %d positions "
+                       "within %lld ms", n, (long long)r->cap_ms);
     return rc;
 }
 
@@ -710,7 +756,7 @@ static int gw_run_open_path(gw_run *r, int n_replay) {
     snprintf(id, sizeof id, "%s.%d", r->sid, r->failovers);
     int rc = chain_session_open(r->j->e->chain, r->lease.hops, r->lease.n_hops, id, r->max_length, &r->s);
     if (rc) return rc;
-    chain_session_set_cancel(r->s, gw_job_gone, r->j);
+    chain_session_set_watch(r->s, gw_run_watch, r);
     if (n_replay == 0) return FU_OK;
     chain_spec none = {0};
     const chain_result *res = NULL;
@@ -726,7 +772,7 @@ static int gw_run_open_session(gw_run *r, int n_replay) {
     if (!e->swarm) {
         int rc = chain_session_open(e->chain, e->hops, e->n_hops, r->sid, r->max_length, &r->s);
         if (rc) gw_chain_error(&r->err, rc);
-        else chain_session_set_cancel(r->s, gw_job_gone, r->j);
+        else chain_session_set_watch(r->s, gw_run_watch, r);
         return rc;
     }
     for (;;) {
@@ -757,7 +803,10 @@ static int gw_run_chain_step(gw_run *r, const chain_result **res) {
         int rc = gw_run_timed_step(r, in, r->n_in, &r->spec, res);
         if (!rc) return FU_OK;
         if (!j->e->swarm || !gw_hop_dead(rc) || r->failovers >= GW_MAX_FAILOVERS || atomic_load(&j->cancelled)) {
-            gw_step_error(&r->err, rc);
+            if (r->capped)
+                gw_error_set(&r->err, 503, NULL, "overloaded", "the shard servers are too busy: %s", fu_last_error());
+            else
+                gw_step_error(&r->err, rc);
             FU_LOG(FU_LOG_LEVEL_WARN, r->sid, "step failed: %s", r->err.message);
             return rc;
         }

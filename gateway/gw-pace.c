@@ -110,7 +110,7 @@ int gw_pace_deadline_ms(gw_pace *p, const chain_hop *hops, int n_hops, int n) {
         const pace_server *s = pace_find(p, hops[i].address, false);
         double dec = s ? ring_p99(&s->decode) : -1, pos = s ? ring_p99(&s->per_pos) : -1;
         if (dec < 0 || pos < 0) sum_us = -1;
-        else sum_us += dec + pos * (double)(n + GW_PACE_CHUNK);
+        else sum_us += dec + pos * (double)(n - 1);
     }
     pthread_mutex_unlock(&p->mu);
     if (sum_us < 0) return p->o.fallback_ms;

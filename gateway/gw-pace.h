@@ -6,16 +6,17 @@
  * its hops have been measured to need, a multiple of it, with a floor:
  *
  *   deadline = floor + multiple x sum over hops of
- *              (p99 of its 1-position steps + p99 of its per-position prefill
- *               time x (n + GW_PACE_CHUNK))
+ *              (p99 of its 1-position steps
+ *               + p99 of its per-position time in longer steps x (n - 1))
  *
- * where n is the step's positions and GW_PACE_CHUNK allows for one chunk of
- * another session's prefill batched ahead of this step (fusion-shard's default
- * --max-batch-tokens). Each hop's figures are its own (queue + compute time as
- * the shard reports it in the step's timings), over its last GW_PACE_SAMPLES
- * steps of each kind. A hop without both kinds of samples yet gives the
- * configured fallback (the step timeout), as does any deadline above it times
- * (1 + n / GW_PACE_CHUNK); so does a step on a path never measured.
+ * where n is the step's positions. Each hop's figures are its own (queue +
+ * compute time as the shard reports it in the step's timings), over its last
+ * GW_PACE_SAMPLES steps of each kind. A hop without both kinds of samples yet
+ * gives the configured fallback (the step timeout), as does a deadline above
+ * the fallback times (1 + n / GW_PACE_CHUNK). Past its deadline a step's hops
+ * are probed (gw-gen.c): a busy shard answers and is waited for, a hung one is
+ * failed over at once. GW_PACE_CHUNK is fusion-shard's default
+ * --max-batch: a prefill takes about one step per chunk.
  *
  * Threads: thread-safe (one mutex). Ownership: the table copies the addresses
  * it keeps; at most GW_PACE_SERVERS, the least recently updated replaced.

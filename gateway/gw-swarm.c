@@ -1124,6 +1124,17 @@ void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message
     }
 }
 
+int gw_swarm_lease_retired(gw_swarm *s, const gw_lease *l) {
+    int gone = -1;
+    pthread_mutex_lock(&s->mu);
+    for (int h = 0; h < l->n_hops && gone < 0; h++) {
+        const gw_member *mb = gw_member_by_router_id_locked(s, l->ids[h]);
+        if (!mb || !mb->live) gone = h;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return gone;
+}
+
 /* ---- /v1/swarm ---------------------------------------------------------------------------- */
 
 static const char *gw_member_state(const gw_member *mb) {

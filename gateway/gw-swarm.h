@@ -102,6 +102,9 @@ void gw_swarm_release(gw_swarm *s, gw_lease *l);
  * "shard HOST:PORT: ..."): retires the named hop, or, when none is named, every
  * hop of the lease that does not answer an Info probe. */
 void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message);
+/* The first hop of the lease that has been retired since it was routed (its member failed its
+ * polls or heartbeats, or another call reported it), or -1 when all are still in the swarm. */
+int gw_swarm_lease_retired(gw_swarm *s, const gw_lease *l);
 /* The /v1/swarm document (new reference; NULL on allocation failure). */
 json_t *gw_swarm_json(gw_swarm *s);
 

@@ -43,8 +43,8 @@ struct chain_session {
     int n_hops;
     int64_t len;
     uint64_t next_request;
-    bool (*cancelled)(void *arg); /* chain_session_set_cancel */
-    void *cancel_arg;
+    chain_watch_fn watch;         /* chain_session_set_watch */
+    void *watch_arg;
     /* result storage */
     chain_result res;
     float *logits;
@@ -219,9 +219,22 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
 
 int64_t chain_session_len(const chain_session *s) { return s->len; }
 
-void chain_session_set_cancel(chain_session *s, bool (*cancelled)(void *arg), void *arg) {
-    s->cancelled = cancelled;
-    s->cancel_arg = arg;
+_Static_assert((int)CHAIN_WAIT == (int)SHARD_SVC_WAIT && (int)CHAIN_CANCEL == (int)SHARD_SVC_CANCEL &&
+                   (int)CHAIN_GIVE_UP == (int)SHARD_SVC_GIVE_UP,
+               "a chain watch is passed to the Shard service as is");
+
+void chain_session_set_watch(chain_session *s, chain_watch_fn fn, void *arg) {
+    s->watch = fn;
+    s->watch_arg = arg;
+}
+
+int chain_session_probe(chain_session *s, int timeout_ms) {
+    for (int i = 0; i < s->n_hops; i++) {
+        rpc_channel *ch = NULL;
+        rpc_status st = {0};
+        if (chain_channel(s->c, &s->links[i].hop, &ch) || shard_svc_echo(ch, 0, timeout_ms, &st)) return i;
+    }
+    return -1;
 }
 
 /* Sends one step on link i and receives its reply (*reply: valid until the link's next step or
@@ -340,7 +353,7 @@ int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t r
                                 .top_logprobs = spec->top_logprobs};
     for (int i = 0; i < s->n_links; i++)
         shard_svc_session_set_wait(s->links[i].sess, spec->timeout_ms > 0 ? spec->timeout_ms : s->c->o.timeout_ms,
-                                   s->cancelled, s->cancel_arg);
+                                   s->watch, s->watch_arg);
     if (spec->sample) {
         const smp_params *p = &spec->sampling;
         if (p->n_bias > SMP_MAX_LOGIT_BIAS)

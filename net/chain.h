@@ -96,10 +96,23 @@ typedef struct chain_result {
 int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t rollback_to,
                        const chain_spec *spec, const chain_result **out);
 
-/* Sets a poll (NULL: none) that the session's steps call on their thread about every 50 ms
- * while they wait: once it returns true the step is cancelled on every hop (a shard stops the
- * prefill in flight) and fails with FU_ERR_CANCELLED. */
-void chain_session_set_cancel(chain_session *s, bool (*cancelled)(void *arg), void *arg);
+/* What a watch says about a step still awaited. */
+enum {
+    CHAIN_WAIT = 0,    /* go on waiting */
+    CHAIN_CANCEL = 1,  /* cancel the step on every hop (a shard stops the prefill in flight):
+                        * it fails with FU_ERR_CANCELLED */
+    CHAIN_GIVE_UP = 2, /* stop waiting: the step fails with FU_ERR_NETWORK ("no reply after ...") */
+};
+/* Called on the stepping thread about every 50 ms while a step's reply is awaited, with the time
+ * waited so far (it may take time itself, e.g. to probe the hops); returns one of the above. */
+typedef int (*chain_watch_fn)(void *arg, int64_t waited_ms);
+
+/* Sets the session's watch (NULL: none); timeout_ms (and a step's own) still bounds each wait. */
+void chain_session_set_watch(chain_session *s, chain_watch_fn fn, void *arg);
+
+/* Sends a small Echo to every hop of the session, each waited for up to timeout_ms: the index of
+ * the first hop that does not answer (it is down or hung), or -1 when every hop answered. */
+int chain_session_probe(chain_session *s, int timeout_ms);
 
 /* Positions the session holds (after its last successful step). */
 int64_t chain_session_len(const chain_session *s);

@@ -778,8 +778,8 @@ int shard_svc_serve(rpc_server *srv, const shard_svc_handlers *h) {
 struct shard_svc_session {
     rpc_stream *s;
     int timeout_ms;            /* for each reply */
-    shard_svc_cancel_fn cancel; /* NULL: none */
-    void *cancel_arg;
+    shard_svc_watch_fn watch;  /* NULL: none */
+    void *watch_arg;
     ProtobufCMessage *msg;     /* the last step reply; the views point into it */
     shard_svc_step_reply rep;
     shard_svc_output out;
@@ -800,17 +800,21 @@ static int session_send(shard_svc_session *s, Fusion__SessionRequest__KindCase k
 /* Slices of a wait for a reply between two polls of the session's cancel function. */
 #define SVC_CANCEL_POLL_MS 50
 
-/* Waits up to the session's timeout for its next reply message, polling its cancel function
- * (if any) between slices: once it says so the call is cancelled and RPC_CANCELLED returned. */
+/* Waits up to the session's timeout for its next reply message, asking its watch (if any)
+ * between slices whether to go on. */
 static int session_wait(shard_svc_session *s, ProtobufCMessage **msg, rpc_status *st) {
     const ProtobufCMessageDescriptor *d = &fusion__session_reply__descriptor;
-    if (!s->cancel) return rpc_stream_recv(s->s, d, msg, s->timeout_ms, st);
-    int64_t end = s->timeout_ms < 0 ? INT64_MAX : fu_now_us() + (int64_t)s->timeout_ms * 1000;
+    if (!s->watch) return rpc_stream_recv(s->s, d, msg, s->timeout_ms, st);
+    int64_t t0 = fu_now_us(), end = s->timeout_ms < 0 ? INT64_MAX : t0 + (int64_t)s->timeout_ms * 1000;
     for (;;) {
-        if (s->cancel(s->cancel_arg)) {
+        int64_t waited_ms = (fu_now_us() - t0) / 1000;
+        int verdict = s->watch(s->watch_arg, waited_ms);
+        if (verdict == SHARD_SVC_CANCEL) {
             rpc_stream_cancel(s->s);
             return rpc_status_setf(st, RPC_CANCELLED, "the reply is no longer wanted");
         }
+        if (verdict == SHARD_SVC_GIVE_UP)
+            return rpc_status_setf(st, RPC_DEADLINE_EXCEEDED, "no reply after %lld ms", (long long)waited_ms);
         int64_t left_ms = (end - fu_now_us()) / 1000;
         if (left_ms <= 0) return rpc_status_setf(st, RPC_DEADLINE_EXCEEDED, "no reply within %d ms", s->timeout_ms);
         int rc = rpc_stream_recv(s->s, d, msg, left_ms < SVC_CANCEL_POLL_MS ? (int)left_ms : SVC_CANCEL_POLL_MS, st);
@@ -853,10 +857,10 @@ int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int time
     return RPC_OK;
 }
 
-void shard_svc_session_set_wait(shard_svc_session *s, int timeout_ms, shard_svc_cancel_fn fn, void *arg) {
+void shard_svc_session_set_wait(shard_svc_session *s, int timeout_ms, shard_svc_watch_fn fn, void *arg) {
     s->timeout_ms = timeout_ms;
-    s->cancel = fn;
-    s->cancel_arg = arg;
+    s->watch = fn;
+    s->watch_arg = arg;
 }
 
 void shard_svc_session_drop_reply(shard_svc_session *s) {

@@ -308,13 +308,19 @@ int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int time
 int shard_svc_session_step(shard_svc_session *s, const shard_svc_step *step, const shard_svc_step_reply **reply,
                            rpc_status *st);
 
-/* Polled while a client waits for a reply: true once the reply is no longer wanted. */
-typedef bool (*shard_svc_cancel_fn)(void *arg);
+/* What a watch says about a reply still awaited. */
+enum {
+    SHARD_SVC_WAIT = 0,    /* go on waiting */
+    SHARD_SVC_CANCEL = 1,  /* the reply is no longer wanted: cancel the call (RPC_CANCELLED) */
+    SHARD_SVC_GIVE_UP = 2, /* stop waiting (RPC_DEADLINE_EXCEEDED) */
+};
+/* Called on the waiting thread about every 50 ms while a reply is awaited, with the time waited
+ * so far; returns one of the above. */
+typedef int (*shard_svc_watch_fn)(void *arg, int64_t waited_ms);
 
-/* Sets how long each next reply of s is waited for (< 0: forever) and a cancel poll (NULL:
- * none), called on the waiting thread about every 50 ms: once it returns true the call is
- * cancelled (the server sees its client go) and the wait ends with RPC_CANCELLED. */
-void shard_svc_session_set_wait(shard_svc_session *s, int timeout_ms, shard_svc_cancel_fn fn, void *arg);
+/* Sets how long each next reply of s is waited for at most (< 0: forever) and a watch (NULL:
+ * none). A cancelled call is seen by the server as its client going away. */
+void shard_svc_session_set_wait(shard_svc_session *s, int timeout_ms, shard_svc_watch_fn fn, void *arg);
 
 /* Frees the last step reply now (its view ends) instead of at the next step. */
 void shard_svc_session_drop_reply(shard_svc_session *s);

@@ -333,6 +333,12 @@ static bool session_gone(void *arg) {
     return shard_svc_stream_cancelled(c->s);
 }
 
+/* The watch of the next hop's replies: the call is cancelled once this session's client has gone. */
+static int session_watch(void *arg, int64_t waited_ms) {
+    (void)waited_ms;
+    return session_gone(arg) ? SHARD_SVC_CANCEL : SHARD_SVC_WAIT;
+}
+
 /* Takes the open message: checks it, holds the span's core, opens the session in it (and on
  * the next hop when forwarding) and answers. RPC_OK once open. */
 static int session_start(session *c, const shard_svc_open *open, rpc_status *st) {
@@ -350,7 +356,7 @@ static int session_start(session *c, const shard_svc_open *open, rpc_status *st)
     if ((rc = shard_session_open(c->core, open->session_id, open->max_length, &c->sess)))
         return rpc_status_from_fu(st, rc);
     if (open->n_chain && (rc = downstream_open(srv, open, &c->ds, st))) return rc;
-    if (c->ds.sess) shard_svc_session_set_wait(c->ds.sess, -1, session_gone, c);
+    if (c->ds.sess) shard_svc_session_set_wait(c->ds.sess, -1, session_watch, c);
     FU_LOG(FU_LOG_LEVEL_DEBUG, open->session_id, "opened: max_length %d, wire %s%s", open->max_length,
            wire_dtype_name(c->wire), open->n_chain ? ", forwarding" : "");
     shard_core_stats stats;

@@ -142,6 +142,17 @@ def run_chain(shards, prompt, max_tokens, *, wire=None, forward=False, sessions=
     return res
 
 
+def reference_tokens(model, prompt_ids, max_tokens):
+    """The greedy continuation of prompt_ids (ignoring EOS) by the single-process engine, fusion-generate."""
+    res = subprocess.run([program("generate"), "--model", model, "--prompt-ids", ",".join(map(str, prompt_ids)),
+                          "--max-tokens", str(max_tokens), "--ignore-eos", "--json", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    ref = json.loads(res.stdout)["tokens"]
+    assert len(ref) == max_tokens
+    return ref
+
+
 def wait_for(pred, what, timeout=20):
     """Polls pred() every 0.1 s until it is true; fails the test naming `what` after timeout seconds."""
     deadline = time.time() + timeout

@@ -8,10 +8,8 @@ fusion-generate token for token; SIGKILL of the shard holding block 0 on the req
 C=[0,30)) leaves the stream complete with exactly the reference tokens; killing every server of [0, 15)
 gives a quick 503 "no server covers blocks [0, 15)"; a shard restarted on the same address rejoins.
 """
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -20,7 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import shard_cluster  # noqa: E402
-from shard_cluster import Gateway, Shard, default_model, program, by_address, wait_for  # noqa: E402
+from shard_cluster import Gateway, Shard, default_model, by_address, wait_for  # noqa: E402
 
 KEY = "sk-test-failover-key"
 PROMPT = [504, 1552, 3732, 3434, 359]  # any ids; the reference is computed from them
@@ -70,13 +68,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    res = subprocess.run([program("generate"), "--model", cluster["model"], "--prompt-ids",
-                          ",".join(map(str, PROMPT)), "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json",
-                          "--threads", "1"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    ref = json.loads(res.stdout)["tokens"]
-    assert len(ref) == MAX_TOKENS
-    return ref
+    return shard_cluster.reference_tokens(cluster["model"], PROMPT, MAX_TOKENS)
 
 
 def test_swarm_route_failover_and_503(cluster, reference):

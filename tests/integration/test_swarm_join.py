@@ -8,7 +8,6 @@ reference tokens. A new small shard (a spare again) and then a bigger one join d
 adds flow, so it serves and shows in /v1/swarm's flow. With the spares gone, killing every server of block 0 gives
 a quick 503. /v1/swarm shows spans or "spare", states, device, dtype, speeds, KV and measured link figures.
 """
-import json
 import os
 import signal
 import socket
@@ -114,13 +113,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def reference(cluster):
-    res = subprocess.run([program("generate"), "--model", cluster["model"], "--prompt-ids",
-                          ",".join(map(str, PROMPT)), "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json",
-                          "--threads", "1"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    ref = json.loads(res.stdout)["tokens"]
-    assert len(ref) == MAX_TOKENS
-    return ref
+    return shard_cluster.reference_tokens(cluster["model"], PROMPT, MAX_TOKENS)
 
 
 def test_join_spares_failover_and_503(cluster, reference):
