@@ -360,7 +360,8 @@ static void *worker_main(void *arg) {
 static int server_pems_load(const rpc_server_options *o, rpc_pems *p) {
     int rc = rpc__load_pem("certificate", o->tls_cert, &p->cert);
     if (!rc) rc = rpc__load_pem("private key", o->tls_key, &p->key);
-    if (!rc && o->tls_client_ca) rc = rpc__load_pem("client CA certificate", o->tls_client_ca, &p->ca);
+    if (!rc && o->tls_client_ca)
+        rc = rpc__load_pem("client CA certificate", o->tls_client_ca, &p->ca);
     if (rc) rpc__pems_free(p);
     return rc;
 }

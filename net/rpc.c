@@ -121,7 +121,8 @@ int rpc__client_status(rpc_status *st, int code, grpc_slice details, int tls) {
         return code;
     return rpc_status_setf(st, code, "the server closed the TLS connection while it was set up: %s",
                            tls == RPC_CHANNEL_TLS_CERT
-                               ? "it may require client certificates signed by another CA than this one's"
+                               ? "it may require client certificates signed by another CA "
+                                 "than this one's"
                                : "it may require a client certificate, and none is configured");
 }
 
@@ -177,7 +178,8 @@ int rpc__load_pem(const char *what, const char *value, char **out) {
     size_t n;
     int rc = mf_read(value, RPC_PEM_MAX, &buf, &n); /* regular files only: a FIFO never blocks */
     if (rc) /* absent, unreadable, not a regular file, too large: all FU_ERR_IO here */
-        return fu_errorf(rc == FU_ERR_NOMEM ? rc : FU_ERR_IO, "rpc: %s file: %s", what, fu_last_error());
+        return fu_errorf(rc == FU_ERR_NOMEM ? rc : FU_ERR_IO, "rpc: %s file: %s", what,
+                         fu_last_error());
     if (strlen(buf) != n || !strstr(buf, "-----BEGIN")) {
         free(buf);
         return fu_errorf(FU_ERR_FORMAT, "rpc: %s file '%s' is not PEM", what, value);
@@ -210,10 +212,14 @@ int rpc__check_pem_pair(const char *what, const char *cert, const char *key) {
     X509 *x = pem_cert(cert);
     EVP_PKEY *k = pem_key(key);
     int rc = FU_OK;
-    if (!x) rc = fu_errorf(FU_ERR_FORMAT, "rpc: the %s certificate is not a PEM certificate", what);
-    else if (!k) rc = fu_errorf(FU_ERR_FORMAT, "rpc: the %s key is not a PEM private key (unencrypted)", what);
+    if (!x)
+        rc = fu_errorf(FU_ERR_FORMAT, "rpc: the %s certificate is not a PEM certificate", what);
+    else if (!k)
+        rc = fu_errorf(FU_ERR_FORMAT, "rpc: the %s key is not a PEM private key (unencrypted)",
+                       what);
     else if (X509_check_private_key(x, k) != 1)
-        rc = fu_errorf(FU_ERR_INVALID, "rpc: the %s key does not belong to the %s certificate", what, what);
+        rc = fu_errorf(FU_ERR_INVALID, "rpc: the %s key does not belong to the %s certificate",
+                       what, what);
     X509_free(x);
     EVP_PKEY_free(k);
     ERR_clear_error();
@@ -512,11 +518,13 @@ struct rpc_channel {
 static int channel_pems_load(const rpc_channel_options *o, rpc_pems *p) {
     memset(p, 0, sizeof *p);
     if (!o->tls_client_cert != !o->tls_client_key)
-        return fu_errorf(FU_ERR_INVALID, "rpc: a client certificate needs its key, and a key its certificate");
+        return fu_errorf(FU_ERR_INVALID,
+                         "rpc: a client certificate needs its key, and a key its certificate");
     if (o->insecure) return FU_OK;
     int rc = FU_OK;
     if (o->tls_ca) rc = rpc__load_pem("CA certificate", o->tls_ca, &p->ca);
-    if (!rc && o->tls_client_cert) rc = rpc__load_pem("client certificate", o->tls_client_cert, &p->cert);
+    if (!rc && o->tls_client_cert)
+        rc = rpc__load_pem("client certificate", o->tls_client_cert, &p->cert);
     if (!rc && o->tls_client_key) rc = rpc__load_pem("client key", o->tls_client_key, &p->key);
     if (!rc && p->cert) rc = rpc__check_pem_pair("client", p->cert, p->key);
     if (rc) rpc__pems_free(p);

@@ -280,10 +280,9 @@ static int downstream_fail(const downstream *d, int code, rpc_status *st) {
 static int downstream_open(shard_server *srv, const shard_svc_open *open, downstream *d, rpc_status *st) {
     const shard_svc_hop *hop = &open->chain[0];
     const shard_server_config *c = &srv->cfg;
+    const char *name = hop->tls_server_name && hop->tls_server_name[0] ? hop->tls_server_name : NULL;
     rpc_channel_options co = {.tls_ca = c->tls_ca, .insecure = c->allow_insecure, .secret = c->secret,
-                              .max_message_bytes = c->max_message_bytes,
-                              .tls_server_name = hop->tls_server_name && hop->tls_server_name[0] ? hop->tls_server_name
-                                                                                                 : NULL,
+                              .max_message_bytes = c->max_message_bytes, .tls_server_name = name,
                               .tls_client_cert = c->tls_client_cert, .tls_client_key = c->tls_client_key};
     if (!hop->address || !hop->address[0])
         return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "open.chain[0].address: empty");

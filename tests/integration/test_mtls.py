@@ -4,9 +4,9 @@ by default their own TLS pair). A CA, certificates it signs and one from an unre
 openssl CLI per test module; the shards run the real default model (SmolLM2-135M-Instruct Q4_1, 30 blocks).
 
 Checks: a PEM file that is a FIFO is refused at once (never waited on); a forwarding chain over mTLS answers a
-chat exactly as the same chain in plaintext; a client without a certificate or with one from another CA is
-refused with a clear error while the shard stays up and serving (and active in a swarm gateway's view); the
-secret is still checked; SIGKILL of a shard mid-stream with mTLS everywhere fails over to the identical stream;
+chat exactly as the same chain in plaintext; a client (gateway or forwarding shard) without a certificate or with
+one from another CA is refused with a clear error while the shard stays up and serving (and active in a swarm
+gateway's view); the secret is still checked; SIGKILL of a shard mid-stream with mTLS everywhere fails over to the identical stream;
 a shard joins a gateway requiring client certificates, one with a certificate from another CA is refused.
 """
 import json
@@ -214,6 +214,29 @@ def test_client_refused(chain, pki, client, note, shard_log):
         gw.stop()
     wait_log(first, shard_log, "the refused handshake in the shard's log")
     assert first.proc.poll() is None
+    assert "Paris" in answer(chain["gw"])
+
+
+def test_forwarding_shard_refused(chain, pki):
+    """Shard to shard: a first hop showing a certificate of another CA to the next hop is refused there; the
+    gateway gets the next hop's refusal through it (its log names the cause), the next hop serves on."""
+    second = chain["shards"][1]
+    first = mtls_shard(chain["model"], pki, 0, 15, ["--tls-client-cert", pki["rogue"]["cert"], "--tls-client-key",
+                                                    pki["rogue"]["key"]])
+    gw = None
+    try:
+        gw = tls_gateway(chain["model"], ["--hop", first.hop(), "--hop", second.hop()], pki, pki["gateway"],
+                         "--forward")
+        st, out = chat(gw)
+        assert st == 503 and "127.0.0.1" not in json.dumps(out), out
+        wait_log(gw, f"shard {first.address}: unavailable: next hop {second.address}: the server closed the TLS "
+                     "connection while it was set up: it may require client certificates signed by another CA",
+                 "the cause in the log")
+    finally:
+        if gw:
+            gw.stop()
+        first.stop()
+    assert second.proc.poll() is None and SHARD_UNTRUSTED in second.output()
     assert "Paris" in answer(chain["gw"])
 
 
