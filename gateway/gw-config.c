@@ -162,6 +162,9 @@ static gw_options options(gw_config *c) {
         {"swarm-tls-cert", 0, FU_OPT_PATH, FU_OPT_TO(c->swarm_tls_cert), "F",
          "TLS of the membership service (default: the HTTPS pair;\n--insecure: plaintext on loopback)"},
         {"swarm-tls-key", 0, FU_OPT_PATH, FU_OPT_TO(c->swarm_tls_key), "F", "its key"},
+        {"swarm-tls-client-ca", 0, FU_OPT_PATH, FU_OPT_TO(c->swarm_tls_client_ca), "F",
+         "mTLS: refuse members without a certificate signed by this CA\n(the secret is still checked)",
+         .alias = "tls-client-ca"},
         {"swarm-port-file", 0, FU_OPT_PATH, FU_OPT_TO(c->swarm_port_file), "F",
          "write the membership service's bound port to F"},
         {"spares", 0, FU_OPT_INT, FU_OPT_TO(c->spares), .help = "spares kept waiting once every block is covered",
@@ -188,6 +191,10 @@ static gw_options options(gw_config *c) {
         {"secret-file", 0, FU_OPT_FILE_TEXT, FU_OPT_TO(c->secret), "F", "the swarm secret from a file"},
         {"insecure", 0, FU_OPT_FLAG, FU_OPT_TO(c->insecure), .help = "plaintext to loopback shards"},
         {"tls-ca", 0, FU_OPT_PATH, FU_OPT_TO(c->tls_ca), "F", "the shards' CA"},
+        {"tls-client-cert", 0, FU_OPT_PATH, FU_OPT_TO(c->tls_client_cert), "F",
+         "mTLS: the certificate shown to shards that require one\n"
+         "(default: the swarm service's pair, else the HTTPS pair)"},
+        {"tls-client-key", 0, FU_OPT_PATH, FU_OPT_TO(c->tls_client_key), "F", "its key"},
         {"forward", 0, FU_OPT_FLAG, FU_OPT_TO(c->forward), .help = "server-to-server forwarding along the chain"},
         {"api-key", 0, FU_OPT_CALL, .dest = c, .fn = add_key, .arg = "K",
          .help = "accepted API key (repeatable; env FUSION_API_KEY, comma-separated)", .alias = "api-keys",
@@ -328,6 +335,11 @@ int gw_config_check(const gw_config *c) {
     if (c->swarm_listen && !c->swarm_tls_cert && !c->https_cert && !c->insecure)
         return fu_errorf(FU_ERR_INVALID, "--swarm-listen needs TLS (--swarm-tls-cert/--swarm-tls-key or the HTTPS "
                                          "pair) or --insecure on a loopback address");
+    if (!!c->tls_client_cert != !!c->tls_client_key)
+        return fu_errorf(FU_ERR_INVALID, "--tls-client-cert and --tls-client-key go together");
+    if (c->swarm_tls_client_ca && (!c->swarm_listen || (!c->swarm_tls_cert && !c->https_cert)))
+        return fu_errorf(FU_ERR_INVALID, "--swarm-tls-client-ca (mTLS) needs --swarm-listen with TLS "
+                                         "(--swarm-tls-cert/--swarm-tls-key or the HTTPS pair)");
     if (c->heartbeat_timeout_ms <= c->heartbeat_ms)
         return fu_errorf(FU_ERR_INVALID, "--heartbeat-timeout-ms must exceed --heartbeat-ms");
     if (c->n_hops && c->hops[0].first != 0) return fu_errorf(FU_ERR_INVALID, "the first hop must start at block 0");
@@ -345,4 +357,17 @@ int gw_config_check(const gw_config *c) {
     if (!!c->https_cert != !!c->https_key)
         return fu_errorf(FU_ERR_INVALID, "HTTPS needs both --https-cert and --https-key");
     return FU_OK;
+}
+
+void gw_client_pair(const gw_config *c, const char **cert, const char **key) {
+    if (c->tls_client_cert) {
+        *cert = c->tls_client_cert;
+        *key = c->tls_client_key;
+    } else if (c->swarm_tls_cert) {
+        *cert = c->swarm_tls_cert;
+        *key = c->swarm_tls_key;
+    } else {
+        *cert = c->https_cert;
+        *key = c->https_key;
+    }
 }

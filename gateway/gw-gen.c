@@ -1164,6 +1164,7 @@ int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metri
         e->hops[i] = (chain_hop){cfg->hops[i].address, cfg->hops[i].first, cfg->hops[i].last, NULL};
     chain_options co = {.secret = cfg->secret, .tls_ca = cfg->tls_ca, .insecure = cfg->insecure,
                         .forward = cfg->forward, .timeout_ms = cfg->step_timeout_ms};
+    gw_client_pair(cfg, &co.tls_client_cert, &co.tls_client_key);
     int rc = chain_client_new(&co, &e->chain);
     if (!rc && (cfg->n_shards > 0 || cfg->swarm_listen)) rc = gw_swarm_new(cfg, model->n_layers, &e->swarm);
     gw_pace_options po = {.floor_ms = cfg->step_deadline_floor_ms, .fallback_ms = cfg->step_timeout_ms};

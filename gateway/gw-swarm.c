@@ -439,15 +439,22 @@ static gw_member *gw_member_reusable_locked(gw_swarm *s) {
     return gone >= GW_MAX_GONE ? oldest : NULL;
 }
 
+/* A channel to a member (none for a manual swarm): the shards' CA, the gateway's client pair. */
+static int gw_member_channel(const gw_swarm *s, const char *address, rpc_channel **out) {
+    *out = NULL;
+    if (s->manual) return FU_OK;
+    const gw_config *c = s->cfg;
+    rpc_channel_options co = {.tls_ca = c->tls_ca, .insecure = c->insecure, .secret = c->secret};
+    gw_client_pair(c, &co.tls_client_cert, &co.tls_client_key);
+    return rpc_channel_new(address, &co, out);
+}
+
 /* A new member (locked). */
 static gw_member *gw_member_add_locked(gw_swarm *s, const char *address) {
     gw_member *mb = gw_member_reusable_locked(s);
     if (mb) {
         rpc_channel *ch = NULL;
-        if (!s->manual) {
-            rpc_channel_options co = {s->cfg->tls_ca, s->cfg->insecure, s->cfg->secret, 0, NULL};
-            if (rpc_channel_new(address, &co, &ch)) return NULL;
-        }
+        if (gw_member_channel(s, address, &ch)) return NULL;
         rpc_channel_free(mb->ch);
         memset(mb, 0, sizeof *mb);
         mb->ch = ch;
@@ -462,12 +469,9 @@ static gw_member *gw_member_add_locked(gw_swarm *s, const char *address) {
     mb->id = -1;
     snprintf(mb->address, sizeof mb->address, "%s", address);
     snprintf(mb->error, sizeof mb->error, "not heard from yet");
-    if (!s->manual) {
-        rpc_channel_options co = {s->cfg->tls_ca, s->cfg->insecure, s->cfg->secret, 0, NULL};
-        if (rpc_channel_new(mb->address, &co, &mb->ch)) {
-            free(mb);
-            return NULL;
-        }
+    if (gw_member_channel(s, mb->address, &mb->ch)) {
+        free(mb);
+        return NULL;
     }
     s->m[s->n++] = mb;
     return mb;
@@ -893,14 +897,15 @@ static int gw_swarm_serve(gw_swarm *s) {
     const gw_config *c = s->cfg;
     const char *cert = c->swarm_tls_cert ? c->swarm_tls_cert : c->https_cert;
     const char *key = c->swarm_tls_cert ? c->swarm_tls_key : c->https_key;
-    rpc_server_options o = {c->swarm_listen, cert, key, c->insecure, c->secret, 0, 4};
+    rpc_server_options o = {c->swarm_listen, cert, key, c->insecure, c->secret, 0, 4, c->swarm_tls_client_ca};
     s->handlers = (swarm_svc_handlers){s, gw_join_handler, gw_heartbeat_handler};
     int rc = rpc_server_new(&o, &s->rpc);
     if (!rc) rc = swarm_svc_serve(s->rpc, &s->handlers);
     if (!rc) rc = rpc_server_start(s->rpc);
     if (rc) return fu_errorf(rc, "swarm service on %s: %s", c->swarm_listen, fu_last_error());
     int port = rpc_server_port(s->rpc);
-    FU_INFO("swarm: members join at %s (port %d)%s", c->swarm_listen, port, cert ? ", TLS" : "");
+    FU_INFO("swarm: members join at %s (port %d)%s", c->swarm_listen, port,
+            c->swarm_tls_client_ca ? ", mutual TLS" : cert ? ", TLS" : "");
     if (c->swarm_port_file) {
         char tmp[4096];
         snprintf(tmp, sizeof tmp, "%s.tmp", c->swarm_port_file);

@@ -208,6 +208,7 @@ typedef struct gw_config {
     int n_shards;
     char *secret;           /* swarm secret for the shards */
     char *tls_ca;           /* CA for TLS shards */
+    char *tls_client_cert, *tls_client_key; /* shown to shards that require one (mTLS); gw_client_pair */
     bool insecure;          /* plaintext to loopback shards */
     bool forward;           /* server-to-server forwarding */
     char *api_keys[GW_MAX_KEYS];
@@ -228,6 +229,7 @@ typedef struct gw_config {
     /* swarm membership (fusion.Swarm): shards join, heartbeat, get spans or wait as spares */
     char *swarm_listen;     /* "host:port" of the membership service; NULL: none */
     char *swarm_tls_cert, *swarm_tls_key; /* its TLS (default: the HTTPS pair); plaintext: --insecure, loopback */
+    char *swarm_tls_client_ca; /* members must show a certificate signed by it (mTLS); NULL: none asked */
     char *swarm_port_file;  /* write its bound port here */
     int spares;             /* spares kept waiting once every block is covered (default 1) */
     int min_gain_percent;   /* a surplus spare serves when that raises the max flow by this much (5) */
@@ -258,6 +260,10 @@ int gw_config_set(gw_config *c, const char *name, const char *value);
 int gw_config_load(gw_config *c, const char *path);
 /* Checks the whole configuration after loading. */
 int gw_config_check(const gw_config *c);
+/* The certificate and key the gateway shows to shards that require one (mTLS): --tls-client-cert/
+ * --tls-client-key, else its own pair (--swarm-tls-cert, else --https-cert), else none (NULL,
+ * NULL). Borrowed from c. */
+void gw_client_pair(const gw_config *c, const char **cert, const char **key);
 /* fusion-gateway's command line into c (after gw_config_init): the --config files, then the
  * flags over them, then the environment (FUSION_SECRET where no secret is given,
  * FUSION_API_KEY_FILE, FUSION_API_KEY), then gw_config_check(). Returns -1 to go on, else the

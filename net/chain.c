@@ -23,7 +23,7 @@ typedef struct chain_conn {
 
 struct chain_client {
     chain_options o;
-    char *secret, *tls_ca;
+    char *secret, *tls_ca, *tls_client_cert, *tls_client_key; /* copies of o's */
     pthread_mutex_t mu;
     chain_conn *conns;
     int n_conns, cap_conns;
@@ -62,22 +62,32 @@ static int chain_fail(const char *address, int code, const rpc_status *st) {
                      st->message);
 }
 
+/* *out = a copy of s (NULL stays NULL); false when out of memory. */
+static bool dup_opt(const char *s, char **out) {
+    *out = s ? strdup(s) : NULL;
+    return !s || *out;
+}
+
 int chain_client_new(const chain_options *o, chain_client **out) {
     *out = NULL;
     if (!o->secret || !o->secret[0]) return fu_errorf(FU_ERR_INVALID, "chain: a swarm secret is required");
     if (o->wire_dtype && !wire_dtype_valid(o->wire_dtype))
         return fu_errorf(FU_ERR_INVALID, "chain: unknown wire dtype %d", o->wire_dtype);
+    if (!o->tls_client_cert != !o->tls_client_key)
+        return fu_errorf(FU_ERR_INVALID, "chain: a client certificate needs its key, and a key its certificate");
     chain_client *c = calloc(1, sizeof *c);
     if (!c) return fu_errorf(FU_ERR_NOMEM, "chain client");
     c->o = *o;
-    c->secret = strdup(o->secret);
-    c->tls_ca = o->tls_ca ? strdup(o->tls_ca) : NULL;
-    if (!c->secret || (o->tls_ca && !c->tls_ca)) {
+    bool ok = dup_opt(o->secret, &c->secret) && dup_opt(o->tls_ca, &c->tls_ca) &&
+              dup_opt(o->tls_client_cert, &c->tls_client_cert) && dup_opt(o->tls_client_key, &c->tls_client_key);
+    if (!ok) {
         chain_client_free(c);
         return fu_errorf(FU_ERR_NOMEM, "chain client");
     }
     c->o.secret = c->secret;
     c->o.tls_ca = c->tls_ca;
+    c->o.tls_client_cert = c->tls_client_cert;
+    c->o.tls_client_key = c->tls_client_key;
     if (!c->o.wire_dtype) c->o.wire_dtype = WIRE_BF16;
     if (c->o.timeout_ms <= 0) c->o.timeout_ms = 60000;
     pthread_mutex_init(&c->mu, NULL);
@@ -94,6 +104,8 @@ void chain_client_free(chain_client *c) {
     free(c->conns);
     free(c->secret);
     free(c->tls_ca);
+    free(c->tls_client_cert);
+    free(c->tls_client_key);
     pthread_mutex_destroy(&c->mu);
     free(c);
 }
@@ -118,8 +130,10 @@ static int chain_channel(chain_client *c, const chain_hop *hop, rpc_channel **ou
         }
     }
     if (!rc) {
-        rpc_channel_options co = {c->o.tls_ca, c->o.insecure, c->o.secret, c->o.max_message_bytes,
-                                  hop->tls_server_name};
+        rpc_channel_options co = {.tls_ca = c->o.tls_ca, .insecure = c->o.insecure, .secret = c->o.secret,
+                                  .max_message_bytes = c->o.max_message_bytes,
+                                  .tls_server_name = hop->tls_server_name,
+                                  .tls_client_cert = c->o.tls_client_cert, .tls_client_key = c->o.tls_client_key};
         chain_conn *cn = &c->conns[c->n_conns];
         cn->address = strdup(hop->address);
         if (!cn->address) rc = fu_errorf(FU_ERR_NOMEM, "chain channels");

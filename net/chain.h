@@ -37,13 +37,17 @@ typedef struct chain_options {
     int int8_block;               /* with WIRE_INT8_BLOCK; 0: server default */
     bool forward;                 /* server-to-server forwarding */
     int timeout_ms;               /* per open / step; 0: 60 s */
+    const char *tls_client_cert;  /* certificate (PEM text or path) shown to shards that require
+                                     one (mTLS); NULL: none */
+    const char *tls_client_key;   /* its key; with tls_client_cert or not at all */
 } chain_options;
 
 typedef struct chain_client chain_client;
 typedef struct chain_session chain_session;
 
 /* Creates a client (o and its strings copied). It keeps one channel per address, shared by its
- * sessions. FU_ERR_INVALID without a secret or with an unknown wire dtype. */
+ * sessions. FU_ERR_INVALID without a secret, with an unknown wire dtype or with half a client
+ * pair; PEM files are read when a channel opens (its errors then name the hop). */
 int chain_client_new(const chain_options *o, chain_client **out);
 /* Frees the client and its channels, after every session is closed. NULL is a no-op. */
 void chain_client_free(chain_client *c);

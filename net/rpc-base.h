@@ -10,7 +10,12 @@
  * the server compares it in constant time and refuses a call without the
  * right one (UNAUTHENTICATED) before any handler runs. Transport is TLS
  * (gRPC SSL credentials); plaintext only when explicitly allowed and the
- * address is loopback (127.0.0.0/8, ::1, localhost, unix:).
+ * address is loopback (127.0.0.0/8, ::1, localhost, unix:). Mutual TLS is
+ * optional: a server given a client CA (tls_client_ca) requires every client
+ * to present a certificate signed by it, and refuses the handshake of one
+ * without (no handler runs, no call is counted); the secret is still
+ * checked. A channel presents its certificate (tls_client_cert/key) when
+ * the server asks for one.
  *
  * Return values: set-up functions (rpc_server_*, rpc_channel_new) return a
  * fu_status (FU_OK or FU_ERR_*, details in fu_last_error()). Call and stream
@@ -115,11 +120,18 @@ typedef struct rpc_server_options {
     int n_workers;            /* threads that accept calls and run unary handlers; 0: 2.
                                  A long unary handler holds one: size for the slowest
                                  (Forward) plus one for Info/Health */
+    const char *tls_client_ca; /* PEM CA certificate(s), text or a file path: require and verify
+                                  a client certificate signed by it (mTLS; needs tls_cert);
+                                  NULL: clients are not asked for one */
 } rpc_server_options;
 
 /* Creates a server listening on o->address (bound now, so rpc_server_port
- * works at once) with TLS from o->tls_cert/tls_key, or plaintext if
- * o->allow_insecure and the address is loopback. Services are added with
+ * works at once) with TLS from o->tls_cert/tls_key (requiring client
+ * certificates when o->tls_client_ca is set), or plaintext if
+ * o->allow_insecure and the address is loopback. FU_ERR_INVALID for a client
+ * CA without TLS; FU_ERR_IO for a PEM file that is absent, unreadable, over
+ * 1 MiB or not a regular file (a FIFO is refused, never waited on);
+ * FU_ERR_FORMAT for one that is not PEM. Services are added with
  * shard_svc_serve / swarm_svc_serve (or rpc.h's rpc_server_add_*) before
  * rpc_server_start. Free with rpc_server_free. */
 int rpc_server_new(const rpc_server_options *o, rpc_server **out);
@@ -151,10 +163,17 @@ typedef struct rpc_channel_options {
     size_t max_message_bytes;    /* 0: RPC_DEFAULT_MAX_MESSAGE */
     const char *tls_server_name; /* name to verify in the server certificate instead of the
                                     target's host (tests, IP targets); NULL: the host */
+    const char *tls_client_cert; /* PEM certificate chain (text or a file path) presented when
+                                    the server asks for one (mTLS); NULL: none */
+    const char *tls_client_key;  /* its private key; given with tls_client_cert or not at all */
 } rpc_channel_options;
 
 /* Creates a channel to `target` ("host:port"). It connects lazily, on the
- * first call, and reconnects as needed. Free with rpc_channel_free after all
+ * first call, and reconnects as needed. PEM values are read now (errors as
+ * rpc_server_new's; a client key that is not the client certificate's:
+ * FU_ERR_INVALID); the client pair is ignored with o->insecure, like tls_ca.
+ * A server that requires a certificate this channel lacks (or whose CA did
+ * not sign it) fails the calls with RPC_UNAVAILABLE. Free with rpc_channel_free after all
  * its calls and streams are done. */
 int rpc_channel_new(const char *target, const rpc_channel_options *o, rpc_channel **out);
 

@@ -53,6 +53,7 @@ struct rpc_stream {
     grpc_metadata_array initial_md, trailing_md;
     grpc_status_code status;
     grpc_slice details;
+    int tls;             /* the channel's RPC_CHANNEL_* (for rpc__client_status) */
 
     /* server */
     int cancelled;       /* from RECV_CLOSE_ON_SERVER */
@@ -83,6 +84,15 @@ int rpc__unpack(const ProtobufCMessageDescriptor *desc, grpc_byte_buffer *bb, si
 /* Copies a slice into st->message (truncating). */
 void rpc__status_from_slice(rpc_status *st, int code, grpc_slice msg);
 
+/* What a client channel is: plaintext, TLS, TLS presenting a client certificate. */
+enum { RPC_CHANNEL_PLAIN = 0, RPC_CHANNEL_TLS = 1, RPC_CHANNEL_TLS_CERT = 2 };
+
+/* A client call's final status into st, as rpc__status_from_slice; on a `tls` channel
+ * (RPC_CHANNEL_*), a connection the server closed while it was set up -- what a server
+ * requiring client certificates does to a client without an acceptable one -- is reported
+ * as such, with the likely cause. Returns code. */
+int rpc__client_status(rpc_status *st, int code, grpc_slice details, int tls);
+
 /* Waits for one event on the stream's queue until deadline and records it;
  * false on timeout. */
 bool rpc__stream_pump(rpc_stream *s, gpr_timespec deadline);
@@ -97,9 +107,24 @@ void rpc__stream_destroy(rpc_stream *s);
 /* Shuts a completion queue down, drains it and destroys it. */
 void rpc__cq_destroy(grpc_completion_queue *cq);
 
-/* Reads a PEM value that is either the PEM text itself or a path to a file
- * holding it; *out is a new NUL-terminated string (free()). */
+/* Reads a PEM value that is either the PEM text itself or a path to a
+ * regular file holding it (read with mf_read: a FIFO or device is refused,
+ * never waited on); *out is a new NUL-terminated string (free()). */
 int rpc__load_pem(const char *what, const char *value, char **out);
+
+/* PEM texts for TLS credentials (each malloc'd or NULL): a server's own pair and the CA
+ * of its clients, or a channel's client pair and the CA of its servers. */
+typedef struct rpc_pems {
+    char *cert, *key, *ca;
+} rpc_pems;
+
+/* Wipes the key, frees the texts and zeroes *p. */
+void rpc__pems_free(rpc_pems *p);
+
+/* Checks that `cert` (PEM text) starts with a certificate and `key` (PEM text) is an
+ * unencrypted private key that belongs to it: FU_OK, else FU_ERR_FORMAT / FU_ERR_INVALID
+ * with a message naming `what` ("client", "server"). */
+int rpc__check_pem_pair(const char *what, const char *cert, const char *key);
 
 /* Checks a swarm secret: 1..1024 printable ASCII (legal in metadata). */
 int rpc__check_secret(const char *secret);

@@ -356,6 +356,27 @@ static void *worker_main(void *arg) {
 
 /* ---- server --------------------------------------------------------------------- */
 
+/* Reads a TLS server's pair and the CA of its clients (none: NULL). */
+static int server_pems_load(const rpc_server_options *o, rpc_pems *p) {
+    int rc = rpc__load_pem("certificate", o->tls_cert, &p->cert);
+    if (!rc) rc = rpc__load_pem("private key", o->tls_key, &p->key);
+    if (!rc && o->tls_client_ca)
+        rc = rpc__load_pem("client CA certificate", o->tls_client_ca, &p->ca);
+    if (rc) rpc__pems_free(p);
+    return rc;
+}
+
+/* TLS with p's pair; with a client CA, the handshake of a client without a certificate
+ * signed by it fails (mTLS). */
+static grpc_server_credentials *server_tls_creds(const rpc_pems *p) {
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = p->key, .cert_chain = p->cert};
+    return grpc_ssl_server_credentials_create_ex(
+        p->ca, &pair, 1,
+        p->ca ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                     : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+        NULL);
+}
+
 int rpc_server_new(const rpc_server_options *o, rpc_server **out) {
     *out = NULL;
     if (!o || !o->address || !o->address[0])
@@ -373,16 +394,14 @@ int rpc_server_new(const rpc_server_options *o, rpc_server **out) {
         return fu_errorf(FU_ERR_INVALID,
                          "rpc server: plaintext is only allowed on loopback; '%s' needs TLS",
                          o->address);
-    char *cert = NULL, *key = NULL;
-    if (tls && ((rc = rpc__load_pem("certificate", o->tls_cert, &cert)) ||
-                (rc = rpc__load_pem("private key", o->tls_key, &key)))) {
-        free(cert);
-        return rc;
-    }
+    if (o->tls_client_ca && !tls)
+        return fu_errorf(FU_ERR_INVALID, "rpc server: client certificates (a client CA) need TLS: "
+                                         "a certificate and key");
+    rpc_pems pems = {0};
+    if (tls && (rc = server_pems_load(o, &pems))) return rc;
     rpc_server *srv = calloc(1, sizeof *srv);
     if (!srv) {
-        free(cert);
-        free(key);
+        rpc__pems_free(&pems);
         return fu_errorf(FU_ERR_NOMEM, "rpc server: out of memory");
     }
     pthread_mutex_init(&srv->mu, NULL);
@@ -419,23 +438,15 @@ int rpc_server_new(const rpc_server_options *o, rpc_server **out) {
     srv->cq = grpc_completion_queue_create_for_next(NULL);
     grpc_server_register_completion_queue(srv->server, srv->cq, NULL);
 
-    grpc_server_credentials *creds;
-    if (tls) {
-        grpc_ssl_pem_key_cert_pair pair = {.private_key = key, .cert_chain = cert};
-        creds = grpc_ssl_server_credentials_create_ex(
-            NULL, &pair, 1, GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE, NULL);
-    } else {
-        creds = grpc_insecure_server_credentials_create();
-    }
-    if (key) OPENSSL_cleanse(key, strlen(key));
-    free(key);
-    free(cert);
+    grpc_server_credentials *creds =
+        tls ? server_tls_creds(&pems) : grpc_insecure_server_credentials_create();
+    rpc__pems_free(&pems);
     srv->port = creds ? grpc_server_add_http2_port(srv->server, o->address, creds) : 0;
     grpc_server_credentials_release(creds);
     if (srv->port <= 0 && strncmp(o->address, "unix:", 5)) {
         rpc_server_free(srv);
         return fu_errorf(FU_ERR_NETWORK, "rpc server: cannot listen on '%s'%s", o->address,
-                         tls ? " (or the TLS certificate/key is invalid)" : "");
+                         tls ? " (or the TLS certificate, key or client CA is invalid)" : "");
     }
     if (srv->port < 0) srv->port = 0;
     *out = srv;

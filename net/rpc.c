@@ -14,8 +14,13 @@
 #include <grpc/grpc_security.h>
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
+#include <openssl/crypto.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
 #include "log.h"
+#include "mapped-file.h"
 #include "rpc-impl.h"
 #include "status.h"
 
@@ -107,6 +112,20 @@ void rpc__status_from_slice(rpc_status *st, int code, grpc_slice msg) {
     st->message[n] = '\0';
 }
 
+int rpc__client_status(rpc_status *st, int code, grpc_slice details, int tls) {
+    rpc__status_from_slice(st, code, details);
+    /* gRPC's words for a connection closed before it was ready, e.g. by a refused TLS handshake;
+     * they name no cause, so say the likely one (briefly: callers quote 150 characters) */
+    if (!st || !tls || code != RPC_UNAVAILABLE || strncmp(st->message, "failed to connect", 17) ||
+        !strstr(st->message, "Socket closed"))
+        return code;
+    return rpc_status_setf(st, code, "the server closed the TLS connection while it was set up: %s",
+                           tls == RPC_CHANNEL_TLS_CERT
+                               ? "it may require client certificates signed by another CA "
+                                 "than this one's"
+                               : "it may require a client certificate, and none is configured");
+}
+
 /* ---- addresses, secrets, PEM -------------------------------------------------- */
 
 bool rpc_address_is_loopback(const char *address) {
@@ -155,28 +174,64 @@ int rpc__load_pem(const char *what, const char *value, char **out) {
         *out = strdup(value);
         return *out ? FU_OK : fu_errorf(FU_ERR_NOMEM, "rpc: out of memory");
     }
-    FILE *f = fopen(value, "rb");
-    if (!f) return fu_errorf(FU_ERR_IO, "rpc: cannot open %s file '%s'", what, value);
-    char *buf = malloc(RPC_PEM_MAX + 1);
-    if (!buf) {
-        fclose(f);
-        return fu_errorf(FU_ERR_NOMEM, "rpc: out of memory");
-    }
-    size_t n = fread(buf, 1, RPC_PEM_MAX + 1, f);
-    int err = ferror(f);
-    fclose(f);
-    if (err || n > RPC_PEM_MAX) {
-        free(buf);
-        return fu_errorf(FU_ERR_IO, "rpc: cannot read %s file '%s' (error or over 1 MiB)", what,
-                         value);
-    }
-    buf[n] = '\0';
+    char *buf;
+    size_t n;
+    int rc = mf_read(value, RPC_PEM_MAX, &buf, &n); /* regular files only: a FIFO never blocks */
+    if (rc) /* absent, unreadable, not a regular file, too large: all FU_ERR_IO here */
+        return fu_errorf(rc == FU_ERR_NOMEM ? rc : FU_ERR_IO, "rpc: %s file: %s", what,
+                         fu_last_error());
     if (strlen(buf) != n || !strstr(buf, "-----BEGIN")) {
         free(buf);
         return fu_errorf(FU_ERR_FORMAT, "rpc: %s file '%s' is not PEM", what, value);
     }
     *out = buf;
     return FU_OK;
+}
+
+/* An encrypted key is refused, never prompted for. */
+static int no_passphrase(char *buf, int size, int rwflag, void *u) {
+    (void)buf, (void)size, (void)rwflag, (void)u;
+    return -1;
+}
+
+static X509 *pem_cert(const char *pem) {
+    BIO *bio = BIO_new_mem_buf(pem, -1);
+    X509 *x = bio ? PEM_read_bio_X509(bio, NULL, no_passphrase, NULL) : NULL;
+    BIO_free(bio);
+    return x;
+}
+
+static EVP_PKEY *pem_key(const char *pem) {
+    BIO *bio = BIO_new_mem_buf(pem, -1);
+    EVP_PKEY *k = bio ? PEM_read_bio_PrivateKey(bio, NULL, no_passphrase, NULL) : NULL;
+    BIO_free(bio);
+    return k;
+}
+
+int rpc__check_pem_pair(const char *what, const char *cert, const char *key) {
+    X509 *x = pem_cert(cert);
+    EVP_PKEY *k = pem_key(key);
+    int rc = FU_OK;
+    if (!x)
+        rc = fu_errorf(FU_ERR_FORMAT, "rpc: the %s certificate is not a PEM certificate", what);
+    else if (!k)
+        rc = fu_errorf(FU_ERR_FORMAT, "rpc: the %s key is not a PEM private key (unencrypted)",
+                       what);
+    else if (X509_check_private_key(x, k) != 1)
+        rc = fu_errorf(FU_ERR_INVALID, "rpc: the %s key does not belong to the %s certificate",
+                       what, what);
+    X509_free(x);
+    EVP_PKEY_free(k);
+    ERR_clear_error();
+    return rc;
+}
+
+void rpc__pems_free(rpc_pems *p) {
+    if (p->key) OPENSSL_cleanse(p->key, strlen(p->key));
+    free(p->key);
+    free(p->cert);
+    free(p->ca);
+    memset(p, 0, sizeof *p);
 }
 
 /* ---- library lifetime ----------------------------------------------------------- */
@@ -345,8 +400,7 @@ static int stream_over(rpc_stream *s, rpc_status *st) {
     while (s->end_pending) rpc__stream_pump(s, gpr_inf_future(GPR_CLOCK_MONOTONIC));
     if (s->status == GRPC_STATUS_OK)
         return rpc_status_setf(st, RPC_END_OF_STREAM, "the server finished the stream");
-    rpc__status_from_slice(st, (int)s->status, s->details);
-    return (int)s->status;
+    return rpc__client_status(st, (int)s->status, s->details, s->tls);
 }
 
 /* ---- streams: send / recv ------------------------------------------------------- */
@@ -456,43 +510,34 @@ struct rpc_channel {
     grpc_channel *channel;
     size_t max_msg;
     char *secret; /* NULL: none */
+    int tls;      /* RPC_CHANNEL_* */
 };
 
-int rpc_channel_new(const char *target, const rpc_channel_options *o, rpc_channel **out) {
-    *out = NULL;
-    if (!target || !target[0] || !o)
-        return fu_errorf(FU_ERR_INVALID, "rpc: channel needs a target");
-    if (o->insecure && !rpc_address_is_loopback(target))
+/* Reads the CA and the client pair of o (nothing for plaintext) and checks that the key is
+ * the certificate's, so that a wrong pair fails here rather than at every handshake. */
+static int channel_pems_load(const rpc_channel_options *o, rpc_pems *p) {
+    memset(p, 0, sizeof *p);
+    if (!o->tls_client_cert != !o->tls_client_key)
         return fu_errorf(FU_ERR_INVALID,
-                         "rpc: plaintext is only allowed to loopback; '%s' needs TLS", target);
-    if (o->secret) {
-        int rc = rpc__check_secret(o->secret);
-        if (rc) return rc;
-    }
-    char *ca = NULL;
-    if (!o->insecure && o->tls_ca) {
-        int rc = rpc__load_pem("CA certificate", o->tls_ca, &ca);
-        if (rc) return rc;
-    }
-    rpc_channel *ch = calloc(1, sizeof *ch);
-    if (!ch) {
-        free(ca);
-        return fu_errorf(FU_ERR_NOMEM, "rpc: out of memory");
-    }
-    ch->max_msg = o->max_message_bytes ? o->max_message_bytes : RPC_DEFAULT_MAX_MESSAGE;
-    if (ch->max_msg > INT_MAX) ch->max_msg = INT_MAX;
-    if (o->secret && !(ch->secret = strdup(o->secret))) {
-        free(ca);
-        free(ch);
-        return fu_errorf(FU_ERR_NOMEM, "rpc: out of memory");
-    }
-    rpc__grpc_ref();
-    grpc_arg args[8];
+                         "rpc: a client certificate needs its key, and a key its certificate");
+    if (o->insecure) return FU_OK;
+    int rc = FU_OK;
+    if (o->tls_ca) rc = rpc__load_pem("CA certificate", o->tls_ca, &p->ca);
+    if (!rc && o->tls_client_cert)
+        rc = rpc__load_pem("client certificate", o->tls_client_cert, &p->cert);
+    if (!rc && o->tls_client_key) rc = rpc__load_pem("client key", o->tls_client_key, &p->key);
+    if (!rc && p->cert) rc = rpc__check_pem_pair("client", p->cert, p->key);
+    if (rc) rpc__pems_free(p);
+    return rc;
+}
+
+/* Fills args (room for 8) with a channel's settings; returns how many. */
+static size_t channel_args(const rpc_channel_options *o, size_t max_msg, grpc_arg *args) {
     size_t n = 0;
     args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
-                           .value.integer = (int)ch->max_msg};
+                           .value.integer = (int)max_msg};
     args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH,
-                           .value.integer = (int)ch->max_msg};
+                           .value.integer = (int)max_msg};
     /* No transparent retries: they buffer every sent message; the router
      * replays sessions itself. */
     args[n++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_ENABLE_RETRIES,
@@ -505,11 +550,40 @@ int rpc_channel_new(const char *target, const rpc_channel_options *o, rpc_channe
     if (!o->insecure && o->tls_server_name)
         args[n++] = (grpc_arg){.type = GRPC_ARG_STRING, .key = GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
                                .value.string = (char *)o->tls_server_name};
-    grpc_channel_args cargs = {.num_args = n, .args = args};
-    grpc_channel_credentials *creds = o->insecure
-                                          ? grpc_insecure_credentials_create()
-                                          : grpc_ssl_credentials_create(ca, NULL, NULL, NULL);
-    free(ca);
+    return n;
+}
+
+/* Plaintext, or TLS verifying the server with p->ca and presenting p's client pair if any. */
+static grpc_channel_credentials *channel_creds(const rpc_channel_options *o, const rpc_pems *p) {
+    if (o->insecure) return grpc_insecure_credentials_create();
+    grpc_ssl_pem_key_cert_pair pair = {.private_key = p->key, .cert_chain = p->cert};
+    return grpc_ssl_credentials_create(p->ca, p->cert ? &pair : NULL, NULL, NULL);
+}
+
+int rpc_channel_new(const char *target, const rpc_channel_options *o, rpc_channel **out) {
+    *out = NULL;
+    if (!target || !target[0] || !o)
+        return fu_errorf(FU_ERR_INVALID, "rpc: channel needs a target");
+    if (o->insecure && !rpc_address_is_loopback(target))
+        return fu_errorf(FU_ERR_INVALID,
+                         "rpc: plaintext is only allowed to loopback; '%s' needs TLS", target);
+    int rc = o->secret ? rpc__check_secret(o->secret) : FU_OK;
+    rpc_pems pems;
+    if (rc || (rc = channel_pems_load(o, &pems))) return rc;
+    rpc_channel *ch = calloc(1, sizeof *ch);
+    if (!ch || (o->secret && !(ch->secret = strdup(o->secret)))) {
+        free(ch);
+        rpc__pems_free(&pems);
+        return fu_errorf(FU_ERR_NOMEM, "rpc: out of memory");
+    }
+    ch->max_msg = o->max_message_bytes ? o->max_message_bytes : RPC_DEFAULT_MAX_MESSAGE;
+    if (ch->max_msg > INT_MAX) ch->max_msg = INT_MAX;
+    rpc__grpc_ref();
+    grpc_arg args[8];
+    grpc_channel_args cargs = {.num_args = channel_args(o, ch->max_msg, args), .args = args};
+    ch->tls = o->insecure ? RPC_CHANNEL_PLAIN : pems.cert ? RPC_CHANNEL_TLS_CERT : RPC_CHANNEL_TLS;
+    grpc_channel_credentials *creds = channel_creds(o, &pems);
+    rpc__pems_free(&pems);
     if (creds) ch->channel = grpc_channel_create(target, creds, &cargs);
     grpc_channel_credentials_release(creds);
     if (!ch->channel) {
@@ -584,8 +658,7 @@ static int call_unary_bb(rpc_channel *ch, const char *method, grpc_byte_buffer *
     } else {
         grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
         if (status != GRPC_STATUS_OK) {
-            rpc__status_from_slice(st, (int)status, details);
-            rc = (int)status;
+            rc = rpc__client_status(st, (int)status, details, ch->tls);
         } else if (!rbb) {
             rc = rpc_status_setf(st, RPC_INTERNAL, "%s: the server sent no reply", method);
         } else {
@@ -628,6 +701,7 @@ int rpc_stream_open(rpc_channel *ch, const char *method, int timeout_ms, rpc_str
     rpc_stream *s = calloc(1, sizeof *s);
     if (!s) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "rpc: out of memory");
     s->max_msg = ch->max_msg;
+    s->tls = ch->tls;
     s->details = grpc_empty_slice();
     s->status = GRPC_STATUS_UNKNOWN;
     grpc_metadata_array_init(&s->initial_md);
@@ -706,8 +780,7 @@ int rpc_stream_finish(rpc_stream *s, rpc_status *st) {
         }
     }
     if (s->status == GRPC_STATUS_OK) return rpc_status_setf(st, RPC_OK, "%s", "");
-    rpc__status_from_slice(st, (int)s->status, s->details);
-    return (int)s->status;
+    return rpc__client_status(st, (int)s->status, s->details, s->tls);
 }
 
 void rpc_stream_cancel(rpc_stream *s) {

@@ -28,6 +28,8 @@ typedef struct shard_args {
     char *advertise;
     char *secret;
     char *tls_cert, *tls_key, *tls_ca;
+    char *tls_client_ca;                  /* require client certificates signed by it (mTLS) */
+    char *tls_client_cert, *tls_client_key; /* shown to peers that require one; default: tls_cert/key */
     bool insecure;
     long kv_budget_mib;
     int kv_type;     /* op_type: OP_TYPE_F32 or OP_TYPE_F16 */
@@ -60,6 +62,13 @@ static const fu_opt shard_options[] = {
     {"tls-cert", 0, FU_OPT_PATH, FU_OPT_TO(args.tls_cert), "F", "serve TLS with this certificate"},
     {"tls-key", 0, FU_OPT_PATH, FU_OPT_TO(args.tls_key), "F", "and this key"},
     {"tls-ca", 0, FU_OPT_PATH, FU_OPT_TO(args.tls_ca), "F", "CA to verify next hops when forwarding"},
+    {"tls-client-ca", 0, FU_OPT_PATH, FU_OPT_TO(args.tls_client_ca), "F",
+     "mTLS: refuse clients (gateway, other shards) without a certificate\n"
+     "signed by this CA (the secret is still checked)"},
+    {"tls-client-cert", 0, FU_OPT_PATH, FU_OPT_TO(args.tls_client_cert), "F",
+     "mTLS: the certificate shown to next hops and the gateway that\n"
+     "require one (default: --tls-cert)"},
+    {"tls-client-key", 0, FU_OPT_PATH, FU_OPT_TO(args.tls_client_key), "F", "its key (default: --tls-key)"},
     {"insecure", 0, FU_OPT_FLAG, FU_OPT_TO(args.insecure), .help = "plaintext, loopback addresses only"},
     {"embed", 0, FU_OPT_FLAG, FU_OPT_TO(args.embed), .help = "hold the token embeddings (default: when A = 0)"},
     {"no-embed", 0, FU_OPT_FLAG, FU_OPT_TO(args.embed), .help = "leave the embeddings out", .flags = FU_OPT_NEGATE},
@@ -322,8 +331,11 @@ static void shard_span_log_stats(shard_span *sp) {
 /* Starts the server (and the membership thread with --join), waits for SIGTERM or SIGINT,
  * then drains. */
 static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs) {
+    const char *client_cert = a->tls_client_cert ? a->tls_client_cert : a->tls_cert;
+    const char *client_key = a->tls_client_cert ? a->tls_client_key : a->tls_key;
     shard_server_config cfg = {a->listen, a->advertise, a->tls_cert, a->tls_key, a->tls_ca, a->insecure,
-                               a->secret, 0, a->idle_timeout_ms, 4, sp->name, sp->device, sp->tps};
+                               a->secret, 0, a->idle_timeout_ms, 4, sp->name, sp->device, sp->tps,
+                               a->tls_client_ca, client_cert, client_key};
     int rc = shard_server_new(sp->core, &cfg, &sp->srv);
     if (rc || (rc = shard_server_start(sp->srv))) return rc;
     int port = shard_server_port(sp->srv);
@@ -339,7 +351,7 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
     shard_join *join = NULL;
     shard_join_config jc = {a->join, a->tls_ca, a->insecure, a->secret, shard_server_address(sp->srv), sp->name,
                             sp->n_layers, sp->device, sp->block_tps, a->max_blocks, sp->m != NULL, sp->hidden_size,
-                            shard_span_load, shard_span_status, sp};
+                            shard_span_load, shard_span_status, sp, client_cert, client_key};
     if (a->join && (rc = shard_join_start(&jc, &join))) return rc;
     int sig = 0;
     sigwait(sigs, &sig);
@@ -363,6 +375,10 @@ static int shard_args_parse(shard_args *a, int argc, char **argv) {
         fprintf(stderr, "fusion-shard: %s\n", fu_last_error());
         return 2;
     }
+    if (!a->tls_client_cert != !a->tls_client_key)
+        return fu_opt_fail(&shard_spec, "--tls-client-cert and --tls-client-key go together");
+    if (a->tls_client_ca && !a->tls_cert)
+        return fu_opt_fail(&shard_spec, "--tls-client-ca (mTLS) needs TLS: --tls-cert and --tls-key");
     if (!a->model || !a->secret || !a->secret[0])
         return fu_opt_fail(&shard_spec, "--model and a swarm secret (--secret, --secret-file or FUSION_SECRET) "
                                         "are required");

@@ -289,7 +289,9 @@ int shard_join_start(const shard_join_config *cfg, shard_join **out) {
     if (!j) return fu_errorf(FU_ERR_NOMEM, "join");
     j->cfg = *cfg;
     j->interval_ms = JOIN_DEFAULT_INTERVAL_MS;
-    j->peer_opts = (rpc_channel_options){cfg->tls_ca, cfg->insecure, cfg->secret, 0, NULL};
+    j->peer_opts = (rpc_channel_options){.tls_ca = cfg->tls_ca, .insecure = cfg->insecure, .secret = cfg->secret,
+                                         .tls_client_cert = cfg->tls_client_cert,
+                                         .tls_client_key = cfg->tls_client_key};
     int rc = rpc_channel_new(cfg->gateway, &j->peer_opts, &j->gw);
     if (rc) {
         free(j);

@@ -56,6 +56,8 @@ typedef struct shard_join_config {
     /* Fills the current figures (thread-safe). */
     void (*status)(void *ctx, shard_join_status *st);
     void *ctx;
+    const char *tls_client_cert; /* shown to the gateway and peers that require one (mTLS); NULL: none */
+    const char *tls_client_key;  /* its key */
 } shard_join_config;
 
 typedef struct shard_join shard_join;

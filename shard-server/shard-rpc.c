@@ -280,9 +280,11 @@ static int downstream_fail(const downstream *d, int code, rpc_status *st) {
 /* Opens the rest of the chain on chain[0], passing chain[1..]. */
 static int downstream_open(shard_server *srv, const shard_svc_open *open, downstream *d, rpc_status *st) {
     const shard_svc_hop *hop = &open->chain[0];
-    rpc_channel_options co = {srv->cfg.tls_ca, srv->cfg.allow_insecure, srv->cfg.secret,
-                              srv->cfg.max_message_bytes,
-                              hop->tls_server_name && hop->tls_server_name[0] ? hop->tls_server_name : NULL};
+    const shard_server_config *c = &srv->cfg;
+    const char *name = hop->tls_server_name && hop->tls_server_name[0] ? hop->tls_server_name : NULL;
+    rpc_channel_options co = {.tls_ca = c->tls_ca, .insecure = c->allow_insecure, .secret = c->secret,
+                              .max_message_bytes = c->max_message_bytes, .tls_server_name = name,
+                              .tls_client_cert = c->tls_client_cert, .tls_client_key = c->tls_client_key};
     if (!hop->address || !hop->address[0])
         return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "open.chain[0].address: empty");
     if (rpc_channel_new(hop->address, &co, &d->ch))
@@ -615,7 +617,7 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
     s->handlers = (shard_svc_handlers){s, session_handler, forward_handler, forward_done, info_handler,
                                        health_handler};
     rpc_server_options ro = {cfg->listen, cfg->tls_cert, cfg->tls_key, cfg->allow_insecure, cfg->secret,
-                             cfg->max_message_bytes, cfg->n_workers > 0 ? cfg->n_workers : 4};
+                             cfg->max_message_bytes, cfg->n_workers > 0 ? cfg->n_workers : 4, cfg->tls_client_ca};
     int rc = rpc_server_new(&ro, &s->rpc);
     if (!rc && !cfg->advertise) { /* name ourselves by the port actually bound */
         const char *colon = strrchr(cfg->listen, ':');

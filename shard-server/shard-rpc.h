@@ -37,6 +37,10 @@ typedef struct shard_server_config {
     const char *model_name;
     const char *device;          /* "cpu", ... */
     double tokens_per_s;         /* measured at start-up */
+    const char *tls_client_ca;   /* PEM text or path: require client certificates signed by it
+                                    (mTLS; needs tls_cert); NULL: clients show none */
+    const char *tls_client_cert; /* shown to next hops that require one (mTLS); NULL: none */
+    const char *tls_client_key;  /* its key */
 } shard_server_config;
 
 /* Creates the server for `core` (borrowed) and binds its port. core NULL: a spare that

@@ -57,11 +57,11 @@ static void start(fixture *f, int first, int last, bool embed, bool head) {
     shard_core_options so = {1u << 20, 64, OP_TYPE_F32};
     assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
     shard_server_config sc = {"127.0.0.1:0", NULL, NULL, NULL, NULL, true, SECRET, 1u << 20, 2000, 2,
-                              "random", "cpu", 1.0};
+                              "random", "cpu", 1.0, NULL, NULL, NULL};
     assert_int_equal(shard_server_new(f->core, &sc, &f->srv), FU_OK);
     assert_int_equal(shard_server_start(f->srv), FU_OK);
     snprintf(f->addr, sizeof f->addr, "127.0.0.1:%d", shard_server_port(f->srv));
-    rpc_channel_options cho = {NULL, true, SECRET, 1u << 20, NULL};
+    rpc_channel_options cho = {.insecure = true, .secret = SECRET, .max_message_bytes = 1u << 20};
     assert_int_equal(rpc_channel_new(f->addr, &cho, &f->ch), FU_OK);
 }
 
@@ -290,7 +290,7 @@ static void test_bad_opens_and_auth(void **state) {
     rpc_stream_free(s);
     /* wrong secret */
     rpc_channel *bad;
-    rpc_channel_options cho = {NULL, true, "wrong", 0, NULL};
+    rpc_channel_options cho = {.insecure = true, .secret = "wrong"};
     assert_int_equal(rpc_channel_new(f.addr, &cho, &bad), FU_OK);
     Fusion__HealthRequest hr = FUSION__HEALTH_REQUEST__INIT;
     assert_int_equal(rpc_call_unary(bad, RPC_SHARD_HEALTH, &hr.base, &fusion__health_reply__descriptor, &msg, 5000, &st),

@@ -633,14 +633,15 @@ static void test_membership(void **st) {
 /* A shard server without a span: Info and sessions are refused, Echo answers. */
 static void test_spare_server(void **st) {
     (void)st;
-    shard_server_config cfg = {"127.0.0.1:0", NULL, NULL, NULL, NULL, true, "unit-secret", 0, 0, 2, "m", "cpu", 0};
+    shard_server_config cfg = {.listen = "127.0.0.1:0", .allow_insecure = true, .secret = "unit-secret", .n_workers = 2,
+                               .model_name = "m", .device = "cpu"};
     shard_server *srv;
     assert_int_equal(shard_server_new(NULL, &cfg, &srv), FU_OK);
     assert_int_equal(shard_server_start(srv), FU_OK);
     char addr[64];
     snprintf(addr, sizeof addr, "127.0.0.1:%d", shard_server_port(srv));
     assert_string_equal(shard_server_address(srv), addr);
-    rpc_channel_options co = {NULL, true, "unit-secret", 0, NULL};
+    rpc_channel_options co = {.insecure = true, .secret = "unit-secret"};
     rpc_channel *ch;
     assert_int_equal(rpc_channel_new(addr, &co, &ch), FU_OK);
     Fusion__InfoRequest info = FUSION__INFO_REQUEST__INIT;
@@ -731,14 +732,15 @@ static void test_join_over_rpc(void **st) {
     char gw_addr[64];
     snprintf(gw_addr, sizeof gw_addr, "127.0.0.1:%d", gw_swarm_port(s));
     /* the member's own server answers the gateway's Echo probes */
-    shard_server_config sc = {"127.0.0.1:0", NULL, NULL, NULL, NULL, true, "unit-secret", 0, 0, 2, "m", "cpu", 0};
+    shard_server_config sc = {.listen = "127.0.0.1:0", .allow_insecure = true, .secret = "unit-secret", .n_workers = 2,
+                              .model_name = "m", .device = "cpu"};
     shard_server *srv;
     assert_int_equal(shard_server_new(NULL, &sc, &srv), FU_OK);
     assert_int_equal(shard_server_start(srv), FU_OK);
     fake_member fm = {.first = 0, .last = 0};
     pthread_mutex_init(&fm.mu, NULL);
     shard_join_config jc = {gw_addr, NULL, true, "unit-secret", shard_server_address(srv), "m", 30, "cpu", 3000, 0,
-                            false, 0, fake_load, fake_status, &fm};
+                            false, 0, fake_load, fake_status, &fm, NULL, NULL};
     shard_join *j;
     assert_int_equal(shard_join_start(&jc, &j), FU_OK);
     /* the only member is given every block, loads them and serves */
