@@ -1,4 +1,5 @@
 """Helpers for tests that run real fusion-shard processes on loopback."""
+import contextlib
 import json
 import os
 import signal
@@ -111,6 +112,28 @@ class Gateway:
 
     def stop(self):
         return stop_process(self.proc, signal.SIGTERM, 20)
+
+
+@contextlib.contextmanager
+def swarm_cluster(spans, key, *gateway_flags):
+    """Shards of the default model named by `spans` ({name: (first, last)}) behind a gateway that
+    routes over them (--shard); yields {"model", "shards", "gw", "id" (the served model id)}. On
+    the way out every shard is resumed (if stopped) and killed, and the gateway stopped."""
+    model = default_model()
+    shards, gw = {}, None
+    try:
+        for name, (a, b) in spans.items():
+            shards[name] = Shard(model, a, b)
+        gw = Gateway(model, [f for s in shards.values() for f in ("--shard", s.address)], key, *gateway_flags)
+        st, models = api_request(gw, "GET", "/v1/models", key=key)
+        assert st == 200, models
+        yield {"model": model, "shards": shards, "gw": gw, "id": models["data"][0]["id"]}
+    finally:
+        for s in shards.values():
+            s.proc.send_signal(signal.SIGCONT)
+            s.stop(signal.SIGKILL)
+        if gw:
+            gw.stop()
 
 
 def make_tls(directory):

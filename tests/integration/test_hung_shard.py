@@ -19,7 +19,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import shard_cluster  # noqa: E402
-from shard_cluster import Gateway, Shard, by_address, default_model, wait_for  # noqa: E402
+from shard_cluster import Gateway, by_address, wait_for  # noqa: E402
 
 KEY = "sk-test-hung-shard-key"
 PROMPT = [504, 1552, 3732, 3434, 359]
@@ -29,22 +29,9 @@ STEP_TIMEOUT_S = 30
 
 @pytest.fixture(scope="module")
 def cluster():
-    model = default_model()
-    shards, gw = {}, None
-    try:
-        for name, (a, b) in {"A": (0, 15), "B": (15, 30), "C": (0, 30)}.items():
-            shards[name] = Shard(model, a, b)
-        gw = Gateway(model, [f for s in shards.values() for f in ("--shard", s.address)], KEY,
-                     "--connection-timeout-s", "60", "--step-timeout-ms", str(STEP_TIMEOUT_S * 1000))
-        st, models = shard_cluster.api_request(gw, "GET", "/v1/models", key=KEY)
-        assert st == 200, models
-        yield {"model": model, "shards": shards, "gw": gw, "id": models["data"][0]["id"]}
-    finally:
-        for s in shards.values():
-            s.proc.send_signal(signal.SIGCONT)
-            s.stop(signal.SIGKILL)
-        if gw:
-            gw.stop()
+    with shard_cluster.swarm_cluster({"A": (0, 15), "B": (15, 30), "C": (0, 30)}, KEY, "--connection-timeout-s", "60",
+                                     "--step-timeout-ms", str(STEP_TIMEOUT_S * 1000)) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import shard_cluster  # noqa: E402
-from shard_cluster import Gateway, Shard, by_address, default_model  # noqa: E402
+from shard_cluster import by_address  # noqa: E402
 
 KEY = "sk-test-soak-key"
 PROMPT = [504, 1552, 3732, 3434, 359]
@@ -42,21 +42,9 @@ def words(n):
 
 @pytest.fixture(scope="module")
 def cluster():
-    model = default_model()
-    shards, gw = {}, None
-    try:
-        for name, (a, b) in {"A": (0, 15), "B": (15, 30), "C": (0, 30)}.items():
-            shards[name] = Shard(model, a, b)
-        gw = Gateway(model, [f for s in shards.values() for f in ("--shard", s.address)], KEY,
-                     "--connection-timeout-s", "30")
-        st, models = shard_cluster.api_request(gw, "GET", "/v1/models", key=KEY)
-        assert st == 200, models
-        yield {"model": model, "shards": shards, "gw": gw, "id": models["data"][0]["id"]}
-    finally:
-        if gw:
-            gw.stop()
-        for s in shards.values():
-            s.stop()
+    with shard_cluster.swarm_cluster({"A": (0, 15), "B": (15, 30), "C": (0, 30)}, KEY,
+                                     "--connection-timeout-s", "30") as c:
+        yield c
 
 
 def rss_mib(pid):
