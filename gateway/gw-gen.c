@@ -243,6 +243,18 @@ static int gw_encode_chat(const gw_model *m, gw_request *r, int32_t **ids, size_
     return 0;
 }
 
+/* The request's positions -- (prompt + max_tokens) x choices over its prompts, total_prompt
+ * prompt tokens in all -- against --max-request-tokens: 400 request_too_large over it. */
+static int gw_job_check_budget(const gw_job *j, int64_t total_prompt, int n_prompts, gw_error *err) {
+    const int64_t limit = j->e->cfg->limits.max_request_tokens, n = j->req.n > 0 ? j->req.n : 1;
+    const int64_t need = (total_prompt + (int64_t)j->max_tokens * n_prompts) * n;
+    if (limit <= 0 || need <= limit) return 0;
+    return gw_error_set(err, 400, NULL, "request_too_large",
+                        "the request needs %lld positions computed ((%lld prompt tokens + %d max_tokens per prompt) "
+                        "x %lld choices), over this server's limit of %lld; reduce the prompt, max_tokens or n",
+                        (long long)need, (long long)total_prompt, j->max_tokens, (long long)n, (long long)limit);
+}
+
 static int gw_job_prepare_locked(gw_job *j, gw_error *err) {
     const gw_model *m = j->e->model;
     gw_request *r = &j->req;
@@ -285,6 +297,7 @@ static int gw_job_prepare_locked(gw_job *j, gw_error *err) {
     j->max_tokens = (int)max_tokens;
     int64_t total = 0;
     for (int p = 0; p < n_prompts; p++) total += (int64_t)j->pn[p];
+    if (gw_job_check_budget(j, total, n_prompts, err)) return err->http;
     pthread_mutex_lock(&j->mu);
     j->prompt_tokens = total;
     pthread_mutex_unlock(&j->mu);
@@ -690,6 +703,20 @@ static void gw_run_drop_path(gw_run *r, int rc, const char *msg) {
     gw_swarm_release(sw, &r->lease);
 }
 
+/* Whether the job has run past --max-request-seconds. */
+static bool gw_job_over_time(const gw_job *j) {
+    int limit = j->e->cfg->max_request_seconds;
+    return limit > 0 && fu_now_s() - j->t_arrival > limit;
+}
+
+/* Fails the choice with 408: the job ran past --max-request-seconds. Returns a failure status. */
+static int gw_run_over_time(gw_run *r) {
+    gw_error_set(&r->err, 408, NULL, "request_timeout",
+                 "the request ran past this server's limit of %d s per request (--max-request-seconds)",
+                 r->j->e->cfg->max_request_seconds);
+    return fu_errorf(FU_ERR_CANCELLED, "%s", r->err.message);
+}
+
 /* How long a probe of a step's hops waits for each Echo. */
 #define GW_PROBE_MS 1000
 
@@ -704,7 +731,7 @@ static void gw_run_drop_path(gw_run *r, int rc, const char *msg) {
 static int gw_run_watch(void *arg, int64_t waited_ms) {
     gw_run *r = arg;
     gw_swarm *sw = r->j->e->swarm;
-    if (atomic_load(&r->j->cancelled)) return CHAIN_CANCEL;
+    if (atomic_load(&r->j->cancelled) || gw_job_over_time(r->j)) return CHAIN_CANCEL;
     if (sw && waited_ms >= GW_RETIRED_CHECK_MS && (r->silent_hop = gw_swarm_lease_retired(sw, &r->lease)) >= 0) {
         r->hop_retired = true;
         return CHAIN_GIVE_UP;
@@ -1018,12 +1045,14 @@ static int gw_run_echo(gw_run *r) {
 static int gw_run_step(gw_run *r) {
     gw_job *j = r->j;
     if (atomic_load(&j->cancelled)) return gw_run_end(r, NULL);
+    if (gw_job_over_time(j)) return gw_run_over_time(r);
     bool prompt_lp = r->echo_lp && r->step == 0;
     r->spec.all_positions = r->spec.score_inputs = prompt_lp;
     /* the seed of the step's last position, the one whose token is sampled (fusion.proto) */
     r->spec.sampling.seed = gw_step_seed(j->seed, r->ci, (int64_t)r->n_prompt + r->step);
     const chain_result *res = NULL;
     int rc = gw_run_chain_step(r, &res);
+    if (rc && gw_job_over_time(j) && !atomic_load(&j->cancelled)) return gw_run_over_time(r);
     if (rc) return atomic_load(&j->cancelled) ? gw_run_end(r, NULL) : rc;
     gw_run_step_metrics(r);
     int o = res->n_out - 1;

@@ -82,6 +82,8 @@ typedef struct gw_limits {
     int max_logit_bias;      /* logit_bias entries (at most SMP_MAX_LOGIT_BIAS) */
     int max_top_logprobs;    /* top_logprobs / integer logprobs */
     int max_messages;        /* chat messages */
+    int max_request_tokens;  /* positions a request may have computed: (prompt + max_tokens) x
+                              * choices, summed over its prompts; 0: no bound beyond the context */
 } gw_limits;
 
 /* Fills *l with the default bounds (logit_bias: SMP_MAX_LOGIT_BIAS, the sampler's own). */
@@ -225,6 +227,7 @@ typedef struct gw_config {
     int default_max_tokens;
     int step_timeout_ms;    /* per chain step; routed: the wait before a path is measured (gw-pace.h) */
     int step_deadline_floor_ms; /* routed: the floor of a step's measured deadline */
+    int max_request_seconds; /* a request still generating after this long fails with 408 (0: never) */
     gw_limits limits;
     /* swarm membership (fusion.Swarm): shards join, heartbeat, get spans or wait as spares */
     char *swarm_listen;     /* "host:port" of the membership service; NULL: none */

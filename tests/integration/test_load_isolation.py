@@ -32,7 +32,7 @@ def cluster():
         gw = Gateway(model, hops, KEY, "--connection-timeout-s", "30")
         st, doc = api_request(gw, "GET", "/v1/models", key=KEY)
         assert st == 200, doc
-        yield {"gw": gw, "shards": shards, "model": doc["data"][0]["id"]}
+        yield {"gw": gw, "shards": shards, "model": doc["data"][0]["id"], "path": model}
     finally:
         if gw:
             assert gw.stop() == 0, gw.output()[-3000:]
@@ -107,3 +107,30 @@ def test_echo_logprobs_of_a_long_prompt(cluster):
     k = short["usage"]["prompt_tokens"]
     a, b = lp["token_logprobs"][1:k], short["choices"][0]["logprobs"]["token_logprobs"][1:k]
     assert max(abs(x - y) for x, y in zip(a, b)) < 2e-2
+
+
+def test_request_budgets(cluster):
+    """--max-request-tokens refuses a request before any work (400); --max-request-seconds ends one that
+    runs too long (408) and stops its prefill on the shard."""
+    shard = cluster["shards"][0]
+    gw = Gateway(cluster["path"], ["--hop", shard.hop()], KEY, "--max-request-tokens", "400",
+                 "--max-request-seconds", "1")
+    try:
+        body = {"model": cluster["model"], "prompt": long_prompt(300), "max_tokens": 50, "n": 2}
+        st, doc = api_request(gw, "POST", "/v1/completions", body, key=KEY)
+        assert st == 400 and doc["error"]["code"] == "request_too_large", doc
+        assert "400" in doc["error"]["message"]
+        before = shard.output().count("step cancelled after")
+        gw2 = Gateway(cluster["path"], ["--hop", shard.hop()], KEY, "--max-request-seconds", "1")
+        try:
+            t0 = time.monotonic()
+            st, doc = api_request(gw2, "POST", "/v1/completions",
+                                  {"model": cluster["model"], "prompt": long_prompt(LONG_WORDS), "max_tokens": 1},
+                                  key=KEY)
+            assert st == 408 and doc["error"]["code"] == "request_timeout", doc
+            assert time.monotonic() - t0 < 5
+        finally:
+            assert gw2.stop() == 0
+        wait_for(lambda: shard.output().count("step cancelled after") > before, "the shard to stop the prefill")
+    finally:
+        assert gw.stop() == 0
