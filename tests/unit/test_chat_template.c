@@ -546,6 +546,40 @@ static void test_step_budget(void **state) {
     assert_int_equal(render_limited("{% for i in range(100000) %}{% set x = i %}{% endfor %}", &lim), FU_OK);
 }
 
+/* Dicts of many keys are indexed: lookups keep Python's key equality (1 == 1.0 == true, -0.0 == 0),
+ * a repeated key replaces its value in place, and a 60,000-key object from the request renders at
+ * once (a linear search per key made it quadratic: 3.8 s unsanitized). */
+static void test_big_dicts(void **state) {
+    (void)state;
+    char src[2048];
+    size_t k = (size_t)snprintf(src, sizeof src, "{%% set d = {");
+    for (int i = 0; i < 40; i++) /* int keys, then 'k0'..'k29', then a repeated 'k3' */
+        k += (size_t)snprintf(src + k, sizeof src - k, "%d: %d, ", i, 2 * i);
+    for (int i = 0; i < 30; i++)
+        k += (size_t)snprintf(src + k, sizeof src - k, "'k%d': %d, ", i, i);
+    snprintf(src + k, sizeof src - k,
+             "'k3': 'again'} %%}{{ d[1.0] }} {{ d[true] }} {{ d[39] }} {{ d[-0.0] }} {{ d|length }} {{ 40 in d }} "
+             "{{ d.k3 }} {{ d['k29'] }} {{ (d|list)[38:42] }} {{ dict(d, extra=1)|length }}");
+    expect_render(src, NULL, "2 2 78 0 70 False again 29 [38, 39, 'k0', 'k1'] 71");
+    size_t n = 60000, cap = n * 24 + 64;
+    k = 0;
+    char *ctx = malloc(cap);
+    assert_non_null(ctx);
+    k += (size_t)snprintf(ctx + k, cap - k, "{\"big\": {");
+    for (size_t i = 0; i < n; i++)
+        k += (size_t)snprintf(ctx + k, cap - k, "%s\"k%zu\": %zu", i ? ", " : "", i, i);
+    snprintf(ctx + k, cap - k, "}}");
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    expect_render("{{ big.k59999 }} {{ big['k0'] }} {{ big|length }} {{ big.k60000 is defined }}", ctx,
+                  "59999 0 60000 False");
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    free(ctx);
+    double secs = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    if (secs > 10.0)
+        fail_msg("a 60000-key object took %.2f s to render", secs);
+}
+
 /* Every builtin is found by name (the interpreter's tables are searched by
  * bisection, so this also checks that they are sorted), and no other name is. */
 static void test_builtin_names(void **state) {
@@ -683,6 +717,7 @@ int main(void) {
         cmocka_unit_test(test_builtin_names),   cmocka_unit_test(test_data_spans),
         cmocka_unit_test(test_deep_chains),     cmocka_unit_test(test_deep_runtime),
         cmocka_unit_test(test_deep_json),       cmocka_unit_test(test_step_budget),
+        cmocka_unit_test(test_big_dicts),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

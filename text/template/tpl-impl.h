@@ -95,7 +95,12 @@ typedef struct tpl_dict {
     bool holds_mut; /* as tpl_list (namespaces always count as mutable) */
     bool holds_data; /* some key or value holds data (never cleared) */
     tpl_val *k, *v; /* keys are str, int, float, bool or none */
+    uint32_t *slots; /* from TPL_DICT_INDEX_MIN keys: open addressing, entry index + 1 (0: empty) */
+    size_t n_slots;  /* a power of two > 2 x len, or 0 */
 } tpl_dict;
+
+/* Dicts with at least this many keys are indexed by hash (smaller ones are scanned). */
+#define TPL_DICT_INDEX_MIN 16
 
 struct tpl_node;
 struct tpl_scope;

@@ -135,6 +135,7 @@ void tpl_drop(tpl_rt *R, tpl_val v) {
             }
             free(d->k);
             free(d->v);
+            free(d->slots);
             break;
         }
         case TPL_FUNC:
@@ -394,8 +395,71 @@ static bool key_equal(tpl_val a, tpl_val b) {
     return tpl_equal(a, b);
 }
 
+static double num_f(tpl_val v);
+
+static uint64_t hash_bytes(const void *p, size_t n) {
+    const unsigned char *b = p;
+    uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h ^ (h >> 29);
+}
+
+/* A key's hash: equal keys (1 == 1.0 == true, as tpl_equal) hash alike. */
+static uint64_t key_hash(tpl_val k) {
+    if (k.kind == TPL_STR)
+        return hash_bytes(tpl_as_str(k)->s, tpl_as_str(k)->len);
+    if (tpl_is_num(k)) {
+        double x = num_f(k);
+        if (x == 0)
+            x = 0; /* -0.0 == 0.0 */
+        return hash_bytes(&x, sizeof x);
+    }
+    return (uint64_t)k.kind * 0x9e3779b97f4a7c15ull;
+}
+
+/* Rebuilds the index with room for twice the keys (the dict has at least TPL_DICT_INDEX_MIN). */
+static int dict_reindex(tpl_rt *R, tpl_dict *d) {
+    size_t n = 64;
+    while (n < 4 * d->len)
+        n *= 2;
+    size_t bytes = n * sizeof *d->slots, old = d->n_slots * sizeof *d->slots;
+    int rc = account(R, bytes);
+    if (rc)
+        return rc;
+    uint32_t *s = calloc(n, sizeof *s);
+    if (!s) {
+        unaccount(R, bytes);
+        return oom(R);
+    }
+    for (size_t i = 0; i < d->len; i++) {
+        size_t j = (size_t)key_hash(d->k[i]) & (n - 1);
+        while (s[j])
+            j = (j + 1) & (n - 1);
+        s[j] = (uint32_t)(i + 1);
+    }
+    free(d->slots);
+    unaccount(R, old);
+    d->h.bytes += bytes - old;
+    d->slots = s;
+    d->n_slots = n;
+    return FU_OK;
+}
+
+/* The entry index of a key equal to `key` by the index (d->slots set), or -1. */
+static ptrdiff_t dict_find_indexed(const tpl_dict *d, tpl_val key) {
+    for (size_t j = (size_t)key_hash(key) & (d->n_slots - 1); d->slots[j]; j = (j + 1) & (d->n_slots - 1))
+        if (key_equal(d->k[d->slots[j] - 1], key))
+            return (ptrdiff_t)d->slots[j] - 1;
+    return -1;
+}
+
 tpl_val *tpl_dict_get(tpl_val dict, tpl_val key) {
     tpl_dict *d = tpl_as_dict(dict);
+    if (d->slots) {
+        ptrdiff_t i = dict_find_indexed(d, key);
+        return i < 0 ? NULL : &d->v[i];
+    }
     for (size_t i = 0; i < d->len; i++)
         if (key_equal(d->k[i], key))
             return &d->v[i];
@@ -404,6 +468,14 @@ tpl_val *tpl_dict_get(tpl_val dict, tpl_val key) {
 
 tpl_val *tpl_dict_get_cstr(tpl_val dict, const char *key, size_t len) {
     tpl_dict *d = tpl_as_dict(dict);
+    for (size_t j = (size_t)hash_bytes(key, len) & (d->n_slots - 1); d->slots && d->slots[j];
+         j = (j + 1) & (d->n_slots - 1)) {
+        tpl_val k = d->k[d->slots[j] - 1];
+        if (k.kind == TPL_STR && tpl_as_str(k)->len == len && memcmp(tpl_as_str(k)->s, key, len) == 0)
+            return &d->v[d->slots[j] - 1];
+    }
+    if (d->slots)
+        return NULL;
     for (size_t i = 0; i < d->len; i++) {
         if (d->k[i].kind != TPL_STR)
             continue;
@@ -435,6 +507,23 @@ int tpl_dict_set(tpl_rt *R, tpl_val dict, tpl_val key, tpl_val v) {
     d->k[d->len] = key;
     d->v[d->len] = v;
     d->len++;
+    if (d->len < TPL_DICT_INDEX_MIN)
+        return FU_OK;
+    if (!d->slots || 2 * d->len >= d->n_slots) {
+        rc = dict_reindex(R, d);
+        if (rc) { /* the dict stays whole, scanned instead */
+            free(d->slots);
+            unaccount(R, d->n_slots * sizeof *d->slots);
+            d->h.bytes -= d->n_slots * sizeof *d->slots;
+            d->slots = NULL;
+            d->n_slots = 0;
+        }
+        return rc;
+    }
+    size_t j = (size_t)key_hash(key) & (d->n_slots - 1);
+    while (d->slots[j])
+        j = (j + 1) & (d->n_slots - 1);
+    d->slots[j] = (uint32_t)d->len;
     return FU_OK;
 }
 
