@@ -512,8 +512,8 @@ const char *shard_session_id(const shard_session *s) { return s->id; }
 
 int shard_session_rollback(shard_session *s, int len) { return eng_seq_truncate(s->seq, len); }
 
-/* Checks a step and sizes the session's output buffers (caller's thread). */
-static int shard_step_prepare(shard_core *c, shard_session *s, shard_step *st) {
+/* Checks a step's inputs against the session: positions, token ids, hidden states. */
+static int shard_step_check_inputs(shard_core *c, shard_session *s, const shard_step *st) {
     const mdl_model *m = c->m;
     const int len = eng_seq_len(s->seq), max_len = eng_seq_max_len(s->seq);
     if (st->n <= 0) return fu_errorf(FU_ERR_INVALID, "a step needs at least one position");
@@ -538,24 +538,25 @@ static int shard_step_prepare(shard_core *c, shard_session *s, shard_step *st) {
             if (!isfinite(st->hidden[i]))
                 return fu_errorf(FU_ERR_INVALID, "hidden state has a non-finite value at %zu", i);
     }
+    return FU_OK;
+}
+
+/* Checks a step and sizes the session's output buffers (caller's thread). */
+static int shard_step_prepare(shard_core *c, shard_session *s, shard_step *st) {
+    const mdl_model *m = c->m;
+    int rc = shard_step_check_inputs(c, s, st);
+    if (rc) return rc;
     if (!m->has_head) {
-        st->want_logits = st->sample = false;
+        st->want_logits = st->sample = st->score_inputs = false;
         st->top_logprobs = 0;
     }
-    if (!m->has_head) st->score_inputs = false;
     if (st->score_inputs && (!st->sample || !st->all_positions || !st->tokens))
         return fu_errorf(FU_ERR_INVALID, "scoring inputs needs sampling, all positions and the token ids");
     if (st->top_logprobs < 0 || st->top_logprobs > SHARD_MAX_TOP_LOGPROBS)
         return fu_errorf(FU_ERR_INVALID, "top_logprobs must be in [0, %d]", SHARD_MAX_TOP_LOGPROBS);
-    if (st->sample) {
-        if (!s->smp) {
-            int rc = smp_new(&st->sampling, m->cfg.vocab_size, &s->smp);
-            if (rc) return rc;
-        } else {
-            int rc = smp_reset(s->smp, &st->sampling);
-            if (rc) return rc;
-        }
-    }
+    if (st->sample && (rc = s->smp ? smp_reset(s->smp, &st->sampling)
+                                   : smp_new(&st->sampling, m->cfg.vocab_size, &s->smp)))
+        return rc;
     st->n_out = step_n_out(c, st);
     size_t nf = m->has_head
                     ? (size_t)(st->want_logits ? st->n_out : 0) * (size_t)m->cfg.vocab_size +
