@@ -169,6 +169,8 @@ static gw_options options(gw_config *c) {
          "write the membership service's bound port to F"},
         {"spares", 0, FU_OPT_INT, FU_OPT_TO(c->spares), .help = "spares kept waiting once every block is covered",
          .def = "1", .lo = 0, .hi = 1024},
+        {"max-members", 0, FU_OPT_INT, FU_OPT_TO(c->max_members),
+         .help = "joined members at once; a Join beyond is refused", .def = "256", .lo = 1, .hi = 65536},
         {"min-gain-percent", 0, FU_OPT_INT, FU_OPT_TO(c->min_gain_percent), "P",
          "a surplus spare serves if that raises the max flow by P%", .def = "5", .lo = 0, .hi = 1000},
         {"rebalance-interval-ms", 0, FU_OPT_INT, FU_OPT_TO(c->rebalance_interval_ms),

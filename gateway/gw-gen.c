@@ -699,7 +699,7 @@ static void gw_run_drop_path(gw_run *r, int rc, const char *msg) {
     gw_swarm *sw = r->j->e->swarm;
     chain_session_close(r->s);
     r->s = NULL;
-    if (gw_hop_dead(rc)) gw_swarm_report_failure(sw, &r->lease, msg);
+    if (gw_hop_dead(rc)) gw_swarm_report_failure(sw, &r->lease, rc, msg);
     gw_swarm_release(sw, &r->lease);
 }
 

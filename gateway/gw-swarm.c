@@ -36,6 +36,7 @@ typedef struct gw_member {
     rpc_channel *ch;        /* NULL in manual mode */
     bool joined;            /* registered over fusion.Swarm (else a static --shard) */
     bool live;              /* counted in the swarm (a good poll / a join, and no retirement since) */
+    bool probed;            /* joined: answered the gateway's first Echo since it joined; routed only then */
     uint64_t member_id;     /* joined: the id its heartbeats carry; 0 once retired */
     int id;                 /* router id; -1: not in the router */
     int first, last;        /* span served; equal: none (a spare) */
@@ -254,9 +255,13 @@ static void gw_member_route_locked(gw_swarm *s, gw_member *mb) {
     mb->r_total_kv = mb->total_kv;
 }
 
+/* Whether member mb may carry requests: live, and a joined one has answered a probe of the
+ * gateway's (a Join alone proves only that its sender holds the secret). */
+static bool gw_member_routable(const gw_member *mb) { return mb->live && (!mb->joined || mb->probed); }
+
 /* Brings the router in line with member mb (locked). Returns true if the router changed. */
 static bool gw_member_sync_locked(gw_swarm *s, gw_member *mb) {
-    if (!mb->live) {
+    if (!gw_member_routable(mb)) {
         if (mb->id < 0) return false;
         gw_member_unroute_locked(s, mb);
     } else {
@@ -409,7 +414,7 @@ static void gw_member_retire_locked(gw_swarm *s, gw_member *mb, const char *why)
     if (!mb->live) return;
     FU_WARN("swarm: retiring %s%s [%d, %d): %s", mb->joined ? "member " : "shard ", mb->address, mb->first, mb->last,
             why);
-    if (mb->last > mb->first) s->left = true;
+    if (mb->last > mb->first && mb->id >= 0) s->left = true;
     mb->live = false;
     mb->member_id = 0;
     mb->as_first = mb->as_last = 0;
@@ -544,15 +549,33 @@ static void gw_member_reply_fill_locked(gw_swarm *s, const gw_member *mb, gw_mem
     }
 }
 
+/* Live joined members other than `except` (locked). */
+static int gw_joined_count_locked(const gw_swarm *s, const gw_member *except) {
+    int n = 0;
+    for (size_t i = 0; i < s->n; i++) n += s->m[i] != except && s->m[i]->joined && s->m[i]->live;
+    return n;
+}
+
+/* Refuses a join that is not allowed: a static member's address (FU_ERR_INVALID) or one member
+ * too many (FU_ERR_EXHAUSTED; a member joining again does not count twice). Locked. */
+static int gw_join_allowed_locked(const gw_swarm *s, const gw_member *mb, const char *address) {
+    if (mb && !mb->joined) return fu_errorf(FU_ERR_INVALID, "%s is a static --shard of this gateway", address);
+    int n = gw_joined_count_locked(s, mb);
+    if (n >= s->cfg->max_members)
+        return fu_errorf(FU_ERR_EXHAUSTED, "the swarm is full: %d members joined, the gateway's cap (--max-members)",
+                         n);
+    return FU_OK;
+}
+
 int gw_swarm_member_join(gw_swarm *s, const gw_member_report *r, double now, gw_member_reply *out) {
     memset(out, 0, sizeof *out);
     int rc = gw_report_check(s, r);
     if (rc) return rc;
     pthread_mutex_lock(&s->mu);
     gw_member *mb = gw_member_find_address_locked(s, r->address);
-    if (mb && !mb->joined) {
+    if ((rc = gw_join_allowed_locked(s, mb, r->address))) {
         pthread_mutex_unlock(&s->mu);
-        return fu_errorf(FU_ERR_INVALID, "%s is a static --shard of this gateway", r->address);
+        return rc;
     }
     if (mb && mb->live) gw_member_retire_locked(s, mb, "joined again");
     if (!mb && !(mb = gw_member_add_locked(s, r->address))) {
@@ -565,13 +588,14 @@ int gw_swarm_member_join(gw_swarm *s, const gw_member_report *r, double now, gw_
     gw_member_take_report(mb, r, now);
     mb->member_id = ++s->next_member_id;
     mb->live = true;
+    mb->probed = s->manual; /* the swarm thread probes it; manual swarms make no calls */
     mb->as_first = mb->as_last = 0;
     mb->rtt_s = mb->bw = mb->measured_at = 0;
     mb->error[0] = '\0';
     FU_INFO("swarm: %s joined as member %llu (%s, %s, max %d blocks)", mb->address, (unsigned long long)mb->member_id,
             mb->device, mb->dtype, mb->max_blocks);
     gw_member_sync_locked(s, mb);
-    if (mb->id < 0) {
+    if (mb->probed && mb->id < 0) {
         mb->live = false;
         mb->member_id = 0;
         snprintf(mb->error, sizeof mb->error, "cannot add it to the router");
@@ -747,6 +771,25 @@ static int gw_echo(rpc_channel *ch, char *why, size_t why_len) {
     return code;
 }
 
+/* Probes joined member mb, not routed yet, with one small Echo (unlocked call): an answer makes it
+ * routable (and placeable), a failure retires it. member_id: its membership when the probe began. */
+static void gw_member_probe(gw_swarm *s, gw_member *mb, uint64_t member_id) {
+    char why[200] = "";
+    int code = gw_echo(mb->ch, why, sizeof why);
+    pthread_mutex_lock(&s->mu);
+    if (mb->live && mb->member_id == member_id) { /* still the membership probed */
+        if (code) {
+            char m[240];
+            snprintf(m, sizeof m, "not reachable from the gateway: %s", why);
+            gw_member_retire_locked(s, mb, m);
+        } else {
+            mb->probed = true;
+            if (gw_member_sync_locked(s, mb)) gw_swarm_rebalance_locked(s);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
 /* Measures the link to member mb (unlocked calls); a failed call retires it. */
 static void gw_member_measure(gw_swarm *s, gw_member *mb) {
     char why[200] = "";
@@ -776,15 +819,18 @@ static void gw_swarm_round(gw_swarm *s) {
     for (size_t i = 0; (mb = gw_member_at(s, i)); i++) {
         pthread_mutex_lock(&s->mu);
         bool poll = !mb->joined && now - mb->info_at >= GW_INFO_EVERY_S;
-        bool measure = s->cfg->measure_links && mb->live &&
+        bool probe = mb->joined && mb->live && !mb->probed;
+        uint64_t member_id = mb->member_id;
+        bool measure = s->cfg->measure_links && mb->live && !probe &&
                        (mb->measured_at <= 0 || now - mb->measured_at >= s->cfg->measure_interval_ms / 1000.0);
         bool stopping = s->stopping;
-        if (poll || measure) mb->busy++;
+        if (poll || probe || measure) mb->busy++;
         pthread_mutex_unlock(&s->mu);
         if (stopping) return;
         if (poll) gw_member_poll(s, mb);
+        if (probe) gw_member_probe(s, mb, member_id);
         if (measure) gw_member_measure(s, mb);
-        if (poll || measure) {
+        if (poll || probe || measure) {
             pthread_mutex_lock(&s->mu);
             mb->busy--;
             pthread_mutex_unlock(&s->mu);
@@ -897,7 +943,7 @@ static int gw_swarm_serve(gw_swarm *s) {
     const gw_config *c = s->cfg;
     const char *cert = c->swarm_tls_cert ? c->swarm_tls_cert : c->https_cert;
     const char *key = c->swarm_tls_cert ? c->swarm_tls_key : c->https_key;
-    rpc_server_options o = {c->swarm_listen, cert, key, c->insecure, c->secret, 0, 4, c->swarm_tls_client_ca};
+    rpc_server_options o = {c->swarm_listen, cert, key, c->insecure, c->secret, 0, 4, c->swarm_tls_client_ca, 0};
     s->handlers = (swarm_svc_handlers){s, gw_join_handler, gw_heartbeat_handler};
     int rc = rpc_server_new(&o, &s->rpc);
     if (!rc) rc = swarm_svc_serve(s->rpc, &s->handlers);
@@ -1092,7 +1138,8 @@ static gw_member *gw_member_by_router_id_locked(gw_swarm *s, int id) {
     return NULL;
 }
 
-void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message) {
+void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, int code, const char *message) {
+    if (code == FU_ERR_EXHAUSTED) return; /* too big or too many: the member is fine */
     char why[200];
     snprintf(why, sizeof why, "call failed: %s", message ? message : "");
     /* "shard HOST:PORT: ..." names the failed hop */
@@ -1144,6 +1191,7 @@ int gw_swarm_lease_retired(gw_swarm *s, const gw_lease *l) {
 
 static const char *gw_member_state(const gw_member *mb) {
     if (!mb->live) return mb->last_ok > 0 ? "gone" : "unreachable";
+    if (!gw_member_routable(mb)) return "joining"; /* not probed yet */
     if (mb->last > mb->first) return mb->as_last > mb->as_first ? "moving" : "active";
     if (mb->as_last > mb->as_first) return "loading";
     return mb->joined && mb->n_fails >= GW_MAX_LOAD_FAILURES ? "failed" : "spare";

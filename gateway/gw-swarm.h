@@ -98,10 +98,12 @@ void gw_swarm_free(gw_swarm *s);
 int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err);
 /* Releases the lease's reservations (an empty lease is a no-op). */
 void gw_swarm_release(gw_swarm *s, gw_lease *l);
-/* A call over the lease failed with `message` (chain errors name the shard as
- * "shard HOST:PORT: ..."): retires the named hop, or, when none is named, every
- * hop of the lease that does not answer an Info probe. */
-void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, const char *message);
+/* A call over the lease failed with status `code` and `message` (chain errors name
+ * the shard as "shard HOST:PORT: ..."): retires the named hop, or, when none is
+ * named, every hop of the lease that does not answer an Echo probe. A refusal for
+ * size or load (FU_ERR_EXHAUSTED: a shard's RESOURCE_EXHAUSTED, a request over its
+ * budget) and a span that moved away retire no one: the member is fine. */
+void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, int code, const char *message);
 /* The first hop of the lease that has been retired since it was routed (its member failed its
  * polls or heartbeats, or another call reported it), or -1 when all are still in the swarm. */
 int gw_swarm_lease_retired(gw_swarm *s, const gw_lease *l);

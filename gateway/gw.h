@@ -235,6 +235,7 @@ typedef struct gw_config {
     char *swarm_tls_client_ca; /* members must show a certificate signed by it (mTLS); NULL: none asked */
     char *swarm_port_file;  /* write its bound port here */
     int spares;             /* spares kept waiting once every block is covered (default 1) */
+    int max_members;        /* joined members at once; a Join beyond is refused (256) */
     int min_gain_percent;   /* a surplus spare serves when that raises the max flow by this much (5) */
     int heartbeat_ms;       /* interval asked of members (500) */
     int heartbeat_timeout_ms; /* retire a member silent this long (3000) */

@@ -43,6 +43,9 @@
 /* Default bound on one message, each direction, when an option says 0. */
 #define RPC_DEFAULT_MAX_MESSAGE (64u << 20)
 
+/* Default bound on a server's concurrent stream calls (each holds a thread), when an option says 0. */
+#define RPC_DEFAULT_MAX_STREAMS 256
+
 /* ---- status ---------------------------------------------------------------- */
 
 /* X(name, value, description): gRPC's status codes, same values, plus codes
@@ -123,6 +126,9 @@ typedef struct rpc_server_options {
     const char *tls_client_ca; /* PEM CA certificate(s), text or a file path: require and verify
                                   a client certificate signed by it (mTLS; needs tls_cert);
                                   NULL: clients are not asked for one */
+    int max_streams;          /* stream calls running at once (a thread each); one beyond is
+                                 refused with RESOURCE_EXHAUSTED naming the cap, before any
+                                 thread starts; 0: RPC_DEFAULT_MAX_STREAMS */
 } rpc_server_options;
 
 /* Creates a server listening on o->address (bound now, so rpc_server_port

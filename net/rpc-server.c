@@ -4,13 +4,16 @@
  * receive new calls, check the swarm secret, run unary handlers and send
  * their replies. A stream call is bound to a completion queue of its own and
  * handed to a new thread that runs the handler and drives that queue directly
- * (no hand-off between threads per message).
+ * (no hand-off between threads per message). At most max_streams streams run
+ * at once: one beyond is refused with RESOURCE_EXHAUSTED on the worker, before
+ * a thread is created, so a flood of streams cannot exhaust threads or memory.
  *
  * Every method keeps RPC_SRV_REQUESTS calls requested from gRPC; a worker
  * re-requests as soon as one arrives. Calls to unregistered methods go to a
  * catch-all request and get UNIMPLEMENTED (after the secret check).
  */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -69,6 +72,7 @@ struct rpc_server {
     int n_methods;
     pthread_t *workers;
     int n_workers, n_started_workers;
+    int max_streams;       /* stream calls running at once */
     bool started, shut;
 
     pthread_mutex_t mu;
@@ -77,6 +81,8 @@ struct rpc_server {
     bool shutdown_notified;
     int n_requests;        /* srv_calls waiting for a call */
     int n_calls;           /* calls in flight (unary, rejected and streams) */
+    int n_streams;         /* stream threads running */
+    uint64_t n_refused;    /* streams refused at the cap (logged at powers of two) */
     char shutdown_tag;
 };
 
@@ -263,12 +269,46 @@ static void *stream_main(void *arg) {
     rpc__stream_drain(s);
     grpc_slice_unref(msg);
     rpc__stream_destroy(s);
+    pthread_mutex_lock(&srv->mu);
+    srv->n_streams--;
+    pthread_mutex_unlock(&srv->mu);
     count_call_done(srv);
     return NULL;
 }
 
-/* Hands a stream call to a new thread (which then owns it). */
+/* Takes one of the server's stream slots; false when max_streams run already (*refused: the
+ * refusals so far, this one included). */
+static bool stream_slot_take(rpc_server *srv, uint64_t *refused) {
+    pthread_mutex_lock(&srv->mu);
+    bool ok = srv->n_streams < srv->max_streams;
+    if (ok) srv->n_streams++;
+    else srv->n_refused++;
+    *refused = srv->n_refused;
+    pthread_mutex_unlock(&srv->mu);
+    return ok;
+}
+
+/* Gives back a slot whose thread did not start. */
+static void stream_slot_give(rpc_server *srv) {
+    pthread_mutex_lock(&srv->mu);
+    srv->n_streams--;
+    pthread_mutex_unlock(&srv->mu);
+}
+
+/* Hands a stream call to a new thread (which then owns it), or refuses it when the server runs
+ * max_streams already. */
 static void start_stream(srv_call *c) {
+    uint64_t refused;
+    if (!stream_slot_take(c->srv, &refused)) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "the server is at its cap of %d concurrent streams (sessions); retry later",
+                 c->srv->max_streams);
+        if ((refused & (refused - 1)) == 0) /* a flood logs a few lines, not one per stream */
+            FU_WARN("rpc server: %s: %d streams run, the cap; %llu refused so far", c->m->path,
+                    c->srv->max_streams, (unsigned long long)refused);
+        call_reply(c, RPC_RESOURCE_EXHAUSTED, msg);
+        return;
+    }
     rpc_stream *s = calloc(1, sizeof *s);
     if (s) {
         s->server = true;
@@ -295,6 +335,7 @@ static void start_stream(srv_call *c) {
         }
         free(s);
     }
+    stream_slot_give(c->srv);
     call_reply(c, RPC_RESOURCE_EXHAUSTED, "the server cannot start a stream thread");
 }
 
@@ -413,6 +454,7 @@ int rpc_server_new(const rpc_server_options *o, rpc_server **out) {
     srv->max_msg = o->max_message_bytes ? o->max_message_bytes : RPC_DEFAULT_MAX_MESSAGE;
     if (srv->max_msg > INT32_MAX) srv->max_msg = INT32_MAX;
     srv->n_workers = o->n_workers > 0 ? o->n_workers : 2;
+    srv->max_streams = o->max_streams > 0 ? o->max_streams : RPC_DEFAULT_MAX_STREAMS;
     sha256(o->secret, strlen(o->secret), srv->secret_hash);
     rpc__grpc_ref();
 

@@ -41,6 +41,7 @@ typedef struct shard_args {
     char *join;          /* gateway's swarm address */
     char *device;        /* "cpu", "cuda", "cuda:N" */
     int max_blocks;      /* most blocks to load when the gateway places it (0: all) */
+    int max_sessions, max_forward_tokens, max_step_tokens; /* caps per caller (shard_server_config) */
 } shard_args;
 
 static shard_args args = {.span = {-1, -1}, .embed = -1, .head = -1};
@@ -93,6 +94,13 @@ static const fu_opt shard_options[] = {
      "--blocks the gateway assigns the span (or keeps it as a spare)"},
     {"max-blocks", 0, FU_OPT_INT, FU_OPT_TO(args.max_blocks),
      .help = "most blocks the gateway may assign (default: the whole model)", .lo = 1, .hi = 100000},
+    {"max-sessions", 0, FU_OPT_INT, FU_OPT_TO(args.max_sessions), .help = "Session streams at once; more are refused",
+     .def = "256", .lo = 1, .hi = 65536},
+    {"max-forward-tokens", 0, FU_OPT_INT, FU_OPT_TO(args.max_forward_tokens),
+     .help = "positions one stateless Forward may run (all sequences)", .def = "2048", .lo = 1, .hi = 1 << 24},
+    {"max-step-tokens", 0, FU_OPT_INT, FU_OPT_TO(args.max_step_tokens),
+     .help = "positions one session step may run (0: up to the session's length)", .def = "0", .lo = 0,
+     .hi = 1 << 24},
     FU_OPT_END,
 };
 
@@ -335,7 +343,8 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
     const char *client_key = a->tls_client_cert ? a->tls_client_key : a->tls_key;
     shard_server_config cfg = {a->listen, a->advertise, a->tls_cert, a->tls_key, a->tls_ca, a->insecure,
                                a->secret, 0, a->idle_timeout_ms, 4, sp->name, sp->device, sp->tps,
-                               a->tls_client_ca, client_cert, client_key};
+                               a->tls_client_ca, client_cert, client_key,
+                               a->max_sessions, a->max_forward_tokens, a->max_step_tokens};
     int rc = shard_server_new(sp->core, &cfg, &sp->srv);
     if (rc || (rc = shard_server_start(sp->srv))) return rc;
     int port = shard_server_port(sp->srv);

@@ -91,6 +91,22 @@ static int encode_tensor(wire_tensor *t, int64_t *shape, const float *x, int64_t
 
 /* ---- steps ---------------------------------------------------------------------- */
 
+/* The positions an Input feeds in: its hidden states' rows, else its token ids. */
+static int64_t input_positions(const shard_svc_input *in) {
+    if (in->hidden && in->hidden->n_shape >= 1) return in->hidden->shape[0] > 0 ? in->hidden->shape[0] : 0;
+    return (int64_t)in->n_tokens;
+}
+
+/* Refuses a Session step over the server's budget per step (RESOURCE_EXHAUSTED with the figures). */
+static int step_budget_check(const shard_server_config *cfg, const shard_svc_input *in, rpc_status *st) {
+    int64_t n = in ? input_positions(in) : 0;
+    if (cfg->max_step_tokens > 0 && n > cfg->max_step_tokens)
+        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED,
+                               "step of %lld positions is over this server's budget of %d positions per step",
+                               (long long)n, cfg->max_step_tokens);
+    return RPC_OK;
+}
+
 /* Reads an OutputSpec into step's output options and sampling (logit_bias borrowed from spec). */
 static int step_spec(const shard_svc_output_spec *spec, shard_step *step, rpc_status *st) {
     step->want_logits = spec->want_logits;
@@ -374,6 +390,8 @@ static int session_step(session *c, const shard_svc_step *sr, rpc_status *st) {
     if (core_closing(c->srv, c->core))
         return rpc_status_setf(st, RPC_UNAVAILABLE, "blocks [%d, %d) moved away from this server", c->m->first,
                                c->m->last);
+    int budget = step_budget_check(&c->srv->cfg, sr->input, st);
+    if (budget) return budget;
     int64_t t_start = fu_now_us();
     if (sr->has_rollback) {
         if (sr->rollback_to < 0 || sr->rollback_to > shard_session_len(c->sess))
@@ -475,10 +493,18 @@ static void forward_done(void *ctx, void *hold) {
     free(f);
 }
 
-/* Checks a Forward request against the span of `core`. */
-static int forward_check(const mdl_model *m, const shard_svc_forward *req, rpc_status *st) {
+/* Checks a Forward request against the span of `core` and the server's budget per call. */
+static int forward_check(const shard_server *srv, const mdl_model *m, const shard_svc_forward *req,
+                         rpc_status *st) {
     if (req->n_sequences == 0 || req->n_sequences > SHARD_MAX_SEQUENCES)
         return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "sequences: 1..%d required", SHARD_MAX_SEQUENCES);
+    int64_t total = 0;
+    for (size_t i = 0; i < req->n_sequences; i++) total += input_positions(&req->sequences[i]);
+    int budget = srv->cfg.max_forward_tokens > 0 ? srv->cfg.max_forward_tokens : SHARD_DEFAULT_FORWARD_TOKENS;
+    if (total > budget)
+        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED,
+                               "Forward of %lld positions in %zu sequences is over this server's budget of %d "
+                               "positions per call", (long long)total, req->n_sequences, budget);
     if (req->adapter_id && req->adapter_id[0])
         return rpc_status_setf(st, RPC_NOT_FOUND, "adapter_id: no adapter '%.64s'", req->adapter_id);
     if ((req->first_block || req->last_block) && (req->first_block != m->first || req->last_block != m->last))
@@ -524,7 +550,7 @@ static int forward_handler(void *ctx, const shard_svc_forward *req, shard_svc_fo
     shard_core *core = core_acquire(srv, req->first_block, req->last_block);
     if (!core) return no_span(st);
     const mdl_model *m = shard_core_model(core);
-    int rc = forward_check(m, req, st);
+    int rc = forward_check(srv, m, req, st);
     fwd_state *f = rc ? NULL : calloc(1, sizeof *f);
     if (!rc && !f) rc = rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
     if (rc) {
@@ -617,7 +643,8 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
     s->handlers = (shard_svc_handlers){s, session_handler, forward_handler, forward_done, info_handler,
                                        health_handler};
     rpc_server_options ro = {cfg->listen, cfg->tls_cert, cfg->tls_key, cfg->allow_insecure, cfg->secret,
-                             cfg->max_message_bytes, cfg->n_workers > 0 ? cfg->n_workers : 4, cfg->tls_client_ca};
+                             cfg->max_message_bytes, cfg->n_workers > 0 ? cfg->n_workers : 4, cfg->tls_client_ca,
+                             cfg->max_sessions};
     int rc = rpc_server_new(&ro, &s->rpc);
     if (!rc && !cfg->advertise) { /* name ourselves by the port actually bound */
         const char *colon = strrchr(cfg->listen, ':');

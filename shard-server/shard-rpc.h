@@ -41,7 +41,17 @@ typedef struct shard_server_config {
                                     (mTLS; needs tls_cert); NULL: clients show none */
     const char *tls_client_cert; /* shown to next hops that require one (mTLS); NULL: none */
     const char *tls_client_key;  /* its key */
+    /* Caps on what one caller may hold or cost; beyond them a call is refused with
+     * RESOURCE_EXHAUSTED and the figures (the gateway reads it as "too big": it neither
+     * retries nor retires this server). */
+    int max_sessions;            /* Session streams at once (0: RPC_DEFAULT_MAX_STREAMS) */
+    int max_forward_tokens;      /* positions of one Forward, all sequences together
+                                    (0: SHARD_DEFAULT_FORWARD_TOKENS) */
+    int max_step_tokens;         /* positions of one Session step (0: only the session's max_length) */
 } shard_server_config;
+
+/* Default budget of one Forward call, in positions (8192 cost 27 s of CPU on a small model). */
+#define SHARD_DEFAULT_FORWARD_TOKENS 2048
 
 /* Creates the server for `core` (borrowed) and binds its port. core NULL: a spare that
  * holds no span yet: sessions, Forward and Info are refused with UNAVAILABLE (Health and
