@@ -10,6 +10,7 @@
 #include "grow.h"
 #include "rpc.h"
 #include "status.h"
+#include "svc-impl.h"
 
 /* ---- scratch ---------------------------------------------------------------------------- */
 
@@ -19,9 +20,9 @@
 enum {
     SC_BIAS, SC_BIAS_PTRS, SC_HOPS, SC_HOP_PTRS, SC_TOKENS,      /* packing requests */
     SC_OUTS, SC_OUT_PTRS, SC_TENSORS, SC_TOPS, SC_TOP_PTRS,      /* packing outputs */
-    SC_ENTRIES, SC_ENTRY_PTRS, SC_TIMING, SC_TIMING_PTRS,
+    SC_ENTRIES, SC_ENTRY_PTRS, SC_TIMING, SC_TIMING_PTRS, SC_OUT_TOKENS,
     SC_V_BIAS, SC_V_HOPS, SC_V_INPUTS, SC_V_TENSORS, SC_V_TOKENS, SC_V_ID, /* views of requests */
-    SC_V_TOP, SC_V_TOP_TOKENS, SC_V_TOP_LP, SC_V_TIMING,         /* views of replies */
+    SC_V_TOP, SC_V_TOP_TOKENS, SC_V_TOP_LP, SC_V_TIMING, SC_V_OUT_TOKENS, /* views of replies */
     SC_KINDS
 };
 
@@ -178,11 +179,13 @@ static int open_pack(const shard_svc_open *v, Fusion__OpenSession *m, svc_scratc
 
 /* Outputs v[0..n) as messages in scratch; *out: their pointer array. -1 when out of memory. */
 static int outputs_pack(const shard_svc_output *v, size_t n, Fusion__Output ***out, svc_scratch *sc) {
-    size_t n_top = 0, n_ent = 0;
+    size_t n_top = 0, n_ent = 0, n_tok = 0;
     for (size_t i = 0; i < n; i++) {
         n_top += v[i].n_top;
+        n_tok += v[i].n_tokens;
         for (size_t j = 0; j < v[i].n_top; j++) n_ent += v[i].top[j].n;
     }
+    int64_t *toks = scratch(sc, SC_OUT_TOKENS, n_tok, sizeof *toks); /* widened to the wire's int64 */
     Fusion__Output *outs = scratch(sc, SC_OUTS, n, sizeof *outs);
     Fusion__Output **out_ptrs = scratch(sc, SC_OUT_PTRS, n, sizeof *out_ptrs);
     Fusion__Tensor *tensors = scratch(sc, SC_TENSORS, 2 * n, sizeof *tensors);
@@ -190,7 +193,7 @@ static int outputs_pack(const shard_svc_output *v, size_t n, Fusion__Output ***o
     Fusion__TopLogprobs **top_ptrs = scratch(sc, SC_TOP_PTRS, n_top, sizeof *top_ptrs);
     Fusion__TokenLogprob *ents = scratch(sc, SC_ENTRIES, n_ent, sizeof *ents);
     Fusion__TokenLogprob **ent_ptrs = scratch(sc, SC_ENTRY_PTRS, n_ent, sizeof *ent_ptrs);
-    if (!outs || !out_ptrs || !tensors || !tops || !top_ptrs || !ents || !ent_ptrs) return -1;
+    if (!outs || !out_ptrs || !tensors || !tops || !top_ptrs || !ents || !ent_ptrs || !toks) return -1;
     size_t t = 0, e = 0;
     for (size_t i = 0; i < n; i++) {
         Fusion__Output *o = &outs[i];
@@ -204,7 +207,8 @@ static int outputs_pack(const shard_svc_output *v, size_t n, Fusion__Output ***o
             o->logits = &tensors[2 * i + 1];
         }
         o->n_tokens = v[i].n_tokens;
-        o->tokens = (int32_t *)v[i].tokens;
+        o->tokens = v[i].n_tokens ? toks : NULL;
+        for (size_t k = 0; k < v[i].n_tokens; k++) *toks++ = v[i].tokens[k];
         o->n_logprobs = v[i].n_logprobs;
         o->logprobs = (float *)v[i].logprobs;
         o->n_top_logprobs = v[i].n_top;
@@ -263,8 +267,8 @@ static int step_reply_pack(const shard_svc_step_reply *v, Fusion__StepReply *m, 
 
 /* ---- views: messages -> plain structs (pointing into the messages) -------------------------- */
 
-/* The view of a received Tensor. */
-static void tensor_view(const Fusion__Tensor *m, wire_tensor *v) {
+/* The view of a received Tensor, named `what` in a refusal (a block_size beyond int32). */
+static int tensor_view(const Fusion__Tensor *m, wire_tensor *v, const char *what, rpc_status *st) {
     v->dtype = (int)m->dtype;
     v->n_shape = m->n_shape;
     v->shape = m->shape;
@@ -272,14 +276,27 @@ static void tensor_view(const Fusion__Tensor *m, wire_tensor *v) {
     v->data_len = m->data.len;
     v->scales = m->scales.data;
     v->scales_len = m->scales.len;
-    v->block_size = m->block_size;
     v->scale_dtype = (int)m->scale_dtype;
+    svc_i32 f[] = {{".block_size", m->block_size, &v->block_size}};
+    return svc_narrow(f, 1, what, st);
+}
+
+/* Token ids src[0..n) (int64 on the wire) narrowed into dst[0..n). An id outside 0..INT32_MAX is
+ * refused with INVALID_ARGUMENT naming `what`[k] (the vocabulary bound is the receiver's). */
+static int ids_view(const int64_t *src, size_t n, int32_t *dst, const char *what, rpc_status *st) {
+    for (size_t k = 0; k < n; k++) {
+        if (src[k] < 0 || src[k] > INT32_MAX)
+            return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s[%zu]: token id %lld is not a valid id", what, k,
+                                   (long long)src[k]);
+        dst[k] = (int32_t)src[k];
+    }
+    return RPC_OK;
 }
 
 /* The views of n received Inputs m[0..n) in v[0..n) (hidden tensors in hidden[0..n), token ids
- * narrowed to int32 in scratch). Ids that do not fit int32 are refused here, before narrowing
- * (the vocabulary bound is the receiver's): INVALID_ARGUMENT naming `what` (with the input's
- * index when `indexed`) and the entry. */
+ * narrowed to int32 in scratch). Ids that do not fit int32 and tensors' block sizes beyond int32
+ * are refused here, before narrowing (the vocabulary bound is the receiver's): INVALID_ARGUMENT
+ * naming `what` (with the input's index when `indexed`) and the entry. */
 static int inputs_view(Fusion__Input *const *m, size_t n, shard_svc_input *v, wire_tensor *hidden, const char *what,
                        bool indexed, svc_scratch *sc, rpc_status *st) {
     size_t total = 0;
@@ -288,22 +305,19 @@ static int inputs_view(Fusion__Input *const *m, size_t n, shard_svc_input *v, wi
     if (!tokens) return no_memory(st);
     for (size_t i = 0; i < n; i++) {
         const Fusion__Input *in = m[i];
-        for (size_t k = 0; k < in->n_tokens; k++) {
-            if (in->tokens[k] < 0 || in->tokens[k] > INT32_MAX) {
-                char label[48];
-                if (indexed) snprintf(label, sizeof label, "%s[%zu]", what, i);
-                else snprintf(label, sizeof label, "%s", what);
-                return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s.tokens[%zu]: token id %lld is not a valid id",
-                                       label, k, (long long)in->tokens[k]);
-            }
-            tokens[k] = (int32_t)in->tokens[k];
-        }
+        char label[48], sub[64];
+        if (indexed) snprintf(label, sizeof label, "%s[%zu]", what, i);
+        else snprintf(label, sizeof label, "%s", what);
+        snprintf(sub, sizeof sub, "%s.tokens", label);
+        int rc = ids_view(in->tokens, in->n_tokens, tokens, sub, st);
+        if (rc) return rc;
         v[i].tokens = in->n_tokens ? tokens : NULL;
         v[i].n_tokens = in->n_tokens;
         tokens += in->n_tokens;
         v[i].hidden = NULL;
         if (in->hidden) {
-            tensor_view(in->hidden, &hidden[i]);
+            snprintf(sub, sizeof sub, "%s.hidden", label);
+            if ((rc = tensor_view(in->hidden, &hidden[i], sub, st))) return rc;
             v[i].hidden = &hidden[i];
         }
     }
@@ -317,10 +331,13 @@ static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shar
     v->want_logits = m->want_logits;
     v->all_positions = m->all_positions;
     v->score_inputs = m->score_inputs;
-    v->top_logprobs = m->top_logprobs;
     v->sampling = NULL;
     const Fusion__Sampling *w = m->sampling;
-    if (!w) return RPC_OK;
+    int32_t top_k = 0;
+    svc_i32 f[] = {{"output.top_logprobs", m->top_logprobs, &v->top_logprobs},
+                   {"output.sampling.top_k", w ? w->top_k : 0, &top_k}};
+    int rc = svc_narrow(f, 2, "", st);
+    if (rc || !w) return rc;
     smp_bias *bias = scratch(sc, SC_V_BIAS, w->n_logit_bias, sizeof *bias);
     if (!bias) return no_memory(st);
     for (size_t i = 0; i < w->n_logit_bias; i++) {
@@ -331,7 +348,7 @@ static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shar
         bias[i].token = (int32_t)tok;
         bias[i].bias = w->logit_bias[i]->bias;
     }
-    *samp = (shard_svc_sampling){w->temperature, w->top_p, w->top_k, w->min_p, w->seed, w->presence_penalty,
+    *samp = (shard_svc_sampling){w->temperature, w->top_p, top_k, w->min_p, w->seed, w->presence_penalty,
                                  w->frequency_penalty, w->repetition_penalty, bias, w->n_logit_bias,
                                  w->penalty_start};
     v->sampling = samp;
@@ -350,6 +367,21 @@ static int name_check(const char *s, size_t max, const char *what, rpc_status *s
     return RPC_OK;
 }
 
+/* The views of received hops m[0..n) in v[0..n): names and blocks checked (INVALID_ARGUMENT). */
+static int hops_view(Fusion__Hop *const *m, size_t n, shard_svc_hop *v, rpc_status *st) {
+    for (size_t i = 0; i < n; i++) {
+        const Fusion__Hop *h = m[i];
+        v[i] = (shard_svc_hop){.address = str_or_empty(h->address), .tls_server_name = str_or_empty(h->tls_server_name)};
+        svc_i32 f[] = {{"first_block", h->first_block, &v[i].first_block},
+                       {"last_block", h->last_block, &v[i].last_block}};
+        int rc = name_check(v[i].address, SHARD_SVC_MAX_NAME, "open.chain.address", st);
+        if (!rc) rc = name_check(v[i].tls_server_name, SHARD_SVC_MAX_NAME, "open.chain.tls_server_name", st);
+        if (!rc) rc = svc_narrow(f, 2, "open.chain.", st);
+        if (rc) return rc;
+    }
+    return RPC_OK;
+}
+
 /* The OpenSession's view (session id and hops in scratch). The session id (bytes on the wire)
  * is refused with an embedded NUL, a control character or beyond SHARD_SVC_MAX_ID bytes; the
  * other names with a control character or beyond SHARD_SVC_MAX_NAME bytes (INVALID_ARGUMENT). */
@@ -364,56 +396,63 @@ static int open_view(const Fusion__OpenSession *m, shard_svc_open *v, svc_scratc
     if (!id || !hops) return no_memory(st);
     if (sid->len) memcpy(id, sid->data, sid->len);
     id[sid->len] = '\0';
+    *v = (shard_svc_open){.session_id = id, .wire_dtype = (int)m->wire_dtype, .adapter_id = str_or_empty(m->adapter_id),
+                          .chain = hops, .n_chain = m->n_chain};
+    svc_i32 f[] = {{"open.max_length", m->max_length, &v->max_length},
+                   {"open.int8_block_size", m->int8_block_size, &v->int8_block_size},
+                   {"open.first_block", m->first_block, &v->first_block},
+                   {"open.last_block", m->last_block, &v->last_block},
+                   {"open.idle_timeout_ms", m->idle_timeout_ms, &v->idle_timeout_ms}};
     int rc = name_check(id, SHARD_SVC_MAX_ID, "open.session_id", st);
-    if (!rc) rc = name_check(str_or_empty(m->adapter_id), SHARD_SVC_MAX_NAME, "open.adapter_id", st);
-    for (size_t i = 0; !rc && i < m->n_chain; i++) {
-        const Fusion__Hop *h = m->chain[i];
-        hops[i] = (shard_svc_hop){str_or_empty(h->address), h->first_block, h->last_block,
-                                  str_or_empty(h->tls_server_name)};
-        if (!(rc = name_check(hops[i].address, SHARD_SVC_MAX_NAME, "open.chain.address", st)))
-            rc = name_check(hops[i].tls_server_name, SHARD_SVC_MAX_NAME, "open.chain.tls_server_name", st);
-    }
-    if (rc) return rc;
-    *v = (shard_svc_open){id, m->max_length, (int)m->wire_dtype, m->int8_block_size,
-                          str_or_empty(m->adapter_id),
-                          m->first_block, m->last_block, hops, m->n_chain, m->idle_timeout_ms};
-    return 0;
+    if (!rc) rc = name_check(v->adapter_id, SHARD_SVC_MAX_NAME, "open.adapter_id", st);
+    if (!rc) rc = svc_narrow(f, sizeof f / sizeof f[0], "", st);
+    return rc ? rc : hops_view(m->chain, m->n_chain, hops, st);
 }
 
-/* An Output's view (top logprobs flattened into scratch); -1 when out of memory. */
-static int output_view(const Fusion__Output *m, shard_svc_output *v, wire_tensor *hidden, wire_tensor *logits,
-                       svc_scratch *sc) {
-    memset(v, 0, sizeof *v);
-    if (m->hidden) {
-        tensor_view(m->hidden, hidden);
-        v->hidden = hidden;
-    }
-    if (m->logits) {
-        tensor_view(m->logits, logits);
-        v->logits = logits;
-    }
-    v->tokens = m->tokens;
-    v->n_tokens = m->n_tokens;
-    v->logprobs = m->logprobs;
-    v->n_logprobs = m->n_logprobs;
+/* The TopLogprobs of a received Output, flattened into scratch, in *top (n: m->n_top_logprobs). */
+static int tops_view(const Fusion__Output *m, shard_svc_top **top_out, svc_scratch *sc, rpc_status *st) {
     size_t n_ent = 0;
     for (size_t i = 0; i < m->n_top_logprobs; i++) n_ent += m->top_logprobs[i]->n_entries;
     shard_svc_top *top = scratch(sc, SC_V_TOP, m->n_top_logprobs, sizeof *top);
     int32_t *tokens = scratch(sc, SC_V_TOP_TOKENS, n_ent, sizeof *tokens);
     float *lp = scratch(sc, SC_V_TOP_LP, n_ent, sizeof *lp);
-    if (!top || !tokens || !lp) return -1;
+    if (!top || !tokens || !lp) return no_memory(st);
     size_t e = 0;
     for (size_t i = 0; i < m->n_top_logprobs; i++) {
         const Fusion__TopLogprobs *tl = m->top_logprobs[i];
         top[i] = (shard_svc_top){&tokens[e], &lp[e], tl->n_entries};
         for (size_t k = 0; k < tl->n_entries; k++, e++) {
-            tokens[e] = tl->entries[k]->token;
+            int rc = ids_view(&tl->entries[k]->token, 1, &tokens[e], "output.top_logprobs.entries.token", st);
+            if (rc) return rc;
             lp[e] = tl->entries[k]->logprob;
         }
     }
+    *top_out = top;
+    return RPC_OK;
+}
+
+/* An Output's view (sampled ids and top logprobs in scratch); INVALID_ARGUMENT for a value its
+ * view cannot hold. */
+static int output_view(const Fusion__Output *m, shard_svc_output *v, wire_tensor *hidden, wire_tensor *logits,
+                       svc_scratch *sc, rpc_status *st) {
+    memset(v, 0, sizeof *v);
+    int32_t *tokens = scratch(sc, SC_V_OUT_TOKENS, m->n_tokens, sizeof *tokens);
+    if (!tokens) return no_memory(st);
+    int rc = m->hidden ? tensor_view(m->hidden, hidden, "output.hidden", st) : RPC_OK;
+    if (!rc && m->logits) rc = tensor_view(m->logits, logits, "output.logits", st);
+    if (!rc) rc = ids_view(m->tokens, m->n_tokens, tokens, "output.tokens", st);
+    shard_svc_top *top = NULL;
+    if (!rc) rc = tops_view(m, &top, sc, st);
+    if (rc) return rc;
+    v->hidden = m->hidden ? hidden : NULL;
+    v->logits = m->logits ? logits : NULL;
+    v->tokens = m->n_tokens ? tokens : NULL;
+    v->n_tokens = m->n_tokens;
+    v->logprobs = m->logprobs;
+    v->n_logprobs = m->n_logprobs;
     v->top = top;
     v->n_top = m->n_top_logprobs;
-    return 0;
+    return RPC_OK;
 }
 
 /* A Session request and the views into it (the message is owned). */
@@ -612,11 +651,13 @@ static int forward_view(const Fusion__ForwardRequest *m, shard_svc_forward *v, s
     shard_svc_input *seq = scratch(sc, SC_V_INPUTS, m->n_sequences, sizeof *seq);
     wire_tensor *hidden = scratch(sc, SC_V_TENSORS, m->n_sequences, sizeof *hidden);
     if (!seq || !hidden) return no_memory(st);
-    int rc = inputs_view(m->sequences, m->n_sequences, seq, hidden, "sequences", true, sc, st);
-    if (!rc) rc = name_check(str_or_empty(m->adapter_id), SHARD_SVC_MAX_NAME, "adapter_id", st);
-    if (rc) return rc;
     *v = (shard_svc_forward){m->request_id, seq, m->n_sequences, NULL, (int)m->wire_dtype, str_or_empty(m->adapter_id),
-                             m->first_block, m->last_block};
+                             0, 0};
+    svc_i32 f[] = {{"first_block", m->first_block, &v->first_block}, {"last_block", m->last_block, &v->last_block}};
+    int rc = inputs_view(m->sequences, m->n_sequences, seq, hidden, "sequences", true, sc, st);
+    if (!rc) rc = name_check(v->adapter_id, SHARD_SVC_MAX_NAME, "adapter_id", st);
+    if (!rc) rc = svc_narrow(f, 2, "", st);
+    if (rc) return rc;
     if (m->output) {
         if ((rc = spec_view(m->output, spec, samp, sc, st))) return rc;
         v->output = spec;
@@ -737,8 +778,8 @@ static int echo_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessa
     (void)ctx;
     const Fusion__EchoRequest *req = (const Fusion__EchoRequest *)req_msg;
     if (req->reply_bytes < 0 || req->reply_bytes > SHARD_SVC_ECHO_MAX)
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "reply_bytes: 0..%d required, got %d", SHARD_SVC_ECHO_MAX,
-                               req->reply_bytes);
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "reply_bytes: 0..%d required, got %lld", SHARD_SVC_ECHO_MAX,
+                               (long long)req->reply_bytes);
     Fusion__EchoReply *r = malloc(sizeof *r);
     if (!r) return no_memory(st);
     fusion__echo_reply__init(r);
@@ -868,6 +909,19 @@ void shard_svc_session_drop_reply(shard_svc_session *s) {
     s->msg = NULL;
 }
 
+/* The views of received timings m[0..n) in v[0..n) (INVALID_ARGUMENT: a block beyond int32). */
+static int timing_view(Fusion__ServerTiming *const *m, size_t n, shard_svc_timing *v, rpc_status *st) {
+    for (size_t i = 0; i < n; i++) {
+        v[i] = (shard_svc_timing){.server = str_or_empty(m[i]->server), .queue_us = m[i]->queue_us,
+                                  .compute_us = m[i]->compute_us, .total_us = m[i]->total_us};
+        svc_i32 f[] = {{"first_block", m[i]->first_block, &v[i].first_block},
+                       {"last_block", m[i]->last_block, &v[i].last_block}};
+        int rc = svc_narrow(f, 2, "timing.", st);
+        if (rc) return rc;
+    }
+    return RPC_OK;
+}
+
 int shard_svc_session_step(shard_svc_session *s, const shard_svc_step *step, const shard_svc_step_reply **reply,
                            rpc_status *st) {
     *reply = NULL;
@@ -879,13 +933,9 @@ int shard_svc_session_step(shard_svc_session *s, const shard_svc_step *step, con
     if (rc) return rc;
     const Fusion__StepReply *r = ((const Fusion__SessionReply *)s->msg)->step;
     shard_svc_timing *t = scratch(&s->sc, SC_V_TIMING, r->n_timing, sizeof *t);
-    if (!t || (r->output && output_view(r->output, &s->out, &s->hidden, &s->logits, &s->sc)))
-        return no_memory(st);
-    for (size_t i = 0; i < r->n_timing; i++) {
-        const Fusion__ServerTiming *m = r->timing[i];
-        t[i] = (shard_svc_timing){str_or_empty(m->server), m->first_block, m->last_block, m->queue_us, m->compute_us,
-                                  m->total_us};
-    }
+    if (!t) return no_memory(st);
+    if (r->output && (rc = output_view(r->output, &s->out, &s->hidden, &s->logits, &s->sc, st))) return rc;
+    if ((rc = timing_view(r->timing, r->n_timing, t, st))) return rc;
     s->rep = (shard_svc_step_reply){r->request_id, r->position, r->output ? &s->out : NULL, t, r->n_timing};
     *reply = &s->rep;
     return RPC_OK;
@@ -917,6 +967,25 @@ typedef struct info_held {
     int dtypes[];
 } info_held;
 
+/* The view of a received Info reply but its wire dtypes (INVALID_ARGUMENT: a count beyond int32). */
+static int info_view(const Fusion__InfoReply *r, shard_svc_info *v, rpc_status *st) {
+    *v = (shard_svc_info){.model_name = str_or_empty(r->model_name), .has_embeddings = r->has_embeddings,
+                          .has_head = r->has_head, .dtype = str_or_empty(r->dtype), .device = str_or_empty(r->device),
+                          .tokens_per_s = r->tokens_per_s, .free_kv_bytes = r->free_kv_bytes,
+                          .total_kv_bytes = r->total_kv_bytes, .version = str_or_empty(r->version),
+                          .n_wire_dtypes = r->n_wire_dtypes, .adapters = (const char *const *)r->adapters,
+                          .n_adapters = r->n_adapters, .max_message_bytes = r->max_message_bytes,
+                          .kv_bytes_per_position = r->kv_bytes_per_position};
+    svc_i32 f[] = {{"n_layers", r->n_layers, &v->n_layers},
+                   {"first_block", r->first_block, &v->first_block},
+                   {"last_block", r->last_block, &v->last_block},
+                   {"active_sessions", r->active_sessions, &v->active_sessions},
+                   {"hidden_size", r->hidden_size, &v->hidden_size},
+                   {"vocab_size", r->vocab_size, &v->vocab_size},
+                   {"max_length", r->max_length, &v->max_length}};
+    return svc_narrow(f, sizeof f / sizeof f[0], "info.", st);
+}
+
 int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rpc_status *st) {
     *out = NULL;
     Fusion__InfoRequest req = FUSION__INFO_REQUEST__INIT;
@@ -931,12 +1000,11 @@ int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rp
     }
     for (size_t i = 0; i < r->n_wire_dtypes; i++) h->dtypes[i] = (int)r->wire_dtypes[i];
     h->msg = msg;
-    h->info = (shard_svc_info){str_or_empty(r->model_name), r->n_layers, r->first_block, r->last_block,
-                               r->has_embeddings, r->has_head, str_or_empty(r->dtype), str_or_empty(r->device),
-                               r->tokens_per_s, r->free_kv_bytes, r->total_kv_bytes, r->active_sessions,
-                               str_or_empty(r->version), r->hidden_size, r->vocab_size,
-                               r->max_length, h->dtypes, r->n_wire_dtypes, (const char *const *)r->adapters,
-                               r->n_adapters, r->max_message_bytes, r->kv_bytes_per_position};
+    if ((rc = info_view(r, &h->info, st))) {
+        shard_svc_info_free(&h->info);
+        return rc;
+    }
+    h->info.wire_dtypes = h->dtypes;
     *out = &h->info;
     return RPC_OK;
 }

@@ -15,10 +15,12 @@
  * Received values are unchecked beyond what the protobuf decoder guarantees
  * (strings are never NULL): the receiver validates them. The exception is
  * what these structs cannot carry, refused here with INVALID_ARGUMENT naming
- * the field: token ids (int64 on the wire) outside int32, a session id with
- * an embedded NUL, a control character or over SHARD_SVC_MAX_ID bytes, and
- * addresses, TLS names and adapter ids with a control character or over
- * SHARD_SVC_MAX_NAME bytes.
+ * the field: token ids (int64 on the wire) outside 0..INT32_MAX, any other
+ * integer field (int64 on the wire: counts, sizes, block numbers, top_k, ...)
+ * outside int32, a session id with an embedded NUL, a control character or
+ * over SHARD_SVC_MAX_ID bytes, and addresses, TLS names and adapter ids with a
+ * control character or over SHARD_SVC_MAX_NAME bytes. Replies a client
+ * receives (step outputs and timings, Info) are read the same way.
  *
  * Ownership: structs passed in are borrowed; they are packed before the call
  * returns (a handler's reply: when the handler returns, or for Forward before

@@ -8,6 +8,7 @@
 #include "fusion.pb-c.h"
 #include "rpc.h"
 #include "status.h"
+#include "svc-impl.h"
 
 /* A string for a message (NULL packs as "") or from one (never NULL in a view). */
 static char *str_or_empty(const char *s) { return (char *)(s ? s : ""); }
@@ -63,31 +64,57 @@ static member_msg *member_pack(const swarm_svc_member *v) {
     return m;
 }
 
+/* Narrows a received MemberStatus's counts and blocks into v (INVALID_ARGUMENT naming the first
+ * beyond int32). */
+static int member_narrow(const Fusion__MemberStatus *ms, swarm_svc_member *v, rpc_status *st) {
+    svc_i32 f[] = {{"n_layers", ms->n_layers, &v->n_layers},
+                   {"first_block", ms->first_block, &v->first_block},
+                   {"last_block", ms->last_block, &v->last_block},
+                   {"max_blocks", ms->max_blocks, &v->max_blocks},
+                   {"active_sessions", ms->active_sessions, &v->active_sessions},
+                   {"failed_first", ms->failed_first, &v->failed_first},
+                   {"failed_last", ms->failed_last, &v->failed_last},
+                   {"draining_first", ms->draining_first, &v->draining_first},
+                   {"draining_last", ms->draining_last, &v->draining_last},
+                   {"draining_sessions", ms->draining_sessions, &v->draining_sessions},
+                   {"hidden_size", ms->hidden_size, &v->hidden_size}};
+    return svc_narrow(f, sizeof f / sizeof f[0], "status.", st);
+}
+
 /* The view of a received MemberStatus; *links: a new array of its link figures (free()), or
- * NULL with none. -1 when out of memory. */
-static int member_view(const Fusion__MemberStatus *ms, swarm_svc_member *v, swarm_svc_link **links) {
+ * NULL with none. RPC_OK, RPC_RESOURCE_EXHAUSTED (out of memory) or INVALID_ARGUMENT (a count or
+ * block beyond int32; *links NULL). */
+static int member_view(const Fusion__MemberStatus *ms, swarm_svc_member *v, swarm_svc_link **links,
+                       rpc_status *st) {
     *links = NULL;
-    if (ms->n_links && !(*links = calloc(ms->n_links, sizeof **links))) return -1;
+    *v = (swarm_svc_member){.address = str_or_empty(ms->address), .model_name = str_or_empty(ms->model_name),
+                            .device = str_or_empty(ms->device), .dtype = str_or_empty(ms->dtype),
+                            .tokens_per_s = ms->tokens_per_s, .block_tokens_per_s = ms->block_tokens_per_s,
+                            .free_kv_bytes = ms->free_kv_bytes, .total_kv_bytes = ms->total_kv_bytes,
+                            .kv_bytes_per_position = ms->kv_bytes_per_position, .fixed_span = ms->fixed_span,
+                            .n_links = ms->n_links, .load_error = str_or_empty(ms->load_error)};
+    int rc = member_narrow(ms, v, st);
+    if (rc) return rc;
+    if (ms->n_links && !(*links = calloc(ms->n_links, sizeof **links)))
+        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
     for (size_t i = 0; i < ms->n_links; i++) {
         const Fusion__LinkFigure *lf = ms->links[i];
         (*links)[i] = (swarm_svc_link){str_or_empty(lf->address), lf->rtt_s, lf->bandwidth_bytes_per_s};
     }
-    *v = (swarm_svc_member){str_or_empty(ms->address), str_or_empty(ms->model_name), ms->n_layers,
-                            ms->first_block, ms->last_block, str_or_empty(ms->device), str_or_empty(ms->dtype), ms->tokens_per_s, ms->block_tokens_per_s, ms->max_blocks,
-                            ms->free_kv_bytes, ms->total_kv_bytes, ms->kv_bytes_per_position,
-                            ms->active_sessions, ms->fixed_span, *links, ms->n_links, ms->failed_first,
-                            ms->failed_last, str_or_empty(ms->load_error), ms->draining_first, ms->draining_last,
-                            ms->draining_sessions, ms->hidden_size};
-    return 0;
+    v->links = *links;
+    return RPC_OK;
 }
 
 /* ---- client ---------------------------------------------------------------------------------- */
 
-/* A received SpanAssignment (NULL: none) as has_span, first, last. */
-static void span_read(const Fusion__SpanAssignment *span, bool *has_span, int32_t *first, int32_t *last) {
+/* A received SpanAssignment (NULL: none) as has_span, first, last (INVALID_ARGUMENT: a block beyond
+ * int32). */
+static int span_read(const Fusion__SpanAssignment *span, bool *has_span, int32_t *first, int32_t *last,
+                     rpc_status *st) {
     *has_span = span != NULL;
-    *first = span ? span->first_block : 0;
-    *last = span ? span->last_block : 0;
+    svc_i32 f[] = {{"first_block", span ? span->first_block : 0, first},
+                   {"last_block", span ? span->last_block : 0, last}};
+    return svc_narrow(f, 2, "span.", st);
 }
 
 int swarm_svc_join(rpc_channel *ch, const swarm_svc_member *status, int timeout_ms, swarm_svc_join_reply *out,
@@ -103,10 +130,12 @@ int swarm_svc_join(rpc_channel *ch, const swarm_svc_member *status, int timeout_
     if (rc) return rc;
     const Fusion__JoinReply *r = (const Fusion__JoinReply *)msg;
     out->member_id = r->member_id;
-    out->heartbeat_ms = r->heartbeat_ms;
-    span_read(r->span, &out->has_span, &out->first_block, &out->last_block);
+    svc_i32 f[] = {{"heartbeat_ms", r->heartbeat_ms, &out->heartbeat_ms}};
+    rc = svc_narrow(f, 1, "", st);
+    if (!rc) rc = span_read(r->span, &out->has_span, &out->first_block, &out->last_block, st);
     rpc_msg_free(msg);
-    return RPC_OK;
+    if (rc) memset(out, 0, sizeof *out);
+    return rc;
 }
 
 int swarm_svc_heartbeat(rpc_channel *ch, const swarm_svc_heartbeat_request *req, int timeout_ms,
@@ -124,7 +153,11 @@ int swarm_svc_heartbeat(rpc_channel *ch, const swarm_svc_heartbeat_request *req,
     free(m);
     if (rc) return rc;
     const Fusion__HeartbeatReply *r = (const Fusion__HeartbeatReply *)msg;
-    span_read(r->span, &out->has_span, &out->first_block, &out->last_block);
+    if ((rc = span_read(r->span, &out->has_span, &out->first_block, &out->last_block, st))) {
+        rpc_msg_free(msg);
+        memset(out, 0, sizeof *out);
+        return rc;
+    }
     for (size_t i = 0; i < r->n_peers && out->n_peers < SWARM_SVC_MAX_PEERS; i++) {
         const char *a = r->peers[i];
         if (a && a[0] && strlen(a) < SWARM_SVC_ADDRESS_LEN)
@@ -156,12 +189,17 @@ static void free_msg(void *ctx, ProtobufCMessage *msg) {
 }
 
 /* A handler call's start: a zeroed reply block of `size` bytes, and the view of the request's
- * status ms (if any; *links: free() after the call). NULL when out of memory. */
+ * status ms (if any; *links: free() after the call). NULL with st set: out of memory, or a
+ * status its view cannot hold. */
 static void *entry_start(size_t size, const Fusion__MemberStatus *ms, swarm_svc_member *status,
-                         swarm_svc_link **links) {
+                         swarm_svc_link **links, rpc_status *st) {
     *links = NULL;
     void *m = calloc(1, size);
-    if (m && ms && member_view(ms, status, links)) {
+    if (!m) {
+        rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return NULL;
+    }
+    if (ms && member_view(ms, status, links, st)) {
         free(m);
         return NULL;
     }
@@ -182,8 +220,8 @@ static int join_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessa
     const Fusion__JoinRequest *req = (const Fusion__JoinRequest *)req_msg;
     swarm_svc_member status;
     swarm_svc_link *links;
-    join_msg *m = entry_start(sizeof *m, req->status, &status, &links);
-    if (!m) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    join_msg *m = entry_start(sizeof *m, req->status, &status, &links, st);
+    if (!m) return st->code;
     swarm_svc_join_reply out = {0};
     int rc = h->join(h->ctx, req->status ? &status : NULL, &out, st);
     free(links);
@@ -205,8 +243,8 @@ static int heartbeat_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
     const Fusion__HeartbeatRequest *req = (const Fusion__HeartbeatRequest *)req_msg;
     swarm_svc_member status;
     swarm_svc_link *links;
-    heartbeat_msg *m = entry_start(sizeof *m, req->status, &status, &links);
-    if (!m) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+    heartbeat_msg *m = entry_start(sizeof *m, req->status, &status, &links, st);
+    if (!m) return st->code;
     swarm_svc_heartbeat_request hb = {req->member_id, req->status ? &status : NULL, req->leaving};
     int rc = h->heartbeat(h->ctx, &hb, &m->out, st);
     free(links);

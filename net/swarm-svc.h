@@ -5,7 +5,10 @@
  * gateway serves them through two typed handlers. Each struct mirrors the
  * proto message of the same name (MemberStatus -> swarm_svc_member, ...) with
  * its field meanings and rules; received values are unchecked beyond what the
- * protobuf decoder guarantees (strings are never NULL).
+ * protobuf decoder guarantees (strings are never NULL), except integer fields:
+ * int64 on the wire, one outside the int32 of its struct (a MemberStatus count
+ * or block, JoinReply.heartbeat_ms, a span) is refused with INVALID_ARGUMENT
+ * naming the field, before any handler runs.
  *
  * Ownership: structs passed in are borrowed and packed during the call. A
  * handler's request views (swarm_svc_member, its links and strings) are valid

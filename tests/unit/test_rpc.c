@@ -1181,7 +1181,8 @@ static void test_shard_svc_wire(void **state) {
     tl.n_entries = 2;
     tl.entries = ep;
     Fusion__Output go = FUSION__OUTPUT__INIT;
-    go.n_tokens = 1, go.tokens = &tok, go.n_logprobs = 1, go.logprobs = &lp, go.n_top_logprobs = 1;
+    int64_t tok64 = tok; /* int64 on the wire */
+    go.n_tokens = 1, go.tokens = &tok64, go.n_logprobs = 1, go.logprobs = &lp, go.n_top_logprobs = 1;
     go.top_logprobs = &tlp;
     Fusion__ServerTiming gt = FUSION__SERVER_TIMING__INIT, *gtp = &gt;
     gt.server = "x:1", gt.last_block = 4, gt.queue_us = 1, gt.compute_us = 2, gt.total_us = 3;
