@@ -177,14 +177,20 @@ static int open_pack(const shard_svc_open *v, Fusion__OpenSession *m, svc_scratc
     return 0;
 }
 
+/* Totals over outputs v[0..n): top-logprob rows, their entries, sampled ids. */
+static void outputs_count(const shard_svc_output *v, size_t n, size_t *n_top, size_t *n_ent, size_t *n_tok) {
+    *n_top = *n_ent = *n_tok = 0;
+    for (size_t i = 0; i < n; i++) {
+        *n_top += v[i].n_top;
+        *n_tok += v[i].n_tokens;
+        for (size_t j = 0; j < v[i].n_top; j++) *n_ent += v[i].top[j].n;
+    }
+}
+
 /* Outputs v[0..n) as messages in scratch; *out: their pointer array. -1 when out of memory. */
 static int outputs_pack(const shard_svc_output *v, size_t n, Fusion__Output ***out, svc_scratch *sc) {
-    size_t n_top = 0, n_ent = 0, n_tok = 0;
-    for (size_t i = 0; i < n; i++) {
-        n_top += v[i].n_top;
-        n_tok += v[i].n_tokens;
-        for (size_t j = 0; j < v[i].n_top; j++) n_ent += v[i].top[j].n;
-    }
+    size_t n_top, n_ent, n_tok;
+    outputs_count(v, n, &n_top, &n_ent, &n_tok);
     int64_t *toks = scratch(sc, SC_OUT_TOKENS, n_tok, sizeof *toks); /* widened to the wire's int64 */
     Fusion__Output *outs = scratch(sc, SC_OUTS, n, sizeof *outs);
     Fusion__Output **out_ptrs = scratch(sc, SC_OUT_PTRS, n, sizeof *out_ptrs);
@@ -371,7 +377,8 @@ static int name_check(const char *s, size_t max, const char *what, rpc_status *s
 static int hops_view(Fusion__Hop *const *m, size_t n, shard_svc_hop *v, rpc_status *st) {
     for (size_t i = 0; i < n; i++) {
         const Fusion__Hop *h = m[i];
-        v[i] = (shard_svc_hop){.address = str_or_empty(h->address), .tls_server_name = str_or_empty(h->tls_server_name)};
+        v[i] = (shard_svc_hop){.address = str_or_empty(h->address),
+                               .tls_server_name = str_or_empty(h->tls_server_name)};
         svc_i32 f[] = {{"first_block", h->first_block, &v[i].first_block},
                        {"last_block", h->last_block, &v[i].last_block}};
         int rc = name_check(v[i].address, SHARD_SVC_MAX_NAME, "open.chain.address", st);

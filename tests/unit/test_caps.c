@@ -330,6 +330,26 @@ static int join_rpc(rpc_channel *ch, const char *address, double tps, rpc_status
     return swarm_svc_join(ch, &m, 5000, &jr, st);
 }
 
+/* A real member of swarm s, joined over ch: a spare server (it answers Echo) claiming every block;
+ * returns once the gateway has probed it and routes over it. */
+static shard_server *real_member(gw_swarm *s, rpc_channel *ch) {
+    shard_server_config sc = {.listen = "127.0.0.1:0", .allow_insecure = true, .secret = SECRET, .n_workers = 2};
+    shard_server *srv;
+    assert_int_equal(shard_server_new(NULL, &sc, &srv), FU_OK);
+    assert_int_equal(shard_server_start(srv), FU_OK);
+    rpc_status st;
+    assert_int_equal(join_rpc(ch, shard_server_address(srv), 1.0, &st), RPC_OK);
+    char *state = NULL;
+    for (int i = 0; i < 500 && !(state && !strcmp(state, "active")); i++) {
+        free(state);
+        state = state_of(s, shard_server_address(srv));
+        if (!state || strcmp(state, "active")) nap_ms(10);
+    }
+    assert_string_equal(state, "active");
+    free(state);
+    return srv;
+}
+
 /* Members that joined (they hold the secret) but have not answered the gateway's probe carry no
  * request, however fast they claim to be; the excess beyond --max-members gets RESOURCE_EXHAUSTED
  * over the wire. Here the fake members' probes hang, so they stay unprobed through the test. */
@@ -351,22 +371,9 @@ static void test_unprobed_members_not_routed(void **state) {
     rpc_channel_options cho = {.insecure = true, .secret = SECRET};
     rpc_channel *ch;
     assert_int_equal(rpc_channel_new(gw_addr, &cho, &ch), FU_OK);
-    /* a real member: a spare server answers Echo */
-    shard_server_config sc = {.listen = "127.0.0.1:0", .allow_insecure = true, .secret = SECRET, .n_workers = 2};
-    shard_server *srv;
-    assert_int_equal(shard_server_new(NULL, &sc, &srv), FU_OK);
-    assert_int_equal(shard_server_start(srv), FU_OK);
+    shard_server *srv = real_member(s, ch);
     const char *real = shard_server_address(srv);
     rpc_status st;
-    assert_int_equal(join_rpc(ch, real, 1.0, &st), RPC_OK);
-    char *stt = NULL;
-    for (int i = 0; i < 500 && !(stt && !strcmp(stt, "active")); i++) {
-        free(stt);
-        stt = state_of(s, real);
-        if (strcmp(stt, "active")) nap_ms(10);
-    }
-    assert_string_equal(stt, "active");
-    free(stt);
     /* three fake members, a million times faster on paper */
     int port, fd = silent_listener(&port);
     char fake[4][64];
