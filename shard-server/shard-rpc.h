@@ -42,8 +42,8 @@ typedef struct shard_server_config {
     const char *tls_client_cert; /* shown to next hops that require one (mTLS); NULL: none */
     const char *tls_client_key;  /* its key */
     /* Caps on what one caller may hold or cost; beyond them a call is refused with
-     * RESOURCE_EXHAUSTED and the figures (the gateway reads it as "too big": it neither
-     * retries nor retires this server). */
+     * RESOURCE_EXHAUSTED and the figures (the gateway never retires this server for it: a
+     * step over budget is its client's "request too large", a full server is busy). */
     int max_sessions;            /* Session streams at once (0: RPC_DEFAULT_MAX_STREAMS) */
     int max_forward_tokens;      /* positions of one Forward, all sequences together
                                     (0: SHARD_DEFAULT_FORWARD_TOKENS) */

@@ -2,9 +2,9 @@
 
 A gateway with --swarm-listen and --max-members 2; two shards join it holding every block, each with
 --max-step-tokens 16. A third shard's Join is refused (RESOURCE_EXHAUSTED naming the cap) and
-completions go on working. A completion whose prompt is over a shard's step budget gets a 503 in
-OpenAI's error shape naming no internal address, and neither shard is retired for it: the next
-request is served by the same members.
+completions go on working. A completion whose prompt is over a shard's step budget is the client's
+400 ("request_too_large", in OpenAI's error shape, with the shard's figures and no internal
+address), and neither shard is retired for it: the next request is served by the same members.
 """
 import os
 import sys
@@ -78,10 +78,10 @@ def test_member_cap(cluster):
 def test_step_over_budget_retires_no_one(cluster):
     gw, shards = cluster["gw"], cluster["shards"][:2]
     st, body = completion(cluster, PROMPT * 8)  # 40 positions in the first step: over 16
-    assert st == 503, body
+    assert st == 400, body
     err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "overloaded", err
-    assert "127.0.0.1" not in err["message"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "request_too_large", err
+    assert f"budget of {STEP_BUDGET} positions" in err["message"] and "127.0.0.1" not in err["message"], err
     assert "retiring" not in gw.output(), gw.output()
     servers = by_address(swarm(gw))
     assert all(servers[s.address]["state"] == "active" for s in shards), servers
