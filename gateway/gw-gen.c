@@ -16,6 +16,7 @@
 #include "gw-swarm.h"
 #include "gw-tools.h"
 #include "log.h"
+#include "rpc-base.h"
 #include "sampler.h"
 #include "status.h"
 
@@ -600,7 +601,9 @@ static const char *gw_shard_detail(const char *msg) {
             const char *colon = strstr(msg, ": ");
             if (!strncmp(msg, prefixes[i], strlen(prefixes[i])) && colon) msg = colon + 2, again = true;
         }
-        if (!strncmp(msg, "RESOURCE_EXHAUSTED: ", 20)) msg += 20, again = true;
+        const char *code = rpc_code_str(RPC_RESOURCE_EXHAUSTED); /* chain_fail's code name */
+        if (!strncmp(msg, code, strlen(code)) && !strncmp(msg + strlen(code), ": ", 2))
+            msg += strlen(code) + 2, again = true;
     }
     return msg;
 }
