@@ -148,7 +148,8 @@ static int shard_span_open(shard_span *sp, int first, int last, int embed, int h
     mdl_model *m = NULL;
     shard_core *core = NULL;
     int rc = mdl_open(sp->path, &mo, &m);
-    shard_core_options so = {sp->kv_budget, sp->max_batch, sp->kv_type};
+    shard_core_options so = {.kv_budget_bytes = sp->kv_budget, .max_batch_tokens = sp->max_batch,
+                             .kv_type = sp->kv_type};
     if (!rc) rc = shard_core_new(m, sp->be, &so, &core);
     if (rc) {
         mdl_free(m);
@@ -279,7 +280,8 @@ static int shard_span_probe(shard_span *sp, const shard_args *a) {
     if (probe->last > probe->first) {
         snprintf(sp->dtype, sizeof sp->dtype, "%s", op_type_name(probe->layers[0].wq.type));
         shard_core *c1 = NULL;
-        shard_core_options so = {64u << 20, a->max_batch, OP_TYPE_F32};
+        shard_core_options so = {.kv_budget_bytes = 64u << 20, .max_batch_tokens = a->max_batch,
+                                 .kv_type = OP_TYPE_F32};
         if (!(rc = shard_core_new(probe, sp->be, &so, &c1))) sp->block_tps = shard_core_measure(c1, 1, 0.2);
         shard_core_free(c1);
         if (sp->block_tps < 0) sp->block_tps = 0;

@@ -369,6 +369,7 @@ int shard_core_new(const mdl_model *m, op_backend *be, const shard_core_options 
     if (!c->o.kv_budget_bytes) c->o.kv_budget_bytes = (uint64_t)1 << 30;
     if (c->o.max_batch_tokens <= 0) c->o.max_batch_tokens = 512;
     if (c->o.kv_type != OP_TYPE_F16) c->o.kv_type = OP_TYPE_F32;
+    if (!c->o.max_logits_bytes) c->o.max_logits_bytes = (uint64_t)64 << 20;
     eng_options eo = {c->o.max_batch_tokens, c->o.kv_type};
     int rc = eng_new(m, be, &eo, &c->e);
     if (rc) {
@@ -558,6 +559,11 @@ static int shard_step_prepare(shard_core *c, shard_session *s, shard_step *st) {
                                    : smp_new(&st->sampling, m->cfg.vocab_size, &s->smp)))
         return rc;
     st->n_out = step_n_out(c, st);
+    const uint64_t row = (uint64_t)m->cfg.vocab_size * sizeof(float), logits = st->want_logits ? st->n_out * row : 0;
+    if (logits > c->o.max_logits_bytes)
+        return fu_errorf(FU_ERR_EXHAUSTED, "logits of %d positions x %d tokens (%.1f MiB) exceed this server's limit of "
+                         "%.1f MiB per step: ask for fewer positions, or score them (score_inputs)",
+                         st->n_out, m->cfg.vocab_size, logits / 1048576.0, c->o.max_logits_bytes / 1048576.0);
     size_t nf = m->has_head
                     ? (size_t)(st->want_logits ? st->n_out : 0) * (size_t)m->cfg.vocab_size +
                           (st->sample ? (size_t)m->cfg.vocab_size : 0)

@@ -27,6 +27,7 @@ typedef struct shard_core_options {
                                * prefill) runs in chunks of at most this many, and the other
                                * sessions' steps join the batches between its chunks */
     op_type kv_type;          /* OP_TYPE_F32 (default) or OP_TYPE_F16 */
+    uint64_t max_logits_bytes; /* the logits one step may return (0: 64 MiB, an RPC message) */
 } shard_core_options;
 
 /* Creates the core over `m` (borrowed, must outlive the core) on `be`

@@ -47,7 +47,7 @@ static void start(fixture *f, int max_sessions, int max_forward, int max_step) {
     assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &o, &f->m), FU_OK);
     op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
     f->be = op_backend_cpu_new(&co);
-    shard_core_options so = {4u << 20, 64, OP_TYPE_F32};
+    shard_core_options so = {.kv_budget_bytes = 4u << 20, .max_batch_tokens = 64, .kv_type = OP_TYPE_F32};
     assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
     shard_server_config sc = {.listen = "127.0.0.1:0", .allow_insecure = true, .secret = SECRET,
                               .idle_timeout_ms = 5000, .n_workers = 2, .model_name = "random", .device = "cpu",

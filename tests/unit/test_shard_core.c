@@ -124,7 +124,7 @@ static void *worker_run(void *arg) {
 
 static void test_concurrent_sessions_batch_and_match(void **state) {
     fixture f;
-    shard_core_options o = {64u << 20, 64, OP_TYPE_F32};
+    shard_core_options o = {.kv_budget_bytes = 64u << 20, .max_batch_tokens = 64, .kv_type = OP_TYPE_F32};
     fixture_open(&f, OP_TYPE_BF16, 11, 2, &o);
     shard_core *core = f.core;
     worker w[N_SESS];
@@ -206,7 +206,7 @@ static void test_chained_spans_equal_whole(void **state) {
 static void test_admission_and_bad_steps(void **state) {
     fixture f;
     /* 3 layers x 2 (K, V) x 32 floats x 4 bytes = 768 bytes per position: room for 100 */
-    shard_core_options o = {76800, 32, OP_TYPE_F32};
+    shard_core_options o = {.kv_budget_bytes = 76800, .max_batch_tokens = 32, .kv_type = OP_TYPE_F32};
     fixture_open(&f, OP_TYPE_F32, 3, 1, &o);
     shard_core *core = f.core;
     shard_session *s1, *s2, *s3;
@@ -287,7 +287,7 @@ static void test_all_positions_row_seeds(void **state) {
  * the logits of every position, and a no-head span's hidden states. */
 static void test_chunked_step_equals_whole(void **state) {
     fixture whole, chunked;
-    shard_core_options small = {0, 4, OP_TYPE_F32};
+    shard_core_options small = {.kv_budget_bytes = 0, .max_batch_tokens = 4, .kv_type = OP_TYPE_F32};
     fixture_open(&whole, OP_TYPE_F32, 21, 1, NULL);
     fixture_open(&chunked, OP_TYPE_F32, 21, 1, &small);
     enum { N = 37 };
@@ -323,7 +323,7 @@ static void test_chunked_step_equals_whole(void **state) {
  * alternatives (no full-vocabulary rows needed); the last row samples as usual. */
 static void test_score_inputs(void **state) {
     fixture f;
-    shard_core_options small = {0, 5, OP_TYPE_F32};
+    shard_core_options small = {.kv_budget_bytes = 0, .max_batch_tokens = 5, .kv_type = OP_TYPE_F32};
     fixture_open(&f, OP_TYPE_F32, 31, 1, &small);
     enum { N = 12, K = 3 };
     int32_t ids[N];
@@ -350,6 +350,19 @@ static void test_score_inputs(void **state) {
         assert_true(fabsf(sc.out_logprobs[i] - (row[want] - mx - logf(sum))) < 1e-4f);
         assert_int_equal(sc.out_top_ids[i * K], smp_argmax(row, 97));
     }
+    /* full-vocabulary rows over the limit are refused before any work (97 x 4 bytes a row) */
+    shard_core_options tiny = {.max_batch_tokens = 5, .kv_type = OP_TYPE_F32, .max_logits_bytes = 97 * 4 * 3};
+    fixture t;
+    fixture_open(&t, OP_TYPE_F32, 31, 1, &tiny);
+    shard_session *st_;
+    assert_int_equal(shard_session_open(t.core, "t", 32, &st_), FU_OK);
+    shard_step four = {.n = 4, .tokens = ids, .want_logits = true, .all_positions = true};
+    assert_int_equal(shard_session_step(t.core, st_, &four), FU_ERR_EXHAUSTED);
+    assert_non_null(strstr(fu_last_error(), "logits of 4 positions"));
+    four.n = 3;
+    assert_int_equal(shard_session_step(t.core, st_, &four), FU_OK);
+    shard_session_close(t.core, st_);
+    fixture_close(&t);
     shard_step bad = {.n = 2, .start_pos = N, .tokens = ids, .sample = true, .score_inputs = true};
     bad.sampling = smp_params_default();
     assert_int_equal(shard_session_step(f.core, ss, &bad), FU_ERR_INVALID); /* needs all_positions */
@@ -398,7 +411,7 @@ static void long_step_start(long_step *l, shard_core *core, const char *id, bool
  * whose client goes away stops after the chunk in flight and leaves its session as it was. */
 static void test_prefill_interleaves_and_cancels(void **state) {
     fixture f;
-    shard_core_options one = {0, 1, OP_TYPE_F32};
+    shard_core_options one = {.kv_budget_bytes = 0, .max_batch_tokens = 1, .kv_type = OP_TYPE_F32};
     fixture_open(&f, OP_TYPE_F32, 41, 1, &one);
     shard_session *quick;
     assert_int_equal(shard_session_open(f.core, "quick", 128, &quick), FU_OK);

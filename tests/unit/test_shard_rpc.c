@@ -54,7 +54,7 @@ static void start(fixture *f, int first, int last, bool embed, bool head) {
     assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &o, &f->m), FU_OK);
     op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
     f->be = op_backend_cpu_new(&co);
-    shard_core_options so = {1u << 20, 64, OP_TYPE_F32};
+    shard_core_options so = {.kv_budget_bytes = 1u << 20, .max_batch_tokens = 64, .kv_type = OP_TYPE_F32};
     assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
     shard_server_config sc = {"127.0.0.1:0", NULL, NULL, NULL, NULL, true, SECRET, 1u << 20, 2000, 2,
                               "random", "cpu", 1.0, NULL, NULL, NULL, 0, 0, 0};
@@ -421,7 +421,7 @@ static void test_move_beside_old_span(void **state) {
     mdl_model *m2;
     shard_core *core2;
     assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &mo, &m2), FU_OK);
-    shard_core_options so = {1u << 20, 64, OP_TYPE_F32};
+    shard_core_options so = {.kv_budget_bytes = 1u << 20, .max_batch_tokens = 64, .kv_type = OP_TYPE_F32};
     assert_int_equal(shard_core_new(m2, f.be, &so, &core2), FU_OK);
     assert_int_equal(shard_server_move(f.srv, core2, 2.0), FU_OK);
     assert_int_equal(shard_server_move(f.srv, core2, 2.0), FU_ERR_INVALID); /* the old span still drains */
