@@ -944,7 +944,6 @@ static int gw_swarm_serve(gw_swarm *s) {
     const char *cert = c->swarm_tls_cert ? c->swarm_tls_cert : c->https_cert;
     const char *key = c->swarm_tls_cert ? c->swarm_tls_key : c->https_key;
     rpc_server_options o = {c->swarm_listen, cert, key, c->insecure, c->secret, 0, 4, c->swarm_tls_client_ca, 0};
-    s->handlers = (swarm_svc_handlers){s, gw_join_handler, gw_heartbeat_handler};
     int rc = rpc_server_new(&o, &s->rpc);
     if (!rc) rc = swarm_svc_serve(s->rpc, &s->handlers);
     if (!rc) rc = rpc_server_start(s->rpc);
@@ -974,6 +973,7 @@ static int gw_swarm_create(const gw_config *cfg, int n_layers, bool manual, gw_s
     s->cfg = cfg;
     s->n_layers = n_layers;
     s->manual = manual;
+    s->handlers = (swarm_svc_handlers){s, gw_join_handler, gw_heartbeat_handler};
     s->last_move_at = s->move_checked_at = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -1008,6 +1008,8 @@ static int gw_swarm_create(const gw_config *cfg, int n_layers, bool manual, gw_s
     *out = s;
     return FU_OK;
 }
+
+const swarm_svc_handlers *gw_swarm_service(gw_swarm *s) { return &s->handlers; }
 
 int gw_swarm_new_manual(const gw_config *cfg, int n_layers, gw_swarm **out) {
     return gw_swarm_create(cfg, n_layers, true, out);

@@ -66,6 +66,7 @@
 #include "chain.h"
 #include "gw.h"
 #include "router.h"
+#include "swarm-svc.h"
 
 typedef struct gw_swarm gw_swarm;
 
@@ -86,6 +87,9 @@ int gw_swarm_new(const gw_config *cfg, int n_layers, gw_swarm **out);
  * a member: the caller drives membership with gw_swarm_member_* and time with
  * gw_swarm_tick (tests of the gateway's decisions). */
 int gw_swarm_new_manual(const gw_config *cfg, int n_layers, gw_swarm **out);
+/* The handlers of the fusion.Swarm service over s (Join, Heartbeat), borrowed from s: the
+ * service runs them; so may a test or a fuzz target on a manual swarm. */
+const swarm_svc_handlers *gw_swarm_service(gw_swarm *s);
 /* The bound port of the membership service (0: none). */
 int gw_swarm_port(const gw_swarm *s);
 /* Stops the heartbeat thread and frees; every lease must be released. NULL is a no-op. */

@@ -262,6 +262,24 @@ static int heartbeat_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufC
     return RPC_OK;
 }
 
+int swarm_svc_fuzz_one(const swarm_svc_handlers *h, bool heartbeat, const void *data, size_t len) {
+    const ProtobufCMessageDescriptor *d =
+        heartbeat ? &fusion__heartbeat_request__descriptor : &fusion__join_request__descriptor;
+    ProtobufCMessage *req = NULL, *reply = NULL;
+    rpc_status st = {0};
+    int rc = rpc_msg_unpack(d, data, len, RPC_DEFAULT_MAX_MESSAGE, &req, &st);
+    if (!rc) rc = (heartbeat ? heartbeat_entry : join_entry)((void *)h, req, &reply, &st);
+    if (!rc) {
+        size_t n = protobuf_c_message_get_packed_size(reply);
+        uint8_t *buf = malloc(n ? n : 1);
+        if (buf && protobuf_c_message_pack(reply, buf) != n) abort();
+        free(buf);
+        free_msg(NULL, reply);
+    }
+    rpc_msg_free(req);
+    return rc;
+}
+
 int swarm_svc_serve(rpc_server *srv, const swarm_svc_handlers *h) {
     int rc = rpc_server_add_unary(srv, RPC_SWARM_JOIN, &fusion__join_request__descriptor, join_entry, free_msg,
                                   (void *)h);

@@ -101,6 +101,11 @@ typedef struct swarm_svc_handlers {
     int (*heartbeat)(void *ctx, const swarm_svc_heartbeat_request *req, swarm_svc_heartbeat_reply *out, rpc_status *st);
 } swarm_svc_handlers;
 
+/* Decodes `len` bytes as a HeartbeatRequest (heartbeat) or a JoinRequest and runs it through
+ * h's handler as the service would, without a transport; the reply is packed and freed.
+ * Returns an rpc_code; never crashes on any input. For fuzzing the message path. */
+int swarm_svc_fuzz_one(const swarm_svc_handlers *h, bool heartbeat, const void *data, size_t len);
+
 /* Registers Join and Heartbeat on srv (before rpc_server_start); h is borrowed,
  * with its ctx, until rpc_server_free. FU_OK or a status. */
 int swarm_svc_serve(rpc_server *srv, const swarm_svc_handlers *h);

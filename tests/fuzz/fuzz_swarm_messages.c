@@ -1,0 +1,36 @@
+/* fuzz_swarm_messages.c -- libFuzzer target: arbitrary bytes as the fusion.Swarm requests a member
+ * sends the gateway (Join, Heartbeat), decoded by net/ (swarm-svc.c) and run through the gateway's
+ * own handlers on a manual swarm (gateway/gw-swarm.c: membership, placement, the router); the
+ * reply is packed. Every 256 inputs the swarm starts afresh, so joins keep reaching the handlers
+ * below the member cap.
+ *
+ * Input: the first byte's low bit picks Heartbeat (1) or Join (0); the rest is the message. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "gw-swarm.h"
+#include "log.h"
+
+static gw_config cfg;
+static gw_swarm *sw;
+static unsigned runs;
+
+int LLVMFuzzerInitialize(int *argc, char ***argv) {
+    (void)argc;
+    (void)argv;
+    fu_log_set_level(FU_LOG_LEVEL_OFF);
+    gw_config_init(&cfg);
+    cfg.insecure = true;
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    if (size < 1) return 0;
+    if (runs++ % 256 == 0) {
+        gw_swarm_free(sw);
+        sw = NULL;
+        if (gw_swarm_new_manual(&cfg, 30, &sw)) abort();
+    }
+    swarm_svc_fuzz_one(gw_swarm_service(sw), data[0] & 1, data + 1, size - 1);
+    return 0;
+}

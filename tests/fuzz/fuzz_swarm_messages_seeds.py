@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Writes seed inputs for fuzz_swarm_messages: valid Join and Heartbeat requests of fusion.Swarm
+(protobuf wire format, encoded here by hand), each after the byte that picks the method."""
+import os
+import struct
+import sys
+
+
+def varint(n):
+    n = int(n) & ((1 << 64) - 1)
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def f_varint(num, v):
+    return varint(num << 3) + varint(v)
+
+
+def f_bytes(num, b):
+    return varint(num << 3 | 2) + varint(len(b)) + b
+
+
+def f_double(num, x):
+    return varint(num << 3 | 1) + struct.pack("<d", x)
+
+
+def member(address, first, last, links=(), fixed=False):
+    m = f_bytes(1, address.encode()) + f_bytes(2, b"model") + f_varint(3, 30) + f_varint(4, first)
+    m += f_varint(5, last) + f_bytes(6, b"cpu") + f_bytes(7, b"q4_1") + f_double(8, 120.0) + f_double(9, 900.0)
+    m += f_varint(11, 1 << 30) + f_varint(12, 1 << 30) + f_varint(13, 4096) + f_varint(15, int(fixed))
+    for peer, rtt, bw in links:
+        m += f_bytes(16, f_bytes(1, peer.encode()) + f_double(2, rtt) + f_double(3, bw))
+    return m + f_varint(23, 576)
+
+
+out = sys.argv[1]
+seeds = {
+    "join-spare": b"\0" + f_bytes(1, member("127.0.0.1:7001", 0, 0)),
+    "join-span": b"\0" + f_bytes(1, member("10.0.0.2:7002", 0, 15, fixed=True)),
+    "join-links": b"\0" + f_bytes(1, member("10.0.0.3:7003", 15, 30, [("10.0.0.2:7002", 0.002, 1e8)])),
+    "join-bad-range": b"\0" + f_bytes(1, f_bytes(1, b"10.0.0.4:1") + f_varint(3, 1 << 40)),
+    "heartbeat": b"\1" + f_varint(1, 1) + f_bytes(2, member("127.0.0.1:7001", 0, 30)),
+    "heartbeat-leaving": b"\1" + f_varint(1, 2) + f_varint(3, 1),
+    "heartbeat-draining": b"\1" + f_varint(1, 1) + f_bytes(2, member("127.0.0.1:7001", 0, 15) + f_varint(20, 15)
+                                                             + f_varint(21, 30) + f_varint(22, 3)),
+}
+for name, data in seeds.items():
+    with open(os.path.join(out, name), "wb") as f:
+        f.write(data)
