@@ -6,26 +6,7 @@ import struct
 import sys
 
 
-def varint(n):
-    n = int(n) & ((1 << 64) - 1)
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def f_varint(num, v):
-    return varint(num << 3) + varint(v)
-
-
-def f_bytes(num, b):
-    return varint(num << 3 | 2) + varint(len(b)) + b
-
-
-def f_float(num, x):
-    return varint(num << 3 | 5) + struct.pack("<f", x)
+from pbwire import f_bytes, f_float, f_varint, varint  # noqa: E402,F401
 
 
 def f_packed(num, vals):

@@ -2,30 +2,10 @@
 """Writes seed inputs for fuzz_swarm_messages: valid Join and Heartbeat requests of fusion.Swarm
 (protobuf wire format, encoded here by hand), each after the byte that picks the method."""
 import os
-import struct
 import sys
 
 
-def varint(n):
-    n = int(n) & ((1 << 64) - 1)
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def f_varint(num, v):
-    return varint(num << 3) + varint(v)
-
-
-def f_bytes(num, b):
-    return varint(num << 3 | 2) + varint(len(b)) + b
-
-
-def f_double(num, x):
-    return varint(num << 3 | 1) + struct.pack("<d", x)
+from pbwire import f_bytes, f_double, f_varint  # noqa: E402
 
 
 def member(address, first, last, links=(), fixed=False):
