@@ -8,6 +8,7 @@
 
 #include "gw.h"
 #include "log.h"
+#include "mapped-file.h"
 #include "options.h"
 #include "parse.h"
 #include "status.h"
@@ -91,23 +92,16 @@ static int add_key(void *ctx, const char *k) {
     return FU_OK;
 }
 
-/* The first `max` bytes of a file, NUL-terminated (malloc'd), or NULL with errno set. */
-static char *read_small_file(const char *path, size_t max) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = malloc(max + 1);
-    size_t n = buf ? fread(buf, 1, max, f) : 0;
-    fclose(f);
-    if (!buf) return NULL;
-    buf[n] = '\0';
-    return buf;
-}
+/* The largest API key file read. */
+#define GW_KEY_FILE_MAX (1 << 20)
 
-/* API keys, one per line ('#' comments, blank lines skipped). */
+/* API keys, one per line ('#' comments, blank lines skipped), from a regular file (mf_read:
+ * a FIFO or a device is refused at once rather than waited on). */
 static int load_keys(void *ctx, const char *path) {
-    char *text = read_small_file(path, 1 << 20);
-    if (!text) return fu_errorf(FU_ERR_IO, "%s: %s", path, strerror(errno));
-    int rc = FU_OK;
+    char *text;
+    size_t len;
+    int rc = mf_read(path, GW_KEY_FILE_MAX, &text, &len);
+    if (rc) return rc;
     for (char *line = text; line && !rc;) {
         char *nl = strchr(line, '\n');
         if (nl) *nl = '\0';

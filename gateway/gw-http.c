@@ -26,6 +26,7 @@
 #include "chat-template.h"
 #include "clock.h"
 #include "log.h"
+#include "mapped-file.h"
 #include "status.h"
 
 /* Threads that parse request bodies and run the tokenizer routes. */
@@ -915,16 +916,15 @@ static int gw_listen(const char *spec, int *port) {
     return fd;
 }
 
+/* The largest HTTPS certificate or key file read. */
+#define GW_TLS_FILE_MAX (1 << 20)
+
+/* The text of the regular file at path (malloc'd), or NULL with fu_last_error() naming it;
+ * a FIFO or a device is refused at once rather than waited on (mf_read). */
 static char *gw_read_file(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fu_buf b = {0};
-    char tmp[4096];
-    size_t n;
-    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0)
-        if (fu_buf_append(&b, tmp, n)) break;
-    fclose(f);
-    return b.data;
+    char *text;
+    size_t len;
+    return mf_read(path, GW_TLS_FILE_MAX, &text, &len) ? NULL : text;
 }
 
 /* Frees a server that is not (or no longer) running; closes the listening socket when not yet handed over. */
@@ -981,11 +981,10 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
             gw_server_destroy(s, true);
             return fu_errorf(FU_ERR_UNSUPPORTED, "this libmicrohttpd is built without TLS: HTTPS is unavailable");
         }
-        s->https_cert = gw_read_file(cfg->https_cert);
-        s->https_key = gw_read_file(cfg->https_key);
-        if (!s->https_cert || !s->https_key) {
+        if (!(s->https_cert = gw_read_file(cfg->https_cert)) || !(s->https_key = gw_read_file(cfg->https_key))) {
+            int st = fu_errorf(FU_ERR_IO, "cannot read the HTTPS certificate or key: %s", fu_last_error());
             gw_server_destroy(s, true);
-            return fu_errorf(FU_ERR_IO, "cannot read the HTTPS certificate or key");
+            return st;
         }
         flags |= MHD_USE_TLS;
     }

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "chat-template.h"
@@ -438,6 +439,19 @@ static void test_config(void **state) {
     assert_int_equal(gw_config_set(&c, "workers", "12abc"), FU_ERR_INVALID);
     assert_int_equal(gw_config_set(&c, "no-such-option", "1"), FU_ERR_INVALID);
     assert_non_null(strstr(fu_last_error(), "no-such-option"));
+    /* a key file that is missing, or a FIFO (refused at once rather than waited on) */
+    assert_int_equal(gw_config_set(&c, "api-key-file", "/nonexistent/keys"), FU_ERR_NOT_FOUND);
+    assert_non_null(strstr(fu_last_error(), "/nonexistent/keys: cannot open"));
+    char fifo[] = "/tmp/gw-fifo-XXXXXX";
+    assert_non_null(mkdtemp(fifo));
+    char fifo_path[64];
+    snprintf(fifo_path, sizeof fifo_path, "%s/keys", fifo);
+    assert_int_equal(mkfifo(fifo_path, 0600), 0);
+    assert_int_equal(gw_config_set(&c, "api-key-file", fifo_path), FU_ERR_IO);
+    assert_non_null(strstr(fu_last_error(), "not a regular file"));
+    assert_int_equal(c.n_api_keys, 3);
+    unlink(fifo_path);
+    rmdir(fifo);
     assert_int_equal(gw_config_set(&c, "hop", "127.0.0.1:7003"), FU_ERR_INVALID);
     assert_int_equal(gw_config_set(&c, "hop", "127.0.0.1:7003:30:30"), FU_ERR_INVALID);
     assert_int_equal(gw_config_set(&c, "insecure", "maybe"), FU_ERR_INVALID);
