@@ -241,32 +241,56 @@ typedef struct gw_header_scan {
     const char *length; /* the first Content-Length */
     size_t length_len;
     bool lengths_differ;
-    bool nul;               /* a header line holds a NUL byte */
+    bool nul;               /* a header line holds a NUL or another control byte */
     const char *value_end;  /* the previous header's value's end */
 } gw_header_scan;
 
+/* Whether [p, end) holds a byte other than the NULs and blanks that line ends leave. */
+static bool gw_junk_between(const char *p, const char *end) {
+    for (; p < end; p++)
+        if (*p && *p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') return true;
+    return false;
+}
+
 /* Whether bytes follow a NUL in a header line. libmicrohttpd parses the header block in place
  * and cuts a value at its first NUL ("Bearer KEY\0junk" reads "Bearer KEY"); what the line
- * held after it stays in the buffer between that value's end and the next header's name,
- * where only the NULs and blanks of line ends may be. `next` is the next header's name, or
- * NULL after the last header, whose line end is a NUL at most two bytes on. */
+ * held after it stays in the buffer between that value's end and the next header's name (or,
+ * after the last header, the end of the header block), where only the NULs and blanks of line
+ * ends may be. `next` is that name or block end; NULL when unknown: then the last line's end
+ * is taken as a NUL at most two bytes on. */
 static bool gw_bytes_after_nul(const char *end, const char *next) {
     if (!end) return false;
-    if (next && next > end && next - end < 65536) {
-        for (const char *p = end; p < next; p++)
-            if (*p && *p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') return true;
-        return false;
-    }
+    if (next && next > end && next - end < 65536) return gw_junk_between(end, next);
     const char *p = end + 1; /* end[0] is the value's NUL */
     while (*p == ' ' || *p == '\t') p++;
     return *p != '\0' && p != next;
+}
+
+/* Whether s[0..len) holds a control byte (NUL and DEL included) other than a tab: no header
+ * name or value may (RFC 9110, 5.5). */
+static bool gw_has_ctl(const char *s, size_t len) {
+    for (size_t i = 0; i < len; i++) {
+        unsigned char b = (unsigned char)s[i];
+        if ((b < 0x20 && b != '\t') || b == 0x7f) return true;
+    }
+    return false;
+}
+
+/* The end of c's header block (after its empty line) in libmicrohttpd's read buffer, where the
+ * request line begins at `method` and the block is REQUEST_HEADER_SIZE bytes long; NULL when that
+ * does not hold what the headers' values point at (last: the last value's end). */
+static const char *gw_header_block_end(gw_conn *c, const char *method, const char *last) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c->mc, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    if (!ci || !last || ci->header_size > ((size_t)1 << 20)) return NULL;
+    const char *end = method + ci->header_size;
+    return last > method && last < end ? end : NULL;
 }
 
 static enum MHD_Result gw_scan_header(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_len,
                                       const char *value, size_t value_len) {
     (void)kind;
     gw_header_scan *h = cls;
-    h->nul |= strlen(key) != key_len || (value && memchr(value, '\0', value_len)) ||
+    h->nul |= strlen(key) != key_len || gw_has_ctl(key, key_len) || (value && gw_has_ctl(value, value_len)) ||
               gw_bytes_after_nul(h->value_end, key);
     h->value_end = value ? value + value_len : NULL;
     if (!strcasecmp(key, MHD_HTTP_HEADER_HOST)) h->n_host++;
@@ -343,18 +367,18 @@ static bool gw_origin_allowed(gw_conn *c, const char *o, size_t len, const char 
     return hnl == nl && !strncasecmp(host, name, nl) && (hport == port || (hport < 0 && (port == 80 || port == 443)));
 }
 
-/* Checks a new request's framing, Host and Origin; fills *e and returns its status when
+/* Checks a new request's framing (no NUL or control byte in a header), Host and Origin; fills *e and returns its status when
  * the request is refused, else 0 (an allowed Origin is kept in c->origin). */
-static int gw_check_request(gw_conn *c, const char *version, gw_error *e) {
+static int gw_check_request(gw_conn *c, const char *method, const char *version, gw_error *e) {
     gw_header_scan h = {0};
     MHD_get_connection_values_n(c->mc, MHD_HEADER_KIND, gw_scan_header, &h);
-    h.nul |= gw_bytes_after_nul(h.value_end, NULL);
+    h.nul |= gw_bytes_after_nul(h.value_end, gw_header_block_end(c, method, h.value_end));
     if (h.lengths_differ || (h.n_length && h.n_transfer)) {
         c->close = true; /* where the body ends is ambiguous */
         return gw_error_set(e, 400, NULL, "invalid_request",
                             "conflicting Content-Length or Transfer-Encoding headers");
     }
-    if (h.nul) return gw_error_set(e, 400, NULL, "invalid_request", "a header holds a NUL byte");
+    if (h.nul) return gw_error_set(e, 400, NULL, "invalid_request", "a header holds a NUL or control byte");
     if (h.n_host > 1) return gw_error_set(e, 400, NULL, "invalid_request", "more than one Host header");
     size_t host_len = 0, origin_len = 0;
     const char *host = gw_header(c, MHD_HTTP_HEADER_HOST, &host_len);
@@ -700,7 +724,7 @@ static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const cha
         c->route = gw_route_of(url, &want_post);
         c->is_post = !strcmp(method, "POST");
         gw_error e;
-        if (gw_check_request(c, version, &e)) return gw_respond_error(c, &e);
+        if (gw_check_request(c, method, version, &e)) return gw_respond_error(c, &e);
         if (c->route == GW_ROUTE_OTHER)
             return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
         if (!strcmp(method, "OPTIONS")) return gw_preflight(c, want_post);
