@@ -209,6 +209,21 @@ static gw_options options(gw_config *c) {
          .help = "idle connection timeout", .def = "30", .lo = 1, .hi = 86400},
         {"max-connections", 0, FU_OPT_INT, FU_OPT_TO(c->max_connections), .help = "open connections at most",
          .def = "1024", .lo = 1, .hi = 1000000},
+        {"max-connections-per-ip", 0, FU_OPT_INT, FU_OPT_TO(c->max_connections_per_ip),
+         .help = "open connections from one client address at most (0: no cap;\n"
+                 "behind a reverse proxy every client shares its address)",
+         .def = "64", .lo = 0, .hi = 1000000},
+        {"connection-reserve", 0, FU_OPT_INT, FU_OPT_TO(c->connection_reserve),
+         .help = "past max-connections minus this (at most half), a new connection\n"
+                 "closes the oldest one still sending its request",
+         .def = "16", .lo = 0, .hi = 1000000},
+        {"header-timeout-s", 0, FU_OPT_INT, FU_OPT_TO(c->header_timeout_s),
+         .help = "a request's headers must arrive within this, however slowly they trickle\n"
+                 "(from the connection, or the previous response on a kept-alive one)",
+         .def = "10", .lo = 1, .hi = 3600},
+        {"body-timeout-s", 0, FU_OPT_INT, FU_OPT_TO(c->body_timeout_s),
+         .help = "a request's body must arrive within this after its headers (else it is closed)",
+         .def = "60", .lo = 1, .hi = 86400},
         {"default-max-tokens", 0, FU_OPT_INT, FU_OPT_TO(c->default_max_tokens),
          .help = "max_tokens when a request gives none", .def = "512", .lo = 1, .hi = 1 << 24},
         {"step-timeout-ms", 0, FU_OPT_INT, FU_OPT_TO(c->step_timeout_ms), .help = "per chain step", .def = "60000",

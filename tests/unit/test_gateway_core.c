@@ -422,6 +422,15 @@ static void test_config(void **state) {
     assert_int_equal(c.workers, 4);
     assert_int_equal(c.limits.max_n, 3);
     assert_int_equal(c.max_body_bytes, 4096);
+    /* slow clients: per-address cap, reserve and read deadlines, with their defaults */
+    assert_int_equal(c.max_connections_per_ip, 64);
+    assert_int_equal(c.connection_reserve, 16);
+    assert_int_equal(c.header_timeout_s, 10);
+    assert_int_equal(c.body_timeout_s, 60);
+    assert_int_equal(gw_config_set(&c, "max-connections-per-ip", "0"), FU_OK); /* no cap */
+    assert_int_equal(gw_config_set(&c, "header-timeout-s", "0"), FU_ERR_INVALID);
+    assert_int_equal(gw_config_set(&c, "body_timeout_s", "5"), FU_OK);
+    assert_int_equal(c.body_timeout_s, 5);
     assert_int_equal(gw_config_check(&c), FU_OK);
     /* a secret shorter than 16 bytes is refused; so are API keys with --no-auth */
     assert_int_equal(gw_config_set(&c, "secret", "fifteen-bytes.."), FU_OK);
