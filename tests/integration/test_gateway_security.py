@@ -137,6 +137,23 @@ def test_no_auth_with_a_key_is_refused(model, tmp_path):
     assert res.returncode != 0 and "--no-auth" in res.stderr, res.stderr
 
 
+def test_fifo_files_are_refused_at_once(model, tmp_path):
+    """A FIFO given as the HTTPS certificate, the API key file or the secret file is refused with
+    a message naming it, rather than waited on for a writer that never comes."""
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    for flags in (["--api-key", KEY, "--https-cert", fifo, "--https-key", fifo], ["--api-key-file", fifo],
+                  ["--api-key", KEY, "--secret-file", fifo]):
+        try:
+            res = subprocess.run(gateway_cmd(model, str(tmp_path / "port"), *flags), capture_output=True,
+                                 text=True, timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{flags[-2]}: the gateway waited on the FIFO")
+        assert res.returncode != 0, (flags, res.stderr)
+        assert fifo in res.stderr and "not a regular file" in res.stderr, (flags, res.stderr)
+    assert not os.path.exists(tmp_path / "port")
+
+
 def test_short_secrets_are_refused(model, tmp_path):
     short = "fifteen-bytes.."
     res = subprocess.run(gateway_cmd(model, str(tmp_path / "port"), "--api-key", KEY, secret=short),
