@@ -88,7 +88,8 @@ struct gw_server {
     int n_socks;
     long long started;
     /* the watchdog: libmicrohttpd does not watch suspended connections, so this
-     * thread polls their sockets and cancels the generation of a client that left */
+     * thread polls their sockets and cancels the generation of a client that left;
+     * it also closes the connections past their read deadline (gw_deadlines_once) */
     pthread_t watch;
     bool watch_started;
     pthread_mutex_t watch_mu;
