@@ -218,11 +218,11 @@ static gw_options options(gw_config *c) {
                  "closes the oldest one still sending its request",
          .def = "16", .lo = 0, .hi = 1000000},
         {"header-timeout-s", 0, FU_OPT_INT, FU_OPT_TO(c->header_timeout_s),
-         .help = "a request's headers must arrive within this, however slowly they trickle\n"
-                 "(from the connection, or the previous response on a kept-alive one)",
+         .help = "seconds for a request's headers, however they trickle (from the\n"
+                 "connection, or from the previous response on a kept-alive one)",
          .def = "10", .lo = 1, .hi = 3600},
         {"body-timeout-s", 0, FU_OPT_INT, FU_OPT_TO(c->body_timeout_s),
-         .help = "a request's body must arrive within this after its headers (else it is closed)",
+         .help = "seconds for a request's body after its headers (else it is closed)",
          .def = "60", .lo = 1, .hi = 86400},
         {"default-max-tokens", 0, FU_OPT_INT, FU_OPT_TO(c->default_max_tokens),
          .help = "max_tokens when a request gives none", .def = "512", .lo = 1, .hi = 1 << 24},

@@ -80,8 +80,21 @@ def pending_chat(gw):
 
     t = threading.Thread(target=run)
     t.start()
+    # wait until the request is in (a new connection evicts the oldest one still sending)
+    deadline = time.time() + 10
+    while time.time() < deadline and t.is_alive() and running(gw) < 1:
+        time.sleep(0.05)
     yield t, out
     t.join()
+
+
+def running(gw):
+    """The gateway's generation requests in flight (/metrics)."""
+    r = requests.get(gw.url + "/metrics", headers={"Authorization": "Bearer " + KEY}, timeout=10)
+    for line in r.text.splitlines():
+        if line.startswith("fusion_gateway_running_requests "):
+            return float(line.split()[1])
+    raise AssertionError("fusion_gateway_running_requests not in /metrics")
 
 
 def slow_socket(port, source, request=b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"):
