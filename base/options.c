@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mapped-file.h"
 #include "parse.h"
 #include "status.h"
 
@@ -119,16 +120,20 @@ static int store_string(const fu_opt *o, const char *v) {
     return FU_OK;
 }
 
-/* FU_OPT_FILE_TEXT: the file's text, trailing newlines and spaces dropped. */
+/* The largest file FU_OPT_FILE_TEXT reads (a secret, a token). */
+#define FU_OPT_FILE_TEXT_MAX 65536
+
+/* FU_OPT_FILE_TEXT: the file's text, trailing newlines and spaces dropped. Only a regular
+ * file is read (mf_read): a FIFO or a device is refused at once rather than waited on. */
 static int store_file_text(const fu_opt *o, const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return fu_errorf(FU_ERR_IO, "%s: %s", path, strerror(errno));
-    char text[4097];
-    size_t n = fread(text, 1, sizeof text - 1, f);
-    fclose(f);
-    text[n] = '\0';
+    char *text;
+    size_t n;
+    int rc = mf_read(path, FU_OPT_FILE_TEXT_MAX, &text, &n);
+    if (rc) return rc;
     while (n && (text[n - 1] == '\n' || text[n - 1] == '\r' || text[n - 1] == ' ')) text[--n] = '\0';
-    return store_string(o, text);
+    rc = store_string(o, text);
+    free(text);
+    return rc;
 }
 
 static int list_add(fu_opt_list *l, const char *v) {

@@ -8,6 +8,7 @@
 
 #include "gw.h"
 #include "log.h"
+#include "mapped-file.h"
 #include "options.h"
 #include "parse.h"
 #include "status.h"
@@ -91,23 +92,16 @@ static int add_key(void *ctx, const char *k) {
     return FU_OK;
 }
 
-/* The first `max` bytes of a file, NUL-terminated (malloc'd), or NULL with errno set. */
-static char *read_small_file(const char *path, size_t max) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    char *buf = malloc(max + 1);
-    size_t n = buf ? fread(buf, 1, max, f) : 0;
-    fclose(f);
-    if (!buf) return NULL;
-    buf[n] = '\0';
-    return buf;
-}
+/* The largest API key file read. */
+#define GW_KEY_FILE_MAX (1 << 20)
 
-/* API keys, one per line ('#' comments, blank lines skipped). */
+/* API keys, one per line ('#' comments, blank lines skipped), from a regular file (mf_read:
+ * a FIFO or a device is refused at once rather than waited on). */
 static int load_keys(void *ctx, const char *path) {
-    char *text = read_small_file(path, 1 << 20);
-    if (!text) return fu_errorf(FU_ERR_IO, "%s: %s", path, strerror(errno));
-    int rc = FU_OK;
+    char *text;
+    size_t len;
+    int rc = mf_read(path, GW_KEY_FILE_MAX, &text, &len);
+    if (rc) return rc;
     for (char *line = text; line && !rc;) {
         char *nl = strchr(line, '\n');
         if (nl) *nl = '\0';
@@ -224,6 +218,21 @@ static gw_options options(gw_config *c) {
          .help = "idle connection timeout", .def = "30", .lo = 1, .hi = 86400},
         {"max-connections", 0, FU_OPT_INT, FU_OPT_TO(c->max_connections), .help = "open connections at most",
          .def = "1024", .lo = 1, .hi = 1000000},
+        {"max-connections-per-ip", 0, FU_OPT_INT, FU_OPT_TO(c->max_connections_per_ip),
+         .help = "open connections from one client address at most (0: no cap;\n"
+                 "behind a reverse proxy every client shares its address)",
+         .def = "64", .lo = 0, .hi = 1000000},
+        {"connection-reserve", 0, FU_OPT_INT, FU_OPT_TO(c->connection_reserve),
+         .help = "past max-connections minus this (at most half), a new connection\n"
+                 "closes the oldest one still sending its request",
+         .def = "16", .lo = 0, .hi = 1000000},
+        {"header-timeout-s", 0, FU_OPT_INT, FU_OPT_TO(c->header_timeout_s),
+         .help = "seconds for a request's headers, however they trickle (from the\n"
+                 "connection, or from the previous response on a kept-alive one)",
+         .def = "10", .lo = 1, .hi = 3600},
+        {"body-timeout-s", 0, FU_OPT_INT, FU_OPT_TO(c->body_timeout_s),
+         .help = "seconds for a request's body after its headers (else it is closed)",
+         .def = "60", .lo = 1, .hi = 86400},
         {"default-max-tokens", 0, FU_OPT_INT, FU_OPT_TO(c->default_max_tokens),
          .help = "max_tokens when a request gives none", .def = "512", .lo = 1, .hi = 1 << 24},
         {"step-timeout-ms", 0, FU_OPT_INT, FU_OPT_TO(c->step_timeout_ms),

@@ -2,7 +2,8 @@
  *
  * Request bodies are parsed, and their routes run, on body threads while the
  * connection waits suspended; a watchdog cancels the generations of clients
- * that leave while suspended (libmicrohttpd does not watch those sockets). */
+ * that leave while suspended (libmicrohttpd does not watch those sockets) and
+ * closes connections whose request is past its read deadline (slow clients). */
 #include "gw-http.h"
 
 #include <errno.h>
@@ -26,6 +27,7 @@
 #include "chat-template.h"
 #include "clock.h"
 #include "log.h"
+#include "mapped-file.h"
 #include "status.h"
 
 /* Threads that parse request bodies and run the tokenizer routes. */
@@ -41,6 +43,24 @@
 #define GW_HOST_MAX 256
 
 typedef struct gw_conn gw_conn;
+
+/* What a connection is doing, for the read deadlines (gw_sock.phase). */
+typedef enum gw_phase {
+    GW_PHASE_HEAD, /* reading a request's headers: --header-timeout-s */
+    GW_PHASE_BODY, /* reading its body: --body-timeout-s */
+    GW_PHASE_BUSY, /* the request is in: parsed, generating (suspended) or answered; no deadline */
+} gw_phase;
+
+/* One client connection from accept to close (libmicrohttpd's socket context), for the read
+ * deadlines and the eviction of slow requests; listed in gw_server.socks under gw_server.mu,
+ * unlinked before libmicrohttpd closes its socket, so that a listed fd is always open. */
+typedef struct gw_sock {
+    struct gw_sock *prev, *next;
+    int fd;
+    gw_phase phase;
+    int64_t since_us; /* when the phase began (fu_now_us) */
+    bool cut;         /* shut down (a deadline passed, or evicted): libmicrohttpd is closing it */
+} gw_sock;
 
 /* A response prepared off the event loop, queued when the connection resumes. */
 typedef struct gw_reply {
@@ -62,11 +82,14 @@ struct gw_server {
     char listen_name[GW_HOST_MAX];  /* --listen's host, accepted in Host headers */
     char *https_cert, *https_key;
     atomic_bool stopping;
-    pthread_mutex_t mu; /* the connection list */
+    pthread_mutex_t mu; /* the connection lists */
     gw_conn *conns;
+    gw_sock *socks; /* every open connection */
+    int n_socks;
     long long started;
     /* the watchdog: libmicrohttpd does not watch suspended connections, so this
-     * thread polls their sockets and cancels the generation of a client that left */
+     * thread polls their sockets and cancels the generation of a client that left;
+     * it also closes the connections past their read deadline (gw_deadlines_once) */
     pthread_t watch;
     bool watch_started;
     pthread_mutex_t watch_mu;
@@ -99,6 +122,7 @@ struct gw_conn {
     gw_reply reply;
     char *origin;     /* the request's Origin once allowed, echoed in CORS headers (malloc'd), or NULL */
     bool close;       /* the request's framing is doubtful: close the connection after answering */
+    gw_sock *sock;    /* its connection's deadlines (NULL: untracked) */
 };
 
 /* ---- responses --------------------------------------------------------------------------- */
@@ -240,32 +264,56 @@ typedef struct gw_header_scan {
     const char *length; /* the first Content-Length */
     size_t length_len;
     bool lengths_differ;
-    bool nul;               /* a header line holds a NUL byte */
+    bool nul;               /* a header line holds a NUL or another control byte */
     const char *value_end;  /* the previous header's value's end */
 } gw_header_scan;
 
+/* Whether [p, end) holds a byte other than the NULs and blanks that line ends leave. */
+static bool gw_junk_between(const char *p, const char *end) {
+    for (; p < end; p++)
+        if (*p && *p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') return true;
+    return false;
+}
+
 /* Whether bytes follow a NUL in a header line. libmicrohttpd parses the header block in place
  * and cuts a value at its first NUL ("Bearer KEY\0junk" reads "Bearer KEY"); what the line
- * held after it stays in the buffer between that value's end and the next header's name,
- * where only the NULs and blanks of line ends may be. `next` is the next header's name, or
- * NULL after the last header, whose line end is a NUL at most two bytes on. */
+ * held after it stays in the buffer between that value's end and the next header's name (or,
+ * after the last header, the end of the header block), where only the NULs and blanks of line
+ * ends may be. `next` is that name or block end; NULL when unknown: then the last line's end
+ * is taken as a NUL at most two bytes on. */
 static bool gw_bytes_after_nul(const char *end, const char *next) {
     if (!end) return false;
-    if (next && next > end && next - end < 65536) {
-        for (const char *p = end; p < next; p++)
-            if (*p && *p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') return true;
-        return false;
-    }
+    if (next && next > end && next - end < 65536) return gw_junk_between(end, next);
     const char *p = end + 1; /* end[0] is the value's NUL */
     while (*p == ' ' || *p == '\t') p++;
     return *p != '\0' && p != next;
+}
+
+/* Whether s[0..len) holds a control byte (NUL and DEL included) other than a tab: no header
+ * name or value may (RFC 9110, 5.5). */
+static bool gw_has_ctl(const char *s, size_t len) {
+    for (size_t i = 0; i < len; i++) {
+        unsigned char b = (unsigned char)s[i];
+        if ((b < 0x20 && b != '\t') || b == 0x7f) return true;
+    }
+    return false;
+}
+
+/* The end of c's header block (after its empty line) in libmicrohttpd's read buffer, where the
+ * request line begins at `method` and the block is REQUEST_HEADER_SIZE bytes long; NULL when that
+ * does not hold what the headers' values point at (last: the last value's end). */
+static const char *gw_header_block_end(gw_conn *c, const char *method, const char *last) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c->mc, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    if (!ci || !last || ci->header_size > ((size_t)1 << 20)) return NULL;
+    const char *end = method + ci->header_size;
+    return last > method && last < end ? end : NULL;
 }
 
 static enum MHD_Result gw_scan_header(void *cls, enum MHD_ValueKind kind, const char *key, size_t key_len,
                                       const char *value, size_t value_len) {
     (void)kind;
     gw_header_scan *h = cls;
-    h->nul |= strlen(key) != key_len || (value && memchr(value, '\0', value_len)) ||
+    h->nul |= strlen(key) != key_len || gw_has_ctl(key, key_len) || (value && gw_has_ctl(value, value_len)) ||
               gw_bytes_after_nul(h->value_end, key);
     h->value_end = value ? value + value_len : NULL;
     if (!strcasecmp(key, MHD_HTTP_HEADER_HOST)) h->n_host++;
@@ -342,18 +390,18 @@ static bool gw_origin_allowed(gw_conn *c, const char *o, size_t len, const char 
     return hnl == nl && !strncasecmp(host, name, nl) && (hport == port || (hport < 0 && (port == 80 || port == 443)));
 }
 
-/* Checks a new request's framing, Host and Origin; fills *e and returns its status when
+/* Checks a new request's framing (no NUL or control byte in a header), Host and Origin; fills *e and returns its status when
  * the request is refused, else 0 (an allowed Origin is kept in c->origin). */
-static int gw_check_request(gw_conn *c, const char *version, gw_error *e) {
+static int gw_check_request(gw_conn *c, const char *method, const char *version, gw_error *e) {
     gw_header_scan h = {0};
     MHD_get_connection_values_n(c->mc, MHD_HEADER_KIND, gw_scan_header, &h);
-    h.nul |= gw_bytes_after_nul(h.value_end, NULL);
+    h.nul |= gw_bytes_after_nul(h.value_end, gw_header_block_end(c, method, h.value_end));
     if (h.lengths_differ || (h.n_length && h.n_transfer)) {
         c->close = true; /* where the body ends is ambiguous */
         return gw_error_set(e, 400, NULL, "invalid_request",
                             "conflicting Content-Length or Transfer-Encoding headers");
     }
-    if (h.nul) return gw_error_set(e, 400, NULL, "invalid_request", "a header holds a NUL byte");
+    if (h.nul) return gw_error_set(e, 400, NULL, "invalid_request", "a header holds a NUL or control byte");
     if (h.n_host > 1) return gw_error_set(e, 400, NULL, "invalid_request", "more than one Host header");
     size_t host_len = 0, origin_len = 0;
     const char *host = gw_header(c, MHD_HTTP_HEADER_HOST, &host_len);
@@ -616,6 +664,109 @@ static enum MHD_Result gw_route_generate(gw_conn *c, const json_t *body) {
     return MHD_YES; /* gw_handle follows the job once the connection resumes */
 }
 
+/* ---- slow clients: read deadlines and eviction ------------------------------------------------------ */
+
+/* libmicrohttpd's timeout counts from a connection's last byte, so a client that trickles a
+ * header line or a body byte every few seconds keeps a connection forever, and a few hundred
+ * such clients fill the table. Here each request must arrive within fixed deadlines from its
+ * start, whatever its pace (the watchdog closes the late ones), and a new connection past
+ * max_connections - reserve evicts the oldest unfinished request. */
+
+/* A phase's deadline in microseconds, or -1 for none. */
+static int64_t gw_phase_limit_us(const gw_server *s, gw_phase ph) {
+    if (ph == GW_PHASE_HEAD) return s->cfg->header_timeout_s * 1000000LL;
+    if (ph == GW_PHASE_BODY) return s->cfg->body_timeout_s * 1000000LL;
+    return -1;
+}
+
+/* Ends k's connection (under s->mu): both directions are shut down, which libmicrohttpd's
+ * event loop sees as the client's close; it then closes the socket itself (it owns it). */
+static void gw_sock_cut(gw_sock *k, const char *why) {
+    if (k->cut) return;
+    k->cut = true;
+    FU_DEBUG("closing a connection: %s", why);
+    shutdown(k->fd, SHUT_RDWR);
+}
+
+/* The connection that has been sending its request (headers or body) longest, other than
+ * `except`, or NULL; under s->mu. */
+static gw_sock *gw_sock_oldest_reading(gw_server *s, const gw_sock *except) {
+    gw_sock *best = NULL;
+    for (gw_sock *k = s->socks; k; k = k->next)
+        if (k != except && !k->cut && k->phase != GW_PHASE_BUSY && (!best || k->since_us < best->since_us)) best = k;
+    return best;
+}
+
+/* A new connection (libmicrohttpd's thread): listed, reading its headers from now on. */
+static void gw_sock_open(gw_server *s, struct MHD_Connection *mc, void **ctx) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_CONNECTION_FD);
+    gw_sock *k = ci && ci->connect_fd != MHD_INVALID_SOCKET ? calloc(1, sizeof *k) : NULL;
+    *ctx = k;
+    if (!k) return; /* untracked: libmicrohttpd's own timeout still applies */
+    k->fd = ci->connect_fd;
+    k->phase = GW_PHASE_HEAD;
+    k->since_us = fu_now_us();
+    int max = s->cfg->max_connections;
+    int reserve = s->cfg->connection_reserve < max / 2 ? s->cfg->connection_reserve : max / 2;
+    pthread_mutex_lock(&s->mu);
+    k->next = s->socks;
+    if (s->socks) s->socks->prev = k;
+    s->socks = k;
+    if (++s->n_socks > max - reserve) {
+        gw_sock *old = gw_sock_oldest_reading(s, k);
+        if (old) gw_sock_cut(old, "the connection table is nearly full: the oldest unfinished request makes room");
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* A closed connection (libmicrohttpd's thread, before it closes the socket): unlisted, freed. */
+static void gw_sock_close(gw_server *s, gw_sock *k) {
+    if (!k) return;
+    pthread_mutex_lock(&s->mu);
+    if (k->prev) k->prev->next = k->next;
+    else s->socks = k->next;
+    if (k->next) k->next->prev = k->prev;
+    s->n_socks--;
+    pthread_mutex_unlock(&s->mu);
+    free(k);
+}
+
+static void gw_notify(void *cls, struct MHD_Connection *mc, void **ctx, enum MHD_ConnectionNotificationCode code) {
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) gw_sock_open(cls, mc, ctx);
+    else if (code == MHD_CONNECTION_NOTIFY_CLOSED) {
+        gw_sock_close(cls, *ctx);
+        *ctx = NULL;
+    }
+}
+
+/* Moves c's connection to phase ph from now on. */
+static void gw_sock_phase(gw_conn *c, gw_phase ph) {
+    if (!c->sock) return;
+    pthread_mutex_lock(&c->srv->mu);
+    c->sock->phase = ph;
+    c->sock->since_us = fu_now_us();
+    pthread_mutex_unlock(&c->srv->mu);
+}
+
+/* Whether c's body is later than --body-timeout-s (read on libmicrohttpd's thread, which
+ * alone writes the phase). */
+static bool gw_body_late(gw_conn *c) {
+    return c->sock && c->sock->phase == GW_PHASE_BODY &&
+           fu_now_us() - c->sock->since_us > gw_phase_limit_us(c->srv, GW_PHASE_BODY);
+}
+
+/* Closes every connection past its phase's deadline (the watchdog). */
+static void gw_deadlines_once(gw_server *s) {
+    int64_t now = fu_now_us();
+    pthread_mutex_lock(&s->mu);
+    for (gw_sock *k = s->socks; k; k = k->next) {
+        int64_t limit = gw_phase_limit_us(s, k->phase);
+        if (limit >= 0 && now - k->since_us > limit)
+            gw_sock_cut(k, k->phase == GW_PHASE_HEAD ? "its request's headers are late" : "its request's body is late");
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
 /* ---- the access handler ------------------------------------------------------------------------------ */
 
 static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
@@ -681,48 +832,82 @@ static void *gw_body_main(void *arg) {
     return NULL;
 }
 
+/* A new request's connection state, listed in s->conns; NULL when out of memory. */
+static gw_conn *gw_conn_new(gw_server *s, struct MHD_Connection *mc) {
+    gw_conn *c = calloc(1, sizeof *c);
+    if (!c) return NULL;
+    c->srv = s;
+    c->mc = mc;
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    c->sock = ci ? ci->socket_context : NULL;
+    gw_sock_phase(c, GW_PHASE_BODY); /* the headers are in; a body may follow */
+    pthread_mutex_lock(&s->mu);
+    c->next = s->conns;
+    if (s->conns) s->conns->prev = c;
+    s->conns = c;
+    pthread_mutex_unlock(&s->mu);
+    return c;
+}
+
+/* The first call for a request, its headers in: checks them, answers at once what it can. */
+static enum MHD_Result gw_begin(gw_conn *c, const char *url, const char *method, const char *version) {
+    gw_server *s = c->srv;
+    bool want_post = false;
+    c->route = gw_route_of(url, &want_post);
+    c->is_post = !strcmp(method, "POST");
+    gw_error e;
+    if (gw_check_request(c, method, version, &e)) return gw_respond_error(c, &e);
+    if (c->route == GW_ROUTE_OTHER)
+        return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
+    if (!strcmp(method, "OPTIONS")) return gw_preflight(c, want_post);
+    if (c->is_post != want_post && !(strcmp(method, "HEAD") == 0 && !want_post))
+        return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
+    if (c->route != GW_ROUTE_HEALTH && !gw_authorized(c))
+        return gw_fail(c, 401, NULL, "invalid_api_key",
+                       "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
+    size_t ct_len;
+    const char *ct = gw_header(c, MHD_HTTP_HEADER_CONTENT_TYPE, &ct_len);
+    if (c->is_post && (!ct || !gw_http_json_type(ct, ct_len)))
+        return gw_fail(c, 415, NULL, "unsupported_media_type",
+                       "the request body must be JSON sent with 'Content-Type: application/json'");
+    const char *cl = MHD_lookup_connection_value(c->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    if (cl) {
+        char *end;
+        errno = 0;
+        unsigned long long n = strtoull(cl, &end, 10);
+        if (errno || end == cl || n > s->cfg->max_body_bytes)
+            return gw_fail(c, 413, NULL, "request_too_large", "the request body exceeds %zu bytes",
+                           s->cfg->max_body_bytes);
+    }
+    return MHD_YES;
+}
+
+/* Takes upload[0..*upload_size) of c's body (consumed: *upload_size becomes 0); a body later
+ * than --body-timeout-s closes the connection (libmicrohttpd takes no response before the
+ * body's end, so no 408 can be sent). */
+static enum MHD_Result gw_upload(gw_conn *c, const char *upload, size_t *upload_size) {
+    size_t n = *upload_size, max = c->srv->cfg->max_body_bytes;
+    *upload_size = 0;
+    if (c->responded) return MHD_YES; /* an early answer: discard the body */
+    if (gw_body_late(c)) {
+        FU_DEBUG("closing a connection: its request's body is late");
+        return MHD_NO;
+    }
+    if (!c->too_large && c->body.len + n <= max) {
+        if (fu_buf_append(&c->body, upload, n)) c->too_large = true;
+    } else {
+        c->too_large = true;
+        fu_buf_free(&c->body);
+    }
+    return MHD_YES;
+}
+
 static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const char *url, const char *method,
                                  const char *version, const char *upload, size_t *upload_size, void **con_cls) {
-    gw_server *s = cls;
     gw_conn *c = *con_cls;
     if (!c) {
-        if (!(c = calloc(1, sizeof *c))) return MHD_NO;
-        c->srv = s;
-        c->mc = mc;
-        *con_cls = c;
-        pthread_mutex_lock(&s->mu);
-        c->next = s->conns;
-        if (s->conns) s->conns->prev = c;
-        s->conns = c;
-        pthread_mutex_unlock(&s->mu);
-        bool want_post = false;
-        c->route = gw_route_of(url, &want_post);
-        c->is_post = !strcmp(method, "POST");
-        gw_error e;
-        if (gw_check_request(c, version, &e)) return gw_respond_error(c, &e);
-        if (c->route == GW_ROUTE_OTHER)
-            return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
-        if (!strcmp(method, "OPTIONS")) return gw_preflight(c, want_post);
-        if (c->is_post != want_post && !(strcmp(method, "HEAD") == 0 && !want_post))
-            return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
-        if (c->route != GW_ROUTE_HEALTH && !gw_authorized(c))
-            return gw_fail(c, 401, NULL, "invalid_api_key",
-                           "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
-        size_t ct_len;
-        const char *ct = gw_header(c, MHD_HTTP_HEADER_CONTENT_TYPE, &ct_len);
-        if (c->is_post && (!ct || !gw_http_json_type(ct, ct_len)))
-            return gw_fail(c, 415, NULL, "unsupported_media_type",
-                           "the request body must be JSON sent with 'Content-Type: application/json'");
-        const char *cl = MHD_lookup_connection_value(mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-        if (cl) {
-            char *end;
-            errno = 0;
-            unsigned long long n = strtoull(cl, &end, 10);
-            if (errno || end == cl || n > s->cfg->max_body_bytes)
-                return gw_fail(c, 413, NULL, "request_too_large", "the request body exceeds %zu bytes",
-                               s->cfg->max_body_bytes);
-        }
-        return MHD_YES;
+        if (!(c = *con_cls = gw_conn_new(cls, mc))) return MHD_NO;
+        return gw_begin(c, url, method, version);
     }
     if (c->reply.ready) { /* prepared by a body thread */
         gw_reply r = c->reply;
@@ -730,20 +915,9 @@ static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const cha
         return gw_queue(c, r.status, r.ctype, r.body, r.len);
     }
     if (c->body_failed) return MHD_NO;
-    if (c->responded) { /* an early answer: discard the body */
-        *upload_size = 0;
-        return MHD_YES;
-    }
-    if (*upload_size) {
-        if (!c->too_large && c->body.len + *upload_size <= s->cfg->max_body_bytes) {
-            if (fu_buf_append(&c->body, upload, *upload_size)) c->too_large = true;
-        } else {
-            c->too_large = true;
-            fu_buf_free(&c->body);
-        }
-        *upload_size = 0;
-        return MHD_YES;
-    }
+    if (*upload_size) return gw_upload(c, upload, upload_size);
+    if (c->sock && c->sock->phase == GW_PHASE_BODY) gw_sock_phase(c, GW_PHASE_BUSY); /* the request is in */
+    if (c->responded) return MHD_YES;
     if (c->job) return gw_job_progress(c);
     return gw_dispatch(c, url);
 }
@@ -765,6 +939,7 @@ static void gw_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
         gw_job_release(c->job);
     }
     if (!c->responded) gw_metrics_request(s->metrics, c->route, 499);
+    gw_sock_phase(c, GW_PHASE_HEAD); /* a kept-alive connection's next request starts now */
     pthread_mutex_lock(&s->mu);
     if (c->prev) c->prev->next = c->next;
     else s->conns = c->next;
@@ -831,6 +1006,7 @@ static void *gw_watch_main(void *arg) {
         if (atomic_load(&s->stopping)) break;
         pthread_mutex_unlock(&s->watch_mu);
         gw_watch_once(s);
+        gw_deadlines_once(s);
         pthread_mutex_lock(&s->watch_mu);
     }
     pthread_mutex_unlock(&s->watch_mu);
@@ -915,16 +1091,15 @@ static int gw_listen(const char *spec, int *port) {
     return fd;
 }
 
+/* The largest HTTPS certificate or key file read. */
+#define GW_TLS_FILE_MAX (1 << 20)
+
+/* The text of the regular file at path (malloc'd), or NULL with fu_last_error() naming it;
+ * a FIFO or a device is refused at once rather than waited on (mf_read). */
 static char *gw_read_file(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fu_buf b = {0};
-    char tmp[4096];
-    size_t n;
-    while ((n = fread(tmp, 1, sizeof tmp, f)) > 0)
-        if (fu_buf_append(&b, tmp, n)) break;
-    fclose(f);
-    return b.data;
+    char *text;
+    size_t len;
+    return mf_read(path, GW_TLS_FILE_MAX, &text, &len) ? NULL : text;
 }
 
 /* Frees a server that is not (or no longer) running; closes the listening socket when not yet handed over. */
@@ -938,6 +1113,37 @@ static void gw_server_destroy(gw_server *s, bool close_listen) {
     pthread_mutex_destroy(&s->body_mu);
     pthread_mutex_destroy(&s->mu);
     free(s);
+}
+
+/* Starts libmicrohttpd on s->listen_fd with the configured limits (and HTTPS when a
+ * certificate is configured, read here). FU_OK; else an error, s->d NULL. */
+static int gw_start_daemon(gw_server *s) {
+    const gw_config *cfg = s->cfg;
+    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+    if (cfg->https_cert) {
+        if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES)
+            return fu_errorf(FU_ERR_UNSUPPORTED, "this libmicrohttpd is built without TLS: HTTPS is unavailable");
+        if (!(s->https_cert = gw_read_file(cfg->https_cert)) || !(s->https_key = gw_read_file(cfg->https_key)))
+            return fu_errorf(FU_ERR_IO, "cannot read the HTTPS certificate or key: %s", fu_last_error());
+        flags |= MHD_USE_TLS;
+    }
+    struct MHD_OptionItem tls_opts[] = {
+        {MHD_OPTION_HTTPS_MEM_CERT, 0, s->https_cert},
+        {MHD_OPTION_HTTPS_MEM_KEY, 0, s->https_key},
+        {MHD_OPTION_END, 0, NULL},
+    };
+    s->d = MHD_start_daemon(flags, 0, NULL, NULL, gw_handle, s, MHD_OPTION_LISTEN_SOCKET, s->listen_fd,
+                            MHD_OPTION_NOTIFY_COMPLETED, gw_completed, s, MHD_OPTION_NOTIFY_CONNECTION, gw_notify, s,
+                            MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)cfg->max_connections_per_ip,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)cfg->connection_timeout_s,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)cfg->max_connections,
+                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)128 * 1024, MHD_OPTION_EXTERNAL_LOGGER,
+                            gw_mhd_log, NULL, MHD_OPTION_ARRAY, cfg->https_cert ? tls_opts : tls_opts + 2,
+                            MHD_OPTION_END);
+    if (!s->d)
+        return fu_errorf(FU_ERR_NETWORK, "cannot start the HTTP server (libmicrohttpd%s)",
+                         cfg->https_cert ? ": check the HTTPS certificate and key" : "");
+    return FU_OK;
 }
 
 int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engine, gw_metrics *metrics,
@@ -975,35 +1181,10 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
     snprintf(s->listen_name, sizeof s->listen_name, "%.*s", (int)(colon - spec), spec);
     if (!strcmp(s->listen_name, "0.0.0.0") || !strcmp(s->listen_name, "[::]")) /* a wildcard names no host */
         s->listen_name[0] = '\0';
-    unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
-    if (cfg->https_cert) {
-        if (MHD_is_feature_supported(MHD_FEATURE_TLS) != MHD_YES) {
-            gw_server_destroy(s, true);
-            return fu_errorf(FU_ERR_UNSUPPORTED, "this libmicrohttpd is built without TLS: HTTPS is unavailable");
-        }
-        s->https_cert = gw_read_file(cfg->https_cert);
-        s->https_key = gw_read_file(cfg->https_key);
-        if (!s->https_cert || !s->https_key) {
-            gw_server_destroy(s, true);
-            return fu_errorf(FU_ERR_IO, "cannot read the HTTPS certificate or key");
-        }
-        flags |= MHD_USE_TLS;
-    }
-    struct MHD_OptionItem tls_opts[] = {
-        {MHD_OPTION_HTTPS_MEM_CERT, 0, s->https_cert},
-        {MHD_OPTION_HTTPS_MEM_KEY, 0, s->https_key},
-        {MHD_OPTION_END, 0, NULL},
-    };
-    s->d = MHD_start_daemon(flags, 0, NULL, NULL, gw_handle, s, MHD_OPTION_LISTEN_SOCKET, s->listen_fd,
-                            MHD_OPTION_NOTIFY_COMPLETED, gw_completed, s, MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned)cfg->connection_timeout_s, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)cfg->max_connections, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)128 * 1024,
-                            MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log, NULL, MHD_OPTION_ARRAY,
-                            cfg->https_cert ? tls_opts : tls_opts + 2, MHD_OPTION_END);
-    if (!s->d) {
+    rc = gw_start_daemon(s);
+    if (rc) {
         gw_server_destroy(s, true);
-        return fu_errorf(FU_ERR_NETWORK, "cannot start the HTTP server (libmicrohttpd%s)",
-                         cfg->https_cert ? ": check the HTTPS certificate and key" : "");
+        return rc;
     }
     s->watch_started = !pthread_create(&s->watch, NULL, gw_watch_main, s);
     while (s->watch_started && s->n_body_threads < GW_BODY_THREADS &&
@@ -1051,5 +1232,9 @@ void gw_server_stop(gw_server *s) {
         nanosleep(&ts, NULL);
     }
     MHD_stop_daemon(s->d); /* closes the listening socket too */
+    for (gw_sock *k = s->socks, *next; k; k = next) { /* none once every close was notified */
+        next = k->next;
+        free(k);
+    }
     gw_server_destroy(s, false);
 }

@@ -2,7 +2,9 @@
  *
  * Threads: libmicrohttpd's polling thread routes requests and resumes
  * suspended connections; body threads parse request bodies and run the
- * CPU-bound routes; a watchdog thread cancels the jobs of clients that left.
+ * CPU-bound routes; a watchdog thread cancels the jobs of clients that left and
+ * closes connections whose request is past its read deadline (slow clients: see
+ * the header and body timeouts, the per-address cap and the reserve in gw_config).
  * The server borrows the config, model, engine and metrics it is given and
  * owns its connections.
  */

@@ -224,6 +224,10 @@ typedef struct gw_config {
     size_t max_body_bytes;
     int connection_timeout_s;
     int max_connections;
+    int max_connections_per_ip; /* open connections from one address at most; 0: no cap */
+    int connection_reserve; /* past max_connections - this, a new connection evicts the oldest unfinished request */
+    int header_timeout_s;   /* a request's headers arrive within this, however they trickle */
+    int body_timeout_s;     /* its body within this after the headers */
     int default_max_tokens;
     int step_timeout_ms;    /* per chain step; routed: the wait before a path is measured (gw-pace.h) */
     int step_deadline_floor_ms; /* routed: the floor of a step's measured deadline */

@@ -6,7 +6,7 @@ given (nothing but loopback traffic: the refusal comes before serving); swarm se
 the connection's own address or an --allowed-host get 403 (DNS rebinding); a browser Origin other
 than this gateway's loopback origins or a --cors-origin gets 403, an allowed one gets CORS headers
 and preflights (CSRF); JSON routes want Content-Type: application/json (415); conflicting
-Content-Length headers, a NUL in a header and HTTP/1.1 without Host are 400; errors name no shard
+Content-Length headers, a NUL or control byte in a header and HTTP/1.1 without Host are 400; errors name no shard
 address (the log does). The gateway's only hop is a closed loopback port: no shard is needed.
 """
 import json
@@ -137,6 +137,23 @@ def test_no_auth_with_a_key_is_refused(model, tmp_path):
     assert res.returncode != 0 and "--no-auth" in res.stderr, res.stderr
 
 
+def test_fifo_files_are_refused_at_once(model, tmp_path):
+    """A FIFO given as the HTTPS certificate, the API key file or the secret file is refused with
+    a message naming it, rather than waited on for a writer that never comes."""
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    for flags in (["--api-key", KEY, "--https-cert", fifo, "--https-key", fifo], ["--api-key-file", fifo],
+                  ["--api-key", KEY, "--secret-file", fifo]):
+        try:
+            res = subprocess.run(gateway_cmd(model, str(tmp_path / "port"), *flags), capture_output=True,
+                                 text=True, timeout=20)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{flags[-2]}: the gateway waited on the FIFO")
+        assert res.returncode != 0, (flags, res.stderr)
+        assert fifo in res.stderr and "not a regular file" in res.stderr, (flags, res.stderr)
+    assert not os.path.exists(tmp_path / "port")
+
+
 def test_short_secrets_are_refused(model, tmp_path):
     short = "fifteen-bytes.."
     res = subprocess.run(gateway_cmd(model, str(tmp_path / "port"), "--api-key", KEY, secret=short),
@@ -246,6 +263,20 @@ def test_nul_in_authorization_is_400(gw):
     assert status == 400, text
     status, _, text = raw(gw.port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " +
                           KEY.encode() + b"\r\n\r\n")
+    assert status == 200, text
+
+
+def test_nul_or_control_byte_in_any_header_is_400(gw):
+    """However many NULs come first (libmicrohttpd cuts a value at the first), and in any header."""
+    head = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    auth = b"Authorization: Bearer " + KEY.encode()
+    for bad in (auth + b"\x00\x00junk\r\n", auth + b"\x00\x00\x00\x00\x00junk\r\n", auth + b"\x01\r\n",
+                auth + b"\x1b[0m\r\n", b"X-Note: a\x7fb\r\n" + auth + b"\r\n",
+                auth + b"\r\nX-Note: a\x00\x00b\r\n", b"X-No\x01te: a\r\n" + auth + b"\r\n"):
+        status, _, text = raw(gw.port, head + bad + b"\r\n")
+        assert status == 400, (bad, text)
+        assert json.loads(text)["error"]["code"] == "invalid_request", text
+    status, _, text = raw(gw.port, head + b"X-Note: a\tb \xc3\xa9\r\n" + auth + b"\r\n\r\n")  # tabs, UTF-8
     assert status == 200, text
 
 

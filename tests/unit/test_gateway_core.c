@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "chat-template.h"
@@ -421,6 +422,15 @@ static void test_config(void **state) {
     assert_int_equal(c.workers, 4);
     assert_int_equal(c.limits.max_n, 3);
     assert_int_equal(c.max_body_bytes, 4096);
+    /* slow clients: per-address cap, reserve and read deadlines, with their defaults */
+    assert_int_equal(c.max_connections_per_ip, 64);
+    assert_int_equal(c.connection_reserve, 16);
+    assert_int_equal(c.header_timeout_s, 10);
+    assert_int_equal(c.body_timeout_s, 60);
+    assert_int_equal(gw_config_set(&c, "max-connections-per-ip", "0"), FU_OK); /* no cap */
+    assert_int_equal(gw_config_set(&c, "header-timeout-s", "0"), FU_ERR_INVALID);
+    assert_int_equal(gw_config_set(&c, "body_timeout_s", "5"), FU_OK);
+    assert_int_equal(c.body_timeout_s, 5);
     assert_int_equal(gw_config_check(&c), FU_OK);
     /* a secret shorter than 16 bytes is refused; so are API keys with --no-auth */
     assert_int_equal(gw_config_set(&c, "secret", "fifteen-bytes.."), FU_OK);
@@ -438,6 +448,19 @@ static void test_config(void **state) {
     assert_int_equal(gw_config_set(&c, "workers", "12abc"), FU_ERR_INVALID);
     assert_int_equal(gw_config_set(&c, "no-such-option", "1"), FU_ERR_INVALID);
     assert_non_null(strstr(fu_last_error(), "no-such-option"));
+    /* a key file that is missing, or a FIFO (refused at once rather than waited on) */
+    assert_int_equal(gw_config_set(&c, "api-key-file", "/nonexistent/keys"), FU_ERR_NOT_FOUND);
+    assert_non_null(strstr(fu_last_error(), "/nonexistent/keys: cannot open"));
+    char fifo[] = "/tmp/gw-fifo-XXXXXX";
+    assert_non_null(mkdtemp(fifo));
+    char fifo_path[64];
+    snprintf(fifo_path, sizeof fifo_path, "%s/keys", fifo);
+    assert_int_equal(mkfifo(fifo_path, 0600), 0);
+    assert_int_equal(gw_config_set(&c, "api-key-file", fifo_path), FU_ERR_IO);
+    assert_non_null(strstr(fu_last_error(), "not a regular file"));
+    assert_int_equal(c.n_api_keys, 3);
+    unlink(fifo_path);
+    rmdir(fifo);
     assert_int_equal(gw_config_set(&c, "hop", "127.0.0.1:7003"), FU_ERR_INVALID);
     assert_int_equal(gw_config_set(&c, "hop", "127.0.0.1:7003:30:30"), FU_ERR_INVALID);
     assert_int_equal(gw_config_set(&c, "insecure", "maybe"), FU_ERR_INVALID);

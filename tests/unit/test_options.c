@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "options.h"
@@ -187,9 +188,20 @@ static void test_lists_paths_calls(void **state) {
     assert_int_equal(parse(t, NULL, argv, "--secret-file", path, NULL), FU_OK);
     assert_string_equal(a->secret, "s3cret");
     unlink(path);
-    assert_int_equal(parse(t, NULL, argv, "--secret-file", "/nonexistent/s", NULL), FU_ERR_IO);
-    assert_string_equal(fu_last_error(), "--secret-file: /nonexistent/s: No such file or directory");
+    assert_int_equal(parse(t, NULL, argv, "--secret-file", "/nonexistent/s", NULL), FU_ERR_NOT_FOUND);
+    assert_string_equal(fu_last_error(), "--secret-file: /nonexistent/s: cannot open: No such file or directory");
     assert_string_equal(a->secret, "s3cret");
+    /* a FIFO is refused at once (no writer would ever come) */
+    char fifo[] = "/tmp/fu-opt-fifo-XXXXXX";
+    assert_non_null(mkdtemp(fifo));
+    char fifo_path[64];
+    snprintf(fifo_path, sizeof fifo_path, "%s/p", fifo);
+    assert_int_equal(mkfifo(fifo_path, 0600), 0);
+    assert_int_equal(parse(t, NULL, argv, "--secret-file", fifo_path, NULL), FU_ERR_IO);
+    assert_non_null(strstr(fu_last_error(), "not a regular file"));
+    assert_string_equal(a->secret, "s3cret");
+    unlink(fifo_path);
+    rmdir(fifo);
     /* a string keeps "~/" */
     assert_int_equal(fu_opt_set(t, "listen", "~/x"), FU_OK);
     assert_string_equal(a->listen, "~/x");
