@@ -99,9 +99,39 @@ static double min_gain(const gw_swarm *s) { return s->cfg->min_gain_percent / 10
 
 /* ---- placement rule (pure) -------------------------------------------------------------- */
 
+/* Spares weighed per placement decision. Weighing one costs a max flow per window of blocks it
+ * could hold, under the swarm's lock, so only the most capable ones are (most blocks held, then
+ * the fastest at that many), however many spares wait. */
+#define GW_PICK_CANDIDATES 4
+
+/* Whether spare a is more capable than spare b (more blocks, then more tokens/s holding them). */
+static bool gw_spare_better(const rt_swarm *sw, int a, int b) {
+    int ka = rt_swarm_max_layers(sw, a), kb = rt_swarm_max_layers(sw, b);
+    if (ka != kb) return ka > kb;
+    const rt_server *x = &sw->servers[a], *y = &sw->servers[b];
+    double ta = ka > 0 && x->n_tput >= ka ? x->tput[ka - 1] : 0, tb = kb > 0 && y->n_tput >= kb ? y->tput[kb - 1] : 0;
+    return ta > tb;
+}
+
+/* The indices into spares[0..n) of the (at most GW_PICK_CANDIDATES) most capable, in cand[];
+ * returns how many, in order of spares[] among equals. */
+static int gw_spare_candidates(const rt_swarm *sw, const int *spares, int n, int *cand) {
+    int m = 0;
+    for (int k = 0; k < n; k++) {
+        int at = m;
+        while (at > 0 && gw_spare_better(sw, spares[k], spares[cand[at - 1]])) at--;
+        if (at >= GW_PICK_CANDIDATES) continue;
+        if (m < GW_PICK_CANDIDATES) m++;
+        memmove(cand + at + 1, cand + at, (size_t)(m - 1 - at) * sizeof *cand);
+        cand[at] = k;
+    }
+    return m;
+}
+
 int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_target, double min_gain, int *first,
                   int *last) {
     if (n <= 0) return -1;
+    int cand[GW_PICK_CANDIDATES], m = gw_spare_candidates(sw, spares, n, cand);
     int L = sw->model.n_layers, best = -1, best_f = 0, best_l = 0, best_cov = 0;
     double best_gain = -1;
     if (rt_swarm_uncovered(sw, NULL) > 0) {
@@ -110,8 +140,8 @@ int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_targe
         for (int i = 0; i < sw->n_servers; i++)
             if (rt_swarm_serving(sw, i))
                 for (int b = sw->servers[i].first; b < sw->servers[i].last; b++) covered[b] = 1;
-        for (int k = 0; k < n; k++) {
-            int f, l;
+        for (int j = 0; j < m; j++) {
+            int f, l, k = cand[j];
             double gain = 0;
             if (rt_place_join(sw, spares[k], NULL, &f, &l, &gain)) continue;
             int cov = 0;
@@ -122,8 +152,8 @@ int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_targe
         free(covered);
     } else if (n > spares_target) {
         double flow = rt_max_flow(sw, NULL);
-        for (int k = 0; k < n; k++) {
-            int f, l;
+        for (int j = 0; j < m; j++) {
+            int f, l, k = cand[j];
             double gain = 0;
             if (rt_place_join(sw, spares[k], NULL, &f, &l, &gain)) continue;
             if (gain > best_gain) best = k, best_f = f, best_l = l, best_gain = gain;

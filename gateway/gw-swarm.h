@@ -167,8 +167,10 @@ int gw_swarm_member_link(gw_swarm *s, uint64_t member_id, double rtt_s, double b
 
 /* Rules 1-3 (above) over `sw`, with the spans being loaded already applied:
  * which of the spares spares[0..n) should load which span now (rules 4 and 5
- * call it with spares_target 0, rule 5 also with min_gain 0). Returns its
- * index in spares[] (and *first, *last), or -1: they all wait. */
+ * call it with spares_target 0, rule 5 also with min_gain 0). Only the 4 most
+ * capable spares (most blocks, then fastest) are weighed, each costing a max
+ * flow per window, so that a crowd of spares cannot stall the swarm's lock.
+ * Returns its index in spares[] (and *first, *last), or -1: they all wait. */
 int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_target, double min_gain,
                   int *first, int *last);
 /* Rule 6's choice over `sw`: which serving server of movable[0..n) should move to which span:

@@ -11,6 +11,10 @@
 #include "gw-swarm.h"
 #include "log.h"
 
+/* The model's blocks: few, so that a placement decision (a max flow per window of blocks)
+ * leaves time for many inputs a second. */
+#define FUZZ_BLOCKS 4
+
 static gw_config cfg;
 static gw_swarm *sw;
 static unsigned runs;
@@ -29,7 +33,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (runs++ % 256 == 0) {
         gw_swarm_free(sw);
         sw = NULL;
-        if (gw_swarm_new_manual(&cfg, 30, &sw)) abort();
+        if (gw_swarm_new_manual(&cfg, FUZZ_BLOCKS, &sw)) abort();
     }
     swarm_svc_fuzz_one(gw_swarm_service(sw), data[0] & 1, data + 1, size - 1);
     return 0;

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Writes seed inputs for fuzz_swarm_messages: valid Join and Heartbeat requests of fusion.Swarm
-(protobuf wire format, encoded here by hand), each after the byte that picks the method."""
+(protobuf wire format, encoded here by hand), each after the byte that picks the method, for the
+target's 4-block model."""
 import os
 import sys
 
@@ -9,7 +10,7 @@ from pbwire import f_bytes, f_double, f_varint  # noqa: E402
 
 
 def member(address, first, last, links=(), fixed=False):
-    m = f_bytes(1, address.encode()) + f_bytes(2, b"model") + f_varint(3, 30) + f_varint(4, first)
+    m = f_bytes(1, address.encode()) + f_bytes(2, b"model") + f_varint(3, 4) + f_varint(4, first)
     m += f_varint(5, last) + f_bytes(6, b"cpu") + f_bytes(7, b"q4_1") + f_double(8, 120.0) + f_double(9, 900.0)
     m += f_varint(11, 1 << 30) + f_varint(12, 1 << 30) + f_varint(13, 4096) + f_varint(15, int(fixed))
     for peer, rtt, bw in links:
@@ -20,13 +21,13 @@ def member(address, first, last, links=(), fixed=False):
 out = sys.argv[1]
 seeds = {
     "join-spare": b"\0" + f_bytes(1, member("127.0.0.1:7001", 0, 0)),
-    "join-span": b"\0" + f_bytes(1, member("10.0.0.2:7002", 0, 15, fixed=True)),
-    "join-links": b"\0" + f_bytes(1, member("10.0.0.3:7003", 15, 30, [("10.0.0.2:7002", 0.002, 1e8)])),
+    "join-span": b"\0" + f_bytes(1, member("10.0.0.2:7002", 0, 2, fixed=True)),
+    "join-links": b"\0" + f_bytes(1, member("10.0.0.3:7003", 2, 4, [("10.0.0.2:7002", 0.002, 1e8)])),
     "join-bad-range": b"\0" + f_bytes(1, f_bytes(1, b"10.0.0.4:1") + f_varint(3, 1 << 40)),
-    "heartbeat": b"\1" + f_varint(1, 1) + f_bytes(2, member("127.0.0.1:7001", 0, 30)),
+    "heartbeat": b"\1" + f_varint(1, 1) + f_bytes(2, member("127.0.0.1:7001", 0, 4)),
     "heartbeat-leaving": b"\1" + f_varint(1, 2) + f_varint(3, 1),
-    "heartbeat-draining": b"\1" + f_varint(1, 1) + f_bytes(2, member("127.0.0.1:7001", 0, 15) + f_varint(20, 15)
-                                                             + f_varint(21, 30) + f_varint(22, 3)),
+    "heartbeat-draining": b"\1" + f_varint(1, 1) + f_bytes(2, member("127.0.0.1:7001", 0, 2) + f_varint(20, 2)
+                                                             + f_varint(21, 4) + f_varint(22, 3)),
 }
 for name, data in seeds.items():
     with open(os.path.join(out, name), "wb") as f:

@@ -81,6 +81,34 @@ static void test_pick_spare(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* A crowd of spares: only the most capable few are weighed (each costs a max flow per window, under
+ * the swarm's lock), so the most capable one is found wherever it stands in the list, and a
+ * decision among 200 spares costs what one among 4 does. */
+static void test_pick_spare_among_many(void **st) {
+    (void)st;
+    rt_model model = {.name = "t", .n_layers = 10, .token_bytes = 2, .act_bytes = 2};
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &model), FU_OK);
+    add_server(&sw, "a", 5, 100, 0, 5);
+    enum { N = 200 };
+    int spares[N], f = -1, l = -1;
+    char name[32];
+    for (int i = 0; i < N; i++) {
+        snprintf(name, sizeof name, "s%d", i);
+        spares[i] = add_server(&sw, name, i == 150 ? 5 : 2, i == 120 ? 500 : 100, 0, 0);
+    }
+    link_all(&sw);
+    /* [5, 10) uncovered: s150, the only spare holding 5 blocks, covers it all */
+    assert_int_equal(gw_pick_spare(&sw, spares, N, 0, 0.05, &f, &l), 150);
+    assert_int_equal(f, 5);
+    assert_int_equal(l, 10);
+    /* without s150, the fastest of the 2-block spares (s120) is weighed and goes */
+    spares[150] = spares[0];
+    assert_int_equal(gw_pick_spare(&sw, spares, N, 0, 0.05, &f, &l), 120);
+    assert_int_equal(l - f, 2);
+    rt_swarm_free(&sw);
+}
+
 static gw_member_report report(const char *address, int max_blocks, int first, int last) {
     gw_member_report r;
     memset(&r, 0, sizeof r);
@@ -785,6 +813,7 @@ static void test_join_over_rpc(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pick_spare),
+        cmocka_unit_test(test_pick_spare_among_many),
         cmocka_unit_test(test_membership),
         cmocka_unit_test(test_spare_server),
         cmocka_unit_test(test_join_over_rpc),
