@@ -768,10 +768,13 @@ static int gw_run_timed_step(gw_run *r, const int32_t *in, int n, const chain_sp
     sp.timeout_ms = (int)(r->cap_ms + GW_PROBE_MS * (int64_t)GW_MAX_HOPS);
     int rc = chain_session_step(r->s, in, n, -1, &sp, res);
     if (!rc && pace) gw_pace_record(pace, r->lease.hops, r->lease.n_hops, n, *res);
-    if (rc && r->silent_hop >= 0 && r->silent_hop < r->lease.n_hops)
-        rc = fu_errorf(FU_ERR_NETWORK, r->hop_retired ? "shard %s: retired while a step waited for it"
-                                                      : "shard %s: no reply to a step within %lld ms, nor to a probe",
-                       r->lease.hops[r->silent_hop].address, (long long)r->wait_ms);
+    const char *silent = rc && r->silent_hop >= 0 && r->silent_hop < r->lease.n_hops
+                             ? r->lease.hops[r->silent_hop].address : NULL;
+    if (silent && r->hop_retired)
+        rc = fu_errorf(FU_ERR_NETWORK, "shard %s: retired while a step waited for it", silent);
+    else if (silent)
+        rc = fu_errorf(FU_ERR_NETWORK, "shard %s: no reply to a step within %lld ms, nor to a probe", silent,
+                       (long long)r->wait_ms);
     else if (rc && r->capped)
         rc = fu_errorf(FU_ERR_EXHAUSTED, "the shard servers, though answering, did not finish a step of %d positions "
                        "within %lld ms", n, (long long)r->cap_ms);
