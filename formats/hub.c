@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "atomic-file.h"
 #include "format.h"
 #include "log.h"
 #include "mapped-file.h"
@@ -338,53 +339,6 @@ static int mkdir_p(const char *path) {
     }
     free(p);
     return FU_OK;
-}
-
-/* fsync()s the directory holding `path` (after a rename into it). */
-static int fsync_parent(const char *path) {
-    const char *slash = strrchr(path, '/');
-    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    if (!dir) return fu_errorf(FU_ERR_NOMEM, "out of memory");
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    int rc = FU_OK;
-    if (fd < 0 || fsync(fd) != 0)
-        rc = fu_errorf(FU_ERR_IO, "cannot sync directory %s: %s", dir, strerror(errno));
-    if (fd >= 0) close(fd);
-    free(dir);
-    return rc;
-}
-
-static int write_all(int fd, const void *data, size_t len) {
-    const char *p = data;
-    while (len > 0) {
-        ssize_t w = write(fd, p, len);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        p += w;
-        len -= (size_t)w;
-    }
-    return 0;
-}
-
-/* Writes `len` bytes to `path` through a temporary file, fsync and rename. */
-static int write_file_atomic(const char *path, const void *data, size_t len) {
-    char *tmp = str_printf("%s.tmp.%ld", path, (long)getpid());
-    if (!tmp) return fu_errorf(FU_ERR_NOMEM, "out of memory");
-    int rc = FU_OK;
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
-    if (fd < 0 || write_all(fd, data, len) != 0 || fsync(fd) != 0) {
-        rc = fu_errorf(FU_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
-    }
-    if (fd >= 0 && close(fd) != 0 && rc == FU_OK)
-        rc = fu_errorf(FU_ERR_IO, "cannot write %s: %s", tmp, strerror(errno));
-    if (rc == FU_OK && rename(tmp, path) != 0)
-        rc = fu_errorf(FU_ERR_IO, "cannot rename %s to %s: %s", tmp, path, strerror(errno));
-    if (rc != FU_OK) unlink(tmp);
-    else rc = fsync_parent(path);
-    free(tmp);
-    return rc;
 }
 
 static void hex_encode(const unsigned char *d, size_t n, char *hex) {
@@ -938,7 +892,7 @@ static size_t on_body(char *data, size_t size, size_t nmemb, void *ud) {
         x->abort_reason = XFER_ABORT_TOO_BIG;
         return 0;
     }
-    if (write_all(x->fd, data, n) != 0) {
+    if (af_write_all(x->fd, data, n) != 0) {
         x->abort_reason = XFER_ABORT_IO;
         x->abort_errno = errno;
         return 0;
@@ -1492,7 +1446,7 @@ static int dl_commit(hub_dl *d) {
     if (closed != 0) return fu_errorf(FU_ERR_IO, "cannot write %s: %s", d->tmp, strerror(errno));
     if (rename(d->tmp, d->final) != 0)
         return fu_errorf(FU_ERR_IO, "cannot rename %s to %s: %s", d->tmp, d->final, strerror(errno));
-    return fsync_parent(d->final);
+    return af_sync_parent(d->final);
 }
 
 /* Reports the outcome `rc` and frees d; an empty partial file is removed. */
@@ -1732,7 +1686,7 @@ static int resolve_online(const hub_options *o, const hub_ref *ref, const char *
     if ((rc = mkdir_p(path)) != FU_OK) goto done;
     free(path);
     if (!(path = str_printf("%s/meta/%s.json", repo_dir, listing.commit))) goto nomem;
-    if ((rc = write_file_atomic(path, json, json_len)) != FU_OK) goto done;
+    if ((rc = af_write_buf(path, json, json_len)) != FU_OK) goto done;
     if ((rc = mkdir_p(snap)) != FU_OK) goto done;
     s.snap = snap;
     if (!o->quiet) FU_INFO("%s@%s is commit %s", ref->repo_id, ref->revision, listing.commit);
@@ -1743,7 +1697,7 @@ static int resolve_online(const hub_options *o, const hub_ref *ref, const char *
         if ((rc = mkdir_p(path)) != FU_OK) goto done;
         free(path);
         if (!(path = refs_path(repo_dir, ref->revision))) goto nomem;
-        if ((rc = write_file_atomic(path, listing.commit, strlen(listing.commit))) != FU_OK) goto done;
+        if ((rc = af_write_buf(path, listing.commit, strlen(listing.commit))) != FU_OK) goto done;
     }
     *out = snap;
     snap = NULL;

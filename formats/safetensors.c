@@ -1,4 +1,4 @@
-/* safetensors.c -- safetensors reader: single files and sharded checkpoints with an index. */
+/* safetensors.c -- safetensors reader (single files and sharded checkpoints with an index) and writer. */
 #include "safetensors.h"
 
 #include <errno.h>
@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "atomic-file.h"
 #include "mapped-file.h"
 #include "status.h"
 
@@ -567,4 +568,92 @@ int st_model_find(const st_model *m, const char *name, op_tensor *out) {
     out->data = (void *)t->data; /* read-only mapping: callers must not write */
     out->name = t->name;
     return FU_OK;
+}
+
+/* ---- writing ------------------------------------------------------------------ */
+
+/* Checks one tensor to write and returns its size in bytes in *nbytes. */
+static int st_write_check(const st_write_tensor *t, uint64_t *nbytes) {
+    if (!t->name || !*t->name) return fu_errorf(FU_ERR_INVALID, "safetensors: a tensor has no name");
+    int di = t->dtype ? st_dtype_find(t->dtype) : -1;
+    if (di < 0)
+        return fu_errorf(FU_ERR_INVALID, "safetensors: tensor '%s': unknown dtype '%s'", t->name,
+                         t->dtype ? t->dtype : "(null)");
+    if (t->rank < 0 || t->rank > 8)
+        return fu_errorf(FU_ERR_INVALID, "safetensors: tensor '%s': rank %d (0..8 supported)",
+                         t->name, t->rank);
+    uint64_t n = st_dtypes[di].size;
+    for (int d = 0; d < t->rank; d++) {
+        if (t->shape[d] < 0 || mf_mul_u64(n, (uint64_t)t->shape[d], &n))
+            return fu_errorf(FU_ERR_INVALID, "safetensors: tensor '%s': bad shape[%d] = %" PRId64,
+                             t->name, d, t->shape[d]);
+    }
+    *nbytes = n;
+    return FU_OK;
+}
+
+/* Adds the header entry of tensor t at data offsets [*off, *off + nbytes). */
+static int st_write_entry(json_t *hdr, const st_write_tensor *t, uint64_t *off) {
+    uint64_t nbytes;
+    int rc = st_write_check(t, &nbytes);
+    if (rc) return rc;
+    if (json_object_get(hdr, t->name))
+        return fu_errorf(FU_ERR_INVALID, "safetensors: tensor '%s' given twice", t->name);
+    json_t *shape = json_array();
+    for (int d = 0; shape && d < t->rank; d++)
+        json_array_append_new(shape, json_integer(t->shape[d]));
+    json_t *e = json_pack("{s:s,s:o,s:[I,I]}", "dtype", t->dtype, "shape", shape, "data_offsets",
+                          (json_int_t)*off, (json_int_t)(*off + nbytes));
+    if (!e || json_object_set_new(hdr, t->name, e))
+        return fu_errorf(FU_ERR_NOMEM, "out of memory");
+    *off += nbytes;
+    return FU_OK;
+}
+
+/* The header JSON of the tensors, padded with spaces to a multiple of 8 (malloc'd). */
+static int st_write_header(const st_write_tensor *tensors, size_t n, char **out, size_t *len) {
+    json_t *hdr = json_pack("{s:{s:s}}", "__metadata__", "format", "pt");
+    if (!hdr) return fu_errorf(FU_ERR_NOMEM, "out of memory");
+    uint64_t off = 0;
+    int rc = FU_OK;
+    for (size_t i = 0; i < n && rc == FU_OK; i++) rc = st_write_entry(hdr, &tensors[i], &off);
+    char *text = rc == FU_OK ? json_dumps(hdr, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+    json_decref(hdr);
+    if (rc) return rc;
+    if (!text) return fu_errorf(FU_ERR_NOMEM, "out of memory");
+    size_t tl = strlen(text), padded = (tl + 7) / 8 * 8;
+    *out = realloc(text, padded + 1);
+    if (!*out) {
+        free(text);
+        return fu_errorf(FU_ERR_NOMEM, "out of memory");
+    }
+    memset(*out + tl, ' ', padded - tl);
+    (*out)[padded] = '\0';
+    *len = padded;
+    return FU_OK;
+}
+
+int st_write(const char *path, const st_write_tensor *tensors, size_t n) {
+    char *hdr = NULL;
+    size_t hlen = 0;
+    int rc = st_write_header(tensors, n, &hdr, &hlen);
+    if (rc) return rc;
+    af_piece *pieces = malloc((n + 2) * sizeof *pieces);
+    if (!pieces) {
+        free(hdr);
+        return fu_errorf(FU_ERR_NOMEM, "out of memory");
+    }
+    uint8_t le[8];
+    for (int i = 0; i < 8; i++) le[i] = (uint8_t)((uint64_t)hlen >> (8 * i));
+    pieces[0] = (af_piece){le, 8};
+    pieces[1] = (af_piece){hdr, hlen};
+    for (size_t i = 0; i < n; i++) {
+        uint64_t nbytes = 0;
+        st_write_check(&tensors[i], &nbytes); /* checked by st_write_header */
+        pieces[i + 2] = (af_piece){tensors[i].data, (size_t)nbytes};
+    }
+    rc = af_write(path, pieces, n + 2);
+    free(pieces);
+    free(hdr);
+    return rc;
 }

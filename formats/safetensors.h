@@ -1,8 +1,9 @@
-/* safetensors.h -- read-only, memory-mapped safetensors checkpoints, single-file or sharded.
+/* safetensors.h -- memory-mapped safetensors checkpoints, single-file or sharded, and a writer of single files.
  *
  * A checkpoint is validated when opened and immutable afterwards: any number
  * of threads may look tensors up and read them at once. Tensor data points
- * into the mapping and lives as long as the checkpoint.
+ * into the mapping and lives as long as the checkpoint. st_write() is
+ * stateless and borrows what it is given.
  */
 #ifndef FU_SAFETENSORS_H
 #define FU_SAFETENSORS_H
@@ -71,5 +72,28 @@ void st_model_release(const st_model *m, const void *p, size_t n);
  * Unknown dtypes are accepted at open (their size cannot be checked, only
  * that data_offsets lie inside the file) and reported here. */
 int st_model_find(const st_model *m, const char *name, op_tensor *out);
+
+/* ---- writing ---------------------------------------------------------------- */
+
+/* One tensor for st_write(): its name, dtype as safetensors spells it ("F32",
+ * "BF16", ...), shape (rank dims, outermost first) and data (the product of
+ * the dims times the dtype's size bytes, row-major). All borrowed. */
+typedef struct st_write_tensor {
+    const char *name;
+    const char *dtype;
+    int rank;
+    const int64_t *shape;
+    const void *data;
+} st_write_tensor;
+
+/* Writes the `n` tensors as one safetensors file at `path`, atomically
+ * (af_write: temporary file, fsync, rename): an 8-byte little-endian header
+ * length, the header JSON ({"__metadata__": {"format": "pt"}, then each
+ * tensor's dtype, shape and data_offsets, in the order given}) padded with
+ * spaces to a multiple of 8, then the tensors' data back to back in that
+ * order. FU_ERR_INVALID (naming the tensor) for an empty or repeated name, an
+ * unknown dtype, a negative dim or more than 8 dims; FU_ERR_IO / FU_ERR_NOMEM
+ * as af_write(). */
+int st_write(const char *path, const st_write_tensor *tensors, size_t n);
 
 #endif

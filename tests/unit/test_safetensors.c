@@ -46,7 +46,7 @@ static uint8_t *st_bytes(const char *header, const void *data, size_t n, size_t 
     return p;
 }
 
-static void st_write(const char *rel, const char *header, const void *data, size_t n) {
+static void st_write_raw(const char *rel, const char *header, const void *data, size_t n) {
     char path[512];
     tmp_path(path, sizeof path, rel);
     size_t len;
@@ -101,7 +101,7 @@ static void test_valid_single(void **state) {
     (void)state;
     uint8_t data[VALID_DATA];
     valid_data(data);
-    st_write("valid.safetensors", valid_header, data, sizeof data);
+    st_write_raw("valid.safetensors", valid_header, data, sizeof data);
     char path[512];
     tmp_path(path, sizeof path, "valid.safetensors");
     st_model *m;
@@ -170,7 +170,7 @@ static void test_valid_single(void **state) {
 
     /* a directory holding model.safetensors */
     make_dir("single");
-    st_write("single/model.safetensors", valid_header, data, sizeof data);
+    st_write_raw("single/model.safetensors", valid_header, data, sizeof data);
     tmp_path(path, sizeof path, "single");
     assert_int_equal(st_model_open(path, &m), FU_OK);
     assert_int_equal(st_model_n_tensors(m), 10);
@@ -205,7 +205,7 @@ static void test_truncated_every_byte(void **state) {
 static void expect_bad_header(const char *header, size_t n, const char *sub, int line) {
     uint8_t data[256] = {0};
     assert_true(n <= sizeof data);
-    st_write("bad.safetensors", header, data, n);
+    st_write_raw("bad.safetensors", header, data, n);
     char path[512];
     tmp_path(path, sizeof path, "bad.safetensors");
     st_model *m;
@@ -337,9 +337,9 @@ static void make_sharded(const char *dir, const char *wm) {
     uint16_t bf[2] = {op_f32_to_bf16(3.0f), op_f32_to_bf16(-0.5f)};
     memcpy(d2, bf, 4);
     snprintf(rel, sizeof rel, "%s/" SHARD1, dir);
-    st_write(rel, shard1_header, d1, sizeof d1);
+    st_write_raw(rel, shard1_header, d1, sizeof d1);
     snprintf(rel, sizeof rel, "%s/" SHARD2, dir);
-    st_write(rel, shard2_header, d2, sizeof d2);
+    st_write_raw(rel, shard2_header, d2, sizeof d2);
     char index[1024];
     snprintf(index, sizeof index, "{\"metadata\":{\"total_size\":16},\"weight_map\":%s}", wm);
     char path[512];
@@ -386,7 +386,7 @@ static void test_sharded(void **state) {
     make_sharded("both", good_wm);
     uint8_t data[VALID_DATA];
     valid_data(data);
-    st_write("both/model.safetensors", valid_header, data, sizeof data);
+    st_write_raw("both/model.safetensors", valid_header, data, sizeof data);
     tmp_path(path, sizeof path, "both");
     assert_int_equal(st_model_open(path, &m), FU_OK);
     assert_int_equal(st_model_n_shards(m), 1);
@@ -435,7 +435,7 @@ static void test_sharded_errors(void **state) {
 
     /* the same tensor in two shards */
     make_sharded("dup", good_wm);
-    st_write("dup/" SHARD2, "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
+    st_write_raw("dup/" SHARD2, "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}",
              "\0\0\0\0", 4);
     tmp_path(path, sizeof path, "dup");
     rc = st_model_open(path, &m);
@@ -443,7 +443,7 @@ static void test_sharded_errors(void **state) {
 
     /* a corrupt shard: the message names the shard file and tensor */
     make_sharded("badshard", good_wm);
-    st_write("badshard/" SHARD2, "{\"c\":{\"dtype\":\"BF16\",\"shape\":[1,2],\"data_offsets\":[0,40]}}",
+    st_write_raw("badshard/" SHARD2, "{\"c\":{\"dtype\":\"BF16\",\"shape\":[1,2],\"data_offsets\":[0,40]}}",
              "\0\0\0\0", 4);
     tmp_path(path, sizeof path, "badshard");
     rc = st_model_open(path, &m);
@@ -571,6 +571,42 @@ static void test_fifo_refused(void **state) {
     unlink(index);
 }
 
+/* st_write: a file the reader opens with the same names, shapes, dtypes and bytes; the header
+ * padded to 8 bytes; bad tensors refused by name, and no file (or temporary) left then. */
+static void test_writer(void **state) {
+    (void)state;
+    float w[6] = {1, -2, 3.5f, 0, 5, 6};
+    uint16_t h[3] = {0x3c00, 0xc000, 0x3800};
+    int64_t sw[2] = {2, 3}, sh[1] = {3};
+    st_write_tensor ts[3] = {{"z.weight", "F32", 2, sw, w}, {"a.half", "F16", 1, sh, h},
+                             {"scalar", "F32", 0, NULL, w}};
+    char path[512];
+    tmp_path(path, sizeof path, "written.safetensors");
+    assert_int_equal(st_write(path, ts, 3), FU_OK);
+    st_model *m;
+    assert_int_equal(st_model_open(path, &m), FU_OK);
+    assert_int_equal(st_model_n_tensors(m), 3);
+    st_tensor_info ti;
+    assert_int_equal(st_model_tensor_info(m, st_model_find_index(m, "z.weight"), &ti), FU_OK);
+    assert_string_equal(ti.dtype, "F32");
+    assert_int_equal(ti.rank, 2);
+    assert_true(ti.shape[0] == 2 && ti.shape[1] == 3);
+    assert_int_equal(ti.file_offset % 8, 0);
+    assert_memory_equal(ti.data, w, sizeof w);
+    assert_int_equal(st_model_tensor_info(m, st_model_find_index(m, "a.half"), &ti), FU_OK);
+    assert_memory_equal(ti.data, h, sizeof h);
+    st_model_close(m);
+
+    st_write_tensor dup[2] = {ts[0], ts[0]}, bad = {"q", "F33", 1, sh, w};
+    tmp_path(path, sizeof path, "refused.safetensors");
+    expect_fail(st_write(path, dup, 2), FU_ERR_INVALID, "z.weight", "twice", __LINE__);
+    expect_fail(st_write(path, &bad, 1), FU_ERR_INVALID, "'q'", "F33", __LINE__);
+    assert_int_not_equal(access(path, F_OK), 0);
+    tmp_path(path, sizeof path, "no-such-dir/x.safetensors");
+    assert_int_equal(st_write(path, ts, 1), FU_ERR_IO);
+    assert_non_null(strstr(fu_last_error(), "no-such-dir"));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_valid_single),
@@ -581,6 +617,7 @@ int main(void) {
         cmocka_unit_test(test_sharded_errors),
         cmocka_unit_test(test_open_does_not_touch_data),
         cmocka_unit_test(test_fifo_refused),
+        cmocka_unit_test(test_writer),
     };
     return cmocka_run_group_tests(tests, tf_setup, tf_teardown);
 }
