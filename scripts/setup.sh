@@ -32,12 +32,14 @@ fi
 venv="$root/.venv"
 stamp="$venv/.fusion-requirements"
 reqs="$root/tests/requirements.txt"
+reqs_nodeps="$root/tests/requirements-nodeps.txt" # packages whose declared deps would pull CUDA torch
 if [ ! -x "$venv/bin/python" ]; then
   /usr/bin/python3 -m venv --system-site-packages "$venv"
 fi
-if ! cmp -s "$reqs" "$stamp"; then
+if ! cat "$reqs" "$reqs_nodeps" | cmp -s - "$stamp"; then
   "$venv/bin/pip" install -q --disable-pip-version-check -r "$reqs"
-  cp "$reqs" "$stamp"
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps -r "$reqs_nodeps"
+  cat "$reqs" "$reqs_nodeps" > "$stamp"
 fi
 
 # ---- default model ----------------------------------------------------------------
