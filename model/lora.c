@@ -162,7 +162,8 @@ static uint64_t lora_rng_seed(uint64_t seed, int block, int t, int is_b) {
     return s;
 }
 
-/* Fills matrix `is_b` of every pair with uniform(-bound(in), bound(in)). */
+/* Fills every A (is_b 0) with uniform(-1/sqrt(in), 1/sqrt(in)), or every B (is_b 1)
+ * with uniform(-b_bound, b_bound). */
 static void lora_fill(lora_adapter *ad, uint64_t seed, int is_b, float b_bound) {
     for (int blk = ad->first; blk < ad->last; blk++)
         for (int t = 0; t < LORA_N_TARGETS; t++) {
