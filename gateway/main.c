@@ -123,11 +123,14 @@ static int serve(gw_config *cfg, const gw_loaded *l) {
 
 /* Large blocks (a long prompt's tokens, an echo + logprobs body) are mapped and unmapped on
  * their own, so that the memory of a burst of big requests goes back to the system instead of
- * staying in the heap (glibc would raise its mapping threshold after the first such free). */
+ * staying in the heap (glibc would raise its mapping threshold after the first such free); free
+ * memory above 1 MiB at a heap's top is returned; and the worker threads share 4 heaps, not one
+ * each up to 8 per core, each of which would keep its own free memory. */
 static void gw_malloc_tune(void) {
 #ifdef __GLIBC__
     mallopt(M_MMAP_THRESHOLD, 256 * 1024);
-    mallopt(M_TRIM_THRESHOLD, 4 * 1024 * 1024);
+    mallopt(M_TRIM_THRESHOLD, 1024 * 1024);
+    mallopt(M_ARENA_MAX, 4);
 #endif
 }
 

@@ -12,7 +12,7 @@ A=[0,15), B=[15,30) and C=[0,30), behind a gateway (--shard), while:
 
 Asserts: no stream differs from its reference; the hostile requests get 4xx, the others 200; no
 member is retired (all stay active, the gateway never fails over); /health's p99 stays under 100 ms;
-and once the load stops, the gateway's resident memory comes back under a bound.
+and once the load stops, the gateway's resident memory is within 32 MiB of where it was before.
 """
 import json
 import os
@@ -203,4 +203,4 @@ def test_soak(cluster):
     out = gw.output()
     assert "retiring" not in out and "failing over" not in out, out[-3000:]
     assert p99 < 100, summary
-    assert rss_after < rss_before + 64, summary
+    assert rss_after < rss_before + 32, summary
