@@ -46,6 +46,8 @@ typedef struct op_backend_vtbl {
     int (*get_rows)(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out);
     int (*softmax)(op_backend *be, op_tensor *x);
     int (*log_softmax)(op_backend *be, op_tensor *x);
+    /* optional (NULL: op_add_rows answers FU_ERR_UNSUPPORTED); called with checked arguments */
+    int (*add_rows)(op_backend *be, op_tensor *x, const int32_t *rows, const op_tensor *y, float scale);
 } op_backend_vtbl;
 
 /* Elements [k0, k0 + n) (multiples of OP_QK) of row r of an interleaved

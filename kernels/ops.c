@@ -620,6 +620,17 @@ int op_add_row(op_backend *be, op_tensor *x, const op_tensor *b) {
     OP_LOCKED(be, be->v->add_row(be, x, b));
 }
 
+int op_add_rows(op_backend *be, op_tensor *x, const int32_t *rows, const op_tensor *y, float scale) {
+    if (!be->v->add_rows)
+        return fu_errorf(FU_ERR_UNSUPPORTED, "add_rows: not supported by the %s backend", be->v->name);
+    if (y->ne[0] != x->ne[0]) return fu_errorf(FU_ERR_INVALID, "add_rows: shape mismatch");
+    const int64_t R = op_tensor_nelems(x) / (x->ne[0] ? x->ne[0] : 1);
+    for (int64_t i = 0; i < y->ne[1]; i++)
+        if (rows[i] < 0 || rows[i] >= R)
+            return fu_errorf(FU_ERR_RANGE, "add_rows: row %d outside [0, %lld)", rows[i], (long long)R);
+    OP_LOCKED(be, be->v->add_rows(be, x, rows, y, scale));
+}
+
 int op_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out) {
     if (out->ne[0] != table->ne[0]) return fu_errorf(FU_ERR_INVALID, "get_rows: shape mismatch");
     for (int64_t t = 0; t < out->ne[1]; t++)

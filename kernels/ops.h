@@ -314,6 +314,13 @@ int op_add(op_backend *be, op_tensor *x, const op_tensor *y);
 /* x (R, N) += b (N) on every row. */
 int op_add_row(op_backend *be, op_tensor *x, const op_tensor *b);
 
+/* x (R, N) row rows[i] += scale * y (n, N) row i, for i < n (y->ne[1]);
+ * rows host memory (n), distinct. A row outside [0, R) is an error
+ * (FU_ERR_RANGE) and nothing is written. A backend without this op (CUDA
+ * for now) answers FU_ERR_UNSUPPORTED whatever the arguments, so a call with
+ * n = 0 asks whether it has it. */
+int op_add_rows(op_backend *be, op_tensor *x, const int32_t *rows, const op_tensor *y, float scale);
+
 /* out (T, D) f32 = rows ids[t] of table (V, D) of any weight type; ids host (T).
  * Ids out of [0, V) are an error. */
 int op_get_rows(op_backend *be, const op_tensor *table, const int32_t *ids, op_tensor *out);

@@ -8,6 +8,8 @@
 #include "status.h"
 
 struct eng_seq {
+    eng_engine *e;    /* the engine it belongs to */
+    const lora_adapter *ad; /* borrowed; NULL: none */
     int len;          /* positions held */
     int max_len;
     void *kv;         /* backend memory: n_span x {K, V} x (max_len, KVH * hd) */
@@ -53,6 +55,19 @@ struct eng_engine {
     int *base_len;       /* (T) each distinct sequence's length before the chunk */
     op_tensor *kview, *vview;   /* (T) per distinct sequence, one layer */
     op_tensor **kptr, **vptr;   /* (T) */
+
+    /* LoRA: the chunk's adapted rows grouped by adapter (host, T each), and
+     * backend scratch that eng_seq_set_adapter sizes for the largest rank set */
+    const lora_adapter **lad;   /* (n_lgroups) distinct adapters of the chunk */
+    int32_t *lgrp;              /* (T) group of row t, -1 for none */
+    int32_t *lrows;             /* (T) rows of group g at [loff[g], loff[g + 1]) */
+    int *loff;                  /* (T + 1) */
+    int n_lgroups;
+    int64_t max_k;              /* the inner dimension op_reserve was given */
+    int lora_r;                 /* rank lu holds (0: no LoRA scratch yet) */
+    float *lx;                  /* (T, max_k) a group's gathered inputs */
+    float *lu;                  /* (T, lora_r) A x */
+    float *ld;                  /* (T, max_k) B A x */
 };
 
 const mdl_model *eng_model(const eng_engine *e) { return e->m; }
@@ -77,6 +92,13 @@ void eng_free(eng_engine *e) {
     free(e->vview);
     free(e->kptr);
     free(e->vptr);
+    free(e->lad);
+    free(e->lgrp);
+    free(e->lrows);
+    free(e->loff);
+    op_buffer_free(e->be, e->lx);
+    op_buffer_free(e->be, e->lu);
+    op_buffer_free(e->be, e->ld);
     free(e);
 }
 
@@ -175,6 +197,14 @@ int eng_new(const mdl_model *m, op_backend *be, const eng_options *opts, eng_eng
     e->vview = calloc(T, sizeof *e->vview);
     e->kptr = calloc(T, sizeof *e->kptr);
     e->vptr = calloc(T, sizeof *e->vptr);
+    e->lad = calloc(T, sizeof *e->lad);
+    e->lgrp = calloc(T, sizeof *e->lgrp);
+    e->lrows = calloc(T, sizeof *e->lrows);
+    e->loff = calloc(T + 1, sizeof *e->loff);
+    if (!e->lad || !e->lgrp || !e->lrows || !e->loff) {
+        eng_free(e);
+        return fu_errorf(FU_ERR_NOMEM, "engine LoRA scratch for %zu tokens", T);
+    }
     if (!e->x || !e->xn || !e->q || !e->k || !e->v || !e->att || !e->tmp || !e->gate || !e->up ||
         (m->has_head && !e->logits) || !e->pos || !e->seq_idx || !e->rows || !e->useq ||
         !e->base_len || !e->kview || !e->vview || !e->kptr || !e->vptr) {
@@ -183,6 +213,7 @@ int eng_new(const mdl_model *m, op_backend *be, const eng_options *opts, eng_eng
     }
     int64_t max_k = c->dim > c->ffn_dim ? c->dim : c->ffn_dim;
     if (e->qd > max_k) max_k = e->qd;
+    e->max_k = max_k;
     int rc = op_reserve(be, (int64_t)T, max_k);
     if (!rc) rc = eng_prepare_weights(e);
     if (rc) {
@@ -202,6 +233,7 @@ int eng_seq_new(eng_engine *e, int max_len, eng_seq **out) {
         return fu_errorf(FU_ERR_RANGE, "sequence length %d outside [1, %d]", max_len, c->max_seq_len);
     eng_seq *s = calloc(1, sizeof *s);
     if (!s) return fu_errorf(FU_ERR_NOMEM, "sequence");
+    s->e = e;
     s->max_len = max_len;
     size_t layer_bytes = (size_t)max_len * (size_t)e->kd * e->kv_elem;
     int n = e->n_span > 0 ? e->n_span : 1;
@@ -243,7 +275,197 @@ int eng_seq_truncate(eng_seq *s, int len) {
     return FU_OK;
 }
 
+/* ---- LoRA ------------------------------------------------------------------------ */
+
+/* FU_OK when adapter a holds the engine's span and has its model's shape. */
+static int eng_lora_check(const eng_engine *e, const lora_adapter *a) {
+    const mdl_model *m = e->m;
+    if (a->first != m->first || a->last != m->last)
+        return fu_errorf(FU_ERR_INVALID, "LoRA adapter holds blocks [%d, %d), the engine runs [%d, %d)",
+                         a->first, a->last, m->first, m->last);
+    lora_shape want = lora_shape_of(&m->cfg);
+    const lora_shape *got = &a->shape;
+    if (got->n_layers != want.n_layers || got->dim != want.dim || got->ffn_dim != want.ffn_dim ||
+        got->n_heads != want.n_heads || got->n_kv_heads != want.n_kv_heads || got->head_dim != want.head_dim)
+        return fu_errorf(FU_ERR_INVALID,
+                         "LoRA adapter is for a model of (layers %d, dim %d, ffn %d, heads %d, kv heads %d, "
+                         "head dim %d), not (%d, %d, %d, %d, %d, %d)",
+                         got->n_layers, got->dim, got->ffn_dim, got->n_heads, got->n_kv_heads, got->head_dim,
+                         want.n_layers, want.dim, want.ffn_dim, want.n_heads, want.n_kv_heads, want.head_dim);
+    if (a->cfg.r < 1) return fu_errorf(FU_ERR_INVALID, "LoRA adapter rank %d", a->cfg.r);
+    return FU_OK;
+}
+
+/* Sizes the LoRA scratch for rank r: the gathered inputs and outputs once,
+ * A x whenever r grows. */
+static int eng_lora_reserve(eng_engine *e, int r) {
+    const size_t T = (size_t)e->opts.max_batch_tokens, f = sizeof(float);
+    if (!e->lx) e->lx = op_buffer_alloc(e->be, T * (size_t)e->max_k * f);
+    if (!e->ld) e->ld = op_buffer_alloc(e->be, T * (size_t)e->max_k * f);
+    if (!e->lx || !e->ld) return fu_errorf(FU_ERR_NOMEM, "LoRA scratch for %zu tokens", T);
+    if (r <= e->lora_r) return FU_OK;
+    float *lu = op_buffer_alloc(e->be, T * (size_t)r * f);
+    if (!lu) return fu_errorf(FU_ERR_NOMEM, "LoRA scratch of rank %d for %zu tokens", r, T);
+    op_buffer_free(e->be, e->lu);
+    e->lu = lu;
+    e->lora_r = r;
+    return r > e->max_k ? op_reserve(e->be, (int64_t)T, r) : FU_OK;
+}
+
+int eng_seq_set_adapter(eng_seq *s, const lora_adapter *a) {
+    eng_engine *e = s->e;
+    if (!a) {
+        s->ad = NULL;
+        return FU_OK;
+    }
+    int rc = eng_lora_check(e, a);
+    if (rc) return rc;
+    op_tensor x = op_tensor_2d(OP_TYPE_F32, e->x, e->m->cfg.dim, 1);
+    op_tensor none = op_tensor_2d(OP_TYPE_F32, e->x, e->m->cfg.dim, 0);
+    if (op_add_rows(e->be, &x, NULL, &none, 0.0f) == FU_ERR_UNSUPPORTED)
+        return fu_errorf(FU_ERR_UNSUPPORTED, "LoRA is not supported on the %s backend yet",
+                         op_backend_name(e->be));
+    if ((rc = eng_lora_reserve(e, a->cfg.r))) return rc;
+    s->ad = a;
+    return FU_OK;
+}
+
+/* Groups the chunk's rows by their sequence's adapter (lad, lrows, loff). */
+static void eng_lora_group(eng_engine *e, int T, eng_seq *const *seqs) {
+    int n = 0;
+    for (int t = 0; t < T; t++) {
+        const lora_adapter *ad = seqs[t]->ad;
+        int g = -1;
+        if (ad) {
+            for (g = 0; g < n && e->lad[g] != ad; g++) {}
+            if (g == n) e->lad[n++] = ad;
+        }
+        e->lgrp[t] = g;
+    }
+    e->n_lgroups = n;
+    if (!n) return;
+    int k = 0;
+    for (int g = 0; g < n; g++) {
+        e->loff[g] = k;
+        for (int t = 0; t < T; t++)
+            if (e->lgrp[t] == g) e->lrows[k++] = t;
+    }
+    e->loff[n] = k;
+}
+
+/* y (T, out) += scale * B (A x) on each adapted row, for target t of the
+ * span's block l: x (T, in) is the layer's input, y its output. */
+static int eng_lora_apply(eng_engine *e, int l, lora_target t, const op_tensor *x, op_tensor *y) {
+    op_backend *be = e->be;
+    const int64_t T = x->ne[1];
+    for (int g = 0; g < e->n_lgroups; g++) {
+        const lora_adapter *ad = e->lad[g];
+        const lora_pair *p = lora_at(ad, e->m->first + l, t);
+        if (!p->a) continue;
+        const int32_t *rows = e->lrows + e->loff[g];
+        const int64_t n = e->loff[g + 1] - e->loff[g], r = ad->cfg.r, in = x->ne[0], out = y->ne[0];
+        op_tensor a = op_tensor_2d(OP_TYPE_F32, p->a, in, r), b = op_tensor_2d(OP_TYPE_F32, p->b, r, out);
+        op_tensor xg = op_tensor_2d(OP_TYPE_F32, e->lx, in, n), u = op_tensor_2d(OP_TYPE_F32, e->lu, r, n);
+        op_tensor d = op_tensor_2d(OP_TYPE_F32, e->ld, out, n);
+        a.name = "lora_A";
+        b.name = "lora_B";
+        int rc;
+        if (n < T && (rc = op_get_rows(be, x, rows, &xg))) return rc;
+        if ((rc = op_matmul(be, &a, n < T ? &xg : x, &u)) || (rc = op_matmul(be, &b, &u, &d)) ||
+            (rc = op_add_rows(be, y, rows, &d, lora_scale(&ad->cfg))))
+            return rc;
+    }
+    return FU_OK;
+}
+
 /* ---- forward ----------------------------------------------------------------------- */
+
+/* The chunk's activations as tensors over the engine's scratch (T rows). */
+typedef struct eng_views {
+    op_tensor x, xn, tmp;     /* (T, D) */
+    op_tensor q, att;         /* (T, H * hd) */
+    op_tensor k, v;           /* (T, KVH * hd) */
+    op_tensor q3, att3;       /* (T, H, hd) */
+    op_tensor k3;             /* (T, KVH, hd) */
+    op_tensor qh, kh;         /* (T * H, hd), (T * KVH, hd): per-head rows */
+    op_tensor gate, up;       /* (T, F) */
+} eng_views;
+
+static eng_views eng_views_of(const eng_engine *e, int64_t T) {
+    const mdl_config *c = &e->m->cfg;
+    const int64_t D = c->dim, F = c->ffn_dim, H = c->n_heads, KVH = c->n_kv_heads, hd = c->head_dim;
+    return (eng_views){
+        .x = op_tensor_2d(OP_TYPE_F32, e->x, D, T),
+        .xn = op_tensor_2d(OP_TYPE_F32, e->xn, D, T),
+        .tmp = op_tensor_2d(OP_TYPE_F32, e->tmp, D, T),
+        .q = op_tensor_2d(OP_TYPE_F32, e->q, e->qd, T),
+        .att = op_tensor_2d(OP_TYPE_F32, e->att, e->qd, T),
+        .k = op_tensor_2d(OP_TYPE_F32, e->k, e->kd, T),
+        .v = op_tensor_2d(OP_TYPE_F32, e->v, e->kd, T),
+        .q3 = op_tensor_3d(OP_TYPE_F32, e->q, hd, H, T),
+        .att3 = op_tensor_3d(OP_TYPE_F32, e->att, hd, H, T),
+        .k3 = op_tensor_3d(OP_TYPE_F32, e->k, hd, KVH, T),
+        .qh = op_tensor_2d(OP_TYPE_F32, e->q, hd, H * T),
+        .kh = op_tensor_2d(OP_TYPE_F32, e->k, hd, KVH * T),
+        .gate = op_tensor_2d(OP_TYPE_F32, e->gate, F, T),
+        .up = op_tensor_2d(OP_TYPE_F32, e->up, F, T),
+    };
+}
+
+/* The attention half of the span's block l on the chunk (n_useq sequences):
+ * x += o(attention(rope(norm(q)), rope(norm(k)), v)) of rmsnorm(x). */
+static int eng_attention(eng_engine *e, int l, eng_views *w, int n_useq) {
+    const mdl_config *c = &e->m->cfg;
+    const mdl_layer *L = &e->lw[l];
+    op_backend *be = e->be;
+    op_rope_params rp = {c->rope_mode, e->m->rot_dim, e->m->inv_freq, 1.0f};
+    op_attn a = {c->n_heads, c->n_kv_heads, c->head_dim, 1.0f / sqrtf((float)c->head_dim), n_useq,
+                 e->seq_idx, e->pos, e->kview, e->vview};
+    for (int j = 0; j < n_useq; j++) {
+        e->kview[j] = e->useq[j]->k3[l];
+        e->vview[j] = e->useq[j]->v3[l];
+        e->kptr[j] = &e->useq[j]->k3[l];
+        e->vptr[j] = &e->useq[j]->v3[l];
+    }
+    int rc;
+    if ((rc = op_rmsnorm(be, &w->x, &L->attn_norm, c->norm_eps, &w->xn)) ||
+        (rc = op_matmul_n(be, 3, (const op_tensor *[]){&L->wq, &L->wk, &L->wv}, &w->xn,
+                          (op_tensor *[]){&w->q, &w->k, &w->v})) ||
+        (rc = eng_lora_apply(e, l, LORA_TARGET_Q, &w->xn, &w->q)) ||
+        (rc = eng_lora_apply(e, l, LORA_TARGET_K, &w->xn, &w->k)) ||
+        (rc = eng_lora_apply(e, l, LORA_TARGET_V, &w->xn, &w->v)))
+        return rc;
+    if (c->qkv_bias && ((rc = op_add_row(be, &w->q, &L->bq)) || (rc = op_add_row(be, &w->k, &L->bk)) ||
+                        (rc = op_add_row(be, &w->v, &L->bv))))
+        return rc;
+    if (c->qk_norm && ((rc = op_rmsnorm(be, &w->qh, &L->q_norm, c->norm_eps, &w->qh)) ||
+                       (rc = op_rmsnorm(be, &w->kh, &L->k_norm, c->norm_eps, &w->kh))))
+        return rc;
+    if ((rc = op_rope(be, &w->q3, e->pos, &rp)) || (rc = op_rope(be, &w->k3, e->pos, &rp)) ||
+        (rc = op_kv_store(be, &w->k, e->kptr, n_useq, e->seq_idx, e->pos)) ||
+        (rc = op_kv_store(be, &w->v, e->vptr, n_useq, e->seq_idx, e->pos)))
+        return rc;
+    if ((rc = op_attention(be, &w->q3, &a, &w->att3)) || (rc = op_matmul(be, &L->wo, &w->att, &w->tmp)) ||
+        (rc = eng_lora_apply(e, l, LORA_TARGET_O, &w->att, &w->tmp)))
+        return rc;
+    return op_add(be, &w->x, &w->tmp);
+}
+
+/* The MLP half of the span's block l: x += down(swiglu(gate(h), up(h))), h = rmsnorm(x). */
+static int eng_mlp(eng_engine *e, int l, eng_views *w) {
+    const mdl_layer *L = &e->lw[l];
+    op_backend *be = e->be;
+    int rc;
+    if ((rc = op_rmsnorm(be, &w->x, &L->ffn_norm, e->m->cfg.norm_eps, &w->xn)) ||
+        (rc = op_matmul_n(be, 2, (const op_tensor *[]){&L->w_gate, &L->w_up}, &w->xn,
+                          (op_tensor *[]){&w->gate, &w->up})) ||
+        (rc = eng_lora_apply(e, l, LORA_TARGET_GATE, &w->xn, &w->gate)) ||
+        (rc = eng_lora_apply(e, l, LORA_TARGET_UP, &w->xn, &w->up)) ||
+        (rc = op_swiglu(be, &w->gate, &w->up, &w->gate)) || (rc = op_matmul(be, &L->w_down, &w->gate, &w->tmp)) ||
+        (rc = eng_lora_apply(e, l, LORA_TARGET_DOWN, &w->gate, &w->tmp)))
+        return rc;
+    return op_add(be, &w->x, &w->tmp);
+}
 
 /* One chunk of at most max_batch_tokens tokens. Sequence lengths were checked
  * and base positions assigned by the caller. */
@@ -252,7 +474,7 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
     const mdl_model *m = e->m;
     const mdl_config *c = &m->cfg;
     op_backend *be = e->be;
-    const int64_t D = c->dim, F = c->ffn_dim, H = c->n_heads, KVH = c->n_kv_heads, hd = c->head_dim;
+    const int64_t D = c->dim;
     int rc;
 
     /* distinct sequences, their slots and positions */
@@ -268,66 +490,17 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
         e->seq_idx[t] = j;
         e->pos[t] = e->base_len[j]++;
     }
+    eng_lora_group(e, T, seqs);
 
-    op_tensor x = op_tensor_2d(OP_TYPE_F32, e->x, D, T);
-    op_tensor xn = op_tensor_2d(OP_TYPE_F32, e->xn, D, T);
-    op_tensor tmp = op_tensor_2d(OP_TYPE_F32, e->tmp, D, T);
-    op_tensor q = op_tensor_2d(OP_TYPE_F32, e->q, e->qd, T);
-    op_tensor k = op_tensor_2d(OP_TYPE_F32, e->k, e->kd, T);
-    op_tensor v = op_tensor_2d(OP_TYPE_F32, e->v, e->kd, T);
-    op_tensor q3 = op_tensor_3d(OP_TYPE_F32, e->q, hd, H, T);
-    op_tensor k3 = op_tensor_3d(OP_TYPE_F32, e->k, hd, KVH, T);
-    op_tensor qh = op_tensor_2d(OP_TYPE_F32, e->q, hd, H * T);   /* per-head rows */
-    op_tensor kh = op_tensor_2d(OP_TYPE_F32, e->k, hd, KVH * T);
-    op_tensor att3 = op_tensor_3d(OP_TYPE_F32, e->att, hd, H, T);
-    op_tensor att = op_tensor_2d(OP_TYPE_F32, e->att, e->qd, T);
-    op_tensor gate = op_tensor_2d(OP_TYPE_F32, e->gate, F, T);
-    op_tensor up = op_tensor_2d(OP_TYPE_F32, e->up, F, T);
-    op_rope_params rp = {c->rope_mode, m->rot_dim, m->inv_freq, 1.0f};
-
+    eng_views w = eng_views_of(e, T);
+    op_tensor x = w.x;
     if (m->has_embed) {
         if ((rc = op_get_rows(be, &e->embd, tokens, &x))) return rc;
     } else {
         if ((rc = op_buffer_set(be, e->x, embd, (size_t)T * (size_t)D * sizeof(float)))) return rc;
     }
-
-    for (int l = 0; l < e->n_span; l++) {
-        const mdl_layer *L = &e->lw[l];
-        op_attn a = {(int)H, (int)KVH, (int)hd, 1.0f / sqrtf((float)hd), n_useq,
-                     e->seq_idx, e->pos, e->kview, e->vview};
-        for (int j = 0; j < n_useq; j++) {
-            e->kview[j] = e->useq[j]->k3[l];
-            e->vview[j] = e->useq[j]->v3[l];
-            e->kptr[j] = &e->useq[j]->k3[l];
-            e->vptr[j] = &e->useq[j]->v3[l];
-        }
-        /* attention */
-        if ((rc = op_rmsnorm(be, &x, &L->attn_norm, c->norm_eps, &xn)) ||
-            (rc = op_matmul_n(be, 3, (const op_tensor *[]){&L->wq, &L->wk, &L->wv}, &xn,
-                              (op_tensor *[]){&q, &k, &v})))
-            return rc;
-        if (c->qkv_bias && ((rc = op_add_row(be, &q, &L->bq)) || (rc = op_add_row(be, &k, &L->bk)) ||
-                            (rc = op_add_row(be, &v, &L->bv))))
-            return rc;
-        if (c->qk_norm && ((rc = op_rmsnorm(be, &qh, &L->q_norm, c->norm_eps, &qh)) ||
-                           (rc = op_rmsnorm(be, &kh, &L->k_norm, c->norm_eps, &kh))))
-            return rc;
-        if ((rc = op_rope(be, &q3, e->pos, &rp)) || (rc = op_rope(be, &k3, e->pos, &rp)))
-            return rc;
-        if ((rc = op_kv_store(be, &k, e->kptr, n_useq, e->seq_idx, e->pos)) ||
-            (rc = op_kv_store(be, &v, e->vptr, n_useq, e->seq_idx, e->pos)))
-            return rc;
-        if ((rc = op_attention(be, &q3, &a, &att3)) || (rc = op_matmul(be, &L->wo, &att, &tmp)) ||
-            (rc = op_add(be, &x, &tmp)))
-            return rc;
-        /* MLP */
-        if ((rc = op_rmsnorm(be, &x, &L->ffn_norm, c->norm_eps, &xn)) ||
-            (rc = op_matmul_n(be, 2, (const op_tensor *[]){&L->w_gate, &L->w_up}, &xn,
-                              (op_tensor *[]){&gate, &up})) ||
-            (rc = op_swiglu(be, &gate, &up, &gate)) || (rc = op_matmul(be, &L->w_down, &gate, &tmp)) ||
-            (rc = op_add(be, &x, &tmp)))
-            return rc;
-    }
+    for (int l = 0; l < e->n_span; l++)
+        if ((rc = eng_attention(e, l, &w, n_useq)) || (rc = eng_mlp(e, l, &w))) return rc;
 
     /* the wanted rows: all of x, or gathered into xn */
     int n = 0;

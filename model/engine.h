@@ -6,6 +6,12 @@
  * mix sequences and mix prefill (many positions of one sequence) with decode
  * (one position each): this is what continuous batching runs.
  *
+ * A sequence may carry a LoRA adapter (eng_seq_set_adapter): its rows of a
+ * batch then get scale * B (A x) added to the output of each targeted linear
+ * layer, as PEFT adds it to the Linear's output: q/k/v before their bias,
+ * q/k norm and RoPE; o and down before the residual add; gate and up before
+ * SwiGLU. A batch groups its rows by adapter; rows without one are untouched.
+ *
  * Threads: an engine and its sequences are used by one thread at a time (the
  * shard's batcher); the model it reads is shared. The caller owns engines and
  * sequences and frees them (sequences before their engine).
@@ -15,6 +21,7 @@
 
 #include <stdint.h>
 
+#include "lora.h"
 #include "model.h"
 #include "ops.h"
 
@@ -46,6 +53,15 @@ int eng_seq_len(const eng_seq *s);
 int eng_seq_max_len(const eng_seq *s);
 /* Rolls the sequence back to its first `len` positions (len <= current). */
 int eng_seq_truncate(eng_seq *s, int len);
+
+/* Sets the LoRA adapter of sequence s (borrowed: it must outlive its use by
+ * the sequence; NULL: none) for the forwards that follow; the cache already
+ * held is kept as it is. The adapter must hold exactly the engine's span
+ * [first, last) of blocks and have the model's shape (FU_ERR_INVALID naming
+ * the difference); the backend must have op_add_rows (FU_ERR_UNSUPPORTED
+ * otherwise: the CUDA backend for now). Sizes the engine's LoRA scratch for
+ * the adapter's rank (FU_ERR_NOMEM), so that forwards do not allocate. */
+int eng_seq_set_adapter(eng_seq *s, const lora_adapter *a);
 
 typedef struct eng_batch {
     int n_tokens;             /* T */

@@ -654,6 +654,20 @@ static int cpu_add_row(op_backend *be, op_tensor *x, const op_tensor *b) {
     return cpu_rows_run(cpu_be(be), &j);
 }
 
+/* x (R, N) row rows[i] += scale * y (n, N) row i; small (LoRA updates): serial. */
+static int cpu_add_rows(op_backend *be, op_tensor *x, const int32_t *rows, const op_tensor *y, float scale) {
+    (void)be;
+    if (!cpu_f32_contig(x) || !cpu_f32_contig(y))
+        return fu_errorf(FU_ERR_INVALID, "add_rows: tensors must be contiguous f32");
+    const int64_t d = x->ne[0];
+    for (int64_t i = 0; i < y->ne[1]; i++) {
+        float *o = (float *)x->data + (int64_t)rows[i] * d;
+        const float *a = (const float *)y->data + i * d;
+        for (int64_t k = 0; k < d; k++) o[k] += scale * a[k];
+    }
+    return FU_OK;
+}
+
 /* ---- rope ------------------------------------------------------------------ */
 
 static int cpu_rope(op_backend *be, op_tensor *x, const int32_t *pos, const op_rope_params *p) {
@@ -889,6 +903,7 @@ static const op_backend_vtbl cpu_vtbl = {
     .get_rows = cpu_get_rows,
     .softmax = cpu_softmax,
     .log_softmax = cpu_log_softmax,
+    .add_rows = cpu_add_rows,
 };
 
 op_backend *op_backend_cpu_new(const op_cpu_options *opts) {

@@ -289,6 +289,7 @@ static const op_backend_vtbl cuda_vtbl = {
     cuda_get_rows,
     cuda_softmax,
     cuda_log_softmax,
+    NULL, /* add_rows: not yet on the GPU; op_add_rows answers FU_ERR_UNSUPPORTED (so does LoRA) */
 };
 
 /* A backend on `device` dequantizing chunk_elems weight elements per cuBLAS

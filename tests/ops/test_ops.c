@@ -902,6 +902,32 @@ static void test_softmax_and_log_softmax(void **state) {
     }
 }
 
+/* add_rows: x's selected rows gain scale * y's rows, the others are untouched;
+ * rows out of range are refused with nothing written. */
+static void test_add_rows(void **state) {
+    (void)state;
+    const int64_t r = 5, d = 37;
+    float x[5 * 37], x0[5 * 37], y[2 * 37];
+    fill(x0, r * d, 3.0);
+    fill(y, 2 * d, 2.0);
+    const int32_t rows[2] = {3, 1}, bad[2] = {0, 5};
+    for (int b = 0; b < n_bes; b++) {
+        memcpy(x, x0, sizeof x);
+        op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, d, r), yt = op_tensor_2d(OP_TYPE_F32, y, d, 2);
+        assert_int_equal(op_add_rows(bes[b].be, &xt, rows, &yt, 0.5f), FU_OK);
+        for (int64_t i = 0; i < r; i++)
+            for (int64_t k = 0; k < d; k++) {
+                double want = x0[i * d + k] + (i == 3 ? 0.5 * y[k] : i == 1 ? 0.5 * y[d + k] : 0.0);
+                check_close("add_rows", bes[b].label, i * d + k, x[i * d + k], want, 1e-6 * (fabs(want) + 1));
+            }
+        memcpy(x, x0, sizeof x);
+        assert_int_equal(op_add_rows(bes[b].be, &xt, bad, &yt, 1.0f), FU_ERR_RANGE);
+        assert_memory_equal(x, x0, sizeof x);
+        op_tensor y0 = op_tensor_2d(OP_TYPE_F32, y, d, 0);
+        assert_int_equal(op_add_rows(bes[b].be, &xt, NULL, &y0, 1.0f), FU_OK);
+    }
+}
+
 static void test_swiglu_add_add_row(void **state) {
     (void)state;
     static const int64_t shapes[][2] = {{3, 45}, {6, 8192}};
@@ -1163,6 +1189,7 @@ int main(void) {
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_softmax_and_log_softmax),
         cmocka_unit_test(test_swiglu_add_add_row),
+        cmocka_unit_test(test_add_rows),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_attention),
     };

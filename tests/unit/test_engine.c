@@ -14,29 +14,12 @@
 #include "engine.h"
 #include "model.h"
 #include "status.h"
+#include "test-engine.h"
 #include "test-model.h"
-
-typedef struct fixture {
-    mdl_model *m;
-    op_backend *be;
-    eng_engine *e;
-} fixture;
 
 static void fixture_open(fixture *f, mdl_arch arch, op_type wt, int max_batch) {
     mdl_config c = test_small_config(arch);
-    mdl_open_options o = mdl_open_options_all();
-    assert_int_equal(mdl_random(&c, wt, 42, &o, &f->m), FU_OK);
-    op_cpu_options co = {.n_threads = 2, .isa = OP_CPU_ISA_AUTO};
-    f->be = op_backend_cpu_new(&co);
-    assert_non_null(f->be);
-    eng_options eo = {max_batch, OP_TYPE_F32};
-    assert_int_equal(eng_new(f->m, f->be, &eo, &f->e), FU_OK);
-}
-
-static void fixture_close(fixture *f) {
-    eng_free(f->e);
-    op_backend_free(f->be);
-    mdl_free(f->m);
+    fixture_open_config(f, &c, wt, max_batch);
 }
 
 static float max_abs_diff(const float *a, const float *b, size_t n) {
