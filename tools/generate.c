@@ -14,6 +14,7 @@
 #include "gguf.h"
 #include "hub.h"
 #include "log.h"
+#include "lora.h"
 #include "model.h"
 #include "ops.h"
 #include "options.h"
@@ -29,6 +30,8 @@ typedef struct gen_args {
     char *system;     /* optional system message for --chat */
     char *prompt_ids; /* "1,2,3" */
     char *logits_out;
+    char *lora;       /* a PEFT adapter directory */
+    int max_rank;     /* the largest LoRA rank accepted */
     int max_tokens;
     int threads;
     int batch;
@@ -73,6 +76,10 @@ static const fu_opt gen_options[] = {
      .help = "recompute the whole sequence each step (no KV reuse)"},
     {"logits-out", 'L', FU_OPT_STRING, FU_OPT_TO(args.logits_out), "FILE",
      "write f32 logits of every position (prompt and generated)"},
+    {"lora", 'l', FU_OPT_STRING, FU_OPT_TO(args.lora), "DIR",
+     "apply the PEFT LoRA adapter in DIR (adapter_config.json, adapter_model.safetensors)"},
+    {"max-rank", 0, FU_OPT_INT, FU_OPT_TO(args.max_rank), "N", "the largest LoRA rank --lora accepts",
+     .def = "1024", .lo = 1, .hi = 1 << 20},
     {"json", 'j', FU_OPT_FLAG, FU_OPT_TO(args.json), .help = "print the result as JSON"},
     FU_OPT_END,
 };
@@ -116,6 +123,7 @@ typedef struct gen_run {
     char device[300];
     eng_engine *e;
     eng_seq *seq;
+    lora_adapter *ad;        /* --lora, set on seq */
     smp_sampler *smp;
     int32_t *prompt;         /* (n_prompt,) */
     size_t n_prompt, total;  /* total: n_prompt + max tokens */
@@ -168,6 +176,9 @@ static int gen_prepare(gen_run *r, const gen_args *a) {
     eng_options eo = {a->batch, a->kv_type};
     if (rc || (rc = eng_new(r->m, r->be, &eo, &r->e)) || (rc = smp_new(&a->sp, r->vocab, &r->smp)) ||
         (rc = eng_seq_new(r->e, (int)r->total, &r->seq)))
+        return rc;
+    if (a->lora && ((rc = lora_load(a->lora, &r->m->cfg, r->m->first, r->m->last, a->max_rank, &r->ad)) ||
+                    (rc = eng_seq_set_adapter(r->seq, r->ad))))
         return rc;
     r->logits = malloc((r->total + 1) * (size_t)r->vocab * sizeof *r->logits);
     r->tokens = malloc(r->total * sizeof *r->tokens);
@@ -295,6 +306,7 @@ static int gen_run_free(gen_run *r) {
     free(r->logits);
     smp_free(r->smp);
     eng_seq_free(r->e, r->seq);
+    lora_free(r->ad);
     eng_free(r->e);
     op_backend_free(r->be);
     tok_decoder_free(r->dec);

@@ -1,7 +1,8 @@
 """LoRA adapters against PyPI's peft, both ways, on a tiny random Llama: an adapter peft
 saves (f32 and bf16, B made non-zero) is read by fusion-lora inspect with the same names,
 shapes and values; an adapter fusion-lora init writes (B made non-zero) loads into peft's
-PeftModel.from_pretrained with every tensor as fusion wrote it and peft's config and scale."""
+PeftModel.from_pretrained with every tensor as fusion wrote it and peft's config and scale;
+fusion-generate --lora gives the PeftModel's logits (multi-head and grouped-query attention)."""
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_oracle import program
+from fusion_oracle import program, read_logits, run_generate
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -110,3 +111,28 @@ def test_fusion_adapter_loaded_by_peft(base_model, tmp_path):
         with model.disable_adapter():
             without = model(ids).logits
     assert not torch.allclose(with_lora, without)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_generate_with_lora_matches_peft(tmp_path, n_kv_heads):
+    torch.manual_seed(2)
+    base = str(tmp_path / "base")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**BASE, "num_key_value_heads": n_kv_heads}))
+    model.eval().save_pretrained(base, safe_serialization=True)
+    torch.manual_seed(3)
+    peft_model = peft_adapter(base).eval()
+    adapter = str(tmp_path / "adapter")
+    peft_model.save_pretrained(adapter)
+
+    ids = [1, 5, 9, 13, 77, 2, 127, 64]
+    with torch.no_grad():
+        ref = peft_model(torch.tensor([ids])).logits[0].numpy()
+        with peft_model.disable_adapter():
+            plain = peft_model(torch.tensor([ids])).logits[0].numpy()
+    out = str(tmp_path / "logits.f32")
+    run_generate(base, ids, 0, out, extra=["--lora", adapter])
+    got = read_logits(out, BASE["vocab_size"])
+    assert got.shape == ref.shape
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * scale)
+    assert np.abs(ref - plain).max() > 100 * 1e-4 * scale  # the adapter matters at this tolerance
