@@ -761,7 +761,7 @@ static int gw_run_timed_step(gw_run *r, const int32_t *in, int n, const chain_sp
     const gw_config *cfg = r->j->e->cfg;
     r->wait_ms = pace ? gw_pace_deadline_ms(pace, r->lease.hops, r->lease.n_hops, n) : cfg->step_timeout_ms;
     r->next_check_ms = r->wait_ms;
-    r->cap_ms = (int64_t)cfg->step_timeout_ms * (1 + n / GW_PACE_CHUNK);
+    r->cap_ms = gw_pace_cap_ms(cfg->step_timeout_ms, n); /* the same bound as the deadline's */
     r->silent_hop = -1;
     r->hop_retired = r->capped = false;
     chain_spec sp = *spec;

@@ -101,9 +101,13 @@ void gw_pace_record(gw_pace *p, const chain_hop *hops, int n_hops, int n, const 
     pthread_mutex_unlock(&p->mu);
 }
 
+int64_t gw_pace_cap_ms(int fallback_ms, int n) {
+    return (int64_t)((double)fallback_ms * (1.0 + (double)n / GW_PACE_CHUNK));
+}
+
 int gw_pace_deadline_ms(gw_pace *p, const chain_hop *hops, int n_hops, int n) {
     if (!p) return 0;
-    double cap_ms = (double)p->o.fallback_ms * (1.0 + (double)n / GW_PACE_CHUNK);
+    double cap_ms = (double)gw_pace_cap_ms(p->o.fallback_ms, n);
     double sum_us = 0;
     pthread_mutex_lock(&p->mu);
     for (int i = 0; i < n_hops && sum_us >= 0; i++) {

@@ -47,6 +47,10 @@ void gw_pace_free(gw_pace *p);
  * i's (a result whose timings do not match the hops one for one is ignored). */
 void gw_pace_record(gw_pace *p, const chain_hop *hops, int n_hops, int n, const chain_result *res);
 
+/* The longest a step of n positions is waited for, however its hops answer: fallback_ms x
+ * (1 + n / GW_PACE_CHUNK), the bound of every deadline below and of a probed step's wait. */
+int64_t gw_pace_cap_ms(int fallback_ms, int n);
+
 /* The deadline in ms for a step of n positions over hops[0..n_hops) (see above). */
 int gw_pace_deadline_ms(gw_pace *p, const chain_hop *hops, int n_hops, int n);
 
