@@ -6,11 +6,7 @@ import struct
 import sys
 
 
-from pbwire import f_bytes, f_float, f_varint, varint  # noqa: E402,F401
-
-
-def f_packed(num, vals):
-    return f_bytes(num, b"".join(varint(v) for v in vals))
+from pbwire import f_bytes, f_float, f_packed, f_varint  # noqa: E402
 
 
 def tensor(rows, cols, dtype):

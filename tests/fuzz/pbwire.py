@@ -20,6 +20,10 @@ def f_bytes(num, b):
     return varint(num << 3 | 2) + varint(len(b)) + b
 
 
+def f_packed(num, vals):
+    return f_bytes(num, b"".join(varint(v) for v in vals))
+
+
 def f_float(num, x):
     return varint(num << 3 | 5) + struct.pack("<f", x)
 

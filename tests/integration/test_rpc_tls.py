@@ -9,6 +9,7 @@ import queue
 import signal
 import struct
 import subprocess
+import sys
 import time
 
 import grpc
@@ -20,28 +21,9 @@ ECHO = os.path.join(BUILD, "fusion-rpc-echo")
 SECRET = "interop-secret-5b1f"
 
 # ---- protobuf wire format (https://protobuf.dev/programming-guides/encoding/) ----------------
-
-
-def varint(n):
-    n = int(n) & ((1 << 64) - 1)
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def f_varint(num, v):
-    return varint(num << 3) + varint(v)
-
-
-def f_bytes(num, b):
-    return varint(num << 3 | 2) + varint(len(b)) + b
-
-
-def f_packed(num, vals):
-    return f_bytes(num, b"".join(varint(v) for v in vals))
+# encoding: the fuzz seeds' helpers (tests/fuzz/pbwire.py); decoding below
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "fuzz"))
+from pbwire import f_bytes, f_packed, f_varint  # noqa: E402
 
 
 def read_varint(buf, i):
