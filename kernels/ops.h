@@ -267,7 +267,9 @@ typedef struct op_rope_params {
 } op_rope_params;
 
 /* In place on x (T, H, hd): token t is rotated by angle pos[t] * inv_freq[i].
- * pos is host memory (T). */
+ * pos is host memory (T). A negative position rotates backwards: rope with
+ * -pos is the transpose of rope with pos, which is how a backward pass takes
+ * the gradient through it. */
 int op_rope(op_backend *be, op_tensor *x, const int32_t *pos, const op_rope_params *p);
 
 typedef struct op_attn {
@@ -330,5 +332,73 @@ int op_softmax(op_backend *be, op_tensor *x);
 
 /* In place on x (R, N): log-softmax over each row. */
 int op_log_softmax(op_backend *be, op_tensor *x);
+
+
+/* ---- training (backward) ops ---------------------------------------------------
+ *
+ * The gradients of the forward ops above, for LoRA fine-tuning through frozen
+ * base weights. All activations and gradients are f32 and contiguous. A
+ * backend without them (the CUDA backend for now) answers FU_ERR_UNSUPPORTED
+ * from each, whatever the arguments. */
+
+/* True when the backend runs every op of this section. */
+bool op_backend_can_train(const op_backend *be);
+
+/* dx (T, K) = beta * dx + dy (T, N) @ W (N, K): the input gradient of
+ * op_matmul(W, x, y), W of any weight type op_matmul takes (the interleaved
+ * _R16 layouts included), read in its held type a panel at a time (no whole
+ * dequantized copy). beta is 0 (overwrite) or 1 (accumulate). */
+int op_matmul_back(op_backend *be, const op_tensor *w, const op_tensor *dy, op_tensor *dx, float beta);
+
+/* dw (N, K) += alpha * dy (T, N)^T @ x (T, K): the weight gradient of an f32
+ * matrix (LoRA's A and B), accumulated. */
+int op_outer_acc(op_backend *be, op_tensor *dw, const op_tensor *dy, const op_tensor *x, float alpha);
+
+/* dx (R, D) = beta * dx + the gradient of y = op_rmsnorm(x, w, eps) given dy
+ * (R, D), w (D) or NULL as in the forward (frozen: no gradient of its own).
+ * beta is 0 or 1; dx may not alias x or dy. */
+int op_rmsnorm_back(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, const op_tensor *dy,
+                    op_tensor *dx, float beta);
+
+/* The gradients of out = silu(gate) * up given dout (T, F):
+ * dgate = dout * up * silu'(gate), dup = dout * silu(gate). dgate may alias
+ * dout; dup may not alias gate or up. */
+int op_swiglu_back(op_backend *be, const op_tensor *gate, const op_tensor *up, const op_tensor *dout,
+                   op_tensor *dgate, op_tensor *dup);
+
+/* Attention of a training micro-batch: q (T, H, hd) after RoPE, k and v (T,
+ * KVH, hd) f32 rows of the same batch. Token t attends to the rows [first[t],
+ * t] (first host memory (T), first[t] <= t, and first[u] = first[t] for every
+ * u in that range): examples are runs of consecutive rows, packed or padded,
+ * each causal within itself. */
+typedef struct op_attn_train {
+    int n_heads, n_kv_heads, head_dim; /* H, KVH (H % KVH == 0), hd */
+    float scale;                       /* logit scale, usually 1/sqrt(hd) */
+    const int32_t *first;              /* (T) host: first row of token t's example */
+} op_attn_train;
+
+/* The gradients of out = attention(q, k, v) (the forward is op_attention over
+ * per-example views, or any equal computation) given out (T, H, hd) and dout:
+ * dq (T, H, hd), dk and dv (T, KVH, hd), overwritten; grouped query heads sum
+ * into their KV head. Softmax is recomputed (nothing stored by the forward). */
+int op_attention_back(op_backend *be, const op_attn_train *a, const op_tensor *q, const op_tensor *k,
+                      const op_tensor *v, const op_tensor *out, const op_tensor *dout, op_tensor *dq,
+                      op_tensor *dk, op_tensor *dv);
+
+/* Token cross-entropy over logits (R, V), in place: for each row r with
+ * target[r] in [0, V), loss[r] = logsumexp(row) - row[target[r]] and the row
+ * becomes weight * (softmax(row) - onehot(target[r])), the gradient of
+ * weight * loss[r]; correct[r] = 1 when the row's largest logit (the first,
+ * on ties) is the target's. A row with target -1 is skipped: loss 0, correct
+ * 0, gradient 0. target, loss and correct (may be NULL) are host memory (R).
+ * A target outside [-1, V) is FU_ERR_RANGE and nothing is written. */
+int op_cross_entropy(op_backend *be, op_tensor *logits, const int32_t *target, float weight, float *loss,
+                     uint8_t *correct);
+
+/* Inverted dropout, in place on x (R, N): element (r, c) is kept (and
+ * multiplied by 1/(1 - p)) when a hash of (seed, row0 + r, c) falls at or
+ * above p, else zeroed; the same seed, row0 and p give the same mask on every
+ * backend, so a backward pass recomputes it. p in [0, 1); p = 0 is a no-op. */
+int op_dropout(op_backend *be, op_tensor *x, float p, uint64_t seed, int64_t row0);
 
 #endif
