@@ -53,6 +53,16 @@
 #define RPC_SHARD_HEALTH "/fusion.Shard/Health"   /* HealthRequest -> HealthReply */
 #define RPC_SHARD_ECHO "/fusion.Shard/Echo"       /* EchoRequest -> EchoReply */
 
+/* Method paths of service fusion.Train (hosted by shard servers). */
+#define RPC_TRAIN_OPEN "/fusion.Train/Open"           /* TrainOpen -> TrainOpened */
+#define RPC_TRAIN_FORWARD "/fusion.Train/Forward"     /* TrainForward -> TrainForwardReply */
+#define RPC_TRAIN_BACKWARD "/fusion.Train/Backward"   /* TrainBackward -> TrainBackwardReply */
+#define RPC_TRAIN_NORM "/fusion.Train/Norm"           /* TrainNorm -> TrainNormReply */
+#define RPC_TRAIN_STEP "/fusion.Train/Step"           /* TrainStep -> TrainStepReply */
+#define RPC_TRAIN_GET_STATE "/fusion.Train/GetState"  /* TrainStateRequest -> AdapterState */
+#define RPC_TRAIN_PUT_STATE "/fusion.Train/PutState"  /* TrainPutState -> TrainStepReply */
+#define RPC_TRAIN_CLOSE "/fusion.Train/Close"         /* TrainClose -> TrainClosed */
+
 /* Method paths of service fusion.Swarm (hosted by the gateway). */
 #define RPC_SWARM_JOIN "/fusion.Swarm/Join"           /* JoinRequest -> JoinReply */
 #define RPC_SWARM_HEARTBEAT "/fusion.Swarm/Heartbeat" /* HeartbeatRequest -> HeartbeatReply */
