@@ -17,11 +17,14 @@
  *            weights' GB/s as a fraction of the read bandwidth measured at the
  *            start; the weights rotate through >= 1 GiB of copies as in decode;
  *   prefill: GFLOP/s at T=128 and T=512 and the fraction of the AVX2 FMA peak
- *            (threads x 2 FMA ports x 8 lanes x 2 flops x clock).
+ *            (threads x 2 FMA ports x 8 lanes x 2 flops x clock);
+ *   train:   op_matmul_back (dx = dy @ W) beside op_matmul at W 1536 x 576 and
+ *            T=2048 (512 with --quick or portable), in the engine's layout:
+ *            the ms and GFLOP/s of each and the ratio of their times.
  *
  * Usage: fusion-bench-ops [--threads N] [--isa portable|avx2|avx512|all]
  *                         [--types f16,q4_0,...] [--quick] [--no-prefill] [--no-decode]
- *                         [--no-batch] [--batch-t 1,8,16,32]
+ *                         [--no-batch] [--no-train] [--batch-t 1,8,16,32]
  */
 #include <immintrin.h>
 #include <pthread.h>
@@ -169,26 +172,31 @@ static void bench_weight_free(op_backend *be, bench_weight *w) {
     free(w->scales);
 }
 
-/* Seconds per matmul of (t, k) x (n, k)^T, best of several runs that together
- * take at least min_s. */
-static double bench_matmul(op_backend *be, bench_weight *w, int64_t t, double min_s) {
-    int64_t n = w->t[0].ne[1], k = w->t[0].ne[0];
-    float *x = malloc((size_t)(t * k) * sizeof(float)), *y = malloc((size_t)(t * n) * sizeof(float));
+/* One timed call: y = x @ W^T, or with `back` (op_matmul_back) x (t, n) @ W into y (t, k). */
+static int bench_call(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y, bool back) {
+    return back ? op_matmul_back(be, w, x, y, 0.0f) : op_matmul(be, w, x, y);
+}
+
+/* Seconds per matmul of (t, k) x (n, k)^T -- with `back`, per op_matmul_back
+ * of (t, n) x (n, k) -- best of several runs that together take at least min_s. */
+static double bench_matmul(op_backend *be, bench_weight *w, int64_t t, double min_s, bool back) {
+    int64_t n = w->t[0].ne[1], k = w->t[0].ne[0], xn = back ? n : k, yn = back ? k : n;
+    float *x = malloc((size_t)(t * xn) * sizeof(float)), *y = malloc((size_t)(t * yn) * sizeof(float));
     if (!x || !y) {
         free(x);
         free(y);
         return -1;
     }
-    for (int64_t i = 0; i < t * k; i++) x[i] = bench_randf();
-    op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, k, t), yt = op_tensor_2d(OP_TYPE_F32, y, n, t);
-    op_reserve(be, t, k);
+    for (int64_t i = 0; i < t * xn; i++) x[i] = bench_randf();
+    op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, xn, t), yt = op_tensor_2d(OP_TYPE_F32, y, yn, t);
+    op_reserve(be, t, xn);
     double best = 1e30, total = 0;
     int it = 0;
     /* warm up every copy once, then time */
-    for (int c = 0; c < w->copies; c++) op_matmul(be, &w->t[c], &xt, &yt);
+    for (int c = 0; c < w->copies; c++) bench_call(be, &w->t[c], &xt, &yt, back);
     while (total < min_s || it < 3) {
         double t0 = fu_now_s();
-        int rc = op_matmul(be, &w->t[it % w->copies], &xt, &yt);
+        int rc = bench_call(be, &w->t[it % w->copies], &xt, &yt, back);
         double dt = fu_now_s() - t0;
         if (rc) {
             fprintf(stderr, "matmul failed: %s\n", fu_last_error());
@@ -253,13 +261,13 @@ static bool bench_type_selected(const char *list, op_type type) {
 typedef struct bench_args {
     int nth;
     char *isa, *types;
-    bool quick, decode, prefill, batch;
+    bool quick, decode, prefill, batch, train;
     int32_t *batch_t;
     size_t n_batch;
     double peak; /* AVX2 FMA peak, GFLOP/s */
 } bench_args;
 
-static bench_args args = {.batch = true, .decode = true, .prefill = true};
+static bench_args args = {.batch = true, .decode = true, .prefill = true, .train = true};
 
 /* --batch-t: a list of batch sizes in [1, 4096]. */
 static int bench_set_batch_t(void *ctx, const char *v) {
@@ -288,6 +296,8 @@ static const fu_opt bench_options[] = {
     {"no-prefill", 0, FU_OPT_FLAG, FU_OPT_TO(args.prefill), .help = "leave out prefill", .flags = FU_OPT_NEGATE},
     {"no-decode", 0, FU_OPT_FLAG, FU_OPT_TO(args.decode), .help = "leave out decode", .flags = FU_OPT_NEGATE},
     {"no-batch", 0, FU_OPT_FLAG, FU_OPT_TO(args.batch), .help = "leave out batched decode", .flags = FU_OPT_NEGATE},
+    {"no-train", 0, FU_OPT_FLAG, FU_OPT_TO(args.train), .help = "leave out matmul_back beside matmul",
+     .flags = FU_OPT_NEGATE},
     {"batch-t", 0, FU_OPT_CALL, .dest = &args, .arg = "1,8,...", .help = "batch sizes (default 1,8,16,32)",
      .fn = bench_set_batch_t},
     FU_OPT_END,
@@ -360,7 +370,7 @@ static int bench_matmul_shapes(op_backend *be, const char *isa, op_type type, bo
         for (size_t b = 0; b < n_ts; b++) {
             int64_t t = ts[b];
             if (t > max_t) continue;
-            double sec = bench_matmul(be, &w, t, short_runs ? 0.1 : 0.5);
+            double sec = bench_matmul(be, &w, t, short_runs ? 0.1 : 0.5, false);
             double gf = 2.0 * (double)t * (double)n * (double)k / sec * 1e-9;
             printf("[%-8s] %-7s %-8s N=%-6lld K=%-5lld T=%-4lld %8.3f ms  %6.1f GFLOP/s  ", isa,
                    batch ? "batch" : "prefill", op_type_name(w.t[0].type), (long long)n, (long long)k, (long long)t,
@@ -371,6 +381,29 @@ static int bench_matmul_shapes(op_backend *be, const char *isa, op_type type, bo
                 printf("%5.2f of AVX2 peak\n", gf / args.peak);
             fflush(stdout);
         }
+    }
+    bench_weight_free(be, &w);
+    return rc;
+}
+
+/* Training: op_matmul_back beside op_matmul at a LoRA fine-tuning shape
+ * (W 1536 x 576, T tokens), in the layout the engine runs. */
+static int bench_train_shape(op_backend *be, const char *isa, op_type type, int64_t t, bool short_runs) {
+    const int64_t n = 1536, k = 576;
+    bench_weight w;
+    int rc = bench_weight_new(be, &w, type, n, k, 0);
+    if (!rc) rc = bench_weight_prepare(be, &w);
+    double fwd = rc ? -1 : bench_matmul(be, &w, t, short_runs ? 0.1 : 0.5, false);
+    double back = rc ? -1 : bench_matmul(be, &w, t, short_runs ? 0.1 : 0.5, true);
+    if (fwd > 0 && back > 0) {
+        const double flop = 2.0 * (double)t * (double)n * (double)k * 1e-9;
+        printf("[%-8s] train   %-8s N=%-6lld K=%-5lld T=%-4lld matmul %8.3f ms %6.1f GFLOP/s  matmul_back %8.3f ms "
+               "%6.1f GFLOP/s  (%.2fx the forward's time)\n",
+               isa, op_type_name(w.t[0].type), (long long)n, (long long)k, (long long)t, fwd * 1e3, flop / fwd,
+               back * 1e3, flop / back, back / fwd);
+        fflush(stdout);
+    } else if (!rc) {
+        rc = FU_ERR_INTERNAL;
     }
     bench_weight_free(be, &w);
     return rc;
@@ -389,6 +422,7 @@ static int bench_type(op_backend *be, op_backend *beq, const char *isa, op_type 
         rc = bench_matmul_shapes(be, isa, type, true, args.batch_t, args.n_batch, portable ? 32 : 4096, short_runs);
     if (!rc && args.prefill)
         rc = bench_matmul_shapes(be, isa, type, false, prefill_t, 2, short_runs ? 128 : 512, short_runs);
+    if (!rc && args.train) rc = bench_train_shape(be, isa, type, short_runs ? 512 : 2048, short_runs);
     return rc;
 }
 

@@ -48,6 +48,23 @@ typedef struct op_backend_vtbl {
     int (*log_softmax)(op_backend *be, op_tensor *x);
     /* optional (NULL: op_add_rows answers FU_ERR_UNSUPPORTED); called with checked arguments */
     int (*add_rows)(op_backend *be, op_tensor *x, const int32_t *rows, const op_tensor *y, float scale);
+
+    /* Training (backward) ops, all optional: NULL makes the op answer
+     * FU_ERR_UNSUPPORTED, and op_backend_can_train is true only when none is
+     * NULL. Called with checked arguments (shapes, f32 contiguity, first[] and
+     * target ranges; see ops.h). */
+    int (*matmul_back)(op_backend *be, const op_tensor *w, const op_tensor *dy, op_tensor *dx, float beta);
+    int (*outer_acc)(op_backend *be, op_tensor *dw, const op_tensor *dy, const op_tensor *x, float alpha);
+    int (*rmsnorm_back)(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, const op_tensor *dy,
+                        op_tensor *dx, float beta);
+    int (*swiglu_back)(op_backend *be, const op_tensor *gate, const op_tensor *up, const op_tensor *dout,
+                       op_tensor *dgate, op_tensor *dup);
+    int (*attention_back)(op_backend *be, const op_attn_train *a, const op_tensor *q, const op_tensor *k,
+                          const op_tensor *v, const op_tensor *out, const op_tensor *dout, op_tensor *dq,
+                          op_tensor *dk, op_tensor *dv);
+    int (*cross_entropy)(op_backend *be, op_tensor *logits, const int32_t *target, float weight, float *loss,
+                         uint8_t *correct);
+    int (*dropout)(op_backend *be, op_tensor *x, float p, uint64_t seed, int64_t row0);
 } op_backend_vtbl;
 
 /* Elements [k0, k0 + n) (multiples of OP_QK) of row r of an interleaved

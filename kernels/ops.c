@@ -644,6 +644,155 @@ int op_softmax(op_backend *be, op_tensor *x) { OP_LOCKED(be, be->v->softmax(be, 
 
 int op_log_softmax(op_backend *be, op_tensor *x) { OP_LOCKED(be, be->v->log_softmax(be, x)); }
 
+/* ---- training (backward) ops ------------------------------------------------ */
+
+bool op_backend_can_train(const op_backend *be) {
+    const op_backend_vtbl *v = be->v;
+    return v->matmul_back && v->outer_acc && v->rmsnorm_back && v->swiglu_back && v->attention_back &&
+           v->cross_entropy && v->dropout;
+}
+
+/* FU_ERR_UNSUPPORTED naming `op` unless the backend has it (its entry is not NULL). */
+static int op_train_has(const op_backend *be, bool has, const char *op) {
+    return has ? FU_OK : fu_errorf(FU_ERR_UNSUPPORTED, "%s: not supported by the %s backend", op, be->v->name);
+}
+
+/* Rows of a tensor whose rows are ne[0] long (dimensions 1..3 flattened). */
+static int64_t op_rows(const op_tensor *t) { return t->ne[1] * t->ne[2] * t->ne[3]; }
+
+/* FU_ERR_INVALID unless each of the n tensors is contiguous f32 with data. */
+static int op_check_f32(const char *op, int n, const op_tensor *const *t) {
+    for (int i = 0; i < n; i++)
+        if (t[i]->type != OP_TYPE_F32 || !t[i]->data || !op_tensor_is_contiguous(t[i]))
+            return fu_errorf(FU_ERR_INVALID, "%s: %s must be contiguous f32, not %s", op,
+                             t[i]->name ? t[i]->name : "every activation", op_type_name(t[i]->type));
+    return FU_OK;
+}
+
+static int op_check_beta(const char *op, float beta) {
+    return beta == 0.0f || beta == 1.0f ? FU_OK : fu_errorf(FU_ERR_INVALID, "%s: beta %g is not 0 or 1", op, beta);
+}
+
+int op_matmul_back(op_backend *be, const op_tensor *w, const op_tensor *dy, op_tensor *dx, float beta) {
+    int rc = op_train_has(be, be->v->matmul_back != NULL, "matmul_back");
+    if (rc) return rc;
+    if (w->ne[2] * w->ne[3] != 1 || dy->ne[0] != w->ne[1] || dx->ne[0] != w->ne[0] || op_rows(dy) != op_rows(dx))
+        return fu_errorf(FU_ERR_INVALID, "matmul_back %s: dy (%lld, %lld) @ W (%lld, %lld) -> dx (%lld, %lld) mismatch",
+                         w->name ? w->name : "", (long long)op_rows(dy), (long long)dy->ne[0], (long long)w->ne[1],
+                         (long long)w->ne[0], (long long)op_rows(dx), (long long)dx->ne[0]);
+    if ((rc = op_check_f32("matmul_back", 2, (const op_tensor *[]){dy, dx})) || (rc = op_check_beta("matmul_back", beta)))
+        return rc;
+    if (!be->v->supports(be, w->type))
+        return fu_errorf(FU_ERR_UNSUPPORTED, "matmul_back: backend %s has no %s weights", be->v->name,
+                         op_type_name(w->type));
+    OP_LOCKED(be, be->v->matmul_back(be, w, dy, dx, beta));
+}
+
+int op_outer_acc(op_backend *be, op_tensor *dw, const op_tensor *dy, const op_tensor *x, float alpha) {
+    int rc = op_train_has(be, be->v->outer_acc != NULL, "outer_acc");
+    if (rc) return rc;
+    if (dw->ne[2] * dw->ne[3] != 1 || dy->ne[0] != dw->ne[1] || x->ne[0] != dw->ne[0] || op_rows(dy) != op_rows(x))
+        return fu_errorf(FU_ERR_INVALID, "outer_acc: dy (%lld, %lld)^T x (%lld, %lld) -> dw (%lld, %lld) mismatch",
+                         (long long)op_rows(dy), (long long)dy->ne[0], (long long)op_rows(x), (long long)x->ne[0],
+                         (long long)dw->ne[1], (long long)dw->ne[0]);
+    if ((rc = op_check_f32("outer_acc", 3, (const op_tensor *[]){dw, dy, x}))) return rc;
+    OP_LOCKED(be, be->v->outer_acc(be, dw, dy, x, alpha));
+}
+
+int op_rmsnorm_back(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, const op_tensor *dy,
+                    op_tensor *dx, float beta) {
+    int rc = op_train_has(be, be->v->rmsnorm_back != NULL, "rmsnorm_back");
+    if (rc) return rc;
+    if ((w && (w->ne[0] != x->ne[0] || op_tensor_nelems(w) != w->ne[0])) || dy->ne[0] != x->ne[0] ||
+        dx->ne[0] != x->ne[0] || op_rows(dy) != op_rows(x) || op_rows(dx) != op_rows(x))
+        return fu_errorf(FU_ERR_INVALID, "rmsnorm_back: x (%lld, %lld), w (%lld), dy (%lld, %lld), dx (%lld, %lld) mismatch",
+                         (long long)op_rows(x), (long long)x->ne[0], (long long)(w ? w->ne[0] : 0),
+                         (long long)op_rows(dy), (long long)dy->ne[0], (long long)op_rows(dx), (long long)dx->ne[0]);
+    if ((rc = op_check_f32("rmsnorm_back", 3, (const op_tensor *[]){x, dy, dx})) ||
+        (w && (rc = op_check_f32("rmsnorm_back", 1, &w))) || (rc = op_check_beta("rmsnorm_back", beta)))
+        return rc;
+    if (dx->data == x->data || dx->data == dy->data)
+        return fu_errorf(FU_ERR_INVALID, "rmsnorm_back: dx may not alias x or dy");
+    OP_LOCKED(be, be->v->rmsnorm_back(be, x, w, eps, dy, dx, beta));
+}
+
+int op_swiglu_back(op_backend *be, const op_tensor *gate, const op_tensor *up, const op_tensor *dout,
+                   op_tensor *dgate, op_tensor *dup) {
+    int rc = op_train_has(be, be->v->swiglu_back != NULL, "swiglu_back");
+    if (rc) return rc;
+    const int64_t n = op_tensor_nelems(gate);
+    if (op_tensor_nelems(up) != n || op_tensor_nelems(dout) != n || op_tensor_nelems(dgate) != n ||
+        op_tensor_nelems(dup) != n)
+        return fu_errorf(FU_ERR_INVALID, "swiglu_back: gate has %lld elements, up %lld, dout %lld, dgate %lld, dup %lld",
+                         (long long)n, (long long)op_tensor_nelems(up), (long long)op_tensor_nelems(dout),
+                         (long long)op_tensor_nelems(dgate), (long long)op_tensor_nelems(dup));
+    if ((rc = op_check_f32("swiglu_back", 5, (const op_tensor *[]){gate, up, dout, dgate, dup}))) return rc;
+    if (dup->data == gate->data || dup->data == up->data || dup->data == dgate->data ||
+        dgate->data == gate->data || dgate->data == up->data)
+        return fu_errorf(FU_ERR_INVALID, "swiglu_back: dgate / dup alias an input other than dout");
+    OP_LOCKED(be, be->v->swiglu_back(be, gate, up, dout, dgate, dup));
+}
+
+/* FU_ERR_RANGE unless first[] describes runs of rows, each causal within
+ * itself: first[t] == t (a new example) or first[t] == first[t - 1]. */
+static int op_check_first(const int32_t *first, int64_t T) {
+    for (int64_t t = 0; t < T; t++)
+        if (first[t] != t && (t == 0 || first[t] != first[t - 1]))
+            return fu_errorf(FU_ERR_RANGE, "attention_back: first[%lld] = %d (row %lld follows first %d)",
+                             (long long)t, first[t], (long long)t, t ? first[t - 1] : 0);
+    return FU_OK;
+}
+
+/* FU_ERR_INVALID unless t is (T, heads, hd). */
+static int op_check_heads(const op_tensor *t, int heads, int hd, int64_t T, const char *what) {
+    if (t->ne[0] == hd && t->ne[1] == heads && op_rows(t) == T * heads) return FU_OK;
+    return fu_errorf(FU_ERR_INVALID, "attention_back: %s is (%lld, %lld, %lld), not (%lld, %d, %d)", what,
+                     (long long)(t->ne[2] * t->ne[3]), (long long)t->ne[1], (long long)t->ne[0],
+                     (long long)T, heads, hd);
+}
+
+int op_attention_back(op_backend *be, const op_attn_train *a, const op_tensor *q, const op_tensor *k,
+                      const op_tensor *v, const op_tensor *out, const op_tensor *dout, op_tensor *dq,
+                      op_tensor *dk, op_tensor *dv) {
+    int rc = op_train_has(be, be->v->attention_back != NULL, "attention_back");
+    if (rc) return rc;
+    if (a->n_heads <= 0 || a->n_kv_heads <= 0 || a->n_heads % a->n_kv_heads || a->head_dim <= 0)
+        return fu_errorf(FU_ERR_INVALID, "attention_back: %d heads over %d KV heads of %d", a->n_heads,
+                         a->n_kv_heads, a->head_dim);
+    const int64_t T = q->ne[2] * q->ne[3];
+    const op_tensor *qs[] = {q, out, dout, dq}, *kvs[] = {k, v, dk, dv};
+    static const char *qn[] = {"q", "out", "dout", "dq"}, *kvn[] = {"k", "v", "dk", "dv"};
+    for (int i = 0; i < 4; i++)
+        if ((rc = op_check_heads(qs[i], a->n_heads, a->head_dim, T, qn[i])) ||
+            (rc = op_check_heads(kvs[i], a->n_kv_heads, a->head_dim, T, kvn[i])))
+            return rc;
+    if ((rc = op_check_f32("attention_back", 4, qs)) || (rc = op_check_f32("attention_back", 4, kvs))) return rc;
+    if ((rc = op_check_first(a->first, T))) return rc;
+    OP_LOCKED(be, be->v->attention_back(be, a, q, k, v, out, dout, dq, dk, dv));
+}
+
+int op_cross_entropy(op_backend *be, op_tensor *logits, const int32_t *target, float weight, float *loss,
+                     uint8_t *correct) {
+    int rc = op_train_has(be, be->v->cross_entropy != NULL, "cross_entropy");
+    if (rc) return rc;
+    if ((rc = op_check_f32("cross_entropy", 1, (const op_tensor *[]){logits}))) return rc;
+    const int64_t R = op_rows(logits), V = logits->ne[0];
+    for (int64_t r = 0; r < R; r++)
+        if (target[r] < -1 || target[r] >= V)
+            return fu_errorf(FU_ERR_RANGE, "cross_entropy: row %lld has target %d outside [-1, %lld)", (long long)r,
+                             target[r], (long long)V);
+    OP_LOCKED(be, be->v->cross_entropy(be, logits, target, weight, loss, correct));
+}
+
+int op_dropout(op_backend *be, op_tensor *x, float p, uint64_t seed, int64_t row0) {
+    int rc = op_train_has(be, be->v->dropout != NULL, "dropout");
+    if (rc) return rc;
+    if (!(p >= 0.0f && p < 1.0f)) return fu_errorf(FU_ERR_INVALID, "dropout: p %g outside [0, 1)", p);
+    if ((rc = op_check_f32("dropout", 1, (const op_tensor *[]){x}))) return rc;
+    if (p == 0.0f) return FU_OK;
+    OP_LOCKED(be, be->v->dropout(be, x, p, seed, row0));
+}
+
 int op_backend_open(const char *device, int n_threads, op_cpu_isa isa, op_backend **out, char *desc,
                     size_t desc_size) {
     *out = NULL;

@@ -398,7 +398,15 @@ int op_cross_entropy(op_backend *be, op_tensor *logits, const int32_t *target, f
 /* Inverted dropout, in place on x (R, N): element (r, c) is kept (and
  * multiplied by 1/(1 - p)) when a hash of (seed, row0 + r, c) falls at or
  * above p, else zeroed; the same seed, row0 and p give the same mask on every
- * backend, so a backward pass recomputes it. p in [0, 1); p = 0 is a no-op. */
+ * backend, so a backward pass recomputes it. p in [0, 1); p = 0 is a no-op.
+ * The hash, in uint64_t arithmetic (wrapping), with row = row0 + r:
+ *   z = seed ^ (row * 0xD1B54A32D192ED03) ^ (c * 0x9E3779B97F4A7C15)
+ *   z += 0x9E3779B97F4A7C15                     (splitmix64's finalizer:)
+ *   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+ *   z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+ *   z ^= z >> 31
+ *   u = (float)(z >> 40) * 0x1p-24f            (uniform in [0, 1), exact)
+ * and the element is kept when u >= p, then x * (1.0f / (1.0f - p)) in f32. */
 int op_dropout(op_backend *be, op_tensor *x, float p, uint64_t seed, int64_t row0);
 
 #endif

@@ -71,6 +71,10 @@
  * fall into the same few L1 sets. */
 #define CPU_WF_LD (CPU_KC + 16)
 
+/* Elements below which an element-wise op runs on the calling thread only
+ * (a fork-join costs a few microseconds). */
+#define CPU_SERIAL_ELEMS 32768
+
 /* Largest head_dim op_attention accepts (its accumulators live on the stack). */
 #define CPU_ATTN_MAX_HD 1024
 /* Positions scored per chunk of the attention kernel (online softmax). */
@@ -115,8 +119,13 @@ typedef struct cpu_mm {
     int64_t n, k, t;        /* outputs, inputs, tokens */
     const float *x;         /* (T, K) activations */
     size_t ldx;             /* floats between rows of x */
+    size_t ldk;             /* floats between inputs of a row of x (1; the GEMM path reads any) */
     float *y;               /* (T, N) outputs */
     size_t ldy;             /* floats between rows of y */
+    float beta, scale;      /* GEMM path: y = beta * y + scale * (x @ W^T), y not read when
+                               beta is 0 (0 and 1 for op_matmul) */
+    bool back;              /* GEMM path: W holds the transpose, (K, N) rows of `type`, so
+                               that y = x @ W (op_matmul_back, op_outer_acc; see cpu_back_fill) */
     int tb;                 /* tokens per xT block: CPU_TB or CPU_TB16 (prefill) */
     const float *xt;        /* (ceil(T/tb), K, tb) transposed activations (prefill) */
     const uint8_t *xq;      /* (T, CPU_XQ_BYTES(K)) quantized activations (decode, opt-in),
@@ -230,6 +239,61 @@ void cpu_portable_swiglu(const float *g, const float *u, float *out, int64_t n);
 double cpu_portable_sumsq(const float *x, int64_t n);
 /* The generic matvec (any weight type, f32 math over cpu_portable_dequant). */
 void cpu_portable_matvec(const cpu_mm *m, int64_t r0, int64_t r1);
+
+/* ---- the backend ------------------------------------------------------------ */
+
+typedef struct cpu_backend {
+    op_backend base;
+    const cpu_kernels *kern; /* kernels of the ISA in use */
+    bool quant_x;            /* op_cpu_options.quantized_activations: int8 decode activations */
+    struct cpu_pool *pool;
+    float *xt;       /* transposed activations for prefill matmuls */
+    size_t xt_cap;   /* bytes in xt */
+    uint8_t *xq;     /* quantized activations for integer decode matvecs */
+    size_t xq_cap;   /* bytes in xq */
+    cpu_xw_block *xw; /* int16 activations of the Q8_0 / Q4 _R16 matvecs (kern->quant_xw) */
+    size_t xw_cap;    /* bytes in xw */
+    float *wf;       /* (n_threads, CPU_NR_MAX, CPU_WF_LD) dequantized weight panels */
+    float *cbuf;     /* (n_threads, CPU_PG, CPU_NR_MAX, CPU_TC) partial sums of panel groups */
+} cpu_backend;
+
+static inline cpu_backend *cpu_be(op_backend *be) { return (cpu_backend *)be; }
+
+static inline bool cpu_f32_contig(const op_tensor *t) {
+    return t->type == OP_TYPE_F32 && t->data && op_tensor_is_contiguous(t);
+}
+
+/* Checks that W (any weight type) can be read row by row by the kernels:
+ * 2-D, rows contiguous, K a multiple of OP_QK for block types, row scales for
+ * I8, an interleaved one contiguous with rows a multiple of 16. FU_OK or
+ * FU_ERR_INVALID naming `op`. */
+int cpu_weight_check(const op_tensor *w, const char *op);
+
+/* The GEMM path of m (t, n, k > 0; m->x, ldx, ldk, y, ldy, beta, scale, back
+ * set): transposes x into the backend's xt scratch (grown once) and runs the
+ * micro-kernels over the pool. */
+int cpu_gemm_run(cpu_backend *c, const cpu_mm *m);
+
+/* The GEMM panel of a transposed weight (m->back): wf[j * CPU_WF_LD + kk] =
+ * W[k0 + kk][n0 + j] (zero for j in [nv, nr)), W (m->k, m->n) of m->type, for
+ * kk < kc. Each W row's 32-aligned window of columns covering the panel is
+ * dequantized on the stack, then scattered. */
+void cpu_back_fill(const cpu_mm *m, const cpu_kernels *kern, int64_t n0, int64_t nv, int nr, int64_t k0,
+                   int64_t kc, float *wf);
+
+/* The training ops (cpu-train.c); see ops.h. */
+int cpu_matmul_back(op_backend *be, const op_tensor *w, const op_tensor *dy, op_tensor *dx, float beta);
+int cpu_outer_acc(op_backend *be, op_tensor *dw, const op_tensor *dy, const op_tensor *x, float alpha);
+int cpu_rmsnorm_back(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, const op_tensor *dy,
+                     op_tensor *dx, float beta);
+int cpu_swiglu_back(op_backend *be, const op_tensor *gate, const op_tensor *up, const op_tensor *dout,
+                    op_tensor *dgate, op_tensor *dup);
+int cpu_attention_back(op_backend *be, const op_attn_train *a, const op_tensor *q, const op_tensor *k,
+                       const op_tensor *v, const op_tensor *out, const op_tensor *dout, op_tensor *dq,
+                       op_tensor *dk, op_tensor *dv);
+int cpu_cross_entropy(op_backend *be, op_tensor *logits, const int32_t *target, float weight, float *loss,
+                      uint8_t *correct);
+int cpu_dropout(op_backend *be, op_tensor *x, float p, uint64_t seed, int64_t row0);
 
 /* ---- thread pool --------------------------------------------------------- */
 

@@ -8,27 +8,6 @@
 #include "cpu-impl.h"
 #include "status.h"
 
-typedef struct cpu_backend {
-    op_backend base;
-    const cpu_kernels *kern; /* kernels of the ISA in use */
-    bool quant_x;            /* op_cpu_options.quantized_activations: int8 decode activations */
-    cpu_pool *pool;
-    float *xt;       /* transposed activations for prefill matmuls */
-    size_t xt_cap;   /* bytes in xt */
-    uint8_t *xq;     /* quantized activations for integer decode matvecs */
-    size_t xq_cap;   /* bytes in xq */
-    cpu_xw_block *xw; /* int16 activations of the Q8_0 / Q4 _R16 matvecs (kern->quant_xw) */
-    size_t xw_cap;    /* bytes in xw */
-    float *wf;       /* (n_threads, CPU_NR_MAX, CPU_WF_LD) dequantized weight panels */
-    float *cbuf;     /* (n_threads, CPU_PG, CPU_NR_MAX, CPU_TC) partial sums of panel groups */
-} cpu_backend;
-
-static cpu_backend *cpu_be(op_backend *be) { return (cpu_backend *)be; }
-
-/* Elements below which an element-wise op runs on the calling thread only
- * (a fork-join costs a few microseconds). */
-#define CPU_SERIAL_ELEMS 32768
-
 /* ---- ISA selection ------------------------------------------------------- */
 
 static bool cpu_has_avx2(void) {
@@ -282,7 +261,8 @@ static void cpu_matvec_job(void *arg, int ith, int nth) {
     }
 }
 
-/* xt[b][k][i] = x[b * tb + i][k], zero for tokens >= T. Units of work:
+/* xt[b][k][i] = x[b * tb + i][k] (at x + (b * tb + i) * ldx + k * ldk), zero
+ * for tokens >= T. Units of work:
  * (token block, 256 values of k). */
 static void cpu_transpose_job(void *arg, int ith, int nth) {
     (void)ith;
@@ -299,8 +279,23 @@ static void cpu_transpose_job(void *arg, int ith, int nth) {
         float *dst = xt + (size_t)tb * (size_t)m->k * (size_t)tbw;
         for (int64_t k = k0; k < k1; k++) {
             float *d = dst + k * tbw;
-            for (int64_t i = 0; i < nt; i++) d[i] = m->x[(size_t)(tb * tbw + i) * m->ldx + k];
+            for (int64_t i = 0; i < nt; i++) d[i] = m->x[(size_t)(tb * tbw + i) * m->ldx + (size_t)k * m->ldk];
             for (int64_t i = nt; i < tbw; i++) d[i] = 0.0f;
+        }
+    }
+}
+
+/* The GEMM panel of W rows [n0, n0 + nv) (zero rows up to nr), inputs
+ * [k0, k0 + kc), dequantized to f32: wf[r * CPU_WF_LD + kk]. */
+static void cpu_panel_fill(const cpu_mm *m, const cpu_kernels *kern, int64_t n0, int64_t nv, int nr, int64_t k0,
+                           int64_t kc, float *wf) {
+    for (int64_t r = 0; r < nr; r++) {
+        if (r < nv) {
+            int64_t row = n0 + r;
+            float s = m->row_scale ? m->row_scale[row] : 1.0f;
+            kern->dequant[m->type](m->w, m->w_stride, row, k0, kc, s, wf + r * CPU_WF_LD);
+        } else {
+            memset(wf + r * CPU_WF_LD, 0, (size_t)kc * sizeof(float));
         }
     }
 }
@@ -339,19 +334,15 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
             int64_t kc = m->k - k0 < kcmax ? m->k - k0 : kcmax;
             for (int64_t p = g0; p < g1; p++) {
                 int64_t n0 = p * nr, nv = m->n - n0 < nr ? m->n - n0 : nr;
-                for (int64_t r = 0; r < nr; r++) {
-                    if (r < nv) {
-                        int64_t row = n0 + r;
-                        float s = m->row_scale ? m->row_scale[row] : 1.0f;
-                        kern->dequant[m->type](m->w, m->w_stride, row, k0, kc, s, wf + r * CPU_WF_LD);
-                    } else {
-                        memset(wf + r * CPU_WF_LD, 0, (size_t)kc * sizeof(float));
-                    }
-                }
+                if (m->back)
+                    cpu_back_fill(m, kern, n0, nv, nr, k0, kc, wf);
+                else
+                    cpu_panel_fill(m, kern, n0, nv, nr, k0, kc, wf);
                 /* few token blocks: prefetch the next slice of this panel,
-                 * or the first of the next panel, while the first block runs */
+                 * or the first of the next panel, while the first block runs
+                 * (not for a transposed W, whose panel is a strip of columns) */
                 cpu_gemm_pf pf = {0};
-                if (t1 - t0 <= CPU_TB) {
+                if (t1 - t0 <= CPU_TB && !m->back) {
                     int64_t pk = k0 + kc, pn = n0, prow = nv;
                     if (pk >= m->k) {
                         pk = 0;
@@ -383,7 +374,10 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
                 int64_t nt = t1 - tb0 < tbw ? t1 - tb0 : tbw;
                 for (int64_t i = 0; i < nt; i++) {
                     float *y = m->y + (size_t)(tb0 + i) * m->ldy + n0;
-                    for (int64_t r = 0; r < nv; r++) y[r] = tile[r * tbw + i];
+                    if (m->beta != 0.0f)
+                        for (int64_t r = 0; r < nv; r++) y[r] = m->beta * y[r] + m->scale * tile[r * tbw + i];
+                    else
+                        for (int64_t r = 0; r < nv; r++) y[r] = m->scale * tile[r * tbw + i];
                 }
             }
         }
@@ -400,18 +394,25 @@ static bool cpu_rows_ok(const op_tensor *t) {
 }
 
 /* Checks W, x and y and describes the matmul in m. */
-static int cpu_mm_setup(const op_tensor *w, const op_tensor *x, const op_tensor *y, cpu_mm *m) {
-    if (!cpu_rows_ok(w) || !cpu_rows_ok(x) || !cpu_rows_ok(y) || w->ne[2] * w->ne[3] != 1)
-        return fu_errorf(FU_ERR_INVALID, "matmul %s: W must be 2-D and all rows contiguous",
-                         w->name ? w->name : "");
+int cpu_weight_check(const op_tensor *w, const char *op) {
+    if (!cpu_rows_ok(w) || w->ne[2] * w->ne[3] != 1)
+        return fu_errorf(FU_ERR_INVALID, "%s %s: W must be 2-D and its rows contiguous", op, w->name ? w->name : "");
     if (op_type_block_elems(w->type) > 1 && w->ne[0] % OP_QK)
-        return fu_errorf(FU_ERR_INVALID, "matmul %s: K=%lld is not a multiple of %d",
-                         w->name ? w->name : "", (long long)w->ne[0], OP_QK);
+        return fu_errorf(FU_ERR_INVALID, "%s %s: K=%lld is not a multiple of %d", op, w->name ? w->name : "",
+                         (long long)w->ne[0], OP_QK);
     if (w->type == OP_TYPE_I8 && !w->row_scale)
-        return fu_errorf(FU_ERR_INVALID, "matmul %s: i8 weights need row scales", w->name ? w->name : "");
+        return fu_errorf(FU_ERR_INVALID, "%s %s: i8 weights need row scales", op, w->name ? w->name : "");
     if (w->ne[1] % op_type_row_group(w->type) || (op_type_row_group(w->type) > 1 && !op_tensor_is_contiguous(w)))
-        return fu_errorf(FU_ERR_INVALID, "matmul %s: %s weights must be contiguous, rows a multiple of %d",
+        return fu_errorf(FU_ERR_INVALID, "%s %s: %s weights must be contiguous, rows a multiple of %d", op,
                          w->name ? w->name : "", op_type_name(w->type), op_type_row_group(w->type));
+    return FU_OK;
+}
+
+static int cpu_mm_setup(const op_tensor *w, const op_tensor *x, const op_tensor *y, cpu_mm *m) {
+    int rc = cpu_weight_check(w, "matmul");
+    if (rc) return rc;
+    if (!cpu_rows_ok(x) || !cpu_rows_ok(y))
+        return fu_errorf(FU_ERR_INVALID, "matmul %s: x and y rows must be contiguous", w->name ? w->name : "");
     *m = (cpu_mm){.type = w->type,
                   .w = w->data,
                   .w_stride = w->nb[1],
@@ -421,8 +422,10 @@ static int cpu_mm_setup(const op_tensor *w, const op_tensor *x, const op_tensor 
                   .t = x->ne[1] * x->ne[2] * x->ne[3],
                   .x = x->data,
                   .ldx = x->nb[1] / sizeof(float),
+                  .ldk = 1,
                   .y = y->data,
-                  .ldy = y->nb[1] / sizeof(float)};
+                  .ldy = y->nb[1] / sizeof(float),
+                  .scale = 1.0f};
     return FU_OK;
 }
 
@@ -452,8 +455,13 @@ static int cpu_matvec_run(cpu_backend *c, cpu_mm_job *j) {
 /* One matmul m (T, N, K > 0): the matvec up to cpu_decode_max_t tokens, else
  * the GEMM. */
 static int cpu_mm_run(cpu_backend *c, const cpu_mm *m) {
+    if (m->t > cpu_decode_max_t(c, m->type)) return cpu_gemm_run(c, m);
     cpu_mm_job j = {.c = c, .m = {*m}, .nm = 1};
-    if (m->t <= cpu_decode_max_t(c, m->type)) return cpu_matvec_run(c, &j);
+    return cpu_matvec_run(c, &j);
+}
+
+int cpu_gemm_run(cpu_backend *c, const cpu_mm *m) {
+    cpu_mm_job j = {.c = c, .m = {*m}, .nm = 1};
     int rc = cpu_reserve_xt(c, m->t, m->k);
     if (rc) return rc;
     j.m[0].xt = c->xt;
@@ -601,10 +609,6 @@ static int cpu_rows_run(cpu_backend *c, cpu_row_job *j) {
     else
         cpu_pool_run(c->pool, cpu_row_job_run, j);
     return FU_OK;
-}
-
-static bool cpu_f32_contig(const op_tensor *t) {
-    return t->type == OP_TYPE_F32 && t->data && op_tensor_is_contiguous(t);
 }
 
 static int cpu_rmsnorm(op_backend *be, const op_tensor *x, const op_tensor *w, float eps, op_tensor *y) {
@@ -904,6 +908,13 @@ static const op_backend_vtbl cpu_vtbl = {
     .softmax = cpu_softmax,
     .log_softmax = cpu_log_softmax,
     .add_rows = cpu_add_rows,
+    .matmul_back = cpu_matmul_back,
+    .outer_acc = cpu_outer_acc,
+    .rmsnorm_back = cpu_rmsnorm_back,
+    .swiglu_back = cpu_swiglu_back,
+    .attention_back = cpu_attention_back,
+    .cross_entropy = cpu_cross_entropy,
+    .dropout = cpu_dropout,
 };
 
 op_backend *op_backend_cpu_new(const op_cpu_options *opts) {

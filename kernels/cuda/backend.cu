@@ -290,6 +290,14 @@ static const op_backend_vtbl cuda_vtbl = {
     cuda_softmax,
     cuda_log_softmax,
     NULL, /* add_rows: not yet on the GPU; op_add_rows answers FU_ERR_UNSUPPORTED (so does LoRA) */
+    /* the training ops: not yet on the GPU; each answers FU_ERR_UNSUPPORTED */
+    NULL, /* matmul_back */
+    NULL, /* outer_acc */
+    NULL, /* rmsnorm_back */
+    NULL, /* swiglu_back */
+    NULL, /* attention_back */
+    NULL, /* cross_entropy */
+    NULL, /* dropout */
 };
 
 /* A backend on `device` dequantizing chunk_elems weight elements per cuBLAS

@@ -37,26 +37,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ops-test.h"
 #include "ops.h"
 #include "status.h"
 
 /* ---- helpers ------------------------------------------------------------- */
-
-static uint64_t rng_state = 0x243f6a8885a308d3ull;
-
-static double rnd(void) { /* uniform in [-1, 1) */
-    rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
-    return (double)(rng_state >> 11) * (2.0 / 9007199254740992.0) - 1.0;
-}
-
-static void fill(float *x, int64_t n, double scale) {
-    for (int64_t i = 0; i < n; i++) x[i] = (float)(scale * rnd());
-}
-
-static bool sanitized(void) {
-    const char *s = getenv("FUSION_SANITIZED");
-    return s && *s && strcmp(s, "0") != 0;
-}
 
 typedef struct test_be {
     op_backend *be;
@@ -102,15 +87,6 @@ static int teardown_backends(void **state) {
     for (int i = 0; i < n_qbes; i++) op_backend_free(qbes[i].be);
     n_bes = n_qbes = 0;
     return 0;
-}
-
-/* Fails with a message naming the backend and index if |got - want| > tol. */
-static void check_close(const char *what, const char *label, int64_t i, double got, double want,
-                        double tol) {
-    if (!(fabs(got - want) <= tol)) {
-        fail_msg("%s [%s] element %lld: got %.9g want %.9g (tol %.3g)", what, label, (long long)i,
-                 got, want, tol);
-    }
 }
 
 /* ---- backend basics ---------------------------------------------------------- */
@@ -402,32 +378,6 @@ static void test_matmul_interleaved(void **state) {
     float x[32] = {0}, y[17];
     op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, 32, 1), yt = op_tensor_2d(OP_TYPE_F32, y, 17, 1);
     for (int b = 0; b < n_bes; b++) assert_int_equal(op_matmul(bes[b].be, &r, &xt, &yt), FU_ERR_INVALID);
-}
-
-/* W (N, K) of `type`: random rows quantized as its plain type, repacked when
- * it is interleaved; row scales for I8. Free data and row_scale. */
-static op_tensor random_weight(op_type type, int64_t n, int64_t k) {
-    const op_type plain = op_type_plain(type);
-    const size_t rb = op_row_bytes(plain, k);
-    uint8_t *w = malloc(rb * (size_t)n);
-    float *scales = malloc((size_t)n * sizeof(float)), *row = malloc((size_t)k * sizeof(float));
-    assert_true(w && scales && row);
-    for (int64_t r = 0; r < n; r++) {
-        fill(row, k, 1.0);
-        op_quantize_row(plain, row, k, w + (size_t)r * rb, &scales[r]);
-    }
-    free(row);
-    op_tensor t = op_tensor_2d(plain, w, k, n);
-    t.row_scale = plain == OP_TYPE_I8 ? scales : (free(scales), NULL);
-    if (type != plain) {
-        uint8_t *wr = malloc(rb * (size_t)n);
-        assert_non_null(wr);
-        assert_int_equal(op_repack_weight(&t, type, wr), FU_OK);
-        free(w);
-        t.type = type;
-        t.data = wr;
-    }
-    return t;
 }
 
 /* On AVX-512 the interleaved layouts give a token the same bits whatever
