@@ -44,41 +44,14 @@ static void scratch_free(svc_scratch *sc) {
     memset(sc, 0, sizeof *sc);
 }
 
-/* The status of an allocation that failed. */
-static int no_memory(rpc_status *st) { return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory"); }
-
-/* A string for a message (NULL packs as "") or from one (never NULL in a view). */
-static char *str_or_empty(const char *s) { return (char *)(s ? s : ""); }
-
 /* ---- packing: plain structs -> messages (pointing into the structs) ------------------------- */
-
-/* A Tensor pointing at v's shape and bytes. */
-static void tensor_pack(const wire_tensor *v, Fusion__Tensor *m) {
-    fusion__tensor__init(m);
-    m->dtype = (Fusion__Dtype)v->dtype;
-    m->n_shape = v->n_shape;
-    m->shape = (int64_t *)v->shape;
-    m->data.data = (uint8_t *)v->data;
-    m->data.len = v->data_len;
-    m->scales.data = (uint8_t *)v->scales;
-    m->scales.len = v->scales_len;
-    m->block_size = v->block_size;
-    m->scale_dtype = (Fusion__Dtype)v->scale_dtype;
-}
 
 /* An Input with v's tokens (widened to the wire's int64 in scratch) and its hidden tensor in
  * *hidden. -1 when out of memory. */
 static int input_pack(const shard_svc_input *v, Fusion__Input *m, Fusion__Tensor *hidden, svc_scratch *sc) {
-    fusion__input__init(m);
     int64_t *tokens = scratch(sc, SC_TOKENS, v->n_tokens, sizeof *tokens);
     if (!tokens) return -1;
-    for (size_t i = 0; i < v->n_tokens; i++) tokens[i] = v->tokens[i];
-    m->n_tokens = v->n_tokens;
-    m->tokens = v->n_tokens ? tokens : NULL;
-    if (v->hidden) {
-        tensor_pack(v->hidden, hidden);
-        m->hidden = hidden;
-    }
+    svc_input_pack(v, tokens, m, hidden);
     return 0;
 }
 
@@ -151,12 +124,12 @@ static int step_pack(const shard_svc_step *v, step_msg *m, svc_scratch *sc) {
 /* The chain protocol's open request (hops in scratch). -1 when out of memory. */
 static int open_pack(const shard_svc_open *v, Fusion__OpenSession *m, svc_scratch *sc) {
     fusion__open_session__init(m);
-    m->session_id.data = (uint8_t *)str_or_empty(v->session_id);
+    m->session_id.data = (uint8_t *)svc_str(v->session_id);
     m->session_id.len = strlen((const char *)m->session_id.data);
     m->max_length = v->max_length;
     m->wire_dtype = (Fusion__Dtype)v->wire_dtype;
     m->int8_block_size = v->int8_block_size;
-    m->adapter_id = str_or_empty(v->adapter_id);
+    m->adapter_id = svc_str(v->adapter_id);
     m->first_block = v->first_block;
     m->last_block = v->last_block;
     m->idle_timeout_ms = v->idle_timeout_ms;
@@ -166,10 +139,10 @@ static int open_pack(const shard_svc_open *v, Fusion__OpenSession *m, svc_scratc
     if (!hops || !ptrs) return -1;
     for (size_t i = 0; i < n; i++) {
         fusion__hop__init(&hops[i]);
-        hops[i].address = str_or_empty(v->chain[i].address);
+        hops[i].address = svc_str(v->chain[i].address);
         hops[i].first_block = v->chain[i].first_block;
         hops[i].last_block = v->chain[i].last_block;
-        hops[i].tls_server_name = str_or_empty(v->chain[i].tls_server_name);
+        hops[i].tls_server_name = svc_str(v->chain[i].tls_server_name);
         ptrs[i] = &hops[i];
     }
     m->n_chain = n;
@@ -205,11 +178,11 @@ static int outputs_pack(const shard_svc_output *v, size_t n, Fusion__Output ***o
         Fusion__Output *o = &outs[i];
         fusion__output__init(o);
         if (v[i].hidden) {
-            tensor_pack(v[i].hidden, &tensors[2 * i]);
+            svc_tensor_pack(v[i].hidden, &tensors[2 * i]);
             o->hidden = &tensors[2 * i];
         }
         if (v[i].logits) {
-            tensor_pack(v[i].logits, &tensors[2 * i + 1]);
+            svc_tensor_pack(v[i].logits, &tensors[2 * i + 1]);
             o->logits = &tensors[2 * i + 1];
         }
         o->n_tokens = v[i].n_tokens;
@@ -246,7 +219,7 @@ static int timing_pack(const shard_svc_timing *v, size_t n, Fusion__ServerTiming
     if (!t || !ptrs) return -1;
     for (size_t i = 0; i < n; i++) {
         fusion__server_timing__init(&t[i]);
-        t[i].server = str_or_empty(v[i].server);
+        t[i].server = svc_str(v[i].server);
         t[i].first_block = v[i].first_block;
         t[i].last_block = v[i].last_block;
         t[i].queue_us = v[i].queue_us;
@@ -273,32 +246,6 @@ static int step_reply_pack(const shard_svc_step_reply *v, Fusion__StepReply *m, 
 
 /* ---- views: messages -> plain structs (pointing into the messages) -------------------------- */
 
-/* The view of a received Tensor, named `what` in a refusal (a block_size beyond int32). */
-static int tensor_view(const Fusion__Tensor *m, wire_tensor *v, const char *what, rpc_status *st) {
-    v->dtype = (int)m->dtype;
-    v->n_shape = m->n_shape;
-    v->shape = m->shape;
-    v->data = m->data.data;
-    v->data_len = m->data.len;
-    v->scales = m->scales.data;
-    v->scales_len = m->scales.len;
-    v->scale_dtype = (int)m->scale_dtype;
-    svc_i32 f[] = {{".block_size", m->block_size, &v->block_size}};
-    return svc_narrow(f, 1, what, st);
-}
-
-/* Token ids src[0..n) (int64 on the wire) narrowed into dst[0..n). An id outside 0..INT32_MAX is
- * refused with INVALID_ARGUMENT naming `what`[k] (the vocabulary bound is the receiver's). */
-static int ids_view(const int64_t *src, size_t n, int32_t *dst, const char *what, rpc_status *st) {
-    for (size_t k = 0; k < n; k++) {
-        if (src[k] < 0 || src[k] > INT32_MAX)
-            return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s[%zu]: token id %lld is not a valid id", what, k,
-                                   (long long)src[k]);
-        dst[k] = (int32_t)src[k];
-    }
-    return RPC_OK;
-}
-
 /* The views of n received Inputs m[0..n) in v[0..n) (hidden tensors in hidden[0..n), token ids
  * narrowed to int32 in scratch). Ids that do not fit int32 and tensors' block sizes beyond int32
  * are refused here, before narrowing (the vocabulary bound is the receiver's): INVALID_ARGUMENT
@@ -308,24 +255,14 @@ static int inputs_view(Fusion__Input *const *m, size_t n, shard_svc_input *v, wi
     size_t total = 0;
     for (size_t i = 0; i < n; i++) total += m[i]->n_tokens;
     int32_t *tokens = scratch(sc, SC_V_TOKENS, total, sizeof *tokens);
-    if (!tokens) return no_memory(st);
+    if (!tokens) return svc_no_memory(st);
     for (size_t i = 0; i < n; i++) {
-        const Fusion__Input *in = m[i];
-        char label[48], sub[64];
+        char label[48];
         if (indexed) snprintf(label, sizeof label, "%s[%zu]", what, i);
         else snprintf(label, sizeof label, "%s", what);
-        snprintf(sub, sizeof sub, "%s.tokens", label);
-        int rc = ids_view(in->tokens, in->n_tokens, tokens, sub, st);
+        int rc = svc_input_view(m[i], tokens, &v[i], &hidden[i], label, st);
         if (rc) return rc;
-        v[i].tokens = in->n_tokens ? tokens : NULL;
-        v[i].n_tokens = in->n_tokens;
-        tokens += in->n_tokens;
-        v[i].hidden = NULL;
-        if (in->hidden) {
-            snprintf(sub, sizeof sub, "%s.hidden", label);
-            if ((rc = tensor_view(in->hidden, &hidden[i], sub, st))) return rc;
-            v[i].hidden = &hidden[i];
-        }
+        tokens += m[i]->n_tokens;
     }
     return RPC_OK;
 }
@@ -345,7 +282,7 @@ static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shar
     int rc = svc_narrow(f, 2, "", st);
     if (rc || !w) return rc;
     smp_bias *bias = scratch(sc, SC_V_BIAS, w->n_logit_bias, sizeof *bias);
-    if (!bias) return no_memory(st);
+    if (!bias) return svc_no_memory(st);
     for (size_t i = 0; i < w->n_logit_bias; i++) {
         int64_t tok = w->logit_bias[i]->token;
         if (tok < 0 || tok > INT32_MAX)
@@ -361,28 +298,16 @@ static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shar
     return RPC_OK;
 }
 
-/* Refuses a received name (`what`, for the message) longer than `max` bytes or holding control
- * characters: NULL-free strings only reach the views. */
-static int name_check(const char *s, size_t max, const char *what, rpc_status *st) {
-    size_t n = strlen(s);
-    if (n > max) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s: longer than %zu bytes", what, max);
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f)
-            return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s: control character 0x%02x at byte %zu", what,
-                                   (unsigned char)s[i], i);
-    return RPC_OK;
-}
-
 /* The views of received hops m[0..n) in v[0..n): names and blocks checked (INVALID_ARGUMENT). */
 static int hops_view(Fusion__Hop *const *m, size_t n, shard_svc_hop *v, rpc_status *st) {
     for (size_t i = 0; i < n; i++) {
         const Fusion__Hop *h = m[i];
-        v[i] = (shard_svc_hop){.address = str_or_empty(h->address),
-                               .tls_server_name = str_or_empty(h->tls_server_name)};
+        v[i] = (shard_svc_hop){.address = svc_str(h->address),
+                               .tls_server_name = svc_str(h->tls_server_name)};
         svc_i32 f[] = {{"first_block", h->first_block, &v[i].first_block},
                        {"last_block", h->last_block, &v[i].last_block}};
-        int rc = name_check(v[i].address, SHARD_SVC_MAX_NAME, "open.chain.address", st);
-        if (!rc) rc = name_check(v[i].tls_server_name, SHARD_SVC_MAX_NAME, "open.chain.tls_server_name", st);
+        int rc = svc_name_check(v[i].address, SHARD_SVC_MAX_NAME, "open.chain.address", st);
+        if (!rc) rc = svc_name_check(v[i].tls_server_name, SHARD_SVC_MAX_NAME, "open.chain.tls_server_name", st);
         if (!rc) rc = svc_narrow(f, 2, "open.chain.", st);
         if (rc) return rc;
     }
@@ -400,18 +325,18 @@ static int open_view(const Fusion__OpenSession *m, shard_svc_open *v, svc_scratc
         return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "open.session_id: embedded NUL byte");
     char *id = scratch(sc, SC_V_ID, sid->len + 1, 1);
     shard_svc_hop *hops = scratch(sc, SC_V_HOPS, m->n_chain, sizeof *hops);
-    if (!id || !hops) return no_memory(st);
+    if (!id || !hops) return svc_no_memory(st);
     if (sid->len) memcpy(id, sid->data, sid->len);
     id[sid->len] = '\0';
-    *v = (shard_svc_open){.session_id = id, .wire_dtype = (int)m->wire_dtype, .adapter_id = str_or_empty(m->adapter_id),
+    *v = (shard_svc_open){.session_id = id, .wire_dtype = (int)m->wire_dtype, .adapter_id = svc_str(m->adapter_id),
                           .chain = hops, .n_chain = m->n_chain};
     svc_i32 f[] = {{"open.max_length", m->max_length, &v->max_length},
                    {"open.int8_block_size", m->int8_block_size, &v->int8_block_size},
                    {"open.first_block", m->first_block, &v->first_block},
                    {"open.last_block", m->last_block, &v->last_block},
                    {"open.idle_timeout_ms", m->idle_timeout_ms, &v->idle_timeout_ms}};
-    int rc = name_check(id, SHARD_SVC_MAX_ID, "open.session_id", st);
-    if (!rc) rc = name_check(v->adapter_id, SHARD_SVC_MAX_NAME, "open.adapter_id", st);
+    int rc = svc_name_check(id, SHARD_SVC_MAX_ID, "open.session_id", st);
+    if (!rc) rc = svc_name_check(v->adapter_id, SHARD_SVC_MAX_NAME, "open.adapter_id", st);
     if (!rc) rc = svc_narrow(f, sizeof f / sizeof f[0], "", st);
     return rc ? rc : hops_view(m->chain, m->n_chain, hops, st);
 }
@@ -423,13 +348,13 @@ static int tops_view(const Fusion__Output *m, shard_svc_top **top_out, svc_scrat
     shard_svc_top *top = scratch(sc, SC_V_TOP, m->n_top_logprobs, sizeof *top);
     int32_t *tokens = scratch(sc, SC_V_TOP_TOKENS, n_ent, sizeof *tokens);
     float *lp = scratch(sc, SC_V_TOP_LP, n_ent, sizeof *lp);
-    if (!top || !tokens || !lp) return no_memory(st);
+    if (!top || !tokens || !lp) return svc_no_memory(st);
     size_t e = 0;
     for (size_t i = 0; i < m->n_top_logprobs; i++) {
         const Fusion__TopLogprobs *tl = m->top_logprobs[i];
         top[i] = (shard_svc_top){&tokens[e], &lp[e], tl->n_entries};
         for (size_t k = 0; k < tl->n_entries; k++, e++) {
-            int rc = ids_view(&tl->entries[k]->token, 1, &tokens[e], "output.top_logprobs.entries.token", st);
+            int rc = svc_ids_view(&tl->entries[k]->token, 1, &tokens[e], "output.top_logprobs.entries.token", st);
             if (rc) return rc;
             lp[e] = tl->entries[k]->logprob;
         }
@@ -444,10 +369,10 @@ static int output_view(const Fusion__Output *m, shard_svc_output *v, wire_tensor
                        svc_scratch *sc, rpc_status *st) {
     memset(v, 0, sizeof *v);
     int32_t *tokens = scratch(sc, SC_V_OUT_TOKENS, m->n_tokens, sizeof *tokens);
-    if (!tokens) return no_memory(st);
-    int rc = m->hidden ? tensor_view(m->hidden, hidden, "output.hidden", st) : RPC_OK;
-    if (!rc && m->logits) rc = tensor_view(m->logits, logits, "output.logits", st);
-    if (!rc) rc = ids_view(m->tokens, m->n_tokens, tokens, "output.tokens", st);
+    if (!tokens) return svc_no_memory(st);
+    int rc = m->hidden ? svc_tensor_view(m->hidden, hidden, "output.hidden", st) : RPC_OK;
+    if (!rc && m->logits) rc = svc_tensor_view(m->logits, logits, "output.logits", st);
+    if (!rc) rc = svc_ids_view(m->tokens, m->n_tokens, tokens, "output.tokens", st);
     shard_svc_top *top = NULL;
     if (!rc) rc = tops_view(m, &top, sc, st);
     if (rc) return rc;
@@ -553,7 +478,7 @@ bool shard_svc_stream_cancelled(shard_svc_stream *s) { return rpc_stream_cancell
 static int session_entry(void *ctx, rpc_stream *rs, rpc_status *st) {
     const shard_svc_handlers *h = ctx;
     shard_svc_stream *s = calloc(1, sizeof *s);
-    if (!s) return no_memory(st);
+    if (!s) return svc_no_memory(st);
     s->s = rs;
     int rc = h->session(h->ctx, s, st);
     req_view_clear(&s->rv);
@@ -575,7 +500,7 @@ int shard_svc_stream_recv(shard_svc_stream *s, const shard_svc_request **req, in
 
 int shard_svc_stream_send_opened(shard_svc_stream *s, const shard_svc_opened *o, rpc_status *st) {
     Fusion__OpenReply orep = FUSION__OPEN_REPLY__INIT;
-    orep.session_id = str_or_empty(o->session_id);
+    orep.session_id = svc_str(o->session_id);
     orep.first_block = o->first_block;
     orep.last_block = o->last_block;
     orep.max_length = o->max_length;
@@ -589,7 +514,7 @@ int shard_svc_stream_send_opened(shard_svc_stream *s, const shard_svc_opened *o,
 
 int shard_svc_stream_send_step(shard_svc_stream *s, const shard_svc_step_reply *r, rpc_status *st) {
     Fusion__StepReply srep;
-    if (step_reply_pack(r, &srep, &s->sc)) return no_memory(st);
+    if (step_reply_pack(r, &srep, &s->sc)) return svc_no_memory(st);
     Fusion__SessionReply rep = FUSION__SESSION_REPLY__INIT;
     rep.kind_case = FUSION__SESSION_REPLY__KIND_STEP;
     rep.step = &srep;
@@ -600,7 +525,7 @@ int shard_svc_request_decode(const void *data, size_t len, size_t max_bytes, con
                              rpc_status *st) {
     *req = NULL;
     req_view *rv = calloc(1, sizeof *rv);
-    if (!rv) return no_memory(st);
+    if (!rv) return svc_no_memory(st);
     ProtobufCMessage *msg = NULL;
     int rc = rpc_msg_unpack(&fusion__session_request__descriptor, data, len, max_bytes, &msg, st);
     if (!rc) rc = req_view_set(rv, msg, st);
@@ -623,7 +548,7 @@ void shard_svc_request_free(const shard_svc_request *req) {
 int shard_svc_step_reply_size(const shard_svc_step_reply *r, size_t *bytes, rpc_status *st) {
     svc_scratch sc = {0};
     Fusion__StepReply srep;
-    int rc = step_reply_pack(r, &srep, &sc) ? no_memory(st) : RPC_OK;
+    int rc = step_reply_pack(r, &srep, &sc) ? svc_no_memory(st) : RPC_OK;
     Fusion__SessionReply rep = FUSION__SESSION_REPLY__INIT;
     rep.kind_case = FUSION__SESSION_REPLY__KIND_STEP;
     rep.step = &srep;
@@ -657,12 +582,12 @@ static int forward_view(const Fusion__ForwardRequest *m, shard_svc_forward *v, s
                         shard_svc_sampling *samp, svc_scratch *sc, rpc_status *st) {
     shard_svc_input *seq = scratch(sc, SC_V_INPUTS, m->n_sequences, sizeof *seq);
     wire_tensor *hidden = scratch(sc, SC_V_TENSORS, m->n_sequences, sizeof *hidden);
-    if (!seq || !hidden) return no_memory(st);
-    *v = (shard_svc_forward){m->request_id, seq, m->n_sequences, NULL, (int)m->wire_dtype, str_or_empty(m->adapter_id),
+    if (!seq || !hidden) return svc_no_memory(st);
+    *v = (shard_svc_forward){m->request_id, seq, m->n_sequences, NULL, (int)m->wire_dtype, svc_str(m->adapter_id),
                              0, 0};
     svc_i32 f[] = {{"first_block", m->first_block, &v->first_block}, {"last_block", m->last_block, &v->last_block}};
     int rc = inputs_view(m->sequences, m->n_sequences, seq, hidden, "sequences", true, sc, st);
-    if (!rc) rc = name_check(v->adapter_id, SHARD_SVC_MAX_NAME, "adapter_id", st);
+    if (!rc) rc = svc_name_check(v->adapter_id, SHARD_SVC_MAX_NAME, "adapter_id", st);
     if (!rc) rc = svc_narrow(f, 2, "", st);
     if (rc) return rc;
     if (m->output) {
@@ -696,7 +621,7 @@ static int forward_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMe
         timing_pack(r.timing, r.n_timing, &c->rep.timing, &c->sc)) {
         if (c) forward_free(NULL, &c->rep.base);
         else if (h->forward_done) h->forward_done(h->ctx, hold);
-        return no_memory(st);
+        return svc_no_memory(st);
     }
     c->rep.request_id = r.request_id;
     c->rep.n_outputs = r.n_outputs;
@@ -726,22 +651,22 @@ static int info_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessa
     int rc = h->info(h->ctx, &v, st);
     if (rc) return rc;
     info_msg *m = malloc(sizeof *m + v.n_wire_dtypes * sizeof m->dtypes[0]);
-    if (!m) return no_memory(st);
+    if (!m) return svc_no_memory(st);
     Fusion__InfoReply *r = &m->rep;
     fusion__info_reply__init(r);
-    r->model_name = str_or_empty(v.model_name);
+    r->model_name = svc_str(v.model_name);
     r->n_layers = v.n_layers;
     r->first_block = v.first_block;
     r->last_block = v.last_block;
     r->has_embeddings = v.has_embeddings;
     r->has_head = v.has_head;
-    r->dtype = str_or_empty(v.dtype);
-    r->device = str_or_empty(v.device);
+    r->dtype = svc_str(v.dtype);
+    r->device = svc_str(v.device);
     r->tokens_per_s = v.tokens_per_s;
     r->free_kv_bytes = v.free_kv_bytes;
     r->total_kv_bytes = v.total_kv_bytes;
     r->active_sessions = v.active_sessions;
-    r->version = str_or_empty(v.version);
+    r->version = svc_str(v.version);
     r->hidden_size = v.hidden_size;
     r->vocab_size = v.vocab_size;
     r->max_length = v.max_length;
@@ -764,10 +689,10 @@ static int health_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMes
     int rc = h->health(h->ctx, &v, st);
     if (rc) return rc;
     Fusion__HealthReply *r = malloc(sizeof *r);
-    if (!r) return no_memory(st);
+    if (!r) return svc_no_memory(st);
     fusion__health_reply__init(r);
     r->status = (Fusion__HealthReply__ServingStatus)v.status;
-    r->message = str_or_empty(v.message);
+    r->message = svc_str(v.message);
     *reply = &r->base;
     return RPC_OK;
 }
@@ -788,12 +713,12 @@ static int echo_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessa
         return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "reply_bytes: 0..%d required, got %lld", SHARD_SVC_ECHO_MAX,
                                (long long)req->reply_bytes);
     Fusion__EchoReply *r = malloc(sizeof *r);
-    if (!r) return no_memory(st);
+    if (!r) return svc_no_memory(st);
     fusion__echo_reply__init(r);
     if (req->reply_bytes > 0) {
         if (!(r->payload.data = calloc(1, (size_t)req->reply_bytes))) {
             free(r);
-            return no_memory(st);
+            return svc_no_memory(st);
         }
         r->payload.len = (size_t)req->reply_bytes;
     }
@@ -888,12 +813,12 @@ int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int time
                            rpc_status *st) {
     *out = NULL;
     shard_svc_session *s = calloc(1, sizeof *s);
-    if (!s) return no_memory(st);
+    if (!s) return svc_no_memory(st);
     s->timeout_ms = timeout_ms;
     Fusion__OpenSession m;
     ProtobufCMessage *msg = NULL;
     int rc = rpc_stream_open(ch, RPC_SHARD_SESSION, 0, &s->s, st);
-    if (!rc && open_pack(open, &m, &s->sc)) rc = no_memory(st);
+    if (!rc && open_pack(open, &m, &s->sc)) rc = svc_no_memory(st);
     if (!rc) rc = session_send(s, FUSION__SESSION_REQUEST__KIND_OPEN, &m, st);
     if (!rc) rc = session_recv(s, FUSION__SESSION_REPLY__KIND_OPENED, &msg, st);
     rpc_msg_free(msg);
@@ -919,7 +844,7 @@ void shard_svc_session_drop_reply(shard_svc_session *s) {
 /* The views of received timings m[0..n) in v[0..n) (INVALID_ARGUMENT: a block beyond int32). */
 static int timing_view(Fusion__ServerTiming *const *m, size_t n, shard_svc_timing *v, rpc_status *st) {
     for (size_t i = 0; i < n; i++) {
-        v[i] = (shard_svc_timing){.server = str_or_empty(m[i]->server), .queue_us = m[i]->queue_us,
+        v[i] = (shard_svc_timing){.server = svc_str(m[i]->server), .queue_us = m[i]->queue_us,
                                   .compute_us = m[i]->compute_us, .total_us = m[i]->total_us};
         svc_i32 f[] = {{"first_block", m[i]->first_block, &v[i].first_block},
                        {"last_block", m[i]->last_block, &v[i].last_block}};
@@ -933,14 +858,14 @@ int shard_svc_session_step(shard_svc_session *s, const shard_svc_step *step, con
                            rpc_status *st) {
     *reply = NULL;
     step_msg m;
-    int rc = step_pack(step, &m, &s->sc) ? no_memory(st) : RPC_OK;
+    int rc = step_pack(step, &m, &s->sc) ? svc_no_memory(st) : RPC_OK;
     if (!rc) rc = session_send(s, FUSION__SESSION_REQUEST__KIND_STEP, &m.sr, st);
     shard_svc_session_drop_reply(s); /* only now: `step` may point into it */
     if (!rc) rc = session_recv(s, FUSION__SESSION_REPLY__KIND_STEP, &s->msg, st);
     if (rc) return rc;
     const Fusion__StepReply *r = ((const Fusion__SessionReply *)s->msg)->step;
     shard_svc_timing *t = scratch(&s->sc, SC_V_TIMING, r->n_timing, sizeof *t);
-    if (!t) return no_memory(st);
+    if (!t) return svc_no_memory(st);
     if (r->output && (rc = output_view(r->output, &s->out, &s->hidden, &s->logits, &s->sc, st))) return rc;
     if ((rc = timing_view(r->timing, r->n_timing, t, st))) return rc;
     s->rep = (shard_svc_step_reply){r->request_id, r->position, r->output ? &s->out : NULL, t, r->n_timing};
@@ -976,10 +901,10 @@ typedef struct info_held {
 
 /* The view of a received Info reply but its wire dtypes (INVALID_ARGUMENT: a count beyond int32). */
 static int info_view(const Fusion__InfoReply *r, shard_svc_info *v, rpc_status *st) {
-    *v = (shard_svc_info){.model_name = str_or_empty(r->model_name), .has_embeddings = r->has_embeddings,
-                          .has_head = r->has_head, .dtype = str_or_empty(r->dtype), .device = str_or_empty(r->device),
+    *v = (shard_svc_info){.model_name = svc_str(r->model_name), .has_embeddings = r->has_embeddings,
+                          .has_head = r->has_head, .dtype = svc_str(r->dtype), .device = svc_str(r->device),
                           .tokens_per_s = r->tokens_per_s, .free_kv_bytes = r->free_kv_bytes,
-                          .total_kv_bytes = r->total_kv_bytes, .version = str_or_empty(r->version),
+                          .total_kv_bytes = r->total_kv_bytes, .version = svc_str(r->version),
                           .n_wire_dtypes = r->n_wire_dtypes, .adapters = (const char *const *)r->adapters,
                           .n_adapters = r->n_adapters, .max_message_bytes = r->max_message_bytes,
                           .kv_bytes_per_position = r->kv_bytes_per_position};
@@ -1003,7 +928,7 @@ int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rp
     info_held *h = malloc(sizeof *h + r->n_wire_dtypes * sizeof h->dtypes[0]);
     if (!h) {
         rpc_msg_free(msg);
-        return no_memory(st);
+        return svc_no_memory(st);
     }
     for (size_t i = 0; i < r->n_wire_dtypes; i++) h->dtypes[i] = (int)r->wire_dtypes[i];
     h->msg = msg;

@@ -1,9 +1,12 @@
-/* svc-impl.h -- helpers the typed services (shard-svc.c, swarm-svc.c) share to read received messages.
+/* svc-impl.h -- helpers the typed services (shard-svc.c, swarm-svc.c, train-svc.c) share to pack and read messages.
  *
  * Not for use outside net/. Integer fields are int64 on the wire (net/proto/fusion.proto) so that
  * a peer's out-of-range value reaches the receiver intact; the plain structs of the service
  * headers hold them as int32, and these helpers narrow them, refusing (never truncating) a value
- * that does not fit. Threads: stateless. Ownership: nothing is kept.
+ * that does not fit. Received names are refused with control characters or beyond a length.
+ * Tensors and Inputs are viewed (and packed) here once for every service. Threads: stateless.
+ * Ownership: nothing is kept; views point into the message they were made from, packed messages
+ * into the structs they were packed from.
  */
 #ifndef FU_SVC_IMPL_H
 #define FU_SVC_IMPL_H
@@ -11,7 +14,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fusion.pb-c.h"
 #include "rpc-base.h"
+#include "shard-svc.h"
+#include "wire.h"
 
 /* One received int64 field and the int32 of its view. */
 typedef struct svc_i32 {
@@ -32,5 +38,41 @@ static inline int svc_narrow(const svc_i32 *f, size_t n, const char *prefix, rpc
     }
     return RPC_OK;
 }
+
+/* A string for a message (NULL packs as "") or from one (never NULL in a view). */
+static inline char *svc_str(const char *s) { return (char *)(s ? s : ""); }
+
+/* The status of an allocation that failed. */
+static inline int svc_no_memory(rpc_status *st) {
+    return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
+}
+
+/* Refuses a received name (`what`, for the message) longer than `max` bytes or holding control
+ * characters (INVALID_ARGUMENT). */
+int svc_name_check(const char *s, size_t max, const char *what, rpc_status *st);
+
+/* Token ids src[0..n) (int64 on the wire) narrowed into dst[0..n). An id outside 0..INT32_MAX is
+ * refused with INVALID_ARGUMENT naming `what`[k] (the vocabulary bound is the receiver's). */
+int svc_ids_view(const int64_t *src, size_t n, int32_t *dst, const char *what, rpc_status *st);
+
+/* Entries src[0..n) (int64 on the wire) narrowed into dst[0..n); one outside int32 is refused
+ * with INVALID_ARGUMENT naming `what`[k]. */
+int svc_i32s_view(const int64_t *src, size_t n, int32_t *dst, const char *what, rpc_status *st);
+
+/* A Tensor pointing at v's shape and bytes. */
+void svc_tensor_pack(const wire_tensor *v, Fusion__Tensor *m);
+
+/* The view of a received Tensor, named `what` in a refusal (a block_size beyond int32). */
+int svc_tensor_view(const Fusion__Tensor *m, wire_tensor *v, const char *what, rpc_status *st);
+
+/* An Input with v's tokens widened into tokens[0..v->n_tokens) (the caller's) and its hidden
+ * tensor, if any, in *hidden. */
+void svc_input_pack(const shard_svc_input *v, int64_t *tokens, Fusion__Input *m, Fusion__Tensor *hidden);
+
+/* The view of a received Input in *v: token ids narrowed into tokens[0..m->n_tokens) (the
+ * caller's), the hidden tensor's view in *hidden. Ids outside 0..INT32_MAX and a block size
+ * beyond int32 are refused (INVALID_ARGUMENT naming "<what>.tokens" / "<what>.hidden"). */
+int svc_input_view(const Fusion__Input *m, int32_t *tokens, shard_svc_input *v, wire_tensor *hidden,
+                   const char *what, rpc_status *st);
 
 #endif

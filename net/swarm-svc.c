@@ -10,9 +10,6 @@
 #include "status.h"
 #include "svc-impl.h"
 
-/* A string for a message (NULL packs as "") or from one (never NULL in a view). */
-static char *str_or_empty(const char *s) { return (char *)(s ? s : ""); }
-
 /* ---- MemberStatus ------------------------------------------------------------------------------ */
 
 /* A MemberStatus with the link figures it points to, in one block (free()). */
@@ -30,13 +27,13 @@ static member_msg *member_pack(const swarm_svc_member *v) {
     Fusion__LinkFigure *figs = (Fusion__LinkFigure *)(m->fig_ptrs + n);
     Fusion__MemberStatus *ms = &m->ms;
     fusion__member_status__init(ms);
-    ms->address = str_or_empty(v->address);
-    ms->model_name = str_or_empty(v->model_name);
+    ms->address = svc_str(v->address);
+    ms->model_name = svc_str(v->model_name);
     ms->n_layers = v->n_layers;
     ms->first_block = v->first_block;
     ms->last_block = v->last_block;
-    ms->device = str_or_empty(v->device);
-    ms->dtype = str_or_empty(v->dtype);
+    ms->device = svc_str(v->device);
+    ms->dtype = svc_str(v->dtype);
     ms->tokens_per_s = v->tokens_per_s;
     ms->block_tokens_per_s = v->block_tokens_per_s;
     ms->max_blocks = v->max_blocks;
@@ -47,14 +44,14 @@ static member_msg *member_pack(const swarm_svc_member *v) {
     ms->fixed_span = v->fixed_span;
     ms->failed_first = v->failed_first;
     ms->failed_last = v->failed_last;
-    ms->load_error = str_or_empty(v->load_error);
+    ms->load_error = svc_str(v->load_error);
     ms->draining_first = v->draining_first;
     ms->draining_last = v->draining_last;
     ms->draining_sessions = v->draining_sessions;
     ms->hidden_size = v->hidden_size;
     for (size_t i = 0; i < n; i++) {
         fusion__link_figure__init(&figs[i]);
-        figs[i].address = str_or_empty(v->links[i].address);
+        figs[i].address = svc_str(v->links[i].address);
         figs[i].rtt_s = v->links[i].rtt_s;
         figs[i].bandwidth_bytes_per_s = v->links[i].bandwidth_bytes_per_s;
         m->fig_ptrs[i] = &figs[i];
@@ -87,19 +84,19 @@ static int member_narrow(const Fusion__MemberStatus *ms, swarm_svc_member *v, rp
 static int member_view(const Fusion__MemberStatus *ms, swarm_svc_member *v, swarm_svc_link **links,
                        rpc_status *st) {
     *links = NULL;
-    *v = (swarm_svc_member){.address = str_or_empty(ms->address), .model_name = str_or_empty(ms->model_name),
-                            .device = str_or_empty(ms->device), .dtype = str_or_empty(ms->dtype),
+    *v = (swarm_svc_member){.address = svc_str(ms->address), .model_name = svc_str(ms->model_name),
+                            .device = svc_str(ms->device), .dtype = svc_str(ms->dtype),
                             .tokens_per_s = ms->tokens_per_s, .block_tokens_per_s = ms->block_tokens_per_s,
                             .free_kv_bytes = ms->free_kv_bytes, .total_kv_bytes = ms->total_kv_bytes,
                             .kv_bytes_per_position = ms->kv_bytes_per_position, .fixed_span = ms->fixed_span,
-                            .n_links = ms->n_links, .load_error = str_or_empty(ms->load_error)};
+                            .n_links = ms->n_links, .load_error = svc_str(ms->load_error)};
     int rc = member_narrow(ms, v, st);
     if (rc) return rc;
     if (ms->n_links && !(*links = calloc(ms->n_links, sizeof **links)))
         return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
     for (size_t i = 0; i < ms->n_links; i++) {
         const Fusion__LinkFigure *lf = ms->links[i];
-        (*links)[i] = (swarm_svc_link){str_or_empty(lf->address), lf->rtt_s, lf->bandwidth_bytes_per_s};
+        (*links)[i] = (swarm_svc_link){svc_str(lf->address), lf->rtt_s, lf->bandwidth_bytes_per_s};
     }
     v->links = *links;
     return RPC_OK;

@@ -11,10 +11,10 @@
  * refused with INVALID_ARGUMENT naming the field: integers (int64 on the
  * wire) outside int32 (token ids outside 0..INT32_MAX; `first` and `targets`
  * entries outside int32), a job id that is empty, over TRAIN_SVC_MAX_ID bytes
- * or holds a control character or NUL, target module names over
- * TRAIN_SVC_MAX_NAME bytes or with a control character, more than
- * TRAIN_SVC_MAX_TARGETS of them. Everything else (spans, shapes, dtypes,
- * finite values) is the receiver's to validate.
+ * or holds a control character (a string ends at its first NUL), target
+ * module names over TRAIN_SVC_MAX_NAME bytes or with a control character,
+ * more than TRAIN_SVC_MAX_TARGETS of them. Everything else (spans, shapes,
+ * dtypes, finite values) is the receiver's to validate.
  *
  * Ownership: structs passed in are borrowed and packed before the call
  * returns. Structs handed out are views into a received message owned by
@@ -153,7 +153,8 @@ void train_svc_reply_free(train_svc_reply *r); /* NULL is a no-op */
 
 /* Each call sends its request on ch and waits up to timeout_ms (<= 0: no deadline): RPC_OK
  * with the reply's view set (and, where there is one, *held owning it), else the transport's
- * or the server's code with the server's message in st, and nothing held. */
+ * or the server's code with the server's message in st, and nothing held. Open holds nothing:
+ * out->job_id is NULL (the id is the request's). */
 int train_svc_call_open(rpc_channel *ch, const train_svc_open *req, int timeout_ms, train_svc_opened *out,
                         rpc_status *st);
 int train_svc_call_forward(rpc_channel *ch, const train_svc_forward *req, int timeout_ms,
