@@ -39,6 +39,26 @@ int lora_target_parse(const char *name, lora_target *t) {
     return FU_ERR_NOT_FOUND;
 }
 
+int lora_targets_parse(const char *list, uint32_t *out) {
+    *out = 0;
+    if (strcmp(list, "all-linear") == 0) {
+        *out = LORA_TARGETS_ALL;
+        return FU_OK;
+    }
+    for (const char *p = list; *p;) {
+        size_t n = strcspn(p, ",");
+        char name[32];
+        lora_target t;
+        if (n == 0 || n >= sizeof name) return fu_errorf(FU_ERR_INVALID, "LoRA targets '%s': empty or overlong name", list);
+        memcpy(name, p, n);
+        name[n] = 0;
+        if (lora_target_parse(name, &t)) return fu_errorf(FU_ERR_INVALID, "LoRA targets: unknown target '%s'", name);
+        *out |= LORA_TARGET_BIT(t);
+        p += n + (p[n] == ',');
+    }
+    return *out ? FU_OK : fu_errorf(FU_ERR_INVALID, "LoRA targets: none given");
+}
+
 lora_shape lora_shape_of(const mdl_config *m) {
     return (lora_shape){m->n_layers, m->dim, m->ffn_dim, m->n_heads, m->n_kv_heads, m->head_dim};
 }
@@ -185,6 +205,41 @@ int lora_new(const lora_config *cfg, const mdl_config *m, int first, int last, u
     int rc = lora_alloc(cfg, &s, first, last, out);
     if (rc) return rc;
     lora_fill(*out, seed, 0, 0.0f); /* kaiming_uniform(a = sqrt(5)): bound 1 / sqrt(in); B = 0 */
+    (*out)->qk_interleaved = m->rope_mode == OP_ROPE_NORM;
+    return FU_OK;
+}
+
+/* Permutes the rows of b (heads x hd rows of r floats) from PEFT's order to
+ * the interleaved one (to_interleaved) or back: within a head, PEFT's row
+ * j * hd/2 + i is interleaved row 2i + j. */
+static void lora_permute_rows(float *b, int heads, int hd, int r, bool to_interleaved, float *tmp) {
+    const size_t row = (size_t)r * sizeof *b;
+    for (int h = 0; h < heads; h++) {
+        float *head = b + (size_t)h * (size_t)hd * (size_t)r;
+        memcpy(tmp, head, (size_t)hd * row);
+        for (int i = 0; i < hd / 2; i++)
+            for (int j = 0; j < 2; j++) {
+                size_t peft = (size_t)(j * (hd / 2) + i), inter = (size_t)(2 * i + j);
+                memcpy(head + (to_interleaved ? inter : peft) * (size_t)r,
+                       tmp + (to_interleaved ? peft : inter) * (size_t)r, row);
+            }
+    }
+}
+
+int lora_set_qk_order(lora_adapter *ad, bool interleaved) {
+    if (ad->qk_interleaved == interleaved) return FU_OK;
+    const lora_shape *s = &ad->shape;
+    float *tmp = malloc((size_t)s->head_dim * (size_t)ad->cfg.r * sizeof *tmp);
+    if (!tmp) return fu_errorf(FU_ERR_NOMEM, "lora: q/k row order");
+    for (int blk = ad->first; blk < ad->last; blk++)
+        for (int t = LORA_TARGET_Q; t <= LORA_TARGET_K; t++) {
+            const lora_pair *p = lora_at(ad, blk, (lora_target)t);
+            if (p->b)
+                lora_permute_rows(p->b, t == LORA_TARGET_Q ? s->n_heads : s->n_kv_heads, s->head_dim, ad->cfg.r,
+                                  interleaved, tmp);
+        }
+    free(tmp);
+    ad->qk_interleaved = interleaved;
     return FU_OK;
 }
 
@@ -197,6 +252,8 @@ int lora_merge_span(lora_adapter *whole, const lora_adapter *span) {
                          "lora: span adapter (r %d, targets 0x%x) does not match the whole "
                          "adapter (r %d, targets 0x%x) or its model shape",
                          span->cfg.r, span->cfg.targets, whole->cfg.r, whole->cfg.targets);
+    if (whole->qk_interleaved != span->qk_interleaved)
+        return fu_errorf(FU_ERR_INVALID, "lora: span adapter and whole adapter hold q/k rows in different orders");
     if (span->first < whole->first || span->last > whole->last)
         return fu_errorf(FU_ERR_INVALID, "lora: span [%d, %d) is not inside the adapter's [%d, %d)",
                          span->first, span->last, whole->first, whole->last);
@@ -469,6 +526,7 @@ int lora_load(const char *dir, const mdl_config *m, int first, int last, int max
     if (!rc) rc = lora_read_config(cpath, max_rank, &cfg);
     if (!rc) rc = lora_alloc(&cfg, &s, first, last < 0 ? s.n_layers : last, out);
     if (!rc) rc = lora_read_tensors(*out, wpath);
+    if (!rc) rc = lora_set_qk_order(*out, m->rope_mode == OP_ROPE_NORM);
     if (rc) {
         lora_free(*out);
         *out = NULL;
@@ -534,7 +592,22 @@ static void lora_file_tensors_free(lora_file_tensors *f) {
     free(f->shapes);
 }
 
+static int lora_save_peft_order(const lora_adapter *ad, const char *dir);
+
 int lora_save(const lora_adapter *ad, const char *dir) {
+    if (!ad->qk_interleaved) return lora_save_peft_order(ad, dir);
+    lora_adapter *copy = NULL;
+    int rc = lora_alloc(&ad->cfg, &ad->shape, ad->first, ad->last, &copy);
+    if (rc) return rc;
+    memcpy(copy->data, ad->data, ad->n_floats * sizeof *ad->data);
+    copy->qk_interleaved = true;
+    if (!(rc = lora_set_qk_order(copy, false))) rc = lora_save_peft_order(copy, dir);
+    lora_free(copy);
+    return rc;
+}
+
+/* lora_save() of an adapter in PEFT's row order. */
+static int lora_save_peft_order(const lora_adapter *ad, const char *dir) {
     lora_file_tensors f;
     char *cpath = lora_join(dir, LORA_CONFIG_FILE), *wpath = lora_join(dir, LORA_WEIGHTS_FILE);
     json_t *cj = lora_config_json(&ad->cfg);

@@ -75,6 +75,9 @@ typedef struct lora_adapter {
                           [i * LORA_N_TARGETS + t] */
     float *data;       /* (n_floats) every A and B, block by block, target by target, A then B */
     size_t n_floats;
+    bool qk_interleaved; /* q_proj / k_proj B rows in GGUF llama's order (pairs (i, i + hd/2) of
+                            each head interleaved, as convert_hf_to_gguf permutes Q and K for
+                            OP_ROPE_NORM), to match a model held that way; files hold PEFT's order */
 } lora_adapter;
 
 /* A config with PEFT's defaults: r 8, lora_alpha 8, dropout 0, no rslora,
@@ -90,6 +93,11 @@ const char *lora_target_parent(lora_target t);
 
 /* Parses a PEFT target name ("q_proj") into *t; FU_ERR_NOT_FOUND if unknown. */
 int lora_target_parse(const char *name, lora_target *t);
+
+/* Parses a comma-separated list of PEFT target names ("q_proj,v_proj") or
+ * "all-linear" into a set of LORA_TARGET_BIT()s; FU_ERR_INVALID naming an
+ * unknown name or an empty list. */
+int lora_targets_parse(const char *list, uint32_t *out);
 
 /* The shape of a model config. */
 lora_shape lora_shape_of(const mdl_config *m);
@@ -120,6 +128,16 @@ typedef struct lora_matrix {
  * (the order of the file lora_save() writes); stops at the first non-zero
  * return of fn and returns it. `m` is valid during the call only. */
 int lora_foreach(const lora_adapter *ad, int (*fn)(const lora_matrix *m, void *user), void *user);
+
+/* Adapters live in memory in the row order of the model they were made or
+ * loaded for: lora_new() and lora_load() for a model with OP_ROPE_NORM (a
+ * GGUF llama) set qk_interleaved and hold q_proj / k_proj B rows interleaved;
+ * lora_save() writes PEFT's order whatever the adapter holds. */
+
+/* Puts the q_proj / k_proj B rows of every held block into GGUF llama's
+ * interleaved order (interleaved true) or PEFT's, and sets qk_interleaved.
+ * FU_ERR_NOMEM (nothing changed). */
+int lora_set_qk_order(lora_adapter *ad, bool interleaved);
 
 /* A fresh adapter of config `cfg` for model `m`, holding blocks [first, last)
  * (0 <= first < last <= n_layers), initialised as PEFT does: A kaiming-uniform

@@ -42,6 +42,7 @@ typedef struct shard_args {
     char *device;        /* "cpu", "cuda", "cuda:N" */
     int max_blocks;      /* most blocks to load when the gateway places it (0: all) */
     int max_sessions, max_forward_tokens, max_step_tokens; /* caps per caller (shard_server_config) */
+    int train_budget_mib, max_train_jobs, max_lora_rank;    /* fine-tuning (shard_server_config) */
 } shard_args;
 
 static shard_args args = {.span = {-1, -1}, .embed = -1, .head = -1};
@@ -101,6 +102,12 @@ static const fu_opt shard_options[] = {
     {"max-step-tokens", 0, FU_OPT_INT, FU_OPT_TO(args.max_step_tokens),
      .help = "positions one session step may run (0: up to the session's length)", .def = "0", .lo = 0,
      .hi = 1 << 24},
+    {"train-budget-mib", 0, FU_OPT_INT, FU_OPT_TO(args.train_budget_mib),
+     .help = "memory all fine-tuning jobs may hold together", .def = "2048", .lo = 1, .hi = 1 << 24},
+    {"max-train-jobs", 0, FU_OPT_INT, FU_OPT_TO(args.max_train_jobs), .help = "fine-tuning jobs at once",
+     .def = "4", .lo = 1, .hi = 1024},
+    {"max-lora-rank", 0, FU_OPT_INT, FU_OPT_TO(args.max_lora_rank), .help = "largest LoRA rank accepted",
+     .def = "256", .lo = 1, .hi = 4096},
     FU_OPT_END,
 };
 
@@ -346,7 +353,8 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
     shard_server_config cfg = {a->listen, a->advertise, a->tls_cert, a->tls_key, a->tls_ca, a->insecure,
                                a->secret, 0, a->idle_timeout_ms, 4, sp->name, sp->device, sp->tps,
                                a->tls_client_ca, client_cert, client_key,
-                               a->max_sessions, a->max_forward_tokens, a->max_step_tokens};
+                               a->max_sessions, a->max_forward_tokens, a->max_step_tokens,
+                               (uint64_t)a->train_budget_mib << 20, a->max_train_jobs, a->max_lora_rank};
     int rc = shard_server_new(sp->core, &cfg, &sp->srv);
     if (rc || (rc = shard_server_start(sp->srv))) return rc;
     int port = shard_server_port(sp->srv);

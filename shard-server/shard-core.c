@@ -415,6 +415,8 @@ void shard_core_free(shard_core *c) {
 
 const mdl_model *shard_core_model(const shard_core *c) { return c->m; }
 
+eng_engine *shard_core_engine(shard_core *c) { return c->e; }
+
 void shard_core_get_stats(shard_core *c, shard_core_stats *st) {
     pthread_mutex_lock(&c->mu);
     *st = c->stats;

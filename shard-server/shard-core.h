@@ -40,6 +40,12 @@ void shard_core_free(shard_core *c);
 /* The model the core serves (borrowed). */
 const mdl_model *shard_core_model(const shard_core *c);
 
+/* The core's engine (borrowed), for trainers over the same span (model/train.h):
+ * they read its prepared weights, which never change, and run on its backend,
+ * whose ops are serialized with the batcher's; they touch none of its scratch. */
+struct eng_engine;
+struct eng_engine *shard_core_engine(shard_core *c);
+
 typedef struct shard_core_stats {
     uint64_t kv_total_bytes;
     uint64_t kv_free_bytes;

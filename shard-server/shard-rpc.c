@@ -13,6 +13,8 @@
 #include "log.h"
 #include "rpc-base.h"
 #include "shard-svc.h"
+#include "shard-tensor.h"
+#include "shard-train.h"
 #include "status.h"
 #include "wire.h"
 
@@ -35,59 +37,10 @@ struct shard_server {
     char *advertise;
     rpc_server *rpc;
     shard_svc_handlers handlers; /* registered on rpc; borrowed by it until rpc_server_free */
+    shard_train *train;          /* fusion.Train's jobs over the current core */
     atomic_bool draining;
     atomic_uint_fast64_t fwd_counter;
 };
-
-/* An array reused across a session's steps, grown with fu_grow. */
-typedef struct grow_buf {
-    void *p;
-    size_t cap; /* elements */
-} grow_buf;
-
-/* ---- tensors ------------------------------------------------------------------ */
-
-/* Decodes a hidden-state tensor (n, D) into floats (in `buf`); *n_out = n. */
-static int decode_hidden(const wire_tensor *t, int D, int *n_out, grow_buf *buf, const float **out,
-                         rpc_status *st) {
-    if (t->n_shape != 2 || t->shape[1] != D || t->shape[0] <= 0 || t->shape[0] > (1 << 20))
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT,
-                               "input.hidden: shape must be (n, %d) with n >= 1", D);
-    int dtype = t->dtype, block = t->block_size;
-    if (!wire_dtype_valid(dtype))
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "input.hidden: unknown dtype %d", dtype);
-    if (dtype == WIRE_INT8_BLOCK && t->scale_dtype != WIRE_F32 && t->scale_dtype != 0)
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "input.hidden: int8 scales must be f32");
-    size_t n = (size_t)t->shape[0] * (size_t)D;
-    if (fu_grow(&buf->p, &buf->cap, n, sizeof(float)))
-        return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
-    int rc = wire_decode(t->data, t->data_len, t->scales, t->scales_len, dtype, block, n, buf->p, "input.hidden");
-    if (rc) return rpc_status_from_fu(st, rc);
-    *n_out = (int)t->shape[0];
-    *out = buf->p;
-    return RPC_OK;
-}
-
-/* Fills t with x (rows, cols) encoded as dtype into bytes from `buf` (shape: t's, 2 dims). */
-static int encode_tensor(wire_tensor *t, int64_t *shape, const float *x, int64_t rows, int64_t cols, int dtype,
-                         int block, grow_buf *buf) {
-    size_t n = (size_t)(rows * cols);
-    size_t db = wire_data_bytes(dtype, n), sb = wire_scale_bytes(dtype, n, block);
-    if (fu_grow(&buf->p, &buf->cap, db + sb + 1, 1)) return fu_errorf(FU_ERR_NOMEM, "reply tensor");
-    uint8_t *p = buf->p;
-    int rc = wire_encode(x, n, dtype, block, p, p + db);
-    if (rc) return rc;
-    shape[0] = rows;
-    shape[1] = cols;
-    *t = (wire_tensor){.dtype = dtype, .n_shape = 2, .shape = shape, .data = p, .data_len = db};
-    if (dtype == WIRE_INT8_BLOCK) {
-        t->scales = p + db;
-        t->scales_len = sb;
-        t->block_size = block;
-        t->scale_dtype = WIRE_F32;
-    }
-    return FU_OK;
-}
 
 /* ---- steps ---------------------------------------------------------------------- */
 
@@ -134,7 +87,7 @@ static int step_from_req(shard_core *core, const shard_svc_input *in, const shar
     if (!in) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "input: missing");
     int n = 0;
     if (in->hidden) {
-        int rc = decode_hidden(in->hidden, m->cfg.dim, &n, hbuf, &step->hidden, st);
+        int rc = shard_decode_hidden(in->hidden, m->cfg.dim, "input.hidden", &n, hbuf, &step->hidden, st);
         if (rc) return rc;
         if (in->n_tokens && in->n_tokens != (size_t)n)
             return rpc_status_setf(st, RPC_INVALID_ARGUMENT,
@@ -173,13 +126,13 @@ static int output_from_step(shard_core *core, const shard_step *step, int wire_d
     memset(&o->out, 0, sizeof o->out);
     int rc;
     if (step->out_hidden) {
-        if ((rc = encode_tensor(&o->hidden, o->hshape, step->out_hidden, step->n, m->cfg.dim, wire_dtype, block,
+        if ((rc = shard_encode_tensor(&o->hidden, o->hshape, step->out_hidden, step->n, m->cfg.dim, wire_dtype, block,
                                 &o->hbuf)))
             return rc;
         o->out.hidden = &o->hidden;
     }
     if (step->out_logits) {
-        if ((rc = encode_tensor(&o->logits, o->lshape, step->out_logits, step->n_out, m->cfg.vocab_size, WIRE_F32,
+        if ((rc = shard_encode_tensor(&o->logits, o->lshape, step->out_logits, step->n_out, m->cfg.vocab_size, WIRE_F32,
                                 0, &o->lbuf)))
             return rc;
         o->out.logits = &o->logits;
@@ -655,6 +608,12 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
         if (!(s->advertise = strdup(name))) rc = fu_errorf(FU_ERR_NOMEM, "server");
     }
     if (!rc) rc = shard_svc_serve(s->rpc, &s->handlers);
+    shard_train_config tc = {cfg->train_budget_bytes, cfg->max_train_jobs, cfg->max_lora_rank, 0, 0};
+    if (!rc) rc = shard_train_new(&tc, &s->train);
+    if (!rc) {
+        shard_train_set_core(s->train, core);
+        rc = shard_train_serve(s->train, s->rpc);
+    }
     if (rc) {
         shard_server_free(s);
         return rc;
@@ -673,6 +632,7 @@ int shard_server_set_core(shard_server *s, shard_core *core, double tokens_per_s
     s->slot[0].core = core;
     s->core = core;
     pthread_mutex_unlock(&s->cmu);
+    shard_train_set_core(s->train, core);
     return FU_OK;
 }
 
@@ -690,13 +650,14 @@ int shard_server_move(shard_server *s, shard_core *core, double tokens_per_s) {
         s->core = core;
     }
     pthread_mutex_unlock(&s->cmu);
+    if (!rc) shard_train_set_core(s->train, core);
     return rc;
 }
 
 shard_core *shard_server_old_core(shard_server *s, bool close) {
     pthread_mutex_lock(&s->cmu);
     shard_core *c = NULL;
-    if (s->slot[1].core && s->slot[1].users == 0) {
+    if (s->slot[1].core && s->slot[1].users == 0 && !shard_train_uses(s->train, s->slot[1].core)) {
         c = s->slot[1].core;
         s->slot[1] = (core_slot){NULL, 0};
         atomic_store(&s->old_closing, false);
@@ -719,6 +680,7 @@ int shard_server_drain(shard_server *s, int grace_ms) {
 void shard_server_free(shard_server *s) {
     if (!s) return;
     rpc_server_free(s->rpc);
+    shard_train_free(s->train);
     pthread_mutex_destroy(&s->cmu);
     free(s->advertise);
     free(s);

@@ -1,4 +1,4 @@
-/* shard-rpc.h -- a shard server's fusion.Shard service: sessions, stateless forward, info, health.
+/* shard-rpc.h -- a shard server's services: fusion.Shard (sessions, stateless forward, info, health) and fusion.Train.
  *
  * Serves the span of a shard_core over net/'s typed Shard service
  * (shard-svc.h): each Session stream becomes a session in the core (with
@@ -18,6 +18,7 @@
 
 #include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 #include "shard-core.h"
 
@@ -48,6 +49,11 @@ typedef struct shard_server_config {
     int max_forward_tokens;      /* positions of one Forward, all sequences together
                                     (0: SHARD_DEFAULT_FORWARD_TOKENS) */
     int max_step_tokens;         /* positions of one Session step (0: only the session's max_length) */
+    /* Fine-tuning (fusion.Train, shard-train.h): memory of all training jobs together (0: 2 GiB),
+     * jobs at once (0: 4) and the largest LoRA rank accepted (0: 256). */
+    uint64_t train_budget_bytes;
+    int max_train_jobs;
+    int max_lora_rank;
 } shard_server_config;
 
 /* Default budget of one Forward call, in positions (8192 cost 27 s of CPU on a small model). */

@@ -68,25 +68,6 @@ static int read_model_config(const char *path, mdl_config *out) {
     return rc;
 }
 
-/* "q_proj,v_proj" or "all-linear" -> a target set. */
-static int parse_targets(const char *list, uint32_t *out) {
-    if (strcmp(list, "all-linear") == 0) {
-        *out = LORA_TARGETS_ALL;
-        return FU_OK;
-    }
-    *out = 0;
-    char *copy = strdup(list), *save = NULL;
-    int rc = copy ? FU_OK : FU_ERR_NOMEM;
-    for (char *tok = copy ? strtok_r(copy, ",", &save) : NULL; tok && !rc; tok = strtok_r(NULL, ",", &save)) {
-        lora_target t;
-        rc = lora_target_parse(tok, &t);
-        if (rc) rc = fu_errorf(FU_ERR_INVALID, "--targets: unknown target '%s'", tok);
-        else *out |= LORA_TARGET_BIT(t);
-    }
-    free(copy);
-    return rc;
-}
-
 static int cmd_init(const mdl_config *m, const char *dir) {
     lora_config cfg = lora_config_default();
     cfg.r = args.r;
@@ -94,7 +75,7 @@ static int cmd_init(const mdl_config *m, const char *dir) {
     cfg.dropout = (float)args.dropout;
     cfg.use_rslora = args.rslora;
     snprintf(cfg.base_model, sizeof cfg.base_model, "%s", args.base_model ? args.base_model : args.model);
-    int rc = parse_targets(args.targets, &cfg.targets);
+    int rc = lora_targets_parse(args.targets, &cfg.targets);
     lora_adapter *ad = NULL;
     if (!rc) rc = lora_new(&cfg, m, args.span[0], args.span[1] < 0 ? m->n_layers : args.span[1],
                            (uint64_t)args.seed, &ad);

@@ -57,7 +57,7 @@ static void start(fixture *f, int first, int last, bool embed, bool head) {
     shard_core_options so = {.kv_budget_bytes = 1u << 20, .max_batch_tokens = 64, .kv_type = OP_TYPE_F32};
     assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
     shard_server_config sc = {"127.0.0.1:0", NULL, NULL, NULL, NULL, true, SECRET, 1u << 20, 2000, 2,
-                              "random", "cpu", 1.0, NULL, NULL, NULL, 0, 0, 0};
+                              "random", "cpu", 1.0, NULL, NULL, NULL, 0, 0, 0, 0, 0, 0};
     assert_int_equal(shard_server_new(f->core, &sc, &f->srv), FU_OK);
     assert_int_equal(shard_server_start(f->srv), FU_OK);
     snprintf(f->addr, sizeof f->addr, "127.0.0.1:%d", shard_server_port(f->srv));

@@ -1,0 +1,341 @@
+/* train-run.c -- the coordinator's step: packing, forward and backward through the stages, clipping, AdamW. */
+#include "train-run.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "status.h"
+
+/* The examples of one step taken since the last snapshot (for a replay). */
+typedef struct trn_done_step {
+    const trn_example *ex;
+    int n;
+} trn_done_step;
+
+struct trn_run {
+    trn_stage *stages; /* (n_stages) own copy */
+    int n_stages;
+    trn_run_options o;
+    int64_t steps;
+    int failed;          /* the stage whose call failed last, -1: none */
+    int replacements;
+    /* failover: the snapshot of every stage after step snap_step, and the steps since */
+    trn_state *snap;     /* (n_stages) */
+    int64_t snap_step;
+    trn_done_step *since; /* (snapshot_every) */
+    int n_since;
+    /* one micro-batch (max_tokens rows) */
+    int32_t *tokens, *target, *first;
+    float *h[2]; /* (max_tokens, D) hidden states / gradients between stages */
+};
+
+void trn_state_clear(trn_state *s) {
+    free(s->params), free(s->m1), free(s->m2);
+    *s = (trn_state){0};
+}
+
+/* ---- local stages ------------------------------------------------------------------- */
+
+static int local_forward(void *st, int slot, const trn_batch *b, float *out, trn_loss *loss) {
+    return trn_forward(st, slot, b, out, loss);
+}
+static int local_backward(void *st, int slot, const float *dy, float *dx) { return trn_backward(st, slot, dy, dx); }
+static int local_sqnorm(void *st, double *out) {
+    *out = trn_grad_sqnorm(st);
+    return FU_OK;
+}
+static int local_step(void *st, const trn_adamw *h, float lr, float grad_scale, int64_t t) {
+    return trn_step(st, h, lr, grad_scale, t);
+}
+static void local_drop(void *st, int slot) { trn_drop(st, slot); }
+static int local_zero_grad(void *st) {
+    trn_zero_grad(st);
+    return FU_OK;
+}
+
+static int local_get_state(void *st, trn_state *out) {
+    trn_span *s = st;
+    const lora_adapter *ad = trn_adapter(s);
+    const size_t n = ad->n_floats;
+    *out = (trn_state){ad->first, ad->last, n, malloc(n * sizeof(float) + 1), malloc(n * sizeof(float) + 1),
+                       malloc(n * sizeof(float) + 1)};
+    int rc = out->params && out->m1 && out->m2 ? trn_export(s, out->params, out->m1, out->m2)
+                                                : fu_errorf(FU_ERR_NOMEM, "training snapshot");
+    if (rc) trn_state_clear(out);
+    return rc;
+}
+static int local_put_state(void *st, const trn_state *s) {
+    const lora_adapter *ad = trn_adapter(st);
+    if (s->n != ad->n_floats || s->first != ad->first || s->last != ad->last)
+        return fu_errorf(FU_ERR_INVALID, "training state of blocks [%d, %d) for a stage of [%d, %d)", s->first,
+                         s->last, ad->first, ad->last);
+    return trn_import(st, s->params, s->m1, s->m2);
+}
+
+static const trn_stage_vt local_vt = {local_forward, local_backward, local_sqnorm,   local_step,
+                                      local_drop,    local_zero_grad, local_get_state, local_put_state};
+
+trn_stage trn_stage_local(trn_span *s) { return (trn_stage){&local_vt, s}; }
+
+/* ---- run ------------------------------------------------------------------------------- */
+
+void trn_run_free(trn_run *r) {
+    if (!r) return;
+    for (int i = 0; r->snap && i < r->n_stages; i++) trn_state_clear(&r->snap[i]);
+    free(r->snap), free(r->since), free(r->stages);
+    free(r->tokens), free(r->target), free(r->first), free(r->h[0]), free(r->h[1]);
+    free(r);
+}
+
+int trn_run_replacements(const trn_run *r) { return r->replacements; }
+trn_stage trn_run_stage(const trn_run *r, int index) { return r->stages[index]; }
+
+/* Pulls every stage's state into the snapshot (after step r->steps). */
+static int trn_run_snapshot(trn_run *r) {
+    for (int i = 0; i < r->n_stages; i++) {
+        trn_state s;
+        int rc = r->stages[i].vt->get_state(r->stages[i].st, &s);
+        if (rc) {
+            r->failed = i;
+            return rc;
+        }
+        trn_state_clear(&r->snap[i]);
+        r->snap[i] = s;
+    }
+    r->snap_step = r->steps;
+    r->n_since = 0;
+    return FU_OK;
+}
+
+int trn_run_new(const trn_stage *stages, int n_stages, const trn_run_options *o, trn_run **out) {
+    *out = NULL;
+    if (n_stages < 1 || o->max_tokens < 1 || o->dim < 1)
+        return fu_errorf(FU_ERR_INVALID, "training run: %d stages, %d tokens per micro-batch", n_stages, o->max_tokens);
+    trn_run *r = calloc(1, sizeof *r);
+    if (!r) return fu_errorf(FU_ERR_NOMEM, "training run");
+    r->n_stages = n_stages;
+    r->o = *o;
+    r->failed = -1;
+    if (r->o.snapshot_every <= 0) r->o.snapshot_every = 1;
+    r->stages = malloc((size_t)n_stages * sizeof *r->stages);
+    r->snap = calloc((size_t)n_stages, sizeof *r->snap);
+    r->since = calloc((size_t)r->o.snapshot_every, sizeof *r->since);
+    if (r->stages) memcpy(r->stages, stages, (size_t)n_stages * sizeof *stages);
+    const size_t T = (size_t)o->max_tokens;
+    r->tokens = calloc(T, sizeof(int32_t));
+    r->target = calloc(T, sizeof(int32_t));
+    r->first = calloc(T, sizeof(int32_t));
+    r->h[0] = calloc(T * (size_t)o->dim, sizeof(float));
+    r->h[1] = calloc(T * (size_t)o->dim, sizeof(float));
+    if (!r->tokens || !r->target || !r->first || !r->h[0] || !r->h[1] || !r->stages || !r->snap || !r->since) {
+        trn_run_free(r);
+        return fu_errorf(FU_ERR_NOMEM, "training run buffers for %zu tokens", T);
+    }
+    int rc = r->o.replace ? trn_run_snapshot(r) : FU_OK;
+    if (rc) {
+        trn_run_free(r);
+        return rc;
+    }
+    *out = r;
+    return FU_OK;
+}
+
+int64_t trn_run_steps(const trn_run *r) { return r->steps; }
+void trn_run_set_steps(trn_run *r, int64_t steps) { r->steps = steps; }
+
+/* Packs examples ex[*next ..] into the run's micro-batch until the next one
+ * does not fit; returns its rows. */
+static int trn_pack(trn_run *r, const trn_example *ex, int n, int *next) {
+    int T = 0;
+    while (*next < n && T + ex[*next].n <= r->o.max_tokens) {
+        const trn_example *e = &ex[(*next)++];
+        for (int i = 0; i < e->n; i++) {
+            r->tokens[T + i] = e->tokens[i];
+            r->target[T + i] = e->target[i];
+            r->first[T + i] = T;
+        }
+        T += e->n;
+    }
+    return T;
+}
+
+/* Micro-batch b through every stage: forward, then (when train) backward;
+ * on an error r->failed names the stage and the others drop the micro-batch. */
+static int trn_run_micro(trn_run *r, trn_batch *b, bool train, trn_loss *loss) {
+    int rc = FU_OK, s = 0;
+    for (; s < r->n_stages && !rc; s++) {
+        b->embd = s ? r->h[(s - 1) & 1] : NULL;
+        b->tokens = s ? NULL : r->tokens;
+        rc = r->stages[s].vt->forward(r->stages[s].st, 0, b, s + 1 < r->n_stages ? r->h[s & 1] : NULL, loss);
+    }
+    if (rc) r->failed = s - 1;
+    if (rc || !train) {
+        for (int i = 0; i < s - (rc != FU_OK); i++) r->stages[i].vt->drop(r->stages[i].st, 0);
+        return rc;
+    }
+    for (s = r->n_stages - 1; s >= 0 && !rc; s--) {
+        const trn_stage *g = &r->stages[s];
+        rc = g->vt->backward(g->st, 0, s + 1 < r->n_stages ? r->h[(s + 1) & 1] : NULL, s ? r->h[s & 1] : NULL);
+        if (!rc) continue;
+        r->failed = s;
+        for (int i = 0; i < s; i++) r->stages[i].vt->drop(r->stages[i].st, 0);
+    }
+    return rc;
+}
+
+/* The step's target tokens, after checking every example fits a micro-batch. */
+static int trn_count_targets(const trn_run *r, const trn_example *ex, int n, int64_t *count) {
+    *count = 0;
+    for (int i = 0; i < n; i++) {
+        if (ex[i].n < 1 || ex[i].n > r->o.max_tokens)
+            return fu_errorf(FU_ERR_RANGE, "training: example %d has %d tokens, outside [1, %d]", i, ex[i].n,
+                             r->o.max_tokens);
+        for (int t = 0; t < ex[i].n; t++) *count += ex[i].target[t] >= 0;
+    }
+    return FU_OK;
+}
+
+/* Every micro-batch of ex[0..n) through the stages; the losses summed into *sum. */
+static int trn_run_all(trn_run *r, const trn_example *ex, int n, bool train, float scale, trn_loss *sum, int *n_micro) {
+    int next = 0, rc = FU_OK;
+    memset(sum, 0, sizeof *sum);
+    *n_micro = 0;
+    while (next < n && !rc) {
+        trn_batch b = {.n_tokens = trn_pack(r, ex, n, &next), .first = r->first, .targets = r->target,
+                       .loss_scale = scale,
+                       .seed = r->o.seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(r->steps + 1)) ^ (uint64_t)*n_micro};
+        trn_loss l = {0};
+        rc = trn_run_micro(r, &b, train, &l);
+        sum->sum += l.sum;
+        sum->n_tokens += l.n_tokens;
+        sum->n_correct += l.n_correct;
+        ++*n_micro;
+    }
+    return rc;
+}
+
+/* The global gradient norm over the stages. */
+static int trn_run_norm(trn_run *r, double *norm) {
+    double total = 0;
+    for (int s = 0; s < r->n_stages; s++) {
+        double v = 0;
+        int rc = r->stages[s].vt->sqnorm(r->stages[s].st, &v);
+        if (rc) {
+            r->failed = s;
+            return rc;
+        }
+        total += v;
+    }
+    *norm = sqrt(total);
+    return FU_OK;
+}
+
+/* Clears every stage's gradients after a step that is not applied (best
+ * effort: the step's own error is what the caller sees). */
+static void trn_run_discard(trn_run *r) {
+    for (int s = 0; s < r->n_stages; s++) r->stages[s].vt->zero_grad(r->stages[s].st);
+}
+
+/* Every stage's AdamW step with the step's learning rate and clip factor. */
+static int trn_run_apply(trn_run *r, trn_step_result *res) {
+    float clip = 1.0f;
+    if (r->o.clip > 0 && res->grad_norm > r->o.clip) clip = (float)(r->o.clip / (res->grad_norm + 1e-6));
+    res->lr = trn_lr_at(&r->o.sched, r->steps);
+    res->step = r->steps + 1;
+    for (int s = 0; s < r->n_stages; s++) {
+        int rc = r->stages[s].vt->step(r->stages[s].st, &r->o.adamw, res->lr, clip, res->step);
+        if (rc) {
+            r->failed = s;
+            return rc;
+        }
+    }
+    return FU_OK;
+}
+
+/* One step, without failover: forward and backward of every micro-batch,
+ * the norm, AdamW. */
+static int trn_run_once(trn_run *r, const trn_example *ex, int n, trn_step_result *res) {
+    memset(res, 0, sizeof *res);
+    r->failed = -1;
+    int64_t count;
+    int rc = trn_count_targets(r, ex, n, &count);
+    if (rc) return rc;
+    if (!count) return fu_errorf(FU_ERR_RANGE, "training: the batch has no target tokens");
+    trn_loss sum;
+    if ((rc = trn_run_all(r, ex, n, true, (float)(1.0 / (double)count), &sum, &res->micro_batches)) ||
+        (rc = trn_run_norm(r, &res->grad_norm))) {
+        trn_run_discard(r);
+        return rc;
+    }
+    if (!isfinite(res->grad_norm) || !isfinite(sum.sum)) {
+        trn_run_discard(r);
+        return fu_errorf(FU_ERR_RANGE, "training step %lld: the loss or a gradient is not finite (norm %g); "
+                         "the step was skipped", (long long)(r->steps + 1), res->grad_norm);
+    }
+    res->loss = sum.sum / (double)count;
+    res->accuracy = (double)sum.n_correct / (double)count;
+    res->n_tokens = count;
+    if ((rc = trn_run_apply(r, res))) return rc;
+    r->steps++;
+    return FU_OK;
+}
+
+/* After stage r->failed's server is gone: a replacement from the snapshot,
+ * every other stage put back to it, and the steps since the snapshot again. */
+static int trn_run_recover(trn_run *r) {
+    const int bad = r->failed;
+    if (r->replacements >= r->o.max_replacements)
+        return fu_errorf(FU_ERR_NETWORK, "training: stage %d failed (%s) and %d replacements are used up", bad,
+                         fu_last_error(), r->o.max_replacements);
+    FU_WARN("training: stage %d failed at step %lld (%s); replacing it from the snapshot of step %lld", bad,
+            (long long)(r->steps + 1), fu_last_error(), (long long)r->snap_step);
+    r->replacements++;
+    int rc = r->o.replace(r->o.replace_arg, bad, &r->snap[bad], &r->stages[bad]);
+    for (int s = 0; s < r->n_stages && !rc; s++)
+        if (s != bad && (rc = r->stages[s].vt->put_state(r->stages[s].st, &r->snap[s]))) r->failed = s;
+    if (rc) return rc;
+    r->steps = r->snap_step;
+    for (int i = 0; i < r->n_since && !rc; i++) {
+        trn_step_result res;
+        rc = trn_run_once(r, r->since[i].ex, r->since[i].n, &res);
+    }
+    return rc;
+}
+
+/* A failover's recovery, again while it meets another server gone. */
+static int trn_run_recover_all(trn_run *r) {
+    int rc;
+    do rc = trn_run_recover(r);
+    while (rc == FU_ERR_NETWORK && r->failed >= 0);
+    return rc;
+}
+
+int trn_run_step(trn_run *r, const trn_example *ex, int n, trn_step_result *res) {
+    if (!r->o.replace) return trn_run_once(r, ex, n, res);
+    bool done = false;
+    for (;;) {
+        int rc = FU_OK;
+        if (!done && !(rc = trn_run_once(r, ex, n, res))) {
+            done = true;
+            r->since[r->n_since++] = (trn_done_step){ex, n};
+        }
+        if (done) rc = r->n_since >= r->o.snapshot_every ? trn_run_snapshot(r) : FU_OK;
+        if (rc != FU_ERR_NETWORK || r->failed < 0) return rc;
+        if ((rc = trn_run_recover_all(r))) return rc;
+    }
+}
+
+int trn_run_eval(trn_run *r, const trn_example *ex, int n, double *loss, double *accuracy) {
+    int64_t count;
+    int rc = trn_count_targets(r, ex, n, &count);
+    if (rc) return rc;
+    if (!count) return fu_errorf(FU_ERR_RANGE, "evaluation: no target tokens");
+    trn_loss sum;
+    int n_micro;
+    if ((rc = trn_run_all(r, ex, n, false, 0.0f, &sum, &n_micro))) return rc;
+    *loss = sum.sum / (double)count;
+    *accuracy = (double)sum.n_correct / (double)count;
+    return FU_OK;
+}
