@@ -427,8 +427,8 @@ int train_svc_serve(rpc_server *srv, const train_svc_handlers *h) {
         [TRAIN_SVC_CLOSE] = {h->close != NULL, close_entry},
     };
     for (int m = 0; m < TRAIN_SVC_N_METHODS; m++) {
-        int rc = e[m].on ? rpc_server_add_unary(srv, methods[m].path, methods[m].req, e[m].fn, reply_free, (void *)h)
-                         : FU_OK;
+        if (!e[m].on) continue;
+        int rc = rpc_server_add_unary(srv, methods[m].path, methods[m].req, e[m].fn, reply_free, (void *)h);
         if (rc) return rc;
     }
     return FU_OK;
