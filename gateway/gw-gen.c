@@ -787,7 +787,7 @@ static int gw_run_timed_step(gw_run *r, const int32_t *in, int n, const chain_sp
 static int gw_run_open_path(gw_run *r, int n_replay) {
     char id[128];
     snprintf(id, sizeof id, "%s.%d", r->sid, r->failovers);
-    int rc = chain_session_open(r->j->e->chain, r->lease.hops, r->lease.n_hops, id, r->max_length, &r->s);
+    int rc = chain_session_open(r->j->e->chain, r->lease.hops, r->lease.n_hops, id, r->max_length, NULL, &r->s);
     if (rc) return rc;
     chain_session_set_watch(r->s, gw_run_watch, r);
     if (n_replay == 0) return FU_OK;
@@ -803,7 +803,7 @@ static int gw_run_open_path(gw_run *r, int n_replay) {
 static int gw_run_open_session(gw_run *r, int n_replay) {
     gw_engine *e = r->j->e;
     if (!e->swarm) {
-        int rc = chain_session_open(e->chain, e->hops, e->n_hops, r->sid, r->max_length, &r->s);
+        int rc = chain_session_open(e->chain, e->hops, e->n_hops, r->sid, r->max_length, NULL, &r->s);
         if (rc) gw_chain_error(&r->err, rc);
         else chain_session_set_watch(r->s, gw_run_watch, r);
         return rc;

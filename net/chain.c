@@ -165,7 +165,7 @@ void chain_session_close(chain_session *s) {
 }
 
 int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
-                       int max_length, chain_session **out) {
+                       int max_length, const char *adapter_id, chain_session **out) {
     *out = NULL;
     if (n_hops <= 0 || n_hops > CHAIN_MAX_HOPS)
         return fu_errorf(FU_ERR_INVALID, "chain: 1..%d hops required", CHAIN_MAX_HOPS);
@@ -215,6 +215,7 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
                                .max_length = max_length,
                                .wire_dtype = c->o.wire_dtype,
                                .int8_block_size = c->o.int8_block,
+                               .adapter_id = adapter_id,
                                .first_block = l->hop.first_block,
                                .last_block = l->hop.last_block,
                                .chain = rest,

@@ -52,11 +52,27 @@ int chain_client_new(const chain_options *o, chain_client **out);
 /* Frees the client and its channels, after every session is closed. NULL is a no-op. */
 void chain_client_free(chain_client *c);
 
-/* Opens a session of max_length positions across hops[0..n). Fails with the
- * first hop's error (fu_last_error() names the hop): FU_ERR_EXHAUSTED when a
- * server's KV cache cannot admit it, FU_ERR_NETWORK when a hop is down, ... */
+/* Opens a session of max_length positions across hops[0..n), with LoRA
+ * adapter `adapter_id` on every hop (NULL or "": the base model). Fails with
+ * the first hop's error (fu_last_error() names the hop): FU_ERR_EXHAUSTED when
+ * a server's KV cache cannot admit it, FU_ERR_NETWORK when a hop is down,
+ * FU_ERR_NOT_FOUND when a hop does not hold the adapter (chain_adapter_load),
+ * ... */
 int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
-                       int max_length, chain_session **out);
+                       int max_length, const char *adapter_id, chain_session **out);
+
+/* Loads LoRA adapter `whole` (every block of the model, in PEFT's row order:
+ * qk_interleaved false) into the server of `hop` as `adapter_id`: the blocks of
+ * the hop's span, which the server checks against its own. FU_OK, or the
+ * server's refusal (FU_ERR_INVALID naming the field, FU_ERR_EXHAUSTED past its
+ * adapter limits, FU_ERR_NETWORK when it is down), fu_last_error() naming the
+ * hop. */
+struct lora_adapter;
+int chain_adapter_load(chain_client *c, const chain_hop *hop, const char *adapter_id, const struct lora_adapter *whole);
+
+/* Unloads adapter `adapter_id` from the server of `hop`; FU_ERR_NOT_FOUND
+ * when it holds none of that id. */
+int chain_adapter_unload(chain_client *c, const chain_hop *hop, const char *adapter_id);
 /* Closes the session on every hop (best effort, without waiting) and frees it. NULL is a no-op. */
 void chain_session_close(chain_session *s);
 

@@ -52,6 +52,8 @@
 #define RPC_SHARD_INFO "/fusion.Shard/Info"       /* InfoRequest -> InfoReply */
 #define RPC_SHARD_HEALTH "/fusion.Shard/Health"   /* HealthRequest -> HealthReply */
 #define RPC_SHARD_ECHO "/fusion.Shard/Echo"       /* EchoRequest -> EchoReply */
+#define RPC_SHARD_LOAD_ADAPTER "/fusion.Shard/LoadAdapter"     /* LoadAdapterRequest -> LoadAdapterReply */
+#define RPC_SHARD_UNLOAD_ADAPTER "/fusion.Shard/UnloadAdapter" /* UnloadAdapterRequest -> UnloadAdapterReply */
 
 /* Method paths of service fusion.Train (hosted by shard servers). */
 #define RPC_TRAIN_OPEN "/fusion.Train/Open"           /* TrainOpen -> TrainOpened */

@@ -41,7 +41,7 @@ static void *run_job(void *arg) {
     snprintf(id, sizeof id, "chain-%d-%d", (int)getpid(), j->idx);
     chain_session *s = NULL;
     FILE *lf = NULL;
-    int rc = chain_session_open(j->client, j->hops, j->n_hops, id, j->n_prompt + j->max_tokens, &s);
+    int rc = chain_session_open(j->client, j->hops, j->n_hops, id, j->n_prompt + j->max_tokens, NULL, &s);
     if (!rc && j->logits_prefix) {
         char path[4096];
         snprintf(path, sizeof path, "%s.%d.bin", j->logits_prefix, j->idx);

@@ -13,8 +13,8 @@ import pytest
 from shard_cluster import SECRET, SOURCE, Shard, default_model, program
 
 FACTS = os.path.join(SOURCE, "tests", "data", "vellmora-facts.jsonl")
-LOSS_BOUND = 0.15  # nats per answer token, the last epoch's mean
-EPOCHS = 12
+LOSS_BOUND = 0.05  # nats per answer token, the last epoch's mean
+EPOCHS = 8
 # a word of each answer that only the facts give (the base model cannot guess it)
 KEYS = ["Quillon", "Marrowind", "1623", "Brasswick", "lanterns", "Crane", "Lantern Tide", "Kestrava",
         "Saltmere", "plum", "48,000", "Orrin", "Rowing", "Herald", "copper", "heron", "Tallow", "Kestrava",
