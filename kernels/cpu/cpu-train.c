@@ -19,7 +19,7 @@ void cpu_back_fill(const cpu_mm *m, const cpu_kernels *kern, int64_t n0, int64_t
                    int64_t kc, float *wf) {
     const int64_t be = op_type_block_elems(m->type);
     const int64_t c0 = n0 / be * be, c1 = (n0 + nv + be - 1) / be * be;
-    float win[CPU_NR_MAX + 2 * OP_QK]; /* W row's columns [c0, c1): nv + at most 2 * 31 */
+    float win[CPU_PG * CPU_NR_MAX + 2 * OP_QK]; /* W row's columns [c0, c1): nv + at most 2 * 31 */
     for (int64_t kk = 0; kk < kc; kk++) {
         const int64_t row = k0 + kk;
         kern->dequant[m->type](m->w, m->w_stride, row, c0, c1 - c0, m->row_scale ? m->row_scale[row] : 1.0f, win);
