@@ -401,7 +401,7 @@ static bool cpu_rows_ok(const op_tensor *t) {
     return true;
 }
 
-/* Checks W, x and y and describes the matmul in m. */
+/* See cpu-impl.h: W readable row by row by the kernels. */
 int cpu_weight_check(const op_tensor *w, const char *op) {
     if (!cpu_rows_ok(w) || w->ne[2] * w->ne[3] != 1)
         return fu_errorf(FU_ERR_INVALID, "%s %s: W must be 2-D and its rows contiguous", op, w->name ? w->name : "");
@@ -416,6 +416,7 @@ int cpu_weight_check(const op_tensor *w, const char *op) {
     return FU_OK;
 }
 
+/* Checks W, x and y and describes the matmul in m. */
 static int cpu_mm_setup(const op_tensor *w, const op_tensor *x, const op_tensor *y, cpu_mm *m) {
     int rc = cpu_weight_check(w, "matmul");
     if (rc) return rc;
