@@ -254,6 +254,9 @@ typedef struct cpu_backend {
     cpu_xw_block *xw; /* int16 activations of the Q8_0 / Q4 _R16 matvecs (kern->quant_xw) */
     size_t xw_cap;    /* bytes in xw */
     float *wf;       /* (n_threads, CPU_NR_MAX, CPU_WF_LD) dequantized weight panels */
+    float *wfg;      /* (n_threads, CPU_PG * CPU_NR_MAX, CPU_WF_LD) a panel group of a transposed
+                        weight (cpu_back_fill), grown by the first op that needs it */
+    size_t wfg_cap;  /* bytes in wfg */
     float *cbuf;     /* (n_threads, CPU_PG, CPU_NR_MAX, CPU_TC) partial sums of panel groups */
 } cpu_backend;
 
@@ -274,10 +277,11 @@ int cpu_weight_check(const op_tensor *w, const char *op);
  * micro-kernels over the pool. */
 int cpu_gemm_run(cpu_backend *c, const cpu_mm *m);
 
-/* The GEMM panel of a transposed weight (m->back): wf[j * CPU_WF_LD + kk] =
- * W[k0 + kk][n0 + j] (zero for j in [nv, nr)), W (m->k, m->n) of m->type, for
- * kk < kc. Each W row's 32-aligned window of columns covering the panel is
- * dequantized on the stack, then scattered. */
+/* The GEMM panels of a transposed weight (m->back), nr <= CPU_PG * CPU_NR_MAX
+ * rows (a whole panel group): wf[j * CPU_WF_LD + kk] = W[k0 + kk][n0 + j]
+ * (zero for j in [nv, nr)), W (m->k, m->n) of m->type, for kk < kc. Each W
+ * row's 32-aligned window of columns covering the panels is dequantized on
+ * the stack, then scattered. */
 void cpu_back_fill(const cpu_mm *m, const cpu_kernels *kern, int64_t n0, int64_t nv, int nr, int64_t k0,
                    int64_t kc, float *wf);
 

@@ -19,7 +19,7 @@ void cpu_back_fill(const cpu_mm *m, const cpu_kernels *kern, int64_t n0, int64_t
                    int64_t kc, float *wf) {
     const int64_t be = op_type_block_elems(m->type);
     const int64_t c0 = n0 / be * be, c1 = (n0 + nv + be - 1) / be * be;
-    float win[CPU_NR_MAX + 2 * OP_QK]; /* W row's columns [c0, c1): nv + at most 2 * 31 */
+    float win[CPU_PG * CPU_NR_MAX + 2 * OP_QK]; /* W row's columns [c0, c1): nv + at most 2 * 31 */
     for (int64_t kk = 0; kk < kc; kk++) {
         const int64_t row = k0 + kk;
         kern->dequant[m->type](m->w, m->w_stride, row, c0, c1 - c0, m->row_scale ? m->row_scale[row] : 1.0f, win);
@@ -92,6 +92,7 @@ typedef struct cpu_each_job {
     const void *arg;
 } cpu_each_job;
 
+/* Takes chunks of rows from the shared counter until none is left. */
 static void cpu_each_job_run(void *p, int ith, int nth) {
     (void)ith;
     (void)nth;
@@ -224,6 +225,7 @@ static void cpu_xent_row(const cpu_xent *a, int64_t r) {
     x[tg] = (float)(-a->weight * rest / sum);
 }
 
+/* Rows [r0, r1) of cross_entropy (cpu_rows_fn). */
 static void cpu_xent_rows(const void *arg, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++) cpu_xent_row(arg, r);
 }
@@ -255,6 +257,7 @@ typedef struct cpu_dropout_args {
     uint64_t seed;
 } cpu_dropout_args;
 
+/* Rows [r0, r1) of dropout (cpu_rows_fn): the mask of cpu_dropout_u, kept ones scaled. */
 static void cpu_dropout_rows(const void *arg, int64_t r0, int64_t r1) {
     const cpu_dropout_args *a = arg;
     const float keep = 1.0f / (1.0f - a->p);
@@ -350,6 +353,8 @@ static void cpu_attn_back_task(const cpu_attn_back_job *j, int64_t s, int g) {
         for (int h = g * group; h < (g + 1) * group; h++) cpu_attn_back_query(j, s, t, h, g);
 }
 
+/* Takes (row, KV head) tasks from the shared counter; a row that starts an
+ * example runs its task, the others are skipped. */
 static void cpu_attn_back_run(void *arg, int ith, int nth) {
     (void)ith;
     (void)nth;

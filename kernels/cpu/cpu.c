@@ -45,6 +45,7 @@ static void cpu_free(op_backend *be) {
     free(c->xq);
     free(c->xw);
     free(c->wf);
+    free(c->wfg);
     free(c->cbuf);
     free(c);
 }
@@ -307,7 +308,9 @@ static void cpu_panel_fill(const cpu_mm *m, const cpu_kernels *kern, int64_t n0,
  * CPU_TC) stay in L2, each dequantized panel slice (L1) serves CPU_TC tokens,
  * and y is written once per element after the last slice. With 16-token
  * blocks (T % 32 in 1..16) the narrow kernel runs on taller panels and
- * shorter slices; see cpu-impl.h. */
+ * shorter slices; see cpu-impl.h. A transposed weight (m->back: the matmul
+ * gradients) fills its group's panels together (cpu_back_fill, into the
+ * per-thread wfg), since a panel covers only part of each W row's block. */
 static void cpu_gemm_job(void *arg, int ith, int nth) {
     (void)nth;
     cpu_mm_job *j = arg;
@@ -334,10 +337,15 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
             int64_t kc = m->k - k0 < kcmax ? m->k - k0 : kcmax;
             for (int64_t p = g0; p < g1; p++) {
                 int64_t n0 = p * nr, nv = m->n - n0 < nr ? m->n - n0 : nr;
-                if (m->back)
-                    cpu_back_fill(m, kern, n0, nv, nr, k0, kc, wf);
-                else
+                const float *pw = wf;
+                if (!m->back) {
                     cpu_panel_fill(m, kern, n0, nv, nr, k0, kc, wf);
+                } else { /* the whole group's panels at once: W's 32-blocks dequantized once */
+                    float *gw = j->c->wfg + (size_t)ith * CPU_PG * CPU_NR_MAX * CPU_WF_LD;
+                    const int64_t gn0 = g0 * nr, gnv = m->n - gn0 < (g1 - g0) * nr ? m->n - gn0 : (g1 - g0) * nr;
+                    if (p == g0) cpu_back_fill(m, kern, gn0, gnv, (int)((g1 - g0) * nr), k0, kc, gw);
+                    pw = gw + (size_t)(p - g0) * nr * CPU_WF_LD;
+                }
                 /* few token blocks: prefetch the next slice of this panel,
                  * or the first of the next panel, while the first block runs
                  * (not for a transposed W, whose panel is a strip of columns) */
@@ -362,7 +370,7 @@ static void cpu_gemm_job(void *arg, int ith, int nth) {
                 float *c = cbuf + (size_t)(p - g0) * nr * CPU_TC;
                 for (int64_t tb0 = t0; tb0 < t1; tb0 += tbw) {
                     const float *xt = m->xt + ((size_t)(tb0 / tbw) * (size_t)m->k + (size_t)k0) * (size_t)tbw;
-                    gemm(wf, CPU_WF_LD, xt, kc, c + (tb0 - t0) * nr, k0 > 0, tb0 == t0 ? &pf : NULL);
+                    gemm(pw, CPU_WF_LD, xt, kc, c + (tb0 - t0) * nr, k0 > 0, tb0 == t0 ? &pf : NULL);
                 }
             }
         }
@@ -393,7 +401,7 @@ static bool cpu_rows_ok(const op_tensor *t) {
     return true;
 }
 
-/* Checks W, x and y and describes the matmul in m. */
+/* See cpu-impl.h: W readable row by row by the kernels. */
 int cpu_weight_check(const op_tensor *w, const char *op) {
     if (!cpu_rows_ok(w) || w->ne[2] * w->ne[3] != 1)
         return fu_errorf(FU_ERR_INVALID, "%s %s: W must be 2-D and its rows contiguous", op, w->name ? w->name : "");
@@ -408,6 +416,7 @@ int cpu_weight_check(const op_tensor *w, const char *op) {
     return FU_OK;
 }
 
+/* Checks W, x and y and describes the matmul in m. */
 static int cpu_mm_setup(const op_tensor *w, const op_tensor *x, const op_tensor *y, cpu_mm *m) {
     int rc = cpu_weight_check(w, "matmul");
     if (rc) return rc;
@@ -464,6 +473,12 @@ int cpu_gemm_run(cpu_backend *c, const cpu_mm *m) {
     cpu_mm_job j = {.c = c, .m = {*m}, .nm = 1};
     int rc = cpu_reserve_xt(c, m->t, m->k);
     if (rc) return rc;
+    if (m->back) {
+        float *p = cpu_grow(c->wfg, &c->wfg_cap,
+                            (size_t)c->base.n_threads * CPU_PG * CPU_NR_MAX * CPU_WF_LD * sizeof(float));
+        if (!p) return FU_ERR_NOMEM;
+        c->wfg = p;
+    }
     j.m[0].xt = c->xt;
     const int64_t tail = m->t % CPU_TB;
     j.m[0].tb = c->kern->gemm16 && tail >= 1 && tail <= CPU_TB16 && m->t < 4 * CPU_TB ? CPU_TB16 : CPU_TB;
