@@ -2,11 +2,22 @@
 #include "train-run.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "log.h"
 #include "status.h"
+
+/* One micro-batch in flight: its rows, and the hidden states (then the
+ * gradients) between stages, two buffers used by turns (stage s reads
+ * h[(s - 1) & 1] and writes h[s & 1]). */
+typedef struct trn_micro {
+    trn_batch b;
+    int32_t *tokens, *target, *first; /* (max_tokens) */
+    float *h[2];                      /* (max_tokens, D) */
+    trn_loss loss;
+} trn_micro;
 
 /* The examples of one step taken since the last snapshot (for a replay). */
 typedef struct trn_done_step {
@@ -26,9 +37,9 @@ struct trn_run {
     int64_t snap_step;
     trn_done_step *since; /* (snapshot_every) */
     int n_since;
-    /* one micro-batch (max_tokens rows) */
-    int32_t *tokens, *target, *first;
-    float *h[2]; /* (max_tokens, D) hidden states / gradients between stages */
+    /* the micro-batches in flight (depth of them, max_tokens rows each) */
+    int depth;
+    trn_micro *mb;       /* (depth) */
 };
 
 void trn_state_clear(trn_state *s) {
@@ -85,7 +96,11 @@ void trn_run_free(trn_run *r) {
     if (!r) return;
     for (int i = 0; r->snap && i < r->n_stages; i++) trn_state_clear(&r->snap[i]);
     free(r->snap), free(r->since), free(r->stages);
-    free(r->tokens), free(r->target), free(r->first), free(r->h[0]), free(r->h[1]);
+    for (int i = 0; r->mb && i < r->depth; i++) {
+        trn_micro *m = &r->mb[i];
+        free(m->tokens), free(m->target), free(m->first), free(m->h[0]), free(m->h[1]);
+    }
+    free(r->mb);
     free(r);
 }
 
@@ -111,8 +126,9 @@ static int trn_run_snapshot(trn_run *r) {
 
 int trn_run_new(const trn_stage *stages, int n_stages, const trn_run_options *o, trn_run **out) {
     *out = NULL;
-    if (n_stages < 1 || o->max_tokens < 1 || o->dim < 1)
-        return fu_errorf(FU_ERR_INVALID, "training run: %d stages, %d tokens per micro-batch", n_stages, o->max_tokens);
+    if (n_stages < 1 || n_stages > TRN_MAX_STAGES || o->max_tokens < 1 || o->dim < 1 || o->pipeline > TRN_MAX_PIPELINE)
+        return fu_errorf(FU_ERR_INVALID, "training run: %d stages (1..%d), %d tokens per micro-batch, pipeline %d (most %d)",
+                         n_stages, TRN_MAX_STAGES, o->max_tokens, o->pipeline, TRN_MAX_PIPELINE);
     trn_run *r = calloc(1, sizeof *r);
     if (!r) return fu_errorf(FU_ERR_NOMEM, "training run");
     r->n_stages = n_stages;
@@ -123,15 +139,22 @@ int trn_run_new(const trn_stage *stages, int n_stages, const trn_run_options *o,
     r->snap = calloc((size_t)n_stages, sizeof *r->snap);
     r->since = calloc((size_t)r->o.snapshot_every, sizeof *r->since);
     if (r->stages) memcpy(r->stages, stages, (size_t)n_stages * sizeof *stages);
+    r->depth = o->pipeline > 1 ? o->pipeline : 1;
+    r->mb = calloc((size_t)r->depth, sizeof *r->mb);
     const size_t T = (size_t)o->max_tokens;
-    r->tokens = calloc(T, sizeof(int32_t));
-    r->target = calloc(T, sizeof(int32_t));
-    r->first = calloc(T, sizeof(int32_t));
-    r->h[0] = calloc(T * (size_t)o->dim, sizeof(float));
-    r->h[1] = calloc(T * (size_t)o->dim, sizeof(float));
-    if (!r->tokens || !r->target || !r->first || !r->h[0] || !r->h[1] || !r->stages || !r->snap || !r->since) {
+    bool ok = r->stages && r->snap && r->since && r->mb;
+    for (int i = 0; ok && i < r->depth; i++) {
+        trn_micro *m = &r->mb[i];
+        m->tokens = calloc(T, sizeof(int32_t));
+        m->target = calloc(T, sizeof(int32_t));
+        m->first = calloc(T, sizeof(int32_t));
+        m->h[0] = calloc(T * (size_t)o->dim, sizeof(float));
+        m->h[1] = calloc(T * (size_t)o->dim, sizeof(float));
+        ok = m->tokens && m->target && m->first && m->h[0] && m->h[1];
+    }
+    if (!ok) {
         trn_run_free(r);
-        return fu_errorf(FU_ERR_NOMEM, "training run buffers for %zu tokens", T);
+        return fu_errorf(FU_ERR_NOMEM, "training run buffers for %d micro-batches of %zu tokens", r->depth, T);
     }
     int rc = r->o.replace ? trn_run_snapshot(r) : FU_OK;
     if (rc) {
@@ -145,43 +168,89 @@ int trn_run_new(const trn_stage *stages, int n_stages, const trn_run_options *o,
 int64_t trn_run_steps(const trn_run *r) { return r->steps; }
 void trn_run_set_steps(trn_run *r, int64_t steps) { r->steps = steps; }
 
-/* Packs examples ex[*next ..] into the run's micro-batch until the next one
- * does not fit; returns its rows. */
-static int trn_pack(trn_run *r, const trn_example *ex, int n, int *next) {
+/* Packs examples ex[*next ..] into micro-batch m until the next one does not
+ * fit; returns its rows. */
+static int trn_pack(const trn_run *r, trn_micro *m, const trn_example *ex, int n, int *next) {
     int T = 0;
     while (*next < n && T + ex[*next].n <= r->o.max_tokens) {
         const trn_example *e = &ex[(*next)++];
         for (int i = 0; i < e->n; i++) {
-            r->tokens[T + i] = e->tokens[i];
-            r->target[T + i] = e->target[i];
-            r->first[T + i] = T;
+            m->tokens[T + i] = e->tokens[i];
+            m->target[T + i] = e->target[i];
+            m->first[T + i] = T;
         }
         T += e->n;
     }
     return T;
 }
 
-/* Micro-batch b through every stage: forward, then (when train) backward;
- * on an error r->failed names the stage and the others drop the micro-batch. */
-static int trn_run_micro(trn_run *r, trn_batch *b, bool train, trn_loss *loss) {
-    int rc = FU_OK, s = 0;
-    for (; s < r->n_stages && !rc; s++) {
-        b->embd = s ? r->h[(s - 1) & 1] : NULL;
-        b->tokens = s ? NULL : r->tokens;
-        rc = r->stages[s].vt->forward(r->stages[s].st, 0, b, s + 1 < r->n_stages ? r->h[s & 1] : NULL, loss);
+/* One call of a pipeline tick: stage s on micro-batch m (slot m). */
+typedef struct trn_call {
+    trn_run *r;
+    int s, m;
+    bool back;
+    int rc;
+    pthread_t th;
+} trn_call;
+
+/* Runs one call: a stage's forward (its input from the previous stage's
+ * buffer, its output to its own) or backward (dy from the next stage's
+ * buffer, dx to its own). */
+static void *trn_call_run(void *arg) {
+    trn_call *c = arg;
+    trn_run *r = c->r;
+    trn_micro *m = &r->mb[c->m];
+    const trn_stage *g = &r->stages[c->s];
+    const bool last = c->s + 1 == r->n_stages;
+    if (!c->back) {
+        trn_batch b = m->b;
+        b.embd = c->s ? m->h[(c->s - 1) & 1] : NULL;
+        b.tokens = c->s ? NULL : m->tokens;
+        c->rc = g->vt->forward(g->st, c->m, &b, last ? NULL : m->h[c->s & 1], &m->loss);
+    } else {
+        c->rc = g->vt->backward(g->st, c->m, last ? NULL : m->h[(c->s + 1) & 1], c->s ? m->h[c->s & 1] : NULL);
     }
-    if (rc) r->failed = s - 1;
-    if (rc || !train) {
-        for (int i = 0; i < s - (rc != FU_OK); i++) r->stages[i].vt->drop(r->stages[i].st, 0);
-        return rc;
+    return NULL;
+}
+
+/* Runs calls[0..n) at once (the first on this thread); the first failure's
+ * stage into r->failed. */
+static int trn_tick(trn_run *r, trn_call *calls, int n) {
+    for (int i = 1; i < n; i++)
+        if (pthread_create(&calls[i].th, NULL, trn_call_run, &calls[i])) trn_call_run(&calls[i]), calls[i].th = 0;
+    if (n) trn_call_run(&calls[0]);
+    int rc = FU_OK;
+    for (int i = 0; i < n; i++) {
+        if (i && calls[i].th) pthread_join(calls[i].th, NULL);
+        if (calls[i].rc && !rc) {
+            rc = calls[i].rc;
+            r->failed = calls[i].s;
+        }
     }
-    for (s = r->n_stages - 1; s >= 0 && !rc; s--) {
-        const trn_stage *g = &r->stages[s];
-        rc = g->vt->backward(g->st, 0, s + 1 < r->n_stages ? r->h[(s + 1) & 1] : NULL, s ? r->h[s & 1] : NULL);
-        if (!rc) continue;
-        r->failed = s;
-        for (int i = 0; i < s; i++) r->stages[i].vt->drop(r->stages[i].st, 0);
-    }
+    return rc;
+}
+
+/* Forwards (then backwards) micro-batches [0, k) through the stages as a
+ * pipeline: at tick t of the forward, stage s runs micro-batch t - s; of the
+ * backward, stage s runs micro-batch t - (S - 1 - s). Every stage thus meets
+ * the micro-batches in order, and its gradients add up in the order of a
+ * sequential run. On an error every stage drops them all. */
+static int trn_run_group(trn_run *r, int k, bool train) {
+    const int S = r->n_stages;
+    trn_call calls[TRN_MAX_STAGES];
+    int rc = FU_OK;
+    for (int pass = 0; pass < 1 + train && !rc; pass++)
+        for (int t = 0; t < k + S - 1 && !rc; t++) {
+            int n = 0;
+            for (int s = 0; s < S; s++) {
+                const int m = pass ? t - (S - 1 - s) : t - s;
+                if (m >= 0 && m < k) calls[n++] = (trn_call){r, s, m, pass == 1, 0, 0};
+            }
+            rc = trn_tick(r, calls, n);
+        }
+    if (rc || !train)
+        for (int s = 0; s < S; s++)
+            for (int m = 0; m < k; m++) r->stages[s].vt->drop(r->stages[s].st, m);
     return rc;
 }
 
@@ -197,21 +266,28 @@ static int trn_count_targets(const trn_run *r, const trn_example *ex, int n, int
     return FU_OK;
 }
 
-/* Every micro-batch of ex[0..n) through the stages; the losses summed into *sum. */
+/* Every micro-batch of ex[0..n) through the stages, `depth` at a time; the
+ * losses summed into *sum. */
 static int trn_run_all(trn_run *r, const trn_example *ex, int n, bool train, float scale, trn_loss *sum, int *n_micro) {
     int next = 0, rc = FU_OK;
     memset(sum, 0, sizeof *sum);
     *n_micro = 0;
     while (next < n && !rc) {
-        trn_batch b = {.n_tokens = trn_pack(r, ex, n, &next), .first = r->first, .targets = r->target,
-                       .loss_scale = scale,
-                       .seed = r->o.seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(r->steps + 1)) ^ (uint64_t)*n_micro};
-        trn_loss l = {0};
-        rc = trn_run_micro(r, &b, train, &l);
-        sum->sum += l.sum;
-        sum->n_tokens += l.n_tokens;
-        sum->n_correct += l.n_correct;
-        ++*n_micro;
+        int k = 0;
+        for (; k < r->depth && next < n; k++, ++*n_micro) {
+            trn_micro *m = &r->mb[k];
+            m->b = (trn_batch){.n_tokens = trn_pack(r, m, ex, n, &next), .first = m->first, .targets = m->target,
+                               .loss_scale = scale,
+                               .seed = r->o.seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(r->steps + 1)) ^
+                                       (uint64_t)*n_micro};
+            m->loss = (trn_loss){0};
+        }
+        rc = trn_run_group(r, k, train);
+        for (int i = 0; i < k; i++) {
+            sum->sum += r->mb[i].loss.sum;
+            sum->n_tokens += r->mb[i].loss.n_tokens;
+            sum->n_correct += r->mb[i].loss.n_correct;
+        }
     }
     return rc;
 }

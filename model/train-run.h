@@ -2,16 +2,22 @@
  *
  * The coordinator's core. A run drives stages, one per span of the model in
  * block order, through a small vtable: a stage is a trainer in this process
- * (trn_stage_local) or a shard across the network (the same calls as RPCs). A step takes a batch of examples, packs them into micro-batches of at
- * most max_tokens rows, runs each micro-batch forward through every stage and
- * backward in reverse, then clips the gradients by their global norm (every
- * stage reports its squared norm; the clip factor goes out with the step) and
- * has every stage apply AdamW with the schedule's learning rate. The loss is
- * the mean cross-entropy over the step's target tokens: the head's loss scale
- * is 1 / (target tokens of the whole step), so accumulating micro-batches
- * gives the gradient of that mean.
+ * (trn_stage_local) or a shard across the network (the same calls as RPCs).
+ * A step takes a batch of examples, packs them into micro-batches of at most
+ * max_tokens rows, runs each micro-batch forward through every stage and
+ * backward in reverse -- with `pipeline` micro-batches in flight, on GPipe's
+ * schedule, so that the stages (servers) work on different micro-batches at
+ * once, each call on its own thread -- then clips the gradients by their
+ * global norm (every stage reports its squared norm; the clip factor goes out
+ * with the step) and has every stage apply AdamW with the schedule's learning
+ * rate. The loss is the mean cross-entropy over the step's target tokens: the
+ * head's loss scale is 1 / (target tokens of the whole step), so accumulating
+ * micro-batches gives the gradient of that mean. Every stage meets the
+ * micro-batches in the same order whatever the pipeline's depth, so its
+ * gradients, and the run, do not depend on it.
  *
- * Threading: a run is driven by one thread. Ownership: the run copies its
+ * Threading: a run is driven by one thread; its pipeline calls each stage
+ * from one thread at a time. Ownership: the run copies its
  * stage array (the stages' objects stay the caller's) and owns its
  * snapshots; the caller owns examples and results.
  */
@@ -69,8 +75,13 @@ typedef struct trn_example {
  * keep and free); FU_OK with *out set, or the error that ends the run. */
 typedef int (*trn_replace_fn)(void *arg, int index, const trn_state *snap, trn_stage *out);
 
+#define TRN_MAX_STAGES 64   /* stages of a run */
+#define TRN_MAX_PIPELINE 64 /* micro-batches in flight */
+
 typedef struct trn_run_options {
     int max_tokens;      /* rows per micro-batch (the stages' max_tokens) */
+    int pipeline;        /* micro-batches in flight at once, GPipe-style (<= the stages' slots;
+                            0 or 1: one at a time) */
     int dim;             /* D: hidden size */
     float clip;          /* global gradient-norm bound; <= 0: none */
     trn_adamw adamw;

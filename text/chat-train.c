@@ -1,6 +1,7 @@
 /* chat-train.c -- chat fine-tuning examples: the template's rendering, tokens, and which of them train. */
 #include "chat-train.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -90,4 +91,70 @@ int chat_train_example(const tpl_template *tpl, const tok_tokenizer *tok, const 
         *ids = NULL, *train = NULL, *n = 0;
     }
     return rc;
+}
+
+/* An array of n ints of `a` (token ids, or labels with -100 read as -1), or the error naming the key. */
+static int line_ids(const json_t *a, const char *key, int vocab, bool labels, int32_t *out, size_t n) {
+    if (!json_is_array(a) || json_array_size(a) != n)
+        return fu_errorf(FU_ERR_FORMAT, "\"%s\" must be an array of %zu ints", key, n);
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(a, i);
+        json_int_t x = json_is_integer(v) ? json_integer_value(v) : -2;
+        if (labels && x == -100) x = -1;
+        if (x < (labels ? -1 : 0) || x >= vocab)
+            return fu_errorf(FU_ERR_FORMAT, "\"%s\"[%zu] is not a token id of [0, %d)%s", key, i, vocab,
+                             labels ? " or -100" : "");
+        out[i] = (int32_t)x;
+    }
+    return FU_OK;
+}
+
+/* {"input_ids": [...], "labels": [...]}: ids and labels (aligned with the ids). */
+static int line_tokens(int vocab, const json_t *j, int32_t **ids, int32_t **lb, size_t *n) {
+    const json_t *in = json_object_get(j, "input_ids"), *lab = json_object_get(j, "labels");
+    *n = json_array_size(in);
+    if (!*n) return fu_errorf(FU_ERR_FORMAT, "no \"input_ids\"");
+    *ids = malloc(*n * sizeof **ids);
+    *lb = malloc(*n * sizeof **lb);
+    if (!*ids || !*lb) return fu_errorf(FU_ERR_NOMEM, "out of memory");
+    int rc = line_ids(in, "input_ids", vocab, false, *ids, *n);
+    if (!rc && lab) rc = line_ids(lab, "labels", vocab, true, *lb, *n);
+    else if (!rc) memcpy(*lb, *ids, *n * sizeof **lb);
+    return rc;
+}
+
+/* A chat example: ids and labels (the ids the loss is taken on, else -1). */
+static int line_chat(const tpl_template *tpl, const tok_tokenizer *tok, int vocab, const json_t *j, int32_t **ids,
+                     int32_t **lb, size_t *n) {
+    uint8_t *train = NULL;
+    if (!tpl || !tok) return fu_errorf(FU_ERR_UNSUPPORTED, "chat examples need the model's tokenizer and chat template");
+    int rc = chat_train_example(tpl, tok, j, ids, &train, n);
+    if (!rc && !(*lb = malloc((*n ? *n : 1) * sizeof **lb))) rc = fu_errorf(FU_ERR_NOMEM, "out of memory");
+    for (size_t t = 0; !rc && t < *n; t++) {
+        if ((*ids)[t] < 0 || (*ids)[t] >= vocab)
+            rc = fu_errorf(FU_ERR_FORMAT, "token id %d outside the model's vocabulary of %d", (*ids)[t], vocab);
+        (*lb)[t] = train[t] ? (*ids)[t] : -1;
+    }
+    free(train);
+    return rc;
+}
+
+int chat_train_line(const tpl_template *tpl, const tok_tokenizer *tok, int vocab, const char *line, size_t len,
+                    int32_t **ids, int32_t **targets, size_t *n) {
+    *ids = *targets = NULL;
+    *n = 0;
+    json_error_t err;
+    json_t *j = json_loadb(line, len, 0, &err);
+    int rc = !json_is_object(j) ? fu_errorf(FU_ERR_FORMAT, "not a JSON object (%s)", j ? "another value" : err.text)
+             : json_object_get(j, "messages") ? line_chat(tpl, tok, vocab, j, ids, targets, n)
+             : json_object_get(j, "input_ids") ? line_tokens(vocab, j, ids, targets, n)
+                                               : fu_errorf(FU_ERR_FORMAT, "Missing 'messages' key.");
+    json_decref(j);
+    if (rc) {
+        free(*ids), free(*targets);
+        *ids = *targets = NULL, *n = 0;
+        return rc;
+    }
+    for (size_t t = 0; t < *n; t++) (*targets)[t] = t + 1 < *n ? (*targets)[t + 1] : -1;
+    return FU_OK;
 }

@@ -1,4 +1,4 @@
-/* chat-train.h -- OpenAI chat fine-tuning examples as tokens and loss masks, through the model's chat template.
+/* chat-train.h -- fine-tuning examples as tokens and loss masks: OpenAI's chat format through the model's chat template, or token ids.
  *
  * An example is {"messages": [...], "tools"?: [...], "parallel_tool_calls"?: b}
  * as OpenAI's fine-tuning API takes it; the loss is taken on the tokens of
@@ -32,5 +32,17 @@
  * render the conversation incrementally, FU_ERR_NOMEM. */
 int chat_train_example(const tpl_template *tpl, const tok_tokenizer *tok, const json_t *ex, int32_t **ids,
                        uint8_t **train, size_t *n);
+
+/* One line of a fine-tuning JSONL file: OpenAI's chat format ({"messages":
+ * ...}, through chat_train_example) or token ids ({"input_ids": [...],
+ * "labels": [...]}, labels aligned with input_ids as Hugging Face's: -100
+ * for no loss; all of input_ids when absent). *ids and *targets (n each,
+ * malloc'd): targets[t] is the token row t predicts, label t + 1, or -1.
+ * Token ids must lie in [0, vocab). tpl and tok may be NULL: a chat line is
+ * then refused (FU_ERR_UNSUPPORTED). FU_ERR_FORMAT naming the problem for a
+ * line that is not a JSON object, has neither key, or bad ids or labels;
+ * chat_train_example's errors. */
+int chat_train_line(const tpl_template *tpl, const tok_tokenizer *tok, int vocab, const char *line, size_t len,
+                    int32_t **ids, int32_t **targets, size_t *n);
 
 #endif

@@ -33,7 +33,7 @@ typedef struct train_args {
     long seed, init_seed;
     fu_opt_list hops, spares;
     char *secret, *tls_ca, *job;
-    int wire, snapshot_every, timeout_s;
+    int wire, snapshot_every, timeout_s, pipeline;
 } train_args;
 
 static train_args args;
@@ -93,6 +93,8 @@ static const fu_opt train_options[] = {
     {"snapshot-every", 0, FU_OPT_INT, FU_OPT_TO(args.snapshot_every), "N",
      "pull every span's adapter and optimizer state after every N steps (failover)", "1", .lo = 1, .hi = 1 << 20},
     {"job", 0, FU_OPT_STRING, FU_OPT_TO(args.job), "ID", "the job's id on the servers (default: random)"},
+    {"pipeline", 0, FU_OPT_INT, FU_OPT_TO(args.pipeline), "N",
+     "micro-batches in flight at once (GPipe): the spans work on different ones together", "1", .lo = 1, .hi = 64},
     {"timeout", 0, FU_OPT_INT, FU_OPT_TO(args.timeout_s), "S", "bound on each call to a server", "600", .lo = 1,
      .hi = 86400},
     FU_OPT_END,
@@ -128,36 +130,6 @@ static void data_free(train_data *d) {
     tok_free(d->tok);
 }
 
-/* An array of n ints of `a` (token ids, or labels with -100 read as -1), or the error naming the key. */
-static int data_ids(const json_t *a, const char *key, int vocab, bool labels, int32_t *out, size_t n) {
-    if (!json_is_array(a) || json_array_size(a) != n)
-        return fu_errorf(FU_ERR_FORMAT, "\"%s\" must be an array of %zu ints", key, n);
-    for (size_t i = 0; i < n; i++) {
-        json_t *v = json_array_get(a, i);
-        json_int_t x = json_is_integer(v) ? json_integer_value(v) : -2;
-        if (labels && x == -100) x = -1;
-        if (x < (labels ? -1 : 0) || x >= vocab)
-            return fu_errorf(FU_ERR_FORMAT, "\"%s\"[%zu] is not a token id of [0, %d)%s", key, i, vocab,
-                             labels ? " or -100" : "");
-        out[i] = (int32_t)x;
-    }
-    return FU_OK;
-}
-
-/* {"input_ids": [...], "labels": [...]}: tok and lb (labels as Hugging Face aligns them). */
-static int data_tokens(const train_data *d, const json_t *j, int32_t **tok, int32_t **lb, size_t *n) {
-    const json_t *ids = json_object_get(j, "input_ids"), *lab = json_object_get(j, "labels");
-    *n = json_array_size(ids);
-    *tok = malloc((*n ? *n : 1) * sizeof **tok);
-    *lb = malloc((*n ? *n : 1) * sizeof **lb);
-    if (!*tok || !*lb) return fu_errorf(FU_ERR_NOMEM, "out of memory");
-    if (!*n) return fu_errorf(FU_ERR_FORMAT, "no input_ids");
-    int rc = data_ids(ids, "input_ids", d->vocab, false, *tok, *n);
-    if (!rc && lab) rc = data_ids(lab, "labels", d->vocab, true, *lb, *n);
-    else if (!rc) memcpy(*lb, *tok, *n * sizeof **lb);
-    return rc;
-}
-
 /* The tokenizer and chat template of the model, loaded once. */
 static int data_chat_setup(train_data *d) {
     if (d->tpl) return FU_OK;
@@ -168,38 +140,23 @@ static int data_chat_setup(train_data *d) {
     return src ? tpl_compile(src, &d->tpl) : fu_errorf(FU_ERR_NOT_FOUND, "the model has no chat template");
 }
 
-/* {"messages": [...]}: tokens through the chat template; labels on the assistant messages. */
-static int data_chat(train_data *d, const json_t *j, int32_t **tok, int32_t **lb, size_t *n) {
-    uint8_t *train = NULL;
-    int rc = data_chat_setup(d);
-    if (!rc) rc = chat_train_example(d->tpl, d->tok, j, tok, &train, n);
-    if (!rc && !(*lb = malloc((*n ? *n : 1) * sizeof **lb))) rc = fu_errorf(FU_ERR_NOMEM, "out of memory");
-    for (size_t t = 0; !rc && t < *n; t++) (*lb)[t] = train[t] ? (*tok)[t] : -1;
-    free(train);
-    return rc;
-}
-
-/* One line: a chat example or token ids; target[t] = label[t + 1]. */
+/* One line: a chat example (the template loaded for the first) or token ids. */
 static int data_line(train_data *d, const char *text, size_t len, int line) {
-    json_error_t err;
-    json_t *j = json_loadb(text, len, 0, &err);
-    int32_t *tok = NULL, *lb = NULL;
+    int32_t *tok = NULL, *tg = NULL;
     size_t n = 0;
-    int rc = !json_is_object(j) ? fu_errorf(FU_ERR_FORMAT, "not a JSON object (%s)", err.text)
-             : json_object_get(j, "messages") ? data_chat(d, j, &tok, &lb, &n)
-                                              : data_tokens(d, j, &tok, &lb, &n);
-    json_decref(j);
+    int rc = FU_OK;
+    if (memmem(text, len, "\"messages\"", 10)) rc = data_chat_setup(d);
+    if (!rc) rc = chat_train_line(d->tpl, d->tok, d->vocab, text, len, &tok, &tg, &n);
     if (!rc && d->n == d->cap) {
         int cap = d->cap ? 2 * d->cap : 64;
         trn_example *p = realloc(d->ex, (size_t)cap * sizeof *p);
         rc = p ? (d->ex = p, d->cap = cap, FU_OK) : fu_errorf(FU_ERR_NOMEM, "out of memory");
     }
     if (rc) {
-        free(tok), free(lb);
+        free(tok), free(tg);
         return fu_errorf(rc, "line %d: %s", line, fu_last_error());
     }
-    for (size_t t = 0; t < n; t++) lb[t] = t + 1 < n ? lb[t + 1] : -1;
-    d->ex[d->n++] = (trn_example){(int)n, tok, lb};
+    d->ex[d->n++] = (trn_example){(int)n, tok, tg};
     return FU_OK;
 }
 
@@ -271,7 +228,7 @@ static int span_open(train_ctx *c, int i) {
     const int first = i * c->n_layers / c->n, last = (i + 1) * c->n_layers / c->n;
     mdl_open_options mo = {first, last, first == 0, last == c->n_layers};
     eng_options eo = {1, OP_TYPE_F32};
-    trn_options to = {.max_tokens = args.max_tokens, .slots = 1, .memory = (trn_memory)args.memory};
+    trn_options to = {.max_tokens = args.max_tokens, .slots = args.pipeline, .memory = (trn_memory)args.memory};
     int rc = mdl_open(args.model, &mo, &s->m);
     if (!rc) rc = eng_new(s->m, c->be, &eo, &s->e);
     if (!rc && args.adapter) rc = lora_load(args.adapter, &s->m->cfg, first, last, 4096, &s->ad);
@@ -295,7 +252,7 @@ static trn_remote_options hop_options(const train_ctx *c, const int span[2], con
     return (trn_remote_options){
         .job_id = job, .first_block = span[0], .last_block = span[1], .embed = span[0] == 0,
         .head = span[1] == c->n_layers, .lora = &c->lora, .init_seed = (uint64_t)args.init_seed,
-        .max_tokens = args.max_tokens, .slots = 1, .keep_activations = args.memory == TRN_KEEP,
+        .max_tokens = args.max_tokens, .slots = args.pipeline, .keep_activations = args.memory == TRN_KEEP,
         .dim = c->cfg->cfg.dim, .wire_dtype = args.wire, .timeout_ms = args.timeout_s * 1000};
 }
 
@@ -556,6 +513,7 @@ static int run_train(train_ctx *c) {
     const int per_epoch = (n + bs - 1) / bs, steps = args.steps ? args.steps : per_epoch * args.epochs;
     trn_run_options ro = {
         .max_tokens = args.max_tokens,
+        .pipeline = args.pipeline,
         .dim = c->cfg->cfg.dim,
         .clip = (float)args.clip,
         .adamw = {(float)args.beta1, (float)args.beta2, (float)args.adam_eps, (float)args.weight_decay},

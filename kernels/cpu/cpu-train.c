@@ -307,6 +307,18 @@ static float cpu_attn_back_stats(const cpu_attn_back_job *j, const float *qt, co
     return l;
 }
 
+/* rows[i * ld + d] += coef[i] * vec[d] for i < n, d < hd: the attention
+ * backward's rank-1 updates of dk and dv, compiled for each ISA (this file is
+ * built without ISA flags) and picked at load time. */
+__attribute__((target_clones("avx512f", "avx2", "default"))) static void
+cpu_rank1(float *restrict rows, int64_t ld, int n, const float *restrict coef, const float *restrict vec, int hd) {
+    for (int i = 0; i < n; i++) {
+        float *r = rows + (int64_t)i * ld;
+        const float c = coef[i];
+        for (int d = 0; d < hd; d++) r[d] += c * vec[d];
+    }
+}
+
 /* Query row t, head h of the example starting at row s, KV head g: P_u =
  * softmax(scale q_t . k_u), dS_u = P_u (dout_t . v_u - dout_t . out_t);
  * dq_t = scale sum_u dS_u k_u, dk_u += scale dS_u q_t, dv_u += P_u dout_t. */
@@ -326,14 +338,14 @@ static void cpu_attn_back_query(const cpu_attn_back_job *j, int64_t s, int64_t t
         const int cn = n - j0 < CPU_ATTN_CHUNK ? n - j0 : CPU_ATTN_CHUNK;
         j->kern->scores(qt, (size_t)hd, 1, kb + (size_t)j0 * stride, OP_TYPE_F32, stride, cn, hd, a->scale, sc);
         j->kern->scores(dot, (size_t)hd, 1, vb + (size_t)j0 * stride, OP_TYPE_F32, stride, cn, hd, 1.0f, dp);
+        j->kern->exp_sum(sc, cn, mx); /* sc = exp(score - max) */
         for (int i = 0; i < cn; i++) {
-            const float p = expf(sc[i] - mx) * il, ds = a->scale * p * (dp[i] - D);
-            float *dk = j->dk + ko + (j0 + i) * kvs, *dv = j->dv + ko + (j0 + i) * kvs;
-            for (int d = 0; d < hd; d++) dk[d] += ds * qt[d];
-            for (int d = 0; d < hd; d++) dv[d] += p * dot[d];
-            sc[i] = ds;
+            sc[i] *= il;                             /* P */
+            dp[i] = a->scale * sc[i] * (dp[i] - D); /* scale dS */
         }
-        j->kern->accum(sc, 1, kb + (size_t)j0 * stride, OP_TYPE_F32, stride, cn, hd, dqa);
+        cpu_rank1(j->dk + ko + j0 * kvs, kvs, cn, dp, qt, hd);
+        cpu_rank1(j->dv + ko + j0 * kvs, kvs, cn, sc, dot, hd);
+        j->kern->accum(dp, 1, kb + (size_t)j0 * stride, OP_TYPE_F32, stride, cn, hd, dqa);
     }
     memcpy(j->dq + qo, dqa, (size_t)hd * sizeof(float));
 }

@@ -2,13 +2,13 @@
 --hop drives each server's span, and with the f32 wire the adapter it writes equals the one
 a single process trains (bf16 wire: the same losses within bf16's rounding). A server
 SIGKILLed mid-run is replaced by a --spare of its span from the last snapshot, the step runs
-again, and the finished adapter still equals the undisturbed one. Refusals: a span the server
+again, and the finished adapter still equals the undisturbed one. Micro-batches pipelined over
+three servers give the adapter of a sequential run. Refusals: a span the server
 does not hold, a rank over the server's limit, a wrong secret."""
 import json
 import os
 import signal
 import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -98,6 +98,21 @@ def test_chain_equals_one_process_f32_wire(model, local_run, shards, tmp_path):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
     assert got[-1]["loss"] < got[0]["loss"]
     assert_same_adapter(adapter(out), ref, 1e-5)
+
+
+def test_pipelined_chain_equals_sequential(model, shards, tmp_path):
+    """Micro-batches of at most 16 rows, up to 3 in flight over 3 servers, against one process running
+    them one at a time."""
+    path, data = model
+    small = [a if a != "64" else "16" for a in TRAIN]
+    ref = str(tmp_path / "ref")
+    train(["--model", path, "--data", data, "--spans", "3", "--threads", "1", "--out", ref, *small])
+    hops = [shards(0, 1), shards(1, 2), shards(2, 3)]
+    out = str(tmp_path / "adapter")
+    res = train(["--model", path, "--data", data, *sum((["--hop", h.hop()] for h in hops), []), "--insecure",
+                 "--wire", "f32", "--pipeline", "3", "--out", out, *small])
+    assert all(g["micro_batches"] >= 2 for g in steps_of(res.stdout))
+    assert_same_adapter(adapter(out), adapter(ref), 1e-5)
 
 
 def test_bf16_wire_tracks_f32(model, local_run, shards, tmp_path):

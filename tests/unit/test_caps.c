@@ -26,47 +26,25 @@
 #include "status.h"
 #include "swarm-svc.h"
 #include "test-model.h"
+#include "test-shard.h"
 
 #define SECRET "unit-secret-caps"
 #define N_LAYERS 4
 
-typedef struct fixture {
-    mdl_model *m;
-    op_backend *be;
-    shard_core *core;
-    shard_server *srv;
-    rpc_channel *ch;
-} fixture;
+typedef shard_fixture fixture;
 
 /* A server for the whole random model with the given caps (0: defaults). */
 static void start(fixture *f, int max_sessions, int max_forward, int max_step) {
-    memset(f, 0, sizeof *f);
     mdl_config c = test_small_config(MDL_ARCH_LLAMA);
     c.n_layers = N_LAYERS;
-    mdl_open_options o = {0, N_LAYERS, true, true};
-    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &o, &f->m), FU_OK);
-    op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
-    f->be = op_backend_cpu_new(&co);
-    shard_core_options so = {.kv_budget_bytes = 4u << 20, .max_batch_tokens = 64, .kv_type = OP_TYPE_F32};
-    assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
     shard_server_config sc = {.listen = "127.0.0.1:0", .allow_insecure = true, .secret = SECRET,
                               .idle_timeout_ms = 5000, .n_workers = 2, .model_name = "random", .device = "cpu",
                               .tokens_per_s = 1.0, .max_sessions = max_sessions,
                               .max_forward_tokens = max_forward, .max_step_tokens = max_step};
-    assert_int_equal(shard_server_new(f->core, &sc, &f->srv), FU_OK);
-    assert_int_equal(shard_server_start(f->srv), FU_OK);
-    rpc_channel_options cho = {.insecure = true, .secret = SECRET};
-    assert_int_equal(rpc_channel_new(shard_server_address(f->srv), &cho, &f->ch), FU_OK);
+    shard_fixture_start(f, &c, (mdl_open_options){0, N_LAYERS, true, true}, 4u << 20, &sc);
 }
 
-static void stop(fixture *f) {
-    rpc_channel_free(f->ch);
-    shard_server_drain(f->srv, 0);
-    shard_server_free(f->srv);
-    shard_core_free(f->core);
-    op_backend_free(f->be);
-    mdl_free(f->m);
-}
+static void stop(fixture *f) { shard_fixture_stop(f); }
 
 static void nap_ms(int ms) {
     struct timespec ts = {0, ms * 1000000L};

@@ -2,7 +2,8 @@
  * activations equals recomputing them (with dropout too, whose masks a seed fixes);
  * refusals of budgets, adapters, batches and slots; a step with a non-finite gradient is
  * skipped and changes nothing; a stage whose server dies mid-run is replaced from the
- * snapshot and the run ends with the adapter of an undisturbed one, bit for bit; the
+ * snapshot and the run ends with the adapter of an undisturbed one, bit for bit; a
+ * pipeline of micro-batches in flight gives the sequential run's adapter, bit for bit; the
  * learning-rate schedules; the state's export in PEFT's order from a GGUF-layout model. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -327,6 +328,43 @@ static void test_failover_equals_undisturbed(void **state) {
     assert_memory_equal(ref, got, n_ref * sizeof(float));
 }
 
+/* Params after 3 steps over spans [0, 1) and [1, 2), micro-batches of at most
+ * 8 rows (one example each), `depth` of them in flight. */
+static void run_pipelined(int depth, float *out, size_t *n) {
+    mdl_config c = test_small_config(MDL_ARCH_QWEN2);
+    lora_config lc = test_lora(0.1f);
+    span_fx a, b;
+    span_open(&a, &c, 0, 1, &lc, TRN_RECOMPUTE);
+    span_open(&b, &c, 1, 2, &lc, TRN_KEEP);
+    trn_stage stages[2] = {trn_stage_local(a.t), trn_stage_local(b.t)};
+    trn_run_options o = run_options();
+    o.max_tokens = 8;
+    o.pipeline = depth;
+    trn_run *r = NULL;
+    assert_int_equal(trn_run_new(stages, 2, &o, &r), FU_OK);
+    for (int s = 0; s < 3; s++) {
+        trn_step_result res;
+        assert_int_equal(trn_run_step(r, examples, 4, &res), FU_OK);
+        assert_int_equal(res.micro_batches, 4);
+    }
+    memcpy(out, a.ad->data, a.ad->n_floats * sizeof(float));
+    memcpy(out + a.ad->n_floats, b.ad->data, b.ad->n_floats * sizeof(float));
+    *n = a.ad->n_floats + b.ad->n_floats;
+    trn_run_free(r);
+    span_close(&a);
+    span_close(&b);
+}
+
+static void test_pipeline_equals_sequential(void **state) {
+    (void)state;
+    static float ref[1 << 16], got[1 << 16];
+    size_t n_ref, n_got;
+    run_pipelined(1, ref, &n_ref);
+    run_pipelined(2, got, &n_got); /* the stages' 2 slots */
+    assert_int_equal(n_ref, n_got);
+    assert_memory_equal(ref, got, n_ref * sizeof(float));
+}
+
 static void test_schedules(void **state) {
     (void)state;
     trn_schedule s = {1.0f, 2, 10, TRN_DECAY_LINEAR};
@@ -371,6 +409,7 @@ int main(void) {
         cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_nonfinite_step_skipped),
         cmocka_unit_test(test_failover_equals_undisturbed),
+        cmocka_unit_test(test_pipeline_equals_sequential),
         cmocka_unit_test(test_schedules),
         cmocka_unit_test(test_state_in_peft_order),
     };
