@@ -124,7 +124,7 @@ static int set_log_level(void *ctx, const char *v) {
 
 /* ---- the table ------------------------------------------------------------------------------ */
 
-enum { GW_N_OPTIONS = 64 };
+enum { GW_N_OPTIONS = 80 };
 
 /* The gateway's options bound to one config (a value, so that it can be made anywhere). */
 typedef struct gw_options {
@@ -264,6 +264,15 @@ static gw_options options(gw_config *c) {
          .help = "request limit: top_logprobs (default 20)", .lo = 0, .hi = 64},
         {"max-messages", 0, FU_OPT_INT, FU_OPT_TO(l->max_messages),
          .help = "request limit: chat messages (default 4096)", .lo = 1, .hi = 1000000},
+        {"lora", 0, FU_OPT_LIST, FU_OPT_TO(c->loras), "NAME=DIR",
+         "serve the PEFT LoRA adapter in DIR as model NAME, a child of the base model\n"
+         "(repeatable); the shards get its blocks' slices on first use", .alias = "loras"},
+        {"lora-dir", 0, FU_OPT_PATH, FU_OPT_TO(c->lora_dir), "DIR",
+         "allow POST /v1/load_lora_adapter for adapters within DIR (default: refused)"},
+        {"max-lora-rank", 0, FU_OPT_INT, FU_OPT_TO(c->max_lora_rank), .help = "largest LoRA rank accepted",
+         .def = "256", .lo = 1, .hi = 4096},
+        {"max-loras", 0, FU_OPT_INT, FU_OPT_TO(c->max_loras), .help = "LoRA adapters loaded at once", .def = "8",
+         .lo = 1, .hi = 1024},
         {"log-level", 0, FU_OPT_CALL, .fn = set_log_level, .arg = "debug|info|warn|error",
          .help = "log threshold (default: env FUSION_LOG, else info)", .flags = FU_OPT_NOFILE},
         FU_OPT_END,

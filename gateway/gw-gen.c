@@ -67,6 +67,7 @@ struct gw_job {
     uint64_t seed;              /* request seed, or a random one */
     bool tools_on;              /* chat with tools: calls are parsed out of the output */
     uint64_t call_salt;         /* random: tool call ids */
+    gw_lora *lora;              /* the sessions' adapter (a reference), NULL: the base model */
     pthread_mutex_t mu;         /* everything below the prep fields */
     int refs;
     /* prepared once, by the first worker (prep_mu) */
@@ -136,10 +137,15 @@ static void gw_job_free(gw_job *j) {
     fu_buf_free(&j->out);
     free(j->body);
     gw_request_free(&j->req);
+    if (j->lora) gw_lora_put(j->e->model->loras, j->lora);
     pthread_mutex_destroy(&j->mu);
     pthread_mutex_destroy(&j->prep_mu);
     free(j);
 }
+
+void gw_job_set_lora(gw_job *j, gw_lora *l) { j->lora = l; }
+
+chain_client *gw_engine_chain(gw_engine *e) { return e->chain; }
 
 void gw_job_release(gw_job *j) {
     if (!j) return;
@@ -781,13 +787,26 @@ static int gw_run_timed_step(gw_run *r, const int32_t *in, int n, const chain_sp
     return rc;
 }
 
+/* Opens a chain session `id` on hops[0..n) into *out with the job's adapter,
+ * sending the hops its slices first; a hop that answers it holds none (it
+ * restarted) is sent them again and the open tried once more. */
+static int gw_open_chain(gw_run *r, const chain_hop *hops, int n, const char *id, chain_session **out) {
+    gw_engine *e = r->j->e;
+    gw_lora *l = r->j->lora;
+    int rc = l ? gw_lora_ensure(e->model->loras, e->chain, l, hops, n, false) : FU_OK;
+    if (!rc) rc = chain_session_open(e->chain, hops, n, id, r->max_length, l ? l->shard_id : NULL, out);
+    if (rc == FU_ERR_NOT_FOUND && l && !(rc = gw_lora_ensure(e->model->loras, e->chain, l, hops, n, true)))
+        rc = chain_session_open(e->chain, hops, n, id, r->max_length, l->shard_id, out);
+    return rc;
+}
+
 /* Opens a session on the leased path (swarm) into r->s and, when n_replay > 0, replays
  * hist[0..n_replay) as one prefill step without output, so that every hop's cache holds
  * those positions from 0. On failure r->s may be left open (gw_run_drop_path closes it). */
 static int gw_run_open_path(gw_run *r, int n_replay) {
     char id[128];
     snprintf(id, sizeof id, "%s.%d", r->sid, r->failovers);
-    int rc = chain_session_open(r->j->e->chain, r->lease.hops, r->lease.n_hops, id, r->max_length, NULL, &r->s);
+    int rc = gw_open_chain(r, r->lease.hops, r->lease.n_hops, id, &r->s);
     if (rc) return rc;
     chain_session_set_watch(r->s, gw_run_watch, r);
     if (n_replay == 0) return FU_OK;
@@ -803,7 +822,7 @@ static int gw_run_open_path(gw_run *r, int n_replay) {
 static int gw_run_open_session(gw_run *r, int n_replay) {
     gw_engine *e = r->j->e;
     if (!e->swarm) {
-        int rc = chain_session_open(e->chain, e->hops, e->n_hops, r->sid, r->max_length, NULL, &r->s);
+        int rc = gw_open_chain(r, e->hops, e->n_hops, r->sid, &r->s);
         if (rc) gw_chain_error(&r->err, rc);
         else chain_session_set_watch(r->s, gw_run_watch, r);
         return rc;

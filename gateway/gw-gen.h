@@ -23,6 +23,7 @@
 #include <stddef.h>
 
 #include "chat-template.h"
+#include "gw-lora.h"
 #include "gw-tools.h"
 #include "gw.h"
 #include "tokenizer.h"
@@ -35,6 +36,7 @@ typedef struct gw_model {
     int ctx;            /* the model's context length */
     int n_layers;       /* transformer blocks (routing over a swarm); 0: unknown */
     gw_tool_format tool_format; /* how the chat template's model writes tool calls (gw_tool_format_detect) */
+    gw_lora_set *loras; /* the LoRA adapters served besides the base model, borrowed; NULL: none */
 } gw_model;
 
 typedef struct gw_engine gw_engine;
@@ -69,6 +71,11 @@ int gw_render_chat(const gw_model *m, gw_request *r, char **out, gw_error *err);
 /* Creates a job for a parsed request, taking ownership of *req (zeroed). The
  * caller holds one reference. */
 int gw_job_new(gw_engine *e, gw_request *req, gw_job **out);
+/* Has the job's sessions open with LoRA adapter l (the job takes the reference,
+ * which it returns with gw_lora_put when it is freed). Before gw_job_submit. */
+void gw_job_set_lora(gw_job *j, gw_lora *l);
+/* The engine's chain client (its channels to the shards), for adapter loads. */
+chain_client *gw_engine_chain(gw_engine *e);
 /* Queues every choice of the job. FU_ERR_EXHAUSTED when the queue has no room
  * (nothing is queued then). */
 int gw_job_submit(gw_job *j);

@@ -210,6 +210,7 @@ static gw_route gw_route_of(const char *url, bool *post_expected) {
         {"/health", GW_ROUTE_HEALTH, false},            {"/metrics", GW_ROUTE_METRICS, false},
         {"/chat/completions", GW_ROUTE_CHAT, true},     {"/completions", GW_ROUTE_COMPLETIONS, true},
         {"/v1/health", GW_ROUTE_HEALTH, false},         {"/v1/swarm", GW_ROUTE_SWARM, false},
+        {"/v1/load_lora_adapter", GW_ROUTE_LOAD_LORA, true}, {"/v1/unload_lora_adapter", GW_ROUTE_UNLOAD_LORA, true},
     };
     for (size_t i = 0; i < sizeof routes / sizeof routes[0]; i++)
         if (!strcmp(url, routes[i].path)) {
@@ -457,12 +458,60 @@ static json_t *gw_model_object(gw_server *s) {
 
 static enum MHD_Result gw_route_models(gw_conn *c, const char *url) {
     gw_server *s = c->srv;
+    gw_lora_set *ls = s->model->loras;
     if (!strncmp(url, "/v1/models/", 11)) {
-        if (strcmp(url + 11, s->model->name))
-            return gw_fail(c, 404, "model", "model_not_found", "The model '%.200s' does not exist", url + 11);
-        return gw_respond_json(c, 200, gw_model_object(s));
+        json_t *o = !strcmp(url + 11, s->model->name) ? gw_model_object(s)
+                    : ls                             ? gw_lora_model(ls, s->model->name, url + 11)
+                                                     : NULL;
+        if (!o) return gw_fail(c, 404, "model", "model_not_found", "The model '%.200s' does not exist", url + 11);
+        return gw_respond_json(c, 200, o);
     }
-    return gw_respond_json(c, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", gw_model_object(s)));
+    json_t *data = json_pack("[o]", gw_model_object(s));
+    if (!data || (ls && gw_lora_models(ls, s->model->name, data))) {
+        json_decref(data);
+        return gw_fail(c, 500, NULL, NULL, "out of memory");
+    }
+    return gw_respond_json(c, 200, json_pack("{s:s, s:o}", "object", "list", "data", data));
+}
+
+/* A string member of a request body, or NULL with *err (400 naming it). */
+static const char *gw_body_string(const json_t *body, const char *key, gw_error *err) {
+    const char *v = json_string_value(json_object_get(body, key));
+    if (!v) gw_error_set(err, 400, key, "missing_required_parameter", "'%s' is required (a string)", key);
+    return v;
+}
+
+/* 200 with plain text msg (vLLM's answer to adapter loads). */
+static enum MHD_Result gw_respond_text(gw_conn *c, const char *msg) {
+    char *copy = strdup(msg);
+    if (!copy) return gw_fail(c, 500, NULL, NULL, "out of memory");
+    return gw_respond(c, 200, "text/plain; charset=utf-8", copy, strlen(copy));
+}
+
+/* POST /v1/load_lora_adapter {lora_name, lora_path} (vLLM's shape). */
+static enum MHD_Result gw_route_load_lora(gw_conn *c, const json_t *body) {
+    gw_server *s = c->srv;
+    gw_error err;
+    if (!s->model->loras) return gw_fail(c, 403, NULL, NULL, "this gateway serves no LoRA adapters");
+    const char *name = gw_body_string(body, "lora_name", &err), *path = name ? gw_body_string(body, "lora_path", &err) : NULL;
+    if (!path || gw_lora_add(s->model->loras, name, path, s->model->name, true, &err)) return gw_respond_error(c, &err);
+    char msg[256];
+    snprintf(msg, sizeof msg, "Success: LoRA adapter '%.128s' added successfully.", name);
+    return gw_respond_text(c, msg);
+}
+
+/* POST /v1/unload_lora_adapter {lora_name}. */
+static enum MHD_Result gw_route_unload_lora(gw_conn *c, const json_t *body) {
+    gw_server *s = c->srv;
+    gw_error err;
+    const char *name = gw_body_string(body, "lora_name", &err);
+    if (name && !s->model->loras)
+        return gw_fail(c, 404, "lora_name", "model_not_found", "The lora adapter '%.128s' cannot be found.", name);
+    if (!name || gw_lora_remove(s->model->loras, gw_engine_chain(s->engine), name, &err))
+        return gw_respond_error(c, &err);
+    char msg[256];
+    snprintf(msg, sizeof msg, "Success: LoRA adapter '%.128s' removed successfully.", name);
+    return gw_respond_text(c, msg);
 }
 
 static enum MHD_Result gw_route_metrics(gw_conn *c) {
@@ -636,7 +685,8 @@ static enum MHD_Result gw_route_generate(gw_conn *c, const json_t *body) {
     gw_request r;
     gw_error err;
     if (gw_request_parse(body, kind, &s->cfg->limits, s->model->vocab, &r, &err)) return gw_respond_error(c, &err);
-    if (r.model && strcmp(r.model, s->model->name)) {
+    gw_lora *lora = NULL;
+    if (r.model && strcmp(r.model, s->model->name) && !(s->model->loras && (lora = gw_lora_get(s->model->loras, r.model)))) {
         gw_error_set(&err, 404, "model", "model_not_found",
                      "The model '%.200s' does not exist or you do not have access to it.", r.model);
         err.type = "invalid_request_error";
@@ -646,8 +696,10 @@ static enum MHD_Result gw_route_generate(gw_conn *c, const json_t *body) {
     gw_job *j = NULL;
     if (gw_job_new(s->engine, &r, &j)) {
         gw_request_free(&r);
+        if (lora) gw_lora_put(s->model->loras, lora);
         return gw_fail(c, 500, NULL, NULL, "out of memory");
     }
+    gw_job_set_lora(j, lora);
     gw_job_lock(j);
     gw_job_set_wake(j, gw_wake, c);
     gw_job_unlock(j);
@@ -807,6 +859,8 @@ static void gw_body_run(gw_conn *c) {
     else if (c->route == GW_ROUTE_TOKENIZE) ret = gw_route_tokenize(c, body);
     else if (c->route == GW_ROUTE_DETOKENIZE) ret = gw_route_detokenize(c, body);
     else if (c->route == GW_ROUTE_APPLY_TEMPLATE) ret = gw_route_apply_template(c, body);
+    else if (c->route == GW_ROUTE_LOAD_LORA) ret = gw_route_load_lora(c, body);
+    else if (c->route == GW_ROUTE_UNLOAD_LORA) ret = gw_route_unload_lora(c, body);
     else ret = gw_route_generate(c, body);
     json_decref(body);
     fu_buf_free(&c->body);

@@ -250,6 +250,10 @@ typedef struct gw_config {
     int hidden_size;        /* the model's hidden size: bytes per token between servers = this x 2 (bf16) */
     gw_link_cfg links[GW_MAX_LINKS]; /* given figures; they override measurements */
     int n_links;
+    fu_opt_list loras;      /* "NAME=DIR": LoRA adapters served from the start (gw-lora.h) */
+    char *lora_dir;         /* runtime loads (POST /v1/load_lora_adapter) from within it; NULL: refused */
+    int max_lora_rank;      /* (256) */
+    int max_loras;          /* adapters at once (8) */
 } gw_config;
 
 /* The shortest swarm secret accepted (bytes). */
@@ -291,6 +295,8 @@ typedef enum gw_route {
     GW_ROUTE_HEALTH,
     GW_ROUTE_METRICS,
     GW_ROUTE_SWARM,
+    GW_ROUTE_LOAD_LORA,   /* POST /v1/load_lora_adapter */
+    GW_ROUTE_UNLOAD_LORA, /* POST /v1/unload_lora_adapter */
     GW_ROUTE_OTHER,
     GW_ROUTE_COUNT
 } gw_route;

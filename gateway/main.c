@@ -83,12 +83,27 @@ static int write_port_file(const char *path, int port) {
     return FU_OK;
 }
 
+/* The adapter set with every --lora NAME=DIR loaded. */
+static int gw_loras_open(const gw_config *cfg, const gw_loaded *l, gw_lora_set **out) {
+    gw_lora_options lo = {&l->m->cfg, cfg->lora_dir, cfg->max_lora_rank, cfg->max_loras};
+    int rc = gw_lora_set_new(&lo, out);
+    for (size_t i = 0; !rc && i < cfg->loras.n; i++) {
+        char *spec = cfg->loras.items[i], *eq = strchr(spec, '=');
+        gw_error err;
+        if (!eq) return fu_errorf(FU_ERR_INVALID, "--lora %s: expected NAME=DIR", spec);
+        *eq = '\0';
+        if (gw_lora_add(*out, spec, eq + 1, l->name, false, &err)) rc = fu_errorf(FU_ERR_INVALID, "--lora %s: %s", spec, err.message);
+        *eq = '=';
+    }
+    return rc;
+}
+
 /* Serves the OpenAI API over the shards until SIGINT or SIGTERM; the exit status. */
 static int serve(gw_config *cfg, const gw_loaded *l) {
     const mdl_config *mc = &l->m->cfg;
     /* token ids are checked against the model's vocabulary (the LM head's rows) */
     gw_model model = {l->tok, l->tpl, l->name, mc->vocab_size, mc->max_seq_len, mc->n_layers,
-                      gw_tool_format_detect(tok_chat_template(l->tok))};
+                      gw_tool_format_detect(tok_chat_template(l->tok)), NULL};
     cfg->hidden_size = mc->dim; /* what a token costs on the wire between servers */
     signal(SIGPIPE, SIG_IGN);
     sigset_t set;
@@ -100,7 +115,8 @@ static int serve(gw_config *cfg, const gw_loaded *l) {
     gw_engine *engine = NULL;
     gw_server *server = NULL;
     int port = 0, sig = 0;
-    int rc = gw_metrics_new(&metrics);
+    int rc = gw_loras_open(cfg, l, &model.loras);
+    if (!rc) rc = gw_metrics_new(&metrics);
     if (!rc) rc = gw_engine_new(cfg, &model, metrics, &engine);
     if (!rc) rc = gw_server_start(cfg, &model, engine, metrics, &server, &port);
     if (!rc)
@@ -118,6 +134,7 @@ static int serve(gw_config *cfg, const gw_loaded *l) {
     gw_server_stop(server);
     gw_engine_free(engine);
     gw_metrics_free(metrics);
+    gw_lora_set_free(model.loras);
     return rc ? 1 : 0;
 }
 

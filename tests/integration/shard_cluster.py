@@ -222,7 +222,8 @@ def stream_completion(url, key, body, on_chunk=None):
 
 
 def api_request(gw, method, path, body=None, key=None, timeout=60):
-    """One JSON request to a Gateway (body: JSON-able or None); returns (status, parsed JSON body)."""
+    """One JSON request to a Gateway (body: JSON-able or None); returns (status, the body parsed as
+    JSON, or as text when it is not JSON)."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(gw.url + path, data=data, method=method)
     if data is not None:
@@ -231,7 +232,8 @@ def api_request(gw, method, path, body=None, key=None, timeout=60):
         req.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
+            raw = r.read()
+            return r.status, json.loads(raw) if r.headers.get_content_type() == "application/json" else raw.decode()
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"null")
 
