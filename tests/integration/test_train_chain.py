@@ -93,7 +93,7 @@ def test_chain_equals_one_process_f32_wire(model, local_run, shards, tmp_path):
     out = str(tmp_path / "adapter")
     res = train(["--model", path, "--data", data, "--hop", a.hop(), "--hop", b.hop(), "--insecure", "--wire", "f32",
                  "--out", out, *TRAIN])
-    got, (ref_steps, ref) = steps_of(res.stdout), local_run
+    got, (ref_steps, ref, _) = steps_of(res.stdout), local_run
     assert [g["step"] for g in got] == list(range(1, STEPS + 1))
     for g, r in zip(got, ref_steps):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
