@@ -9,6 +9,7 @@
 
 #include "clock.h"
 #include "grow.h"
+#include "lora.h"
 #include "rpc-base.h"
 #include "shard-svc.h"
 #include "status.h"
@@ -149,7 +150,7 @@ static int chain_channel(chain_client *c, const chain_hop *hop, rpc_channel **ou
 
 void chain_session_close(chain_session *s) {
     if (!s) return;
-    for (int i = 0; i < s->n_links; i++) {
+    for (int i = 0; s->links && i < s->n_hops; i++) { /* with forwarding only link 0 has a stream */
         shard_svc_session_close(s->links[i].sess, "client closed");
         free(s->links[i].address);
         free(s->links[i].tls_name);
@@ -233,6 +234,54 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
 }
 
 int64_t chain_session_len(const chain_session *s) { return s->len; }
+
+/* ---- adapters ------------------------------------------------------------------------------- */
+
+/* Checks that whole-model adapter `whole` can be sliced to hop's span: PEFT's row order, the
+ * span inside the adapter's blocks. FU_ERR_INVALID naming the hop. */
+static int chain_adapter_check(const chain_hop *hop, const lora_adapter *whole) {
+    if (!hop->address) return fu_errorf(FU_ERR_INVALID, "chain: the hop has no address");
+    if (whole->qk_interleaved)
+        return fu_errorf(FU_ERR_INVALID, "shard %s: the adapter must hold q/k rows in PEFT's order", hop->address);
+    if (hop->first_block < whole->first || hop->last_block > whole->last || hop->last_block <= hop->first_block)
+        return fu_errorf(FU_ERR_INVALID, "shard %s: blocks [%d, %d) are not inside the adapter's [%d, %d)",
+                         hop->address, hop->first_block, hop->last_block, whole->first, whole->last);
+    return FU_OK;
+}
+
+int chain_adapter_load(chain_client *c, const chain_hop *hop, const char *adapter_id, const lora_adapter *whole) {
+    int rc = chain_adapter_check(hop, whole);
+    rpc_channel *ch = NULL;
+    if (rc || (rc = chain_channel(c, hop, &ch))) return rc;
+    /* an adapter's floats run block after block, each block's laid out alike: the span's are one slice */
+    const size_t per_block = whole->n_floats / (size_t)(whole->last - whole->first);
+    const size_t n = per_block * (size_t)(hop->last_block - hop->first_block);
+    const float *x = whole->data + per_block * (size_t)(hop->first_block - whole->first);
+    uint8_t *bytes = malloc(wire_data_bytes(WIRE_F32, n) + 1);
+    if (!bytes) return fu_errorf(FU_ERR_NOMEM, "shard %s: adapter of %zu floats", hop->address, n);
+    wire_encode(x, n, WIRE_F32, 0, bytes, NULL);
+    const char *names[LORA_N_TARGETS];
+    shard_svc_lora spec = shard_svc_lora_of(&whole->cfg, names);
+    int64_t shape[1] = {(int64_t)n};
+    wire_tensor params = {.dtype = WIRE_F32, .n_shape = 1, .shape = shape, .data = bytes,
+                          .data_len = wire_data_bytes(WIRE_F32, n)};
+    shard_svc_state state = {hop->first_block, hop->last_block, &spec, &params, NULL, NULL};
+    rpc_status st = {0};
+    int64_t held = 0;
+    int code = shard_svc_adapter_load(ch, adapter_id, &state, c->o.timeout_ms, &held, &st);
+    free(bytes);
+    return code ? chain_fail(hop->address, code, &st) : FU_OK;
+}
+
+int chain_adapter_unload(chain_client *c, const chain_hop *hop, const char *adapter_id) {
+    rpc_channel *ch = NULL;
+    if (!hop->address) return fu_errorf(FU_ERR_INVALID, "chain: the hop has no address");
+    int rc = chain_channel(c, hop, &ch);
+    if (rc) return rc;
+    rpc_status st = {0};
+    int code = shard_svc_adapter_unload(ch, adapter_id, c->o.timeout_ms, &st);
+    return code ? chain_fail(hop->address, code, &st) : FU_OK;
+}
 
 _Static_assert((int)CHAIN_WAIT == (int)SHARD_SVC_WAIT && (int)CHAIN_CANCEL == (int)SHARD_SVC_CANCEL &&
                    (int)CHAIN_GIVE_UP == (int)SHARD_SVC_GIVE_UP,

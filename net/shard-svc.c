@@ -631,9 +631,10 @@ static int forward_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMe
     return RPC_OK;
 }
 
-/* An Info reply and its dtype array. */
+/* An Info reply, the handler's reply it points into, and its dtype array. */
 typedef struct info_msg {
-    Fusion__InfoReply rep;
+    Fusion__InfoReply rep; /* first: info_free casts back */
+    shard_svc_info v;
     Fusion__Dtype dtypes[];
 } info_msg;
 
@@ -643,7 +644,43 @@ static void free_msg(void *ctx, ProtobufCMessage *msg) {
     free(msg);
 }
 
-/* Info: the handler's figures packed (its strings outlive the call). */
+/* Frees an Info reply once sent, after the handler's info_done (if any) released its reply. */
+static void info_free(void *ctx, ProtobufCMessage *msg) {
+    const shard_svc_handlers *h = ctx;
+    info_msg *m = (info_msg *)msg;
+    if (h->info_done) h->info_done(h->ctx, &m->v);
+    free(m);
+}
+
+/* The InfoReply of the handler's figures v, pointing into v. */
+static void info_pack(const shard_svc_info *v, Fusion__InfoReply *r, Fusion__Dtype *dtypes) {
+    fusion__info_reply__init(r);
+    r->model_name = svc_str(v->model_name);
+    r->n_layers = v->n_layers;
+    r->first_block = v->first_block;
+    r->last_block = v->last_block;
+    r->has_embeddings = v->has_embeddings;
+    r->has_head = v->has_head;
+    r->dtype = svc_str(v->dtype);
+    r->device = svc_str(v->device);
+    r->tokens_per_s = v->tokens_per_s;
+    r->free_kv_bytes = v->free_kv_bytes;
+    r->total_kv_bytes = v->total_kv_bytes;
+    r->active_sessions = v->active_sessions;
+    r->version = svc_str(v->version);
+    r->hidden_size = v->hidden_size;
+    r->vocab_size = v->vocab_size;
+    r->max_length = v->max_length;
+    for (size_t i = 0; i < v->n_wire_dtypes; i++) dtypes[i] = (Fusion__Dtype)v->wire_dtypes[i];
+    r->n_wire_dtypes = v->n_wire_dtypes;
+    r->wire_dtypes = v->n_wire_dtypes ? dtypes : NULL;
+    r->n_adapters = v->n_adapters;
+    r->adapters = (char **)v->adapters;
+    r->max_message_bytes = v->max_message_bytes;
+    r->kv_bytes_per_position = v->kv_bytes_per_position;
+}
+
+/* Info: the handler's figures packed (released by info_free). */
 static int info_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessage **reply, rpc_status *st) {
     (void)req_msg;
     const shard_svc_handlers *h = ctx;
@@ -651,33 +688,13 @@ static int info_entry(void *ctx, const ProtobufCMessage *req_msg, ProtobufCMessa
     int rc = h->info(h->ctx, &v, st);
     if (rc) return rc;
     info_msg *m = malloc(sizeof *m + v.n_wire_dtypes * sizeof m->dtypes[0]);
-    if (!m) return svc_no_memory(st);
-    Fusion__InfoReply *r = &m->rep;
-    fusion__info_reply__init(r);
-    r->model_name = svc_str(v.model_name);
-    r->n_layers = v.n_layers;
-    r->first_block = v.first_block;
-    r->last_block = v.last_block;
-    r->has_embeddings = v.has_embeddings;
-    r->has_head = v.has_head;
-    r->dtype = svc_str(v.dtype);
-    r->device = svc_str(v.device);
-    r->tokens_per_s = v.tokens_per_s;
-    r->free_kv_bytes = v.free_kv_bytes;
-    r->total_kv_bytes = v.total_kv_bytes;
-    r->active_sessions = v.active_sessions;
-    r->version = svc_str(v.version);
-    r->hidden_size = v.hidden_size;
-    r->vocab_size = v.vocab_size;
-    r->max_length = v.max_length;
-    for (size_t i = 0; i < v.n_wire_dtypes; i++) m->dtypes[i] = (Fusion__Dtype)v.wire_dtypes[i];
-    r->n_wire_dtypes = v.n_wire_dtypes;
-    r->wire_dtypes = v.n_wire_dtypes ? m->dtypes : NULL;
-    r->n_adapters = v.n_adapters;
-    r->adapters = (char **)v.adapters;
-    r->max_message_bytes = v.max_message_bytes;
-    r->kv_bytes_per_position = v.kv_bytes_per_position;
-    *reply = &r->base;
+    if (!m) {
+        if (h->info_done) h->info_done(h->ctx, &v);
+        return svc_no_memory(st);
+    }
+    m->v = v;
+    info_pack(&m->v, &m->rep, m->dtypes);
+    *reply = &m->rep.base;
     return RPC_OK;
 }
 
@@ -735,7 +752,7 @@ int shard_svc_serve(rpc_server *srv, const shard_svc_handlers *h) {
         rc = rpc_server_add_unary(srv, RPC_SHARD_FORWARD, &fusion__forward_request__descriptor, forward_entry,
                                   forward_free, (void *)h);
     if (!rc && h->info)
-        rc = rpc_server_add_unary(srv, RPC_SHARD_INFO, &fusion__info_request__descriptor, info_entry, free_msg,
+        rc = rpc_server_add_unary(srv, RPC_SHARD_INFO, &fusion__info_request__descriptor, info_entry, info_free,
                                   (void *)h);
     if (!rc && h->health)
         rc = rpc_server_add_unary(srv, RPC_SHARD_HEALTH, &fusion__health_request__descriptor, health_entry, free_msg,
@@ -743,6 +760,7 @@ int shard_svc_serve(rpc_server *srv, const shard_svc_handlers *h) {
     if (!rc)
         rc = rpc_server_add_unary(srv, RPC_SHARD_ECHO, &fusion__echo_request__descriptor, echo_entry, echo_free,
                                   NULL);
+    if (!rc) rc = svc_adapter_serve(srv, h);
     return rc;
 }
 

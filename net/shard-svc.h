@@ -1,4 +1,4 @@
-/* shard-svc.h -- the fusion.Shard service in plain C: Session streams, Forward, Info, Health, Echo.
+/* shard-svc.h -- the fusion.Shard service in plain C: Session streams, Forward, Info, Health, Echo, adapters.
  *
  * Role: the one place that knows fusion.Shard's messages (net/proto/fusion.proto).
  * Components describe requests and replies with the structs below; this module
@@ -6,7 +6,8 @@
  * structs, so nothing above net/ sees generated code. It also holds the client
  * side of the chain protocol once (shard_svc_session_*): the Session stream the
  * gateway opens on each hop and the one a shard opens on its next hop when it
- * forwards, so both build the same open and step requests.
+ * forwards, so both build the same open and step requests. LoadAdapter and
+ * UnloadAdapter (shard-svc-adapter.c) put LoRA adapters on a server by id.
  *
  * Every struct mirrors the proto message of the same name (OpenSession ->
  * shard_svc_open, StepRequest -> shard_svc_step, ...), with the same field
@@ -48,6 +49,10 @@
  * adapter ids), in bytes. */
 #define SHARD_SVC_MAX_ID 128
 #define SHARD_SVC_MAX_NAME 256
+
+/* Most target module names of a LoraSpec, and the longest one, in bytes. */
+#define SHARD_SVC_MAX_TARGETS 16
+#define SHARD_SVC_MAX_TARGET_NAME 64
 
 /* Longest Echo reply a server sends (EchoRequest.reply_bytes). */
 #define SHARD_SVC_ECHO_MAX (4 << 20)
@@ -208,6 +213,25 @@ typedef struct shard_svc_info {
     int64_t max_message_bytes, kv_bytes_per_position;
 } shard_svc_info;
 
+/* LoraSpec (fusion.Train's, also LoadAdapter's). */
+typedef struct shard_svc_lora {
+    int32_t r;
+    float alpha, dropout;
+    bool use_rslora;
+    const char *const *targets; /* (n_targets) PEFT's names, or the one name "all-linear" */
+    size_t n_targets;
+    uint64_t init_seed;
+} shard_svc_lora;
+
+/* AdapterState (fusion.Train's, also LoadAdapter's): a span's adapter, params flat in PEFT's order. */
+typedef struct shard_svc_state {
+    int32_t first_block, last_block;
+    const shard_svc_lora *lora;       /* NULL: absent */
+    const wire_tensor *params;        /* NULL: absent */
+    const wire_tensor *moment1;       /* NULL: zeros */
+    const wire_tensor *moment2;       /* NULL: zeros */
+} shard_svc_state;
+
 /* HealthReply.ServingStatus. */
 typedef enum shard_svc_serving {
     SHARD_SVC_SERVING_UNKNOWN = 0,
@@ -232,6 +256,11 @@ shard_svc_sampling shard_svc_sampling_from_params(const smp_params *p, int64_t p
  * w->logit_bias. */
 smp_params shard_svc_sampling_to_params(const shard_svc_sampling *w);
 
+/* The LoraSpec of adapter config `cfg` (r, alpha, dropout, rslora; init_seed 0), its targets'
+ * PEFT names written into names[0..LORA_N_TARGETS) (the caller's; the spec points at them). */
+struct lora_config;
+shard_svc_lora shard_svc_lora_of(const struct lora_config *cfg, const char **names);
+
 /* ---- server ----------------------------------------------------------------------------- */
 
 /* The server side of one Session stream. */
@@ -254,9 +283,17 @@ typedef struct shard_svc_handlers {
                    rpc_status *st);
     void (*forward_done)(void *ctx, void *hold);
     /* Info / Health: fill *reply (zeroed); its strings must outlive the call (they are packed
-     * after it returns): point them at the server's configuration or static text. */
+     * after it returns): point them at the server's configuration or static text, or, for
+     * Info, at memory that info_done (NULL: none) releases once the reply was sent; info_done
+     * runs after every successful info call. */
     int (*info)(void *ctx, shard_svc_info *reply, rpc_status *st);
     int (*health)(void *ctx, shard_svc_health *reply, rpc_status *st);
+    /* LoadAdapter: adapter `id` (1..SHARD_SVC_MAX_NAME bytes, no control characters) from
+     * `state` (views valid during the call; its lora and params checked present); *bytes: the
+     * memory it holds. UnloadAdapter: adapter `id` (checked alike). */
+    int (*load_adapter)(void *ctx, const char *id, const shard_svc_state *state, int64_t *bytes, rpc_status *st);
+    int (*unload_adapter)(void *ctx, const char *id, rpc_status *st);
+    void (*info_done)(void *ctx, shard_svc_info *reply);
 } shard_svc_handlers;
 
 /* Registers the Shard service's methods on srv (before rpc_server_start); h is
@@ -286,6 +323,18 @@ int shard_svc_request_decode(const void *data, size_t len, size_t max_bytes, con
                              rpc_status *st);
 /* Frees a request from shard_svc_request_decode. NULL is a no-op. */
 void shard_svc_request_free(const shard_svc_request *req);
+
+/* The unary requests shard_svc_adapter_request_check reads. */
+typedef enum shard_svc_adapter_call {
+    SHARD_SVC_LOAD_ADAPTER = 0,
+    SHARD_SVC_UNLOAD_ADAPTER,
+} shard_svc_adapter_call;
+
+/* Decodes wire bytes as a LoadAdapterRequest / UnloadAdapterRequest and builds its view as the
+ * server would, then frees both (fuzzing, tests): RPC_OK, or the code the server would answer
+ * (INVALID_ARGUMENT for malformed bytes or a refused field, RESOURCE_EXHAUSTED past max_bytes). */
+int shard_svc_adapter_request_check(shard_svc_adapter_call call, const void *data, size_t len, size_t max_bytes,
+                                    rpc_status *st);
 
 /* Packs a step reply as the stream would send it and returns its size in
  * bytes in *bytes (fuzzing, tests). RPC_OK or RPC_RESOURCE_EXHAUSTED. */
@@ -338,6 +387,13 @@ void shard_svc_session_close(shard_svc_session *s, const char *reason);
 int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rpc_status *st);
 /* Frees a reply of shard_svc_info_get. NULL is a no-op. */
 void shard_svc_info_free(shard_svc_info *info);
+
+/* Calls LoadAdapter: adapter `id` from `state` (borrowed for the call); RPC_OK with *bytes the
+ * memory the server holds for it, else the transport's or the server's code (message in st). */
+int shard_svc_adapter_load(rpc_channel *ch, const char *id, const shard_svc_state *state, int timeout_ms,
+                           int64_t *bytes, rpc_status *st);
+/* Calls UnloadAdapter for adapter `id`: RPC_OK, or a code (RPC_NOT_FOUND: the server holds none). */
+int shard_svc_adapter_unload(rpc_channel *ch, const char *id, int timeout_ms, rpc_status *st);
 
 /* Calls Echo asking reply_bytes back; RPC_OK or a code. */
 int shard_svc_echo(rpc_channel *ch, int reply_bytes, int timeout_ms, rpc_status *st);

@@ -87,3 +87,90 @@ int svc_input_view(const Fusion__Input *m, int32_t *tokens, shard_svc_input *v, 
     }
     return RPC_OK;
 }
+
+/* ---- adapter states -------------------------------------------------------------------- */
+
+void svc_lora_pack(const shard_svc_lora *v, Fusion__LoraSpec *m) {
+    fusion__lora_spec__init(m);
+    m->r = v->r;
+    m->lora_alpha = v->alpha;
+    m->lora_dropout = v->dropout;
+    m->use_rslora = v->use_rslora;
+    m->n_target_modules = v->n_targets;
+    m->target_modules = v->n_targets ? (char **)v->targets : NULL;
+    m->init_seed = v->init_seed;
+}
+
+Fusion__Tensor *svc_tensor_opt_pack(const wire_tensor *v, Fusion__Tensor *m) {
+    if (!v) return NULL;
+    svc_tensor_pack(v, m);
+    return m;
+}
+
+void svc_state_pack(const shard_svc_state *v, svc_state_msg *m) {
+    fusion__adapter_state__init(&m->s);
+    m->s.first_block = v->first_block;
+    m->s.last_block = v->last_block;
+    if (v->lora) {
+        svc_lora_pack(v->lora, &m->lora);
+        m->s.lora = &m->lora;
+    }
+    m->s.params = svc_tensor_opt_pack(v->params, &m->params);
+    m->s.moment1 = svc_tensor_opt_pack(v->moment1, &m->moment1);
+    m->s.moment2 = svc_tensor_opt_pack(v->moment2, &m->moment2);
+}
+
+Fusion__AdapterState *svc_state_opt_pack(const shard_svc_state *v, svc_state_msg *m) {
+    if (!v) return NULL;
+    svc_state_pack(v, m);
+    return &m->s;
+}
+
+int svc_lora_view(const Fusion__LoraSpec *m, shard_svc_lora *v, const char *what, rpc_status *st) {
+    *v = (shard_svc_lora){.alpha = m->lora_alpha, .dropout = m->lora_dropout, .use_rslora = m->use_rslora,
+                          .targets = (const char *const *)m->target_modules, .n_targets = m->n_target_modules,
+                          .init_seed = m->init_seed};
+    char name[96];
+    snprintf(name, sizeof name, "%s.", what);
+    svc_i32 f[] = {{"r", m->r, &v->r}};
+    int rc = svc_narrow(f, 1, name, st);
+    if (rc) return rc;
+    if (m->n_target_modules > SHARD_SVC_MAX_TARGETS)
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s.target_modules: %zu names, at most %d", what,
+                               m->n_target_modules, SHARD_SVC_MAX_TARGETS);
+    for (size_t i = 0; i < m->n_target_modules && !rc; i++) {
+        snprintf(name, sizeof name, "%s.target_modules[%zu]", what, i);
+        rc = svc_name_check(m->target_modules[i], SHARD_SVC_MAX_TARGET_NAME, name, st);
+    }
+    return rc;
+}
+
+int svc_tensor_opt_view(const Fusion__Tensor *m, wire_tensor *v, const wire_tensor **out, const char *what,
+                        const char *field, rpc_status *st) {
+    *out = NULL;
+    if (!m) return RPC_OK;
+    char name[96];
+    snprintf(name, sizeof name, "%s%s", what, field);
+    int rc = svc_tensor_view(m, v, name, st);
+    if (!rc) *out = v;
+    return rc;
+}
+
+int svc_state_view_set(const Fusion__AdapterState *m, svc_state_view *b, const char *what, rpc_status *st) {
+    shard_svc_state *v = &b->state;
+    *v = (shard_svc_state){0};
+    char name[96];
+    snprintf(name, sizeof name, "%s.", what);
+    svc_i32 f[] = {{"first_block", m->first_block, &v->first_block}, {"last_block", m->last_block, &v->last_block}};
+    int rc = svc_narrow(f, 2, name, st);
+    if (!rc && m->lora) {
+        snprintf(name, sizeof name, "%s.lora", what);
+        rc = svc_lora_view(m->lora, &b->lora, name, st);
+        v->lora = &b->lora;
+    }
+    if (!rc) rc = svc_tensor_opt_view(m->params, &b->params, &v->params, what, ".params", st);
+    if (!rc) rc = svc_tensor_opt_view(m->moment1, &b->moment1, &v->moment1, what, ".moment1", st);
+    if (!rc) rc = svc_tensor_opt_view(m->moment2, &b->moment2, &v->moment2, what, ".moment2", st);
+    return rc;
+}
+

@@ -4,7 +4,7 @@
  * a peer's out-of-range value reaches the receiver intact; the plain structs of the service
  * headers hold them as int32, and these helpers narrow them, refusing (never truncating) a value
  * that does not fit. Received names are refused with control characters or beyond a length.
- * Tensors and Inputs are viewed (and packed) here once for every service. Threads: stateless.
+ * Tensors, Inputs and adapter states are viewed (and packed) here once for every service. Threads: stateless.
  * Ownership: nothing is kept; views point into the message they were made from, packed messages
  * into the structs they were packed from.
  */
@@ -74,5 +74,47 @@ void svc_input_pack(const shard_svc_input *v, int64_t *tokens, Fusion__Input *m,
  * beyond int32 are refused (INVALID_ARGUMENT naming "<what>.tokens" / "<what>.hidden"). */
 int svc_input_view(const Fusion__Input *m, int32_t *tokens, shard_svc_input *v, wire_tensor *hidden,
                    const char *what, rpc_status *st);
+
+/* v packed into *m and returned; NULL (nothing packed) for an absent tensor. */
+Fusion__Tensor *svc_tensor_opt_pack(const wire_tensor *v, Fusion__Tensor *m);
+
+/* The view of a received optional Tensor in *v, with *out = v, or *out = NULL when absent; named
+ * what + field in a refusal. */
+int svc_tensor_opt_view(const Fusion__Tensor *m, wire_tensor *v, const wire_tensor **out, const char *what,
+                        const char *field, rpc_status *st);
+
+/* A LoraSpec with v's values, its target names borrowed. */
+void svc_lora_pack(const shard_svc_lora *v, Fusion__LoraSpec *m);
+
+/* An AdapterState with the sub-messages it points to. */
+typedef struct svc_state_msg {
+    Fusion__AdapterState s; /* first: a reply casts back */
+    Fusion__LoraSpec lora;
+    Fusion__Tensor params, moment1, moment2;
+} svc_state_msg;
+
+/* The AdapterState of v in *m, pointing into v. */
+void svc_state_pack(const shard_svc_state *v, svc_state_msg *m);
+
+/* v packed into *m and its message returned; NULL (nothing packed) for an absent state. */
+Fusion__AdapterState *svc_state_opt_pack(const shard_svc_state *v, svc_state_msg *m);
+
+/* A received AdapterState's view and the views it points to. */
+typedef struct svc_state_view {
+    shard_svc_state state;
+    shard_svc_lora lora;
+    wire_tensor params, moment1, moment2;
+} svc_state_view;
+
+/* The view of a received AdapterState named `what` in b->state: blocks narrowed, its LoraSpec's r
+ * narrowed and at most SHARD_SVC_MAX_TARGETS target names of at most SHARD_SVC_MAX_TARGET_NAME
+ * bytes without control characters (else INVALID_ARGUMENT naming the field). */
+int svc_state_view_set(const Fusion__AdapterState *m, svc_state_view *b, const char *what, rpc_status *st);
+
+/* The view of a received LoraSpec named `what` (checked as in svc_state_view_set). */
+int svc_lora_view(const Fusion__LoraSpec *m, shard_svc_lora *v, const char *what, rpc_status *st);
+
+/* Registers LoadAdapter / UnloadAdapter (those of h's handlers that are set) on srv. */
+int svc_adapter_serve(rpc_server *srv, const shard_svc_handlers *h);
 
 #endif

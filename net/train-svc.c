@@ -37,46 +37,6 @@ static const struct {
 
 /* ---- packing: plain structs -> messages (pointing into the structs) ------------------------- */
 
-/* A LoraSpec with v's values, its target names borrowed. */
-static void lora_pack(const train_svc_lora *v, Fusion__LoraSpec *m) {
-    fusion__lora_spec__init(m);
-    m->r = v->r;
-    m->lora_alpha = v->alpha;
-    m->lora_dropout = v->dropout;
-    m->use_rslora = v->use_rslora;
-    m->n_target_modules = v->n_targets;
-    m->target_modules = v->n_targets ? (char **)v->targets : NULL;
-    m->init_seed = v->init_seed;
-}
-
-/* v packed into *m and returned; NULL (nothing packed) for an absent tensor. */
-static Fusion__Tensor *tensor_opt_pack(const wire_tensor *v, Fusion__Tensor *m) {
-    if (!v) return NULL;
-    svc_tensor_pack(v, m);
-    return m;
-}
-
-/* An AdapterState with the sub-messages it points to. */
-typedef struct state_msg {
-    Fusion__AdapterState s; /* first: a reply casts back */
-    Fusion__LoraSpec lora;
-    Fusion__Tensor params, moment1, moment2;
-} state_msg;
-
-/* The AdapterState of v, pointing into it. */
-static void state_pack(const train_svc_state *v, state_msg *m) {
-    fusion__adapter_state__init(&m->s);
-    m->s.first_block = v->first_block;
-    m->s.last_block = v->last_block;
-    if (v->lora) {
-        lora_pack(v->lora, &m->lora);
-        m->s.lora = &m->lora;
-    }
-    m->s.params = tensor_opt_pack(v->params, &m->params);
-    m->s.moment1 = tensor_opt_pack(v->moment1, &m->moment1);
-    m->s.moment2 = tensor_opt_pack(v->moment2, &m->moment2);
-}
-
 /* src[0..n) widened into dst[0..n) (the wire's int64); returns dst, or NULL when n is 0. */
 static int64_t *widen(const int32_t *src, size_t n, int64_t *dst) {
     for (size_t i = 0; i < n; i++) dst[i] = src[i];
@@ -92,66 +52,6 @@ static int id_check(const char *id, const char *what, rpc_status *st) {
     return svc_name_check(id, TRAIN_SVC_MAX_ID, what, st);
 }
 
-/* The view of a received LoraSpec named `what`: r narrowed, at most TRAIN_SVC_MAX_TARGETS target
- * names of at most TRAIN_SVC_MAX_NAME bytes without control characters (else INVALID_ARGUMENT). */
-static int lora_view(const Fusion__LoraSpec *m, train_svc_lora *v, const char *what, rpc_status *st) {
-    *v = (train_svc_lora){.alpha = m->lora_alpha, .dropout = m->lora_dropout, .use_rslora = m->use_rslora,
-                          .targets = (const char *const *)m->target_modules, .n_targets = m->n_target_modules,
-                          .init_seed = m->init_seed};
-    char name[96];
-    snprintf(name, sizeof name, "%s.", what);
-    svc_i32 f[] = {{"r", m->r, &v->r}};
-    int rc = svc_narrow(f, 1, name, st);
-    if (rc) return rc;
-    if (m->n_target_modules > TRAIN_SVC_MAX_TARGETS)
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s.target_modules: %zu names, at most %d", what,
-                               m->n_target_modules, TRAIN_SVC_MAX_TARGETS);
-    for (size_t i = 0; i < m->n_target_modules && !rc; i++) {
-        snprintf(name, sizeof name, "%s.target_modules[%zu]", what, i);
-        rc = svc_name_check(m->target_modules[i], TRAIN_SVC_MAX_NAME, name, st);
-    }
-    return rc;
-}
-
-/* The view of a received optional Tensor in *v, with *out = v, or *out = NULL when absent;
- * named what + field in a refusal. */
-static int tensor_opt_view(const Fusion__Tensor *m, wire_tensor *v, const wire_tensor **out, const char *what,
-                           const char *field, rpc_status *st) {
-    *out = NULL;
-    if (!m) return RPC_OK;
-    char name[96];
-    snprintf(name, sizeof name, "%s%s", what, field);
-    int rc = svc_tensor_view(m, v, name, st);
-    if (!rc) *out = v;
-    return rc;
-}
-
-/* A received AdapterState's view and the views it points to. */
-typedef struct state_view {
-    train_svc_state state;
-    train_svc_lora lora;
-    wire_tensor params, moment1, moment2;
-} state_view;
-
-/* The view of a received AdapterState named `what` (INVALID_ARGUMENT for what it cannot carry). */
-static int state_view_set(const Fusion__AdapterState *m, state_view *b, const char *what, rpc_status *st) {
-    train_svc_state *v = &b->state;
-    *v = (train_svc_state){0};
-    char name[96];
-    snprintf(name, sizeof name, "%s.", what);
-    svc_i32 f[] = {{"first_block", m->first_block, &v->first_block}, {"last_block", m->last_block, &v->last_block}};
-    int rc = svc_narrow(f, 2, name, st);
-    if (!rc && m->lora) {
-        snprintf(name, sizeof name, "%s.lora", what);
-        rc = lora_view(m->lora, &b->lora, name, st);
-        v->lora = &b->lora;
-    }
-    if (!rc) rc = tensor_opt_view(m->params, &b->params, &v->params, what, ".params", st);
-    if (!rc) rc = tensor_opt_view(m->moment1, &b->moment1, &v->moment1, what, ".moment1", st);
-    if (!rc) rc = tensor_opt_view(m->moment2, &b->moment2, &v->moment2, what, ".moment2", st);
-    return rc;
-}
-
 /* ---- views of requests ---------------------------------------------------------------------- */
 
 /* A received request's views (whichever its method) and the arrays they point to. */
@@ -162,7 +62,7 @@ typedef struct req_view {
     train_svc_backward bwd;
     train_svc_step step;
     const train_svc_state *put; /* PutState's; NULL: absent */
-    state_view state;     /* Open's or PutState's */
+    svc_state_view state;     /* Open's or PutState's */
     train_svc_lora lora;  /* Open's */
     shard_svc_input in;   /* Forward's */
     wire_tensor tensor;   /* Forward's input hidden or Backward's grad */
@@ -182,11 +82,11 @@ static int open_view(const Fusion__TrainOpen *m, req_view *rv, rpc_status *st) {
     int rc = id_check(m->job_id, "open.job_id", st);
     if (!rc) rc = svc_narrow(f, sizeof f / sizeof f[0], "open.", st);
     if (!rc && m->lora) {
-        rc = lora_view(m->lora, &rv->lora, "open.lora", st);
+        rc = svc_lora_view(m->lora, &rv->lora, "open.lora", st);
         v->lora = &rv->lora;
     }
     if (!rc && m->state) {
-        rc = state_view_set(m->state, &rv->state, "open.state", st);
+        rc = svc_state_view_set(m->state, &rv->state, "open.state", st);
         v->state = &rv->state.state;
     }
     return rc;
@@ -226,7 +126,7 @@ static int backward_view(const Fusion__TrainBackward *m, req_view *rv, rpc_statu
     svc_i32 f[] = {{"slot", m->slot, &v->slot}};
     int rc = id_check(m->job_id, "backward.job_id", st);
     if (!rc) rc = svc_narrow(f, 1, "backward.", st);
-    if (!rc) rc = tensor_opt_view(m->grad, &rv->tensor, &v->grad, "backward", ".grad", st);
+    if (!rc) rc = svc_tensor_opt_view(m->grad, &rv->tensor, &v->grad, "backward", ".grad", st);
     return rc;
 }
 
@@ -243,7 +143,7 @@ static int put_view(const Fusion__TrainPutState *m, req_view *rv, rpc_status *st
     rv->job_id = m->job_id;
     int rc = id_check(m->job_id, "put_state.job_id", st);
     if (!rc && m->state) {
-        rc = state_view_set(m->state, &rv->state, "put_state.state", st);
+        rc = svc_state_view_set(m->state, &rv->state, "put_state.state", st);
         rv->put = &rv->state.state;
     }
     return rc;
@@ -307,7 +207,7 @@ typedef struct reply_msg {
         Fusion__TrainNormReply norm;
         Fusion__TrainStepReply step;
         Fusion__TrainClosed closed;
-        state_msg state;
+        svc_state_msg state;
     } m;
     Fusion__Tensor tensor; /* Forward's hidden or Backward's grad */
     union {
@@ -356,18 +256,18 @@ static void reply_pack(train_svc_method m, reply_msg *r) {
         r->m.opened.bytes = r->v.opened.bytes;
     } else if (m == TRAIN_SVC_FORWARD) {
         fusion__train_forward_reply__init(&r->m.fwd);
-        r->m.fwd.hidden = tensor_opt_pack(r->v.fwd.hidden, &r->tensor);
+        r->m.fwd.hidden = svc_tensor_opt_pack(r->v.fwd.hidden, &r->tensor);
         r->m.fwd.loss_sum = r->v.fwd.loss_sum;
         r->m.fwd.n_tokens = r->v.fwd.n_tokens;
         r->m.fwd.n_correct = r->v.fwd.n_correct;
     } else if (m == TRAIN_SVC_BACKWARD) {
         fusion__train_backward_reply__init(&r->m.bwd);
-        r->m.bwd.grad = tensor_opt_pack(r->v.bwd.grad, &r->tensor);
+        r->m.bwd.grad = svc_tensor_opt_pack(r->v.bwd.grad, &r->tensor);
     } else if (m == TRAIN_SVC_NORM) {
         fusion__train_norm_reply__init(&r->m.norm);
         r->m.norm.sqnorm = r->v.sqnorm;
     } else if (m == TRAIN_SVC_GET_STATE) {
-        state_pack(&r->v.state, &r->m.state);
+        svc_state_pack(&r->v.state, &r->m.state);
     } else if (m == TRAIN_SVC_CLOSE) {
         fusion__train_closed__init(&r->m.closed);
     } else { /* Step, PutState */
@@ -441,7 +341,7 @@ struct train_svc_reply {
     train_svc_forward_reply fwd;
     train_svc_backward_reply bwd;
     wire_tensor tensor;    /* Forward's hidden or Backward's grad */
-    state_view state;      /* GetState's */
+    svc_state_view state;      /* GetState's */
 };
 
 void train_svc_reply_free(train_svc_reply *r) {
@@ -471,13 +371,13 @@ static int reply_view(train_svc_method m, train_svc_reply *r, rpc_status *st) {
     if (m == TRAIN_SVC_FORWARD) {
         const Fusion__TrainForwardReply *f = (const Fusion__TrainForwardReply *)r->msg;
         r->fwd = (train_svc_forward_reply){NULL, f->loss_sum, f->n_tokens, f->n_correct};
-        return tensor_opt_view(f->hidden, &r->tensor, &r->fwd.hidden, "forward", ".hidden", st);
+        return svc_tensor_opt_view(f->hidden, &r->tensor, &r->fwd.hidden, "forward", ".hidden", st);
     }
     if (m == TRAIN_SVC_BACKWARD) {
         const Fusion__TrainBackwardReply *b = (const Fusion__TrainBackwardReply *)r->msg;
-        return tensor_opt_view(b->grad, &r->tensor, &r->bwd.grad, "backward", ".grad", st);
+        return svc_tensor_opt_view(b->grad, &r->tensor, &r->bwd.grad, "backward", ".grad", st);
     }
-    return state_view_set((const Fusion__AdapterState *)r->msg, &r->state, "state", st);
+    return svc_state_view_set((const Fusion__AdapterState *)r->msg, &r->state, "state", st);
 }
 
 /* Sends req as method m and holds its reply for the views in a new *held (RPC_OK), else NULL. */
@@ -507,18 +407,15 @@ int train_svc_call_open(rpc_channel *ch, const train_svc_open *req, int timeout_
     *out = (train_svc_opened){0};
     Fusion__TrainOpen m = FUSION__TRAIN_OPEN__INIT;
     Fusion__LoraSpec lora;
-    state_msg state;
+    svc_state_msg state;
     m.job_id = svc_str(req->job_id);
     m.first_block = req->first_block;
     m.last_block = req->last_block;
     if (req->lora) {
-        lora_pack(req->lora, &lora);
+        svc_lora_pack(req->lora, &lora);
         m.lora = &lora;
     }
-    if (req->state) {
-        state_pack(req->state, &state);
-        m.state = &state.s;
-    }
+    m.state = svc_state_opt_pack(req->state, &state);
     m.max_tokens = req->max_tokens;
     m.slots = req->slots;
     m.keep_activations = req->keep_activations;
@@ -568,7 +465,7 @@ int train_svc_call_backward(rpc_channel *ch, const train_svc_backward *req, int 
     Fusion__Tensor grad;
     m.job_id = svc_str(req->job_id);
     m.slot = req->slot;
-    m.grad = tensor_opt_pack(req->grad, &grad);
+    m.grad = svc_tensor_opt_pack(req->grad, &grad);
     m.want_input_grad = req->want_input_grad;
     m.wire_dtype = (Fusion__Dtype)req->wire_dtype;
     int rc = call_held(ch, TRAIN_SVC_BACKWARD, &m.base, timeout_ms, held, st);
@@ -615,12 +512,9 @@ int train_svc_call_get_state(rpc_channel *ch, const char *job_id, int timeout_ms
 int train_svc_call_put_state(rpc_channel *ch, const char *job_id, const train_svc_state *state, int timeout_ms,
                              rpc_status *st) {
     Fusion__TrainPutState m = FUSION__TRAIN_PUT_STATE__INIT;
-    state_msg sm;
+    svc_state_msg sm;
     m.job_id = svc_str(job_id);
-    if (state) {
-        state_pack(state, &sm);
-        m.state = &sm.s;
-    }
+    m.state = svc_state_opt_pack(state, &sm);
     return call_void(ch, TRAIN_SVC_PUT_STATE, &m.base, timeout_ms, st);
 }
 

@@ -35,29 +35,14 @@
 #include "wire.h"
 
 #define TRAIN_SVC_MAX_ID 128     /* longest job id, bytes */
-#define TRAIN_SVC_MAX_NAME 64    /* longest target module name, bytes */
-#define TRAIN_SVC_MAX_TARGETS 16 /* most target module names */
+#define TRAIN_SVC_MAX_NAME SHARD_SVC_MAX_TARGET_NAME /* longest target module name, bytes */
+#define TRAIN_SVC_MAX_TARGETS SHARD_SVC_MAX_TARGETS  /* most target module names */
 
 /* ---- messages --------------------------------------------------------------------------- */
 
-/* LoraSpec. */
-typedef struct train_svc_lora {
-    int32_t r;
-    float alpha, dropout;
-    bool use_rslora;
-    const char *const *targets; /* (n_targets) PEFT's names, or the one name "all-linear" */
-    size_t n_targets;
-    uint64_t init_seed;
-} train_svc_lora;
-
-/* AdapterState. */
-typedef struct train_svc_state {
-    int32_t first_block, last_block;
-    const train_svc_lora *lora;       /* NULL: absent */
-    const wire_tensor *params;        /* NULL: absent */
-    const wire_tensor *moment1;       /* NULL: zeros */
-    const wire_tensor *moment2;       /* NULL: zeros */
-} train_svc_state;
+/* LoraSpec and AdapterState: the Shard service's views (LoadAdapter carries them too). */
+typedef shard_svc_lora train_svc_lora;
+typedef shard_svc_state train_svc_state;
 
 /* TrainOpen. */
 typedef struct train_svc_open {

@@ -13,6 +13,7 @@
 #include "model.h"
 #include "ops.h"
 #include "options.h"
+#include "lora.h"
 #include "parse.h"
 #include "shard-core.h"
 #include "shard-join.h"
@@ -43,6 +44,7 @@ typedef struct shard_args {
     int max_blocks;      /* most blocks to load when the gateway places it (0: all) */
     int max_sessions, max_forward_tokens, max_step_tokens; /* caps per caller (shard_server_config) */
     int train_budget_mib, max_train_jobs, max_lora_rank;    /* fine-tuning (shard_server_config) */
+    fu_opt_list loras;   /* NAME=DIR: PEFT adapters loaded into every span served */
 } shard_args;
 
 static shard_args args = {.span = {-1, -1}, .embed = -1, .head = -1};
@@ -108,6 +110,9 @@ static const fu_opt shard_options[] = {
      .def = "4", .lo = 1, .hi = 1024},
     {"max-lora-rank", 0, FU_OPT_INT, FU_OPT_TO(args.max_lora_rank), .help = "largest LoRA rank accepted",
      .def = "256", .lo = 1, .hi = 4096},
+    {"lora", 0, FU_OPT_LIST, FU_OPT_TO(args.loras), "NAME=DIR",
+     "serve the PEFT adapter in DIR as adapter NAME (repeatable; the\n"
+     "span's blocks of it are loaded with each span)"},
     FU_OPT_END,
 };
 
@@ -145,7 +150,29 @@ typedef struct shard_span {
     double moved_at;     /* monotonic seconds of that move */
     int drain_ms;        /* how long its sessions may go on */
     int hidden_size;
+    int max_lora_rank;
+    const fu_opt_list *loras; /* --lora NAME=DIR, loaded into each span's core */
 } shard_span;
+
+/* Loads each --lora NAME=DIR adapter's blocks of m's span into `core`. */
+static int shard_span_load_loras(const shard_span *sp, const mdl_model *m, shard_core *core) {
+    for (size_t i = 0; sp->loras && i < sp->loras->n; i++) {
+        const char *item = sp->loras->items[i], *eq = strchr(item, '=');
+        if (!eq || eq == item || !eq[1]) return fu_errorf(FU_ERR_INVALID, "--lora '%s': NAME=DIR expected", item);
+        char name[SHARD_ADAPTER_MAX_ID + 1];
+        if ((size_t)(eq - item) >= sizeof name) return fu_errorf(FU_ERR_INVALID, "--lora '%s': name too long", item);
+        snprintf(name, sizeof name, "%.*s", (int)(eq - item), item);
+        lora_adapter *ad = NULL;
+        int rc = lora_load(eq + 1, &m->cfg, m->first, m->last, sp->max_lora_rank, &ad);
+        if (!rc && (rc = shard_core_adapter_load(core, name, ad))) lora_free(ad);
+        if (rc) {
+            char why[512];
+            snprintf(why, sizeof why, "%s", fu_last_error());
+            return fu_errorf(rc, "--lora %s: %s", name, why);
+        }
+    }
+    return FU_OK;
+}
 
 /* Opens [first, last) (embed/head: -1 for the default) and its core; measures it. */
 static int shard_span_open(shard_span *sp, int first, int last, int embed, int head, mdl_model **m_out,
@@ -156,9 +183,11 @@ static int shard_span_open(shard_span *sp, int first, int last, int embed, int h
     shard_core *core = NULL;
     int rc = mdl_open(sp->path, &mo, &m);
     shard_core_options so = {.kv_budget_bytes = sp->kv_budget, .max_batch_tokens = sp->max_batch,
-                             .kv_type = sp->kv_type};
+                             .kv_type = sp->kv_type, .max_lora_rank = sp->max_lora_rank};
     if (!rc) rc = shard_core_new(m, sp->be, &so, &core);
+    if (!rc) rc = shard_span_load_loras(sp, m, core);
     if (rc) {
+        shard_core_free(core);
         mdl_free(m);
         return rc;
     }
@@ -306,6 +335,8 @@ static int shard_span_init(shard_span *sp, const shard_args *a) {
     sp->max_batch = a->max_batch;
     sp->kv_type = (op_type)a->kv_type;
     sp->drain_ms = a->drain_ms;
+    sp->max_lora_rank = a->max_lora_rank;
+    sp->loras = &a->loras;
     int rc = hub_resolve(a->model, &ho, &sp->path);
     if (!rc) rc = op_backend_open(a->device, a->threads, OP_CPU_ISA_AUTO, &sp->be, sp->device, sizeof sp->device);
     if (!rc) rc = shard_span_probe(sp, a);

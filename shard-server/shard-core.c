@@ -18,12 +18,21 @@
 #define SHARD_GATHER_US 2000 /* longest wait for recently active sessions' next steps */
 #define SHARD_ACTIVE_US 200000 /* a session whose step was queued or answered this recently counts as active */
 
+/* A loaded LoRA adapter: its registry entry while loaded, and the sessions using it. */
+typedef struct shard_adapter {
+    char id[SHARD_ADAPTER_MAX_ID + 1];
+    lora_adapter *ad;           /* owned */
+    int refs;                   /* the registry's (while loaded) + one per session (guarded by mu) */
+    struct shard_adapter *next; /* the core's list of loaded adapters */
+} shard_adapter;
+
 struct shard_session {
     char id[129];
     eng_seq *seq;
     uint64_t kv_bytes;         /* reserved from the budget */
     int32_t *history;          /* (max_len) token id at each position, -1 if unknown */
     smp_sampler *smp;          /* created on the first sampling step */
+    shard_adapter *ad;         /* NULL: the base model; a reference held until close */
     shard_session *next;       /* the core's list of sessions */
 
     /* output buffers, grown on demand, owned by the session */
@@ -64,6 +73,10 @@ struct shard_core {
     shard_session *sessions;
     uint64_t kv_used;
     shard_core_stats stats;
+    shard_adapter *adapters;   /* loaded ones, by id */
+    int n_adapters;
+    pthread_mutex_t fwd_mu;    /* held around the engine's forwards and a sequence's adapter setting,
+                                * which sizes the engine's scratch */
 
     /* batch scratch: batcher thread only */
     shard_session **b_sess;  /* (entries per batch) */
@@ -275,7 +288,10 @@ static int shard_forward_batch(shard_core *c, int n, size_t T) {
     }
     eng_batch b = {(int)T, m->has_embed ? c->b_tokens : NULL, m->has_embed ? NULL : c->b_hidden, c->b_seqs,
                    c->b_want};
-    return eng_forward(c->e, &b, c->b_out);
+    pthread_mutex_lock(&c->fwd_mu);
+    int rc = eng_forward(c->e, &b, c->b_out);
+    pthread_mutex_unlock(&c->fwd_mu);
+    return rc;
 }
 
 /* Runs one batched forward over the batch's n entries, fills their outputs, then completes
@@ -370,6 +386,8 @@ int shard_core_new(const mdl_model *m, op_backend *be, const shard_core_options 
     if (c->o.max_batch_tokens <= 0) c->o.max_batch_tokens = 512;
     if (c->o.kv_type != OP_TYPE_F16) c->o.kv_type = OP_TYPE_F32;
     if (!c->o.max_logits_bytes) c->o.max_logits_bytes = (uint64_t)64 << 20;
+    if (c->o.max_adapters <= 0) c->o.max_adapters = 8;
+    if (c->o.max_lora_rank <= 0) c->o.max_lora_rank = 256;
     eng_options eo = {c->o.max_batch_tokens, c->o.kv_type};
     int rc = eng_new(m, be, &eo, &c->e);
     if (rc) {
@@ -377,6 +395,7 @@ int shard_core_new(const mdl_model *m, op_backend *be, const shard_core_options 
         return rc;
     }
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->fwd_mu, NULL);
     pthread_cond_init(&c->cv_work, NULL);
     pthread_cond_init(&c->cv_done, NULL);
     if (pthread_create(&c->thread, NULL, shard_batcher, c)) {
@@ -398,7 +417,9 @@ void shard_core_free(shard_core *c) {
         pthread_join(c->thread, NULL);
     }
     while (c->sessions) shard_session_close(c, c->sessions);
+    while (c->adapters) shard_core_adapter_unload(c, c->adapters->id);
     pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->fwd_mu);
     pthread_cond_destroy(&c->cv_work);
     pthread_cond_destroy(&c->cv_done);
     eng_free(c->e);
@@ -429,10 +450,130 @@ void shard_core_get_stats(shard_core *c, shard_core_stats *st) {
     pthread_mutex_unlock(&c->mu);
 }
 
+/* ---- adapters ---------------------------------------------------------------------------- */
+
+/* Refuses an adapter id that is empty, over SHARD_ADAPTER_MAX_ID bytes or holds a control
+ * character (FU_ERR_INVALID). */
+static int shard_adapter_id_check(const char *id) {
+    size_t n = id ? strlen(id) : 0;
+    if (n == 0 || n > SHARD_ADAPTER_MAX_ID)
+        return fu_errorf(FU_ERR_INVALID, "adapter id must be 1..%d bytes", SHARD_ADAPTER_MAX_ID);
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)id[i] < 0x20 || id[i] == 0x7f)
+            return fu_errorf(FU_ERR_INVALID, "adapter id: control character 0x%02x at byte %zu",
+                             (unsigned char)id[i], i);
+    return FU_OK;
+}
+
+/* Checks that adapter ad fits the core: rank within its limit, its span, model shape and q/k
+ * order (FU_ERR_INVALID naming the difference). */
+static int shard_adapter_fits(const shard_core *c, const lora_adapter *ad) {
+    const mdl_model *m = c->m;
+    lora_shape shape = lora_shape_of(&m->cfg);
+    if (ad->cfg.r < 1 || ad->cfg.r > c->o.max_lora_rank)
+        return fu_errorf(FU_ERR_INVALID, "adapter rank %d outside [1, %d] (this server's limit)", ad->cfg.r,
+                         c->o.max_lora_rank);
+    if (ad->first != m->first || ad->last != m->last)
+        return fu_errorf(FU_ERR_INVALID, "adapter holds blocks [%d, %d), this server [%d, %d)", ad->first,
+                         ad->last, m->first, m->last);
+    if (memcmp(&ad->shape, &shape, sizeof shape))
+        return fu_errorf(FU_ERR_INVALID, "adapter is for another model shape");
+    if (ad->qk_interleaved != (m->cfg.rope_mode == OP_ROPE_NORM))
+        return fu_errorf(FU_ERR_INVALID, "adapter holds q/k rows in another order than the model");
+    return FU_OK;
+}
+
+/* The loaded adapter `id` (mu held); NULL if none. *pp: the link pointing at it. */
+static shard_adapter *shard_adapter_find(shard_core *c, const char *id, shard_adapter ***pp) {
+    for (shard_adapter **p = &c->adapters; *p; p = &(*p)->next)
+        if (!strcmp((*p)->id, id)) {
+            if (pp) *pp = p;
+            return *p;
+        }
+    return NULL;
+}
+
+/* Drops one reference to a (mu held), freeing it with the last. */
+static void shard_adapter_put(shard_adapter *a) {
+    if (!a || --a->refs > 0) return;
+    lora_free(a->ad);
+    free(a);
+}
+
+/* Takes loaded adapter a off the registry (mu held): sessions using it keep it. */
+static void shard_adapter_unlink(shard_core *c, shard_adapter **pp) {
+    shard_adapter *a = *pp;
+    *pp = a->next;
+    c->n_adapters--;
+    shard_adapter_put(a);
+}
+
+int shard_core_adapter_load(shard_core *c, const char *id, lora_adapter *ad) {
+    int rc = shard_adapter_id_check(id);
+    if (!rc) rc = shard_adapter_fits(c, ad);
+    if (rc) return rc;
+    shard_adapter *a = calloc(1, sizeof *a);
+    if (!a) return fu_errorf(FU_ERR_NOMEM, "adapter '%s'", id);
+    snprintf(a->id, sizeof a->id, "%s", id);
+    a->ad = ad;
+    a->refs = 1;
+    pthread_mutex_lock(&c->mu);
+    shard_adapter **pp = NULL;
+    shard_adapter *old = shard_adapter_find(c, id, &pp);
+    if (!old && c->n_adapters >= c->o.max_adapters) {
+        pthread_mutex_unlock(&c->mu);
+        free(a);
+        return fu_errorf(FU_ERR_EXHAUSTED, "%d adapters are loaded, this server's limit: unload one first",
+                         c->o.max_adapters);
+    }
+    if (old) shard_adapter_unlink(c, pp);
+    a->next = c->adapters;
+    c->adapters = a;
+    c->n_adapters++;
+    pthread_mutex_unlock(&c->mu);
+    FU_INFO("adapter '%s' %s: rank %d, blocks [%d, %d)", id, old ? "replaced" : "loaded", ad->cfg.r, ad->first,
+            ad->last);
+    return FU_OK;
+}
+
+int shard_core_adapter_unload(shard_core *c, const char *id) {
+    pthread_mutex_lock(&c->mu);
+    shard_adapter **pp = NULL;
+    shard_adapter *a = id ? shard_adapter_find(c, id, &pp) : NULL;
+    if (a) shard_adapter_unlink(c, pp);
+    pthread_mutex_unlock(&c->mu);
+    if (!a) return fu_errorf(FU_ERR_NOT_FOUND, "adapter '%.64s' is not loaded on this server", id ? id : "");
+    return FU_OK;
+}
+
+int shard_core_adapter_ids(shard_core *c, char ***ids, int *n) {
+    *ids = NULL;
+    *n = 0;
+    pthread_mutex_lock(&c->mu);
+    size_t bytes = 0;
+    for (shard_adapter *a = c->adapters; a; a = a->next) bytes += sizeof(char *) + strlen(a->id) + 1;
+    char **v = c->n_adapters ? malloc(bytes) : NULL;
+    if (c->n_adapters && !v) {
+        pthread_mutex_unlock(&c->mu);
+        return fu_errorf(FU_ERR_NOMEM, "adapter ids");
+    }
+    char *text = (char *)(v + c->n_adapters);
+    int k = 0;
+    for (shard_adapter *a = c->adapters; a; a = a->next) {
+        size_t len = strlen(a->id) + 1;
+        v[k++] = memcpy(text, a->id, len);
+        text += len;
+    }
+    pthread_mutex_unlock(&c->mu);
+    *ids = v;
+    *n = k;
+    return FU_OK;
+}
+
 /* ---- sessions ------------------------------------------------------------------------- */
 
-int shard_session_open(shard_core *c, const char *id, int max_len, shard_session **out) {
-    *out = NULL;
+/* Checks a new session's id and length against the core (caller's thread). */
+static int shard_session_check(const shard_core *c, const char *id, int max_len) {
     size_t idlen = id ? strlen(id) : 0;
     if (idlen == 0 || idlen > 128)
         return fu_errorf(FU_ERR_INVALID, "session id must be 1..128 characters");
@@ -442,50 +583,91 @@ int shard_session_open(shard_core *c, const char *id, int max_len, shard_session
     const int limit = c->m->cfg.max_seq_len;
     if (max_len <= 0 || max_len > limit)
         return fu_errorf(FU_ERR_RANGE, "max_length %d outside [1, %d]", max_len, limit);
-    uint64_t need = eng_kv_bytes_per_pos(c->e) * (uint64_t)max_len;
+    return FU_OK;
+}
 
-    pthread_mutex_lock(&c->mu);
+/* Admits a session (mu held): a new id, its adapter loaded (a reference taken into *ad), `need`
+ * bytes of KV budget reserved. */
+static int shard_session_admit(shard_core *c, const char *id, int max_len, const char *adapter_id, uint64_t need,
+                               shard_adapter **ad) {
+    *ad = NULL;
     for (shard_session *s = c->sessions; s; s = s->next)
-        if (!strcmp(s->id, id)) {
-            pthread_mutex_unlock(&c->mu);
-            return fu_errorf(FU_ERR_INVALID, "session '%s' already exists", id);
-        }
+        if (!strcmp(s->id, id)) return fu_errorf(FU_ERR_INVALID, "session '%s' already exists", id);
+    shard_adapter *a = adapter_id && adapter_id[0] ? shard_adapter_find(c, adapter_id, NULL) : NULL;
+    if (adapter_id && adapter_id[0] && !a)
+        return fu_errorf(FU_ERR_NOT_FOUND, "adapter '%.64s' is not loaded on this server", adapter_id);
     if (need > c->o.kv_budget_bytes - c->kv_used) {
-        uint64_t free_b = c->o.kv_budget_bytes - c->kv_used;
-        pthread_mutex_unlock(&c->mu);
+        uint64_t free_b = c->o.kv_budget_bytes - c->kv_used, per_pos = eng_kv_bytes_per_pos(c->e);
         return fu_errorf(FU_ERR_EXHAUSTED,
                          "KV cache full: a session of %d positions needs %.1f MiB, %.1f MiB of %.1f MiB "
                          "free (%d positions)",
-                         max_len, need / 1048576.0, free_b / 1048576.0,
-                         c->o.kv_budget_bytes / 1048576.0,
-                         (int)(free_b / (eng_kv_bytes_per_pos(c->e) ? eng_kv_bytes_per_pos(c->e) : 1)));
+                         max_len, need / 1048576.0, free_b / 1048576.0, c->o.kv_budget_bytes / 1048576.0,
+                         (int)(free_b / (per_pos ? per_pos : 1)));
     }
-    c->kv_used += need; /* reserve before allocating outside the lock */
-    pthread_mutex_unlock(&c->mu);
+    c->kv_used += need; /* reserved before allocating outside the lock */
+    if (a) a->refs++;
+    *ad = a;
+    return FU_OK;
+}
 
+/* Frees a session that is in no list (its KV reservation and adapter reference already given
+ * back). NULL is a no-op. */
+static void shard_session_free(shard_core *c, shard_session *s) {
+    if (!s) return;
+    eng_seq_free(c->e, s->seq);
+    smp_free(s->smp);
+    free(s->history);
+    free(s->out_f);
+    free(s->out_tok);
+    free(s->out_lp);
+    free(s->out_top_ids);
+    free(s->out_top_lp);
+    free(s);
+}
+
+/* Allocates an admitted session: its history, its sequence and the sequence's adapter (set
+ * while no forward runs: it sizes the engine's scratch). */
+static int shard_session_alloc(shard_core *c, const char *id, int max_len, shard_adapter *a, shard_session **out) {
     shard_session *s = calloc(1, sizeof *s);
-    int rc = s ? FU_OK : fu_errorf(FU_ERR_NOMEM, "session");
-    if (!rc) {
-        memcpy(s->id, id, idlen + 1);
-        s->kv_bytes = need;
-        s->history = malloc((size_t)max_len * sizeof *s->history);
-        rc = s->history ? eng_seq_new(c->e, max_len, &s->seq) : fu_errorf(FU_ERR_NOMEM, "session");
+    *out = s;
+    if (!s) return fu_errorf(FU_ERR_NOMEM, "session");
+    snprintf(s->id, sizeof s->id, "%s", id);
+    s->history = malloc((size_t)max_len * sizeof *s->history);
+    int rc = s->history ? eng_seq_new(c->e, max_len, &s->seq) : fu_errorf(FU_ERR_NOMEM, "session");
+    if (!rc && a) {
+        pthread_mutex_lock(&c->fwd_mu);
+        rc = eng_seq_set_adapter(s->seq, a->ad);
+        pthread_mutex_unlock(&c->fwd_mu);
     }
+    return rc;
+}
+
+int shard_session_open(shard_core *c, const char *id, int max_len, const char *adapter_id, shard_session **out) {
+    *out = NULL;
+    int rc = shard_session_check(c, id, max_len);
+    if (rc) return rc;
+    uint64_t need = eng_kv_bytes_per_pos(c->e) * (uint64_t)max_len;
+    shard_adapter *a = NULL;
+    pthread_mutex_lock(&c->mu);
+    rc = shard_session_admit(c, id, max_len, adapter_id, need, &a);
+    pthread_mutex_unlock(&c->mu);
+    if (rc) return rc;
+    shard_session *s = NULL;
+    rc = shard_session_alloc(c, id, max_len, a, &s);
     pthread_mutex_lock(&c->mu);
     if (rc) {
         c->kv_used -= need;
-        pthread_mutex_unlock(&c->mu);
-        if (s) {
-            free(s->history);
-            free(s);
-        }
-        return rc;
+        shard_adapter_put(a);
+    } else {
+        s->kv_bytes = need;
+        s->ad = a;
+        s->next = c->sessions;
+        c->sessions = s;
     }
-    s->next = c->sessions;
-    c->sessions = s;
     pthread_mutex_unlock(&c->mu);
-    *out = s;
-    return FU_OK;
+    if (rc) shard_session_free(c, s);
+    else *out = s;
+    return rc;
 }
 
 void shard_session_close(shard_core *c, shard_session *s) {
@@ -497,16 +679,9 @@ void shard_session_close(shard_core *c, shard_session *s) {
             break;
         }
     c->kv_used -= s->kv_bytes;
+    shard_adapter_put(s->ad); /* its steps are over: no batch uses the adapter through it */
     pthread_mutex_unlock(&c->mu);
-    eng_seq_free(c->e, s->seq);
-    smp_free(s->smp);
-    free(s->history);
-    free(s->out_f);
-    free(s->out_tok);
-    free(s->out_lp);
-    free(s->out_top_ids);
-    free(s->out_top_lp);
-    free(s);
+    shard_session_free(c, s);
 }
 
 int shard_session_len(const shard_session *s) { return eng_seq_len(s->seq); }

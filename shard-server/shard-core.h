@@ -3,10 +3,11 @@
  *
  * Transport-free: the RPC handlers (shard-rpc.c) and the tests drive it
  * through these calls. Thread-safe: any number of threads may open, step and
- * close sessions at once; one session is stepped by one thread at a time.
- * Ownership: the core borrows its model and backend and owns its sessions
- * (closing one frees its KV cache and output buffers); step outputs point into
- * buffers of the session.
+ * close sessions and load and unload adapters at once; one session is stepped
+ * (and closed) by one thread at a time. Ownership: the core borrows its model
+ * and backend and owns its sessions (closing one frees its KV cache and
+ * output buffers) and its adapters; step outputs point into buffers of the
+ * session.
  */
 #ifndef FU_SHARD_CORE_H
 #define FU_SHARD_CORE_H
@@ -28,6 +29,8 @@ typedef struct shard_core_options {
                                * sessions' steps join the batches between its chunks */
     op_type kv_type;          /* OP_TYPE_F32 (default) or OP_TYPE_F16 */
     uint64_t max_logits_bytes; /* the logits one step may return (0: 64 MiB, an RPC message) */
+    int max_adapters;         /* LoRA adapters loaded at once (0: 8) */
+    int max_lora_rank;        /* the largest rank of one (0: 256) */
 } shard_core_options;
 
 /* Creates the core over `m` (borrowed, must outlive the core) on `be`
@@ -64,12 +67,39 @@ void shard_core_get_stats(shard_core *c, shard_core_stats *st);
  * negative status. Call before serving (it uses the engine). */
 double shard_core_measure(shard_core *c, int batch, double seconds);
 
-/* Opens a session that can hold max_len positions. Fails with
- * FU_ERR_EXHAUSTED (message: bytes needed and free) when the KV budget cannot
- * admit it, FU_ERR_INVALID for a duplicate id, FU_ERR_RANGE for a length the
- * model does not allow. */
-int shard_session_open(shard_core *c, const char *id, int max_len, shard_session **out);
-/* Frees the session's KV cache at once. NULL is a no-op. */
+/* ---- LoRA adapters ------------------------------------------------------------------
+ * The core holds adapters by id (1..SHARD_ADAPTER_MAX_ID bytes, no control characters), each of
+ * the core's span of blocks in the model's q/k row order. A session opened with one gets its
+ * update in the same batched forwards as sessions with other adapters or none. Each adapter is
+ * reference-counted: the registry holds one reference, every session using it another, so that
+ * it is freed when it is unloaded (or replaced) and the last session using it closes -- never
+ * while a batch uses it. */
+#define SHARD_ADAPTER_MAX_ID 256
+
+/* Loads adapter `ad` as `id`, taking ownership on FU_OK (the caller keeps it otherwise). An
+ * adapter of the same id is replaced for the sessions opened afterwards. FU_ERR_INVALID for a bad
+ * id, a rank over max_lora_rank, or an adapter not of the core's span, model shape or q/k order;
+ * FU_ERR_EXHAUSTED when max_adapters others are loaded (the messages give the limits). */
+struct lora_adapter;
+int shard_core_adapter_load(shard_core *c, const char *id, struct lora_adapter *ad);
+
+/* Unloads adapter `id`: new sessions naming it are refused at once; it is freed when the last
+ * session using it closes. FU_ERR_NOT_FOUND if none is loaded under that id. */
+int shard_core_adapter_unload(shard_core *c, const char *id);
+
+/* The ids of the adapters loaded now, as *n strings in one block *ids (free() it; NULL when n is
+ * 0). FU_OK or FU_ERR_NOMEM. */
+int shard_core_adapter_ids(shard_core *c, char ***ids, int *n);
+
+/* ---- sessions ------------------------------------------------------------------------ */
+
+/* Opens a session that can hold max_len positions, with the loaded adapter `adapter_id` (NULL or
+ * "": none). Fails with FU_ERR_EXHAUSTED (message: bytes needed and free) when the KV budget
+ * cannot admit it, FU_ERR_INVALID for a duplicate id, FU_ERR_RANGE for a length the model does
+ * not allow, FU_ERR_NOT_FOUND ("adapter 'X' is not loaded on this server") for an adapter id
+ * not loaded. */
+int shard_session_open(shard_core *c, const char *id, int max_len, const char *adapter_id, shard_session **out);
+/* Frees the session's KV cache at once (and its reference to its adapter). NULL is a no-op. */
 void shard_session_close(shard_core *c, shard_session *s);
 
 /* Positions held, the most it may hold, and its id (owned by the session). */

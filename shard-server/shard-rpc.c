@@ -12,6 +12,7 @@
 #include "grow.h"
 #include "log.h"
 #include "rpc-base.h"
+#include "shard-lora.h"
 #include "shard-svc.h"
 #include "shard-tensor.h"
 #include "shard-train.h"
@@ -193,9 +194,6 @@ static bool core_closing(shard_server *srv, shard_core *c) {
 /* Validates an OpenSession against this server. */
 static int check_open(shard_core *core, const shard_svc_open *o, rpc_status *st) {
     const mdl_model *m = shard_core_model(core);
-    if (o->adapter_id && o->adapter_id[0])
-        return rpc_status_setf(st, RPC_NOT_FOUND, "open.adapter_id: no adapter '%.64s' on this server",
-                               o->adapter_id);
     if ((o->first_block || o->last_block) && (o->first_block != m->first || o->last_block != m->last))
         return rpc_status_setf(st, RPC_FAILED_PRECONDITION,
                                "open: expected blocks [%d, %d), this server holds [%d, %d)", o->first_block,
@@ -324,7 +322,7 @@ static int session_start(session *c, const shard_svc_open *open, rpc_status *st)
     c->block = open->int8_block_size ? open->int8_block_size : WIRE_DEFAULT_BLOCK;
     if (c->wire == WIRE_INT8_BLOCK && c->m->cfg.dim % c->block) c->block = c->m->cfg.dim;
     if (open->idle_timeout_ms > 0) c->idle_ms = open->idle_timeout_ms;
-    if ((rc = shard_session_open(c->core, open->session_id, open->max_length, &c->sess)))
+    if ((rc = shard_session_open(c->core, open->session_id, open->max_length, open->adapter_id, &c->sess)))
         return rpc_status_from_fu(st, rc);
     if (open->n_chain && (rc = downstream_open(srv, open, &c->ds, st))) return rc;
     if (c->ds.sess) shard_svc_session_set_wait(c->ds.sess, -1, session_watch, c);
@@ -458,8 +456,6 @@ static int forward_check(const shard_server *srv, const mdl_model *m, const shar
         return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED,
                                "Forward of %lld positions in %zu sequences is over this server's budget of %d "
                                "positions per call", (long long)total, req->n_sequences, budget);
-    if (req->adapter_id && req->adapter_id[0])
-        return rpc_status_setf(st, RPC_NOT_FOUND, "adapter_id: no adapter '%.64s'", req->adapter_id);
     if ((req->first_block || req->last_block) && (req->first_block != m->first || req->last_block != m->last))
         return rpc_status_setf(st, RPC_FAILED_PRECONDITION, "expected blocks [%d, %d), this server holds [%d, %d)",
                                req->first_block, req->last_block, m->first, m->last);
@@ -477,7 +473,7 @@ static int forward_one(fwd_state *f, const shard_svc_forward *req, size_t i, uin
     if (rc) return rc;
     char id[64];
     snprintf(id, sizeof id, "forward-%llu-%zu", (unsigned long long)fid, i);
-    int frc = shard_session_open(f->core, id, step.n, &f->sess[i]);
+    int frc = shard_session_open(f->core, id, step.n, req->adapter_id, &f->sess[i]);
     if (!frc) frc = shard_session_step(f->core, f->sess[i], &step);
     int dt = req->wire_dtype != 0 ? req->wire_dtype : in->hidden ? in->hidden->dtype : WIRE_BF16;
     if (!wire_dtype_valid(dt)) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "wire_dtype: unknown");
@@ -564,8 +560,19 @@ static int info_handler(void *ctx, shard_svc_info *r, rpc_status *st) {
     r->max_message_bytes = (int64_t)(srv->cfg.max_message_bytes ? srv->cfg.max_message_bytes
                                                                 : RPC_DEFAULT_MAX_MESSAGE);
     r->kv_bytes_per_position = (int64_t)stats.kv_bytes_per_pos;
+    char **ids = NULL;
+    int n_ids = 0, rc = shard_core_adapter_ids(core, &ids, &n_ids);
     core_release(srv, core);
+    if (rc) return rpc_status_from_fu(st, rc);
+    r->adapters = (const char *const *)ids;
+    r->n_adapters = (size_t)n_ids;
     return RPC_OK;
+}
+
+/* Releases what an Info reply pointed at once it was sent: the adapter ids. */
+static void info_done(void *ctx, shard_svc_info *r) {
+    (void)ctx;
+    free((void *)r->adapters);
 }
 
 /* Health: serving, or draining once shard_server_drain began. */
@@ -576,6 +583,41 @@ static int health_handler(void *ctx, shard_svc_health *r, rpc_status *st) {
     r->status = draining ? SHARD_SVC_SERVING_DRAINING : SHARD_SVC_SERVING_SERVING;
     r->message = draining ? "draining" : "serving";
     return RPC_OK;
+}
+
+/* ---- adapters ------------------------------------------------------------------------- */
+
+/* LoadAdapter: the state's adapter into the current span's core as `id` (*bytes: its floats'
+ * memory). INVALID_ARGUMENT naming the field for a state that does not fit this server,
+ * RESOURCE_EXHAUSTED past the core's adapter limit. */
+static int load_adapter_handler(void *ctx, const char *id, const shard_svc_state *state, int64_t *bytes,
+                                rpc_status *st) {
+    shard_server *srv = ctx;
+    shard_core *core = core_acquire(srv, 0, 0);
+    if (!core) return no_span(st);
+    int max_rank = srv->cfg.max_lora_rank > 0 ? srv->cfg.max_lora_rank : SHARD_DEFAULT_LORA_RANK;
+    lora_adapter *ad = NULL;
+    int rc = shard_lora_from_state(shard_core_model(core), state, max_rank, &ad, st);
+    if (!rc) {
+        *bytes = (int64_t)(ad->n_floats * sizeof *ad->data);
+        int frc = shard_core_adapter_load(core, id, ad);
+        if (frc) {
+            rc = rpc_status_from_fu(st, frc);
+            lora_free(ad);
+        }
+    }
+    core_release(srv, core);
+    return rc;
+}
+
+/* UnloadAdapter: NOT_FOUND when the current span holds no adapter `id`. */
+static int unload_adapter_handler(void *ctx, const char *id, rpc_status *st) {
+    shard_server *srv = ctx;
+    shard_core *core = core_acquire(srv, 0, 0);
+    if (!core) return no_span(st);
+    int frc = shard_core_adapter_unload(core, id);
+    core_release(srv, core);
+    return frc ? rpc_status_from_fu(st, frc) : RPC_OK;
 }
 
 /* ---- server ---------------------------------------------------------------------------- */
@@ -594,7 +636,7 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
         return fu_errorf(FU_ERR_NOMEM, "server");
     }
     s->handlers = (shard_svc_handlers){s, session_handler, forward_handler, forward_done, info_handler,
-                                       health_handler};
+                                       health_handler, load_adapter_handler, unload_adapter_handler, info_done};
     rpc_server_options ro = {cfg->listen, cfg->tls_cert, cfg->tls_key, cfg->allow_insecure, cfg->secret,
                              cfg->max_message_bytes, cfg->n_workers > 0 ? cfg->n_workers : 4, cfg->tls_client_ca,
                              cfg->max_sessions};

@@ -1,9 +1,11 @@
-/* shard-rpc.h -- a shard server's services: fusion.Shard (sessions, stateless forward, info, health) and fusion.Train.
+/* shard-rpc.h -- a shard server's services: fusion.Shard (sessions, stateless forward, adapters, info, health) and fusion.Train.
  *
  * Serves the span of a shard_core over net/'s typed Shard service
  * (shard-svc.h): each Session stream becomes a session in the core (with
  * forwarding, also one on the next hop), Forward a batch of scratch sessions,
- * Info and Health the core's figures; Echo is answered by net/ itself. A
+ * LoadAdapter / UnloadAdapter the core's LoRA adapters (which sessions and
+ * Forward calls name by id), Info and Health the core's figures; Echo is
+ * answered by net/ itself. A
  * server may start as a spare without a core and later get one, or move to a
  * new span while the old one drains.
  *
@@ -55,6 +57,9 @@ typedef struct shard_server_config {
     int max_train_jobs;
     int max_lora_rank;
 } shard_server_config;
+
+/* Largest LoRA rank accepted when max_lora_rank is 0 (LoadAdapter, fusion.Train). */
+#define SHARD_DEFAULT_LORA_RANK 256
 
 /* Default budget of one Forward call, in positions (8192 cost 27 s of CPU on a small model). */
 #define SHARD_DEFAULT_FORWARD_TOKENS 2048

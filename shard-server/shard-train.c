@@ -9,6 +9,7 @@
 #include "clock.h"
 #include "engine.h"
 #include "lora.h"
+#include "shard-lora.h"
 #include "shard-tensor.h"
 #include "status.h"
 #include "train-svc.h"
@@ -128,29 +129,6 @@ void shard_train_set_core(shard_train *t, shard_core *core) {
 
 /* ---- open ------------------------------------------------------------------------------- */
 
-/* A LoraSpec as a lora_config, checked against the server's limits. */
-static int open_config(const shard_train *t, const train_svc_lora *l, lora_config *c, rpc_status *st) {
-    *c = lora_config_default();
-    if (!l) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "lora: missing");
-    if (l->r < 1 || l->r > t->cfg.max_rank)
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "lora.r: %d outside [1, %d] (this server's limit)", l->r,
-                               t->cfg.max_rank);
-    c->r = l->r;
-    c->alpha = l->alpha;
-    c->dropout = l->dropout;
-    c->use_rslora = l->use_rslora;
-    c->targets = 0;
-    for (size_t i = 0; i < l->n_targets; i++) {
-        lora_target tg;
-        if (!strcmp(l->targets[i], "all-linear")) c->targets |= LORA_TARGETS_ALL;
-        else if (lora_target_parse(l->targets[i], &tg))
-            return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "lora.target_modules: unknown module '%s'", l->targets[i]);
-        else c->targets |= LORA_TARGET_BIT(tg);
-    }
-    int rc = lora_config_check(c);
-    return rc ? rpc_status_setf(st, RPC_INVALID_ARGUMENT, "lora: %s", fu_last_error()) : RPC_OK;
-}
-
 /* Checks the open request's sizes and span against the server. */
 static int open_check(const shard_train *t, const shard_core *core, const train_svc_open *req, rpc_status *st) {
     const mdl_model *m = shard_core_model(core);
@@ -166,14 +144,6 @@ static int open_check(const shard_train *t, const shard_core *core, const train_
     return RPC_OK;
 }
 
-/* Decodes a flat F32 tensor of n floats named `what` into out. */
-static int state_floats(const wire_tensor *w, size_t n, const char *what, float *out, rpc_status *st) {
-    if (w->dtype != WIRE_F32 || w->n_shape != 1 || w->shape[0] != (int64_t)n)
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "%s: must be F32 of shape (%zu)", what, n);
-    int rc = wire_decode(w->data, w->data_len, NULL, 0, WIRE_F32, 0, n, out, what);
-    return rc ? rpc_status_from_fu(st, rc) : RPC_OK;
-}
-
 /* Puts AdapterState s into job j's trainer (the span and config must be j's). */
 static int state_put(train_job *j, const train_svc_state *s, rpc_status *st) {
     const size_t n = j->ad->n_floats;
@@ -183,9 +153,9 @@ static int state_put(train_job *j, const train_svc_state *s, rpc_status *st) {
     if (!s->params) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "state.params: missing");
     float *f = malloc(3 * n * sizeof *f + 1);
     if (!f) return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory for the state");
-    int rc = state_floats(s->params, n, "state.params", f, st);
-    if (!rc && s->moment1) rc = state_floats(s->moment1, n, "state.moment1", f + n, st);
-    if (!rc && s->moment2) rc = state_floats(s->moment2, n, "state.moment2", f + 2 * n, st);
+    int rc = shard_lora_floats(s->params, n, "state.params", f, st);
+    if (!rc && s->moment1) rc = shard_lora_floats(s->moment1, n, "state.moment1", f + n, st);
+    if (!rc && s->moment2) rc = shard_lora_floats(s->moment2, n, "state.moment2", f + 2 * n, st);
     if (!rc && trn_import(j->tr, f, s->moment1 ? f + n : NULL, s->moment2 ? f + 2 * n : NULL))
         rc = rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "%s", fu_last_error());
     free(f);
@@ -241,7 +211,7 @@ static int train_open(void *ctx, const train_svc_open *req, train_svc_opened *re
     pthread_mutex_unlock(&t->mu);
     if (!core) return rpc_status_setf(st, RPC_UNAVAILABLE, "this server holds no span yet");
     int rc = open_check(t, core, req, st);
-    if (!rc) rc = open_config(t, req->lora, &lc, st);
+    if (!rc) rc = shard_lora_config(req->lora, t->cfg.max_rank, "lora", &lc, st);
     if (!rc && used >= t->cfg.budget_bytes)
         rc = rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "training jobs hold %.1f MiB, this server's budget",
                              used / 1048576.0);
@@ -440,14 +410,6 @@ static int state_tensor(train_hold *h, int i, size_t n) {
     return FU_OK;
 }
 
-/* The job's config as a LoraSpec in h. */
-static void state_lora(const lora_adapter *ad, train_hold *h) {
-    size_t n = 0;
-    for (int t = 0; t < LORA_N_TARGETS; t++)
-        if (ad->cfg.targets & LORA_TARGET_BIT(t)) h->names[n++] = lora_target_name((lora_target)t);
-    h->lora = (train_svc_lora){ad->cfg.r, ad->cfg.alpha, ad->cfg.dropout, ad->cfg.use_rslora, h->names, n, 0};
-}
-
 static int train_get_state(void *ctx, const char *job_id, train_svc_state *reply, void **hold, rpc_status *st) {
     shard_train *t = ctx;
     train_job *j;
@@ -459,7 +421,7 @@ static int train_get_state(void *ctx, const char *job_id, train_svc_state *reply
         state_tensor(h, 2, n))
         rc = rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory for the state");
     if (!rc) {
-        state_lora(j->ad, h);
+        h->lora = shard_svc_lora_of(&j->ad->cfg, h->names);
         *reply = (train_svc_state){j->ad->first, j->ad->last, &h->lora, &h->t[0], &h->t[1], &h->t[2]};
     }
     job_put(t, j);

@@ -35,7 +35,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
     shard_core_options so = {1u << 20, 64, OP_TYPE_F32};
     if (mdl_random(&c, OP_TYPE_F32, 1, &o, &m) || shard_core_new(m, op_backend_cpu_new(&co), &so, &core) ||
-        shard_session_open(core, "fuzz", 64, &scratch))
+        shard_session_open(core, "fuzz", 64, NULL, &scratch))
         abort();
     return 0;
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes seed inputs for fuzz_train_messages: valid fusion.Train requests (protobuf wire format,
 encoded here by hand), each after the byte that picks the method (train_svc_method's order:
-Open, Forward, Backward, Norm, Step, GetState, PutState, Close)."""
+Open, Forward, Backward, Norm, Step, GetState, PutState, Close; then fusion.Shard's LoadAdapter and
+UnloadAdapter)."""
 import os
 import struct
 import sys
@@ -9,7 +10,7 @@ import sys
 
 from pbwire import f_bytes, f_float, f_packed, f_varint  # noqa: E402
 
-OPEN, FORWARD, BACKWARD, NORM, STEP, GET_STATE, PUT_STATE, CLOSE = range(8)
+OPEN, FORWARD, BACKWARD, NORM, STEP, GET_STATE, PUT_STATE, CLOSE, LOAD_ADAPTER, UNLOAD_ADAPTER = range(10)
 
 
 def tensor(shape, dtype):
@@ -66,6 +67,11 @@ def main(out):
         "close": (CLOSE, job()),
         "close_bad_id": (CLOSE, job(b"job\x01")),
         "forward_bad_target": (FORWARD, job() + f_packed(5, [1 << 40])),
+        "load_adapter": (LOAD_ADAPTER, f_bytes(1, b"ad-1") + f_bytes(2, state(0, 2, 8, moments=False))),
+        "load_adapter_no_state": (LOAD_ADAPTER, f_bytes(1, b"ad-1")),
+        "load_adapter_bad_id": (LOAD_ADAPTER, f_bytes(1, b"ad\x02") + f_bytes(2, state(1, 2, 4, moments=False))),
+        "unload_adapter": (UNLOAD_ADAPTER, f_bytes(1, b"ad-1")),
+        "unload_adapter_empty": (UNLOAD_ADAPTER, b""),
     }
     for name, (method, data) in seeds.items():
         with open(os.path.join(out, name), "wb") as f:

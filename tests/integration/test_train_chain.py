@@ -3,8 +3,9 @@
 a single process trains (bf16 wire: the same losses within bf16's rounding). A server
 SIGKILLed mid-run is replaced by a --spare of its span from the last snapshot, the step runs
 again, and the finished adapter still equals the undisturbed one. Micro-batches pipelined over
-three servers give the adapter of a sequential run. Refusals: a span the server
-does not hold, a rank over the server's limit, a wrong secret."""
+three servers give the adapter of a sequential run. Refusals: a span the server does not hold,
+a rank over the server's limit, a wrong secret. The adapter written is then served:
+fusion-shard --lora NAME=DIR loads its span's blocks at start-up."""
 import json
 import os
 import signal
@@ -68,7 +69,7 @@ def local_run(model, tmp_path_factory):
     path, data = model
     out = str(tmp_path_factory.mktemp("local") / "adapter")
     res = train(["--model", path, "--data", data, "--spans", "2", "--threads", "1", "--out", out, *TRAIN])
-    return steps_of(res.stdout), adapter(out)
+    return steps_of(res.stdout), adapter(out), out
 
 
 @pytest.fixture
@@ -92,7 +93,7 @@ def test_chain_equals_one_process_f32_wire(model, local_run, shards, tmp_path):
     out = str(tmp_path / "adapter")
     res = train(["--model", path, "--data", data, "--hop", a.hop(), "--hop", b.hop(), "--insecure", "--wire", "f32",
                  "--out", out, *TRAIN])
-    got, (ref_steps, ref) = steps_of(res.stdout), local_run
+    got, (ref_steps, ref, _) = steps_of(res.stdout), local_run
     assert [g["step"] for g in got] == list(range(1, STEPS + 1))
     for g, r in zip(got, ref_steps):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5)
@@ -158,3 +159,12 @@ def test_refusals(model, shards, tmp_path):
                  "--secret", "a-wrong-secret-of-some-length", *TRAIN], check=False)
     assert res.returncode != 0 and "unauthenticated" in res.stderr.lower()
     assert a.proc.poll() is None and b.proc.poll() is None  # refusals retire nobody
+
+
+def test_trained_adapter_served_with_lora(local_run, shards, tmp_path):
+    s = shards(1, 3, "--lora", f"tuned={local_run[2]}")
+    assert "adapter 'tuned' loaded: rank 4, blocks [1, 3)" in s.output()
+    with pytest.raises(RuntimeError, match="--lora missing"):
+        shards(0, 1, "--lora", f"missing={tmp_path}")
+    with pytest.raises(RuntimeError, match="NAME=DIR"):
+        shards(0, 1, "--lora", "no-directory")

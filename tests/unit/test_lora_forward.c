@@ -18,6 +18,7 @@
 #include "model.h"
 #include "status.h"
 #include "test-engine.h"
+#include "test-lora.h"
 #include "test-model.h"
 
 #define N_TOK 7
@@ -76,28 +77,6 @@ static void run_alone(fixture *f, const lora_adapter *ad, const int32_t *ids, in
     eng_seq_free(f->e, s);
 }
 
-/* Checks |got - want| <= tol * max|want| over n values. */
-static void assert_close(const char *what, const float *got, const float *want, size_t n, double tol) {
-    double scale = 0, worst = 0;
-    for (size_t i = 0; i < n; i++) scale = fmax(scale, fabs(want[i]));
-    for (size_t i = 0; i < n; i++) worst = fmax(worst, fabs((double)got[i] - want[i]));
-    if (worst > tol * scale) {
-        fprintf(stderr, "%s: max |diff| %g > %g * max |ref| %g\n", what, worst, tol, scale);
-        fail();
-    }
-}
-
-static lora_adapter *random_adapter(const mdl_config *c, uint32_t targets, int r, uint64_t seed) {
-    lora_config lc = lora_config_default();
-    lc.r = r;
-    lc.alpha = 2.0f * (float)r;
-    lc.targets = targets;
-    lora_adapter *ad;
-    assert_int_equal(lora_new(&lc, c, 0, c->n_layers, seed, &ad), FU_OK);
-    lora_randomize_b(ad, seed + 1, 0.5f);
-    return ad;
-}
-
 /* Adapted logits equal the merged model's, for each architecture's extras
  * (q/k/v bias, q/k norm), with every target and with PEFT's default q/v. */
 static void test_matches_merged(void **state) {
@@ -109,7 +88,7 @@ static void test_matches_merged(void **state) {
             mdl_config c = test_small_config(archs[a]);
             fixture f, merged;
             fixture_open(&f, &c, 4); /* chunks of 4: the second chunk has 3 rows */
-            lora_adapter *ad = random_adapter(&c, targets[t], 4, 11 + t);
+            lora_adapter *ad = test_random_adapter(&c, 0, c.n_layers, targets[t], 4, 11 + t);
             fixture_open(&merged, &c, 256);
             merge_adapter(merged.m, ad);
             const size_t n = (size_t)N_TOK * (size_t)c.vocab_size;
@@ -117,7 +96,7 @@ static void test_matches_merged(void **state) {
             run_alone(&f, ad, prompt, N_TOK, got);
             run_alone(&merged, NULL, prompt, N_TOK, want);
             run_alone(&f, NULL, prompt, N_TOK, base);
-            assert_close("adapted vs merged", got, want, n, 1e-4);
+            test_assert_close("adapted vs merged", got, want, n, 1e-4);
             double moved = 0;
             for (size_t i = 0; i < n; i++) moved = fmax(moved, fabs((double)got[i] - base[i]));
             assert_true(moved > 1e-3); /* the adapter does change the logits */
@@ -137,8 +116,9 @@ static void test_mixed_batch(void **state) {
     mdl_config c = test_small_config(MDL_ARCH_LLAMA);
     fixture f;
     fixture_open(&f, &c, 5);
-    lora_adapter *ad[3] = {random_adapter(&c, LORA_TARGETS_ALL, 4, 21), NULL,
-                           random_adapter(&c, LORA_TARGET_BIT(LORA_TARGET_O) | LORA_TARGET_BIT(LORA_TARGET_DOWN), 8, 31)};
+    const uint32_t od = LORA_TARGET_BIT(LORA_TARGET_O) | LORA_TARGET_BIT(LORA_TARGET_DOWN);
+    lora_adapter *ad[3] = {test_random_adapter(&c, 0, c.n_layers, LORA_TARGETS_ALL, 4, 21), NULL,
+                           test_random_adapter(&c, 0, c.n_layers, od, 8, 31)};
     const size_t V = (size_t)c.vocab_size, n = (size_t)N_TOK * V;
     float *alone = malloc(3 * n * sizeof *alone), *got = malloc(3 * n * sizeof *got);
     eng_seq *s[3], *seqs[3 * N_TOK];
@@ -158,7 +138,7 @@ static void test_mixed_batch(void **state) {
     for (int j = 0; j < 3; j++) {
         float *mine = malloc(n * sizeof *mine);
         for (int i = 0; i < N_TOK; i++) memcpy(mine + i * V, got + (size_t)(3 * i + j) * V, V * sizeof *mine);
-        assert_close("mixed batch vs alone", mine, alone + (size_t)j * n, n, 1e-5);
+        test_assert_close("mixed batch vs alone", mine, alone + (size_t)j * n, n, 1e-5);
         free(mine);
         eng_seq_free(f.e, s[j]);
     }

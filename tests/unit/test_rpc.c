@@ -992,7 +992,7 @@ static int ts_health(void *ctx, shard_svc_health *r, rpc_status *st) {
     return RPC_OK;
 }
 
-static const shard_svc_handlers ts_handlers = {NULL, ts_session, NULL, NULL, ts_info, ts_health};
+static const shard_svc_handlers ts_handlers = {.session = ts_session, .info = ts_info, .health = ts_health};
 
 static rpc_server *typed_server_start(void) {
     rpc_server_options o = {.address = "127.0.0.1:0", .secret = SECRET, .allow_insecure = true, .n_workers = 2};

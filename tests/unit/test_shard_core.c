@@ -98,7 +98,7 @@ static void *worker_run(void *arg) {
     char id[32];
     snprintf(id, sizeof id, "sess-%d", w->idx);
     shard_session *s;
-    if ((w->rc = shard_session_open(w->core, id, 64, &s))) return NULL;
+    if ((w->rc = shard_session_open(w->core, id, 64, NULL, &s))) return NULL;
     shard_step st;
     memset(&st, 0, sizeof st);
     st.n = N_PROMPT;
@@ -168,9 +168,9 @@ static void test_chained_spans_equal_whole(void **state) {
     assert_int_equal(shard_core_new(a, be, NULL, &ca), FU_OK);
     assert_int_equal(shard_core_new(b, be, NULL, &cb), FU_OK);
     shard_session *sw, *sa, *sb;
-    assert_int_equal(shard_session_open(cw, "w", 32, &sw), FU_OK);
-    assert_int_equal(shard_session_open(ca, "x", 32, &sa), FU_OK);
-    assert_int_equal(shard_session_open(cb, "x", 32, &sb), FU_OK);
+    assert_int_equal(shard_session_open(cw, "w", 32, NULL, &sw), FU_OK);
+    assert_int_equal(shard_session_open(ca, "x", 32, NULL, &sa), FU_OK);
+    assert_int_equal(shard_session_open(cb, "x", 32, NULL, &sb), FU_OK);
     int32_t ids[5] = {3, 1, 4, 1, 5};
     shard_step s1 = {.n = 5, .tokens = ids, .want_logits = true, .all_positions = true};
     assert_int_equal(shard_session_step(cw, sw, &s1), FU_OK);
@@ -210,15 +210,15 @@ static void test_admission_and_bad_steps(void **state) {
     fixture_open(&f, OP_TYPE_F32, 3, 1, &o);
     shard_core *core = f.core;
     shard_session *s1, *s2, *s3;
-    assert_int_equal(shard_session_open(core, "a", 60, &s1), FU_OK);
-    assert_int_equal(shard_session_open(core, "b", 60, &s2), FU_ERR_EXHAUSTED);
+    assert_int_equal(shard_session_open(core, "a", 60, NULL, &s1), FU_OK);
+    assert_int_equal(shard_session_open(core, "b", 60, NULL, &s2), FU_ERR_EXHAUSTED);
     assert_non_null(strstr(fu_last_error(), "KV cache full"));
-    assert_int_equal(shard_session_open(core, "a", 10, &s2), FU_ERR_INVALID); /* duplicate */
-    assert_int_equal(shard_session_open(core, "", 10, &s2), FU_ERR_INVALID);
-    assert_int_equal(shard_session_open(core, "c", 1000, &s2), FU_ERR_RANGE); /* over the context */
-    assert_int_equal(shard_session_open(core, "b", 40, &s2), FU_OK);
+    assert_int_equal(shard_session_open(core, "a", 10, NULL, &s2), FU_ERR_INVALID); /* duplicate */
+    assert_int_equal(shard_session_open(core, "", 10, NULL, &s2), FU_ERR_INVALID);
+    assert_int_equal(shard_session_open(core, "c", 1000, NULL, &s2), FU_ERR_RANGE); /* over the context */
+    assert_int_equal(shard_session_open(core, "b", 40, NULL, &s2), FU_OK);
     shard_session_close(core, s1);
-    assert_int_equal(shard_session_open(core, "c", 60, &s3), FU_OK); /* freed at once */
+    assert_int_equal(shard_session_open(core, "c", 60, NULL, &s3), FU_OK); /* freed at once */
 
     int32_t ids[4] = {1, 2, 3, 200};
     shard_step bad_tok = {.n = 4, .tokens = ids};
@@ -257,8 +257,8 @@ static void test_all_positions_row_seeds(void **state) {
     fixture_open(&f, OP_TYPE_F32, 11, 1, NULL);
     shard_core *core = f.core;
     shard_session *all, *one;
-    assert_int_equal(shard_session_open(core, "all", 16, &all), FU_OK);
-    assert_int_equal(shard_session_open(core, "one", 16, &one), FU_OK);
+    assert_int_equal(shard_session_open(core, "all", 16, NULL, &all), FU_OK);
+    assert_int_equal(shard_session_open(core, "one", 16, NULL, &one), FU_OK);
     enum { N = 6 };
     const uint64_t seed = 0x5eedull;
     int32_t ids[N] = {7, 3, 90, 41, 5, 62};
@@ -294,8 +294,8 @@ static void test_chunked_step_equals_whole(void **state) {
     int32_t ids[N];
     for (int i = 0; i < N; i++) ids[i] = (i * 13 + 5) % 97;
     shard_session *sw, *sc;
-    assert_int_equal(shard_session_open(whole.core, "w", 64, &sw), FU_OK);
-    assert_int_equal(shard_session_open(chunked.core, "c", 64, &sc), FU_OK);
+    assert_int_equal(shard_session_open(whole.core, "w", 64, NULL, &sw), FU_OK);
+    assert_int_equal(shard_session_open(chunked.core, "c", 64, NULL, &sc), FU_OK);
     shard_step a = {.n = N, .tokens = ids, .want_logits = true, .all_positions = true};
     shard_step b = a;
     assert_int_equal(shard_session_step(whole.core, sw, &a), FU_OK);
@@ -329,8 +329,8 @@ static void test_score_inputs(void **state) {
     int32_t ids[N];
     for (int i = 0; i < N; i++) ids[i] = (i * 29 + 3) % 97;
     shard_session *sl, *ss;
-    assert_int_equal(shard_session_open(f.core, "l", 32, &sl), FU_OK);
-    assert_int_equal(shard_session_open(f.core, "s", 32, &ss), FU_OK);
+    assert_int_equal(shard_session_open(f.core, "l", 32, NULL, &sl), FU_OK);
+    assert_int_equal(shard_session_open(f.core, "s", 32, NULL, &ss), FU_OK);
     shard_step lg = {.n = N, .tokens = ids, .want_logits = true, .all_positions = true};
     assert_int_equal(shard_session_step(f.core, sl, &lg), FU_OK);
     shard_step sc = {.n = N, .tokens = ids, .sample = true, .all_positions = true, .score_inputs = true,
@@ -355,7 +355,7 @@ static void test_score_inputs(void **state) {
     fixture t;
     fixture_open(&t, OP_TYPE_F32, 31, 1, &tiny);
     shard_session *st_;
-    assert_int_equal(shard_session_open(t.core, "t", 32, &st_), FU_OK);
+    assert_int_equal(shard_session_open(t.core, "t", 32, NULL, &st_), FU_OK);
     shard_step four = {.n = 4, .tokens = ids, .want_logits = true, .all_positions = true};
     assert_int_equal(shard_session_step(t.core, st_, &four), FU_ERR_EXHAUSTED);
     assert_non_null(strstr(fu_last_error(), "logits of 4 positions"));
@@ -397,7 +397,7 @@ static void long_step_start(long_step *l, shard_core *core, const char *id, bool
     l->core = core;
     l->cancel = cancel;
     for (int i = 0; i < 120; i++) l->ids[i] = i % 97;
-    assert_int_equal(shard_session_open(core, id, 128, &l->s), FU_OK);
+    assert_int_equal(shard_session_open(core, id, 128, NULL, &l->s), FU_OK);
     l->st = (shard_step){.n = 120, .tokens = l->ids, .want_logits = true, .cancelled = long_step_cancelled,
                          .cancel_arg = l};
     shard_core_stats before, now;
@@ -414,7 +414,7 @@ static void test_prefill_interleaves_and_cancels(void **state) {
     shard_core_options one = {.kv_budget_bytes = 0, .max_batch_tokens = 1, .kv_type = OP_TYPE_F32};
     fixture_open(&f, OP_TYPE_F32, 41, 1, &one);
     shard_session *quick;
-    assert_int_equal(shard_session_open(f.core, "quick", 128, &quick), FU_OK);
+    assert_int_equal(shard_session_open(f.core, "quick", 128, NULL, &quick), FU_OK);
     int interleaved = 0, cancelled = 0;
     for (int round = 0; round < 20 && (!interleaved || !cancelled); round++) {
         long_step l;
