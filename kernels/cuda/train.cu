@@ -6,8 +6,9 @@
  *   - matmul_back and outer_acc: one small GEMM kernel, C = beta C + alpha A B
  *     with A f32 read through strides (dy or dy^T) and B rows of any weight
  *     type dequantized element by element as they are read (W, or x); a
- *     thread owns one column k of TR_MM_ROWS rows of C and loops over the
- *     inner dimension;
+ *     block per tile of 32 columns of C and 64 rows, a warp per 8 of them,
+ *     or, when those tiles are too few to fill the GPU (small T), 8 rows and
+ *     the 8 warps splitting the inner dimension;
  *   - rmsnorm_back, cross_entropy: one block per row with block reductions;
  *   - attention_back: two warp-per-task kernels without atomics: one warp per
  *     (query row, head) recomputes the softmax over its example's rows, writes
@@ -83,7 +84,14 @@ CU_INTERNAL int cuda_add_rows(op_backend *be, op_tensor *x, const int32_t *rows,
 
 /* ---- matmul gradients ------------------------------------------------------------------------ */
 
-#define TR_MM_ROWS 8 /* rows of C per thread */
+#define TR_MM_ROWS 8      /* rows of C per warp */
+#define TR_MM_COLS 32     /* columns of a tile of C: one per lane */
+#define TR_MM_WARPS 8     /* warps per block */
+#define TR_MM_MIN_TILES 256 /* fewer tiles of TR_MM_WARPS x TR_MM_ROWS rows (about 2 per SM of a
+                                large GPU) and the warps split the inner dimension instead */
+#if TR_MM_WARPS != TR_MM_ROWS
+#error "tr_mm_body: warp w finishes row w of a split tile"
+#endif
 
 typedef struct tr_mm_args {
     const float *a;         /* A (M, J): A(m, j) at a[m * a_sm + j * a_sj] */
@@ -94,42 +102,70 @@ typedef struct tr_mm_args {
     float *c;               /* C (M, K) contiguous */
     int64_t m, j, k;
     float alpha, beta;      /* beta 0: C is not read */
+    int split;              /* 1: a warp per TR_MM_ROWS rows; TR_MM_WARPS: the warps split j */
 } tr_mm_args;
 
-/* C (M, K) = beta * C + alpha * A (M, J) @ B (J, K): thread g owns column
- * k = g % K of rows [m0, m0 + TR_MM_ROWS), m0 = g / K * TR_MM_ROWS, and sums
- * over j in order in f32. The lanes of a warp read consecutive elements of a
- * row of B and the same elements of A. `type` is a constant in each kernel
- * below, so the dequantization switch folds away. */
+/* C (m0 + i, k) = beta * C + alpha * sum[i] for i < nm, k < K. */
+CU_DEV void tr_mm_store(const tr_mm_args *a, int64_t m0, int nm, int64_t k, const float *sum) {
+    for (int i = 0; i < nm && k < a->k; i++) {
+        float *cp = a->c + (m0 + i) * a->k + k;
+        *cp = a->beta != 0.0f ? *cp + a->alpha * sum[i] : a->alpha * sum[i];
+    }
+}
+
+/* C (M, K) = beta * C + alpha * A (M, J) @ B (J, K), a block per tile of
+ * TR_MM_COLS columns (grid-stride over tiles), lane l on column k0 + l, so
+ * that the lanes read consecutive elements of a row of B and the same element
+ * of A, summing in f32 in order of j. split 1: a tile of TR_MM_WARPS x
+ * TR_MM_ROWS rows, warp w's own TR_MM_ROWS over every j (the warps share
+ * their rows of B through the cache). split TR_MM_WARPS: a tile of TR_MM_ROWS
+ * rows, warp w over j = w, w + TR_MM_WARPS, ..., then warp w adds up row w's
+ * partial sums in warp order. `type` is a constant in each kernel below, so
+ * the dequantization switch folds away. Shared memory (split only):
+ * TR_MM_WARPS x TR_MM_ROWS x TR_MM_COLS floats of partial sums. */
 CU_DEV void tr_mm_body(const cu_ctx *c, const tr_mm_args *a, int type) {
-    const int64_t groups = (a->m + TR_MM_ROWS - 1) / TR_MM_ROWS;
-    for (int64_t g = cu_gid(c); g < groups * a->k; g += cu_gstride(c)) {
-        const int64_t k = g % a->k, m0 = g / a->k * TR_MM_ROWS;
-        const int nm = a->m - m0 < TR_MM_ROWS ? (int)(a->m - m0) : TR_MM_ROWS;
+    float *part = (float *)c->smem;
+    const int lane = (int)cu_lane(c), w = (int)cu_warp_id(c), split = a->split;
+    const int64_t rows = split == 1 ? TR_MM_WARPS * TR_MM_ROWS : TR_MM_ROWS;
+    const int64_t col_tiles = (a->k + TR_MM_COLS - 1) / TR_MM_COLS, tiles = col_tiles * ((a->m + rows - 1) / rows);
+    for (int64_t tile = cu_block(c); tile < tiles; tile += (int64_t)c->grid_dim.x * c->grid_dim.y) {
+        const int64_t k = tile % col_tiles * TR_MM_COLS + lane;
+        const int64_t m0 = tile / col_tiles * rows + (split == 1 ? w * TR_MM_ROWS : 0);
+        const int nm = a->m - m0 < TR_MM_ROWS ? (int)(a->m - m0) : TR_MM_ROWS; /* <= 0: no rows */
         float acc[TR_MM_ROWS];
         for (int i = 0; i < TR_MM_ROWS; i++) acc[i] = 0.0f;
-        for (int64_t j = 0; j < a->j; j++) {
+        for (int64_t j = split == 1 ? 0 : w; nm > 0 && k < a->k && j < a->j; j += split) {
             float bv = cu_dequant(type, a->b + (size_t)j * a->b_stride, k);
             if (type == OP_TYPE_I8) bv *= a->row_scale[j];
             const float *ap = a->a + m0 * a->a_sm + j * a->a_sj;
             for (int i = 0; i < TR_MM_ROWS; i++)
                 if (i < nm) acc[i] += ap[i * a->a_sm] * bv;
         }
-        for (int i = 0; i < nm; i++) {
-            float *cp = a->c + (m0 + i) * a->k + k;
-            *cp = a->beta != 0.0f ? *cp + a->alpha * acc[i] : a->alpha * acc[i];
+        if (split == 1) {
+            tr_mm_store(a, m0, nm, k, acc);
+            continue; /* split is the same for the whole grid: no barriers on this path */
         }
+        for (int i = 0; i < TR_MM_ROWS; i++) part[(w * TR_MM_ROWS + i) * TR_MM_COLS + lane] = acc[i];
+        cu_syncthreads(c);
+        float sum = 0.0f;
+        for (int p = 0; p < TR_MM_WARPS; p++) sum += part[(p * TR_MM_ROWS + w) * TR_MM_COLS + lane];
+        if (w < nm) tr_mm_store(a, m0 + w, 1, k, &sum);
+        cu_syncthreads(c); /* part is rewritten by the next tile */
     }
 }
 
-CU_WEIGHT_KERNELS(tr_mm, tr_mm_args, CU_KERNEL)
+CU_WEIGHT_KERNELS(tr_mm, tr_mm_args, CU_KERNEL_SYNC)
 
-/* Launches the GEMM kernel of B's type over a's C; nothing when C is empty. */
-static int tr_mm_run(cuda_backend *cb, op_type type, const tr_mm_args *a) {
+/* Launches the GEMM kernel of B's type over a's C, the inner dimension split
+ * over the warps when C has too few tiles of whole warps' rows to fill the
+ * GPU (small T, or few columns); nothing when C is empty. */
+static int tr_mm_run(cuda_backend *cb, op_type type, tr_mm_args *a) {
     if (a->m == 0 || a->k == 0) return FU_OK;
-    const cu_dim3 grid = cu_dim(cu_blocks_for((a->m + TR_MM_ROWS - 1) / TR_MM_ROWS * a->k, 128), 1, 1);
-    const cu_dim3 block = cu_dim(128, 1, 1);
-    return tr_mm_launch(cb, type, grid, block, 0, a);
+    const int64_t col_tiles = (a->k + TR_MM_COLS - 1) / TR_MM_COLS, big = TR_MM_WARPS * TR_MM_ROWS;
+    a->split = (a->m + big - 1) / big * col_tiles >= TR_MM_MIN_TILES ? 1 : TR_MM_WARPS;
+    const int64_t rows = a->split == 1 ? big : TR_MM_ROWS, tiles = (a->m + rows - 1) / rows * col_tiles;
+    return tr_mm_launch(cb, type, cu_dim(cu_blocks_for(tiles, 1), 1, 1), cu_dim(TR_MM_WARPS * CU_WARP, 1, 1),
+                        (size_t)(TR_MM_WARPS * TR_MM_ROWS * TR_MM_COLS) * sizeof(float), a);
 }
 
 /* dx (T, K) = beta * dx + dy (T, N) @ W (N, K): A = dy, B = W. */

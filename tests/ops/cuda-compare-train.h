@@ -3,9 +3,10 @@
  * test_cuda_gpu.c, which list CMP_TRAIN_TESTS after CMP_TESTS.
  *
  * Same inputs on both backends, device data through op_buffer_* as real
- * callers do. Shapes: T 1, 7 and 33; N and K not multiples of 32 for the
- * plain types; every weight type of the device for matmul_back; GQA 4/2 and
- * 6/2 heads over packed examples for attention_back; rows with target -1.
+ * callers do. Shapes: T 1, 7 and 33 (and 130, so that the GEMM kernel runs
+ * both ways it splits its work); N and K not multiples of 32 for the plain
+ * types; every weight type of the device for matmul_back; GQA 4/2 and 6/2
+ * heads over packed examples for attention_back; rows with target -1.
  * Tolerances (|got - ref| <= tol), stated per check:
  *   add_rows, swiglu_back:    2e-6 * max|ref|
  *   matmul_back:              1e-5 * sum_n |dy_n w_nk| + 1e-6 (+ 1e-6 |dx0| when accumulating)
@@ -126,6 +127,9 @@ static void cmp_test_matmul_back(void **state) {
             for (int beta = 0; beta < 2; beta++) cmp_matmul_back_case(type, ts[j], 19, k, beta);
     }
     cmp_matmul_back_case(OP_TYPE_F32, 5, 0, 7, 0); /* N = 0: dx = 0 */
+    /* enough tiles of 64 rows x 32 columns that each warp takes its own rows */
+    cmp_matmul_back_case(OP_TYPE_F32, 130, 19, 2750, 1);
+    cmp_matmul_back_case(OP_TYPE_Q4_0, 130, 19, 2752, 0);
     /* a weight of the CPU's interleaved layout is not the device's */
     float *buf = op_buffer_alloc(cmp_dev, 4096);
     assert_non_null(buf);
@@ -172,6 +176,7 @@ static void cmp_test_outer_acc(void **state) {
     cmp_outer_acc_case(7, 19, 37, -2.0f);
     cmp_outer_acc_case(33, 8, 45, 1.0f);
     cmp_outer_acc_case(33, 45, 8, 0.25f);
+    cmp_outer_acc_case(7, 130, 2750, 0.5f); /* a warp per 8 rows of dw */
 }
 
 /* ---- rmsnorm_back and swiglu_back ----------------------------------------------------------------- */
