@@ -318,9 +318,9 @@ int op_add_row(op_backend *be, op_tensor *x, const op_tensor *b);
 
 /* x (R, N) row rows[i] += scale * y (n, N) row i, for i < n (y->ne[1]);
  * rows host memory (n), distinct. A row outside [0, R) is an error
- * (FU_ERR_RANGE) and nothing is written. A backend without this op (CUDA
- * for now) answers FU_ERR_UNSUPPORTED whatever the arguments, so a call with
- * n = 0 asks whether it has it. */
+ * (FU_ERR_RANGE) and nothing is written. A backend without this op answers
+ * FU_ERR_UNSUPPORTED whatever the arguments, so a call with n = 0 asks
+ * whether it has it (the CPU and CUDA backends both have it). */
 int op_add_rows(op_backend *be, op_tensor *x, const int32_t *rows, const op_tensor *y, float scale);
 
 /* out (T, D) f32 = rows ids[t] of table (V, D) of any weight type; ids host (T).
@@ -338,8 +338,8 @@ int op_log_softmax(op_backend *be, op_tensor *x);
  *
  * The gradients of the forward ops above, for LoRA fine-tuning through frozen
  * base weights. All activations and gradients are f32 and contiguous. A
- * backend without them (the CUDA backend for now) answers FU_ERR_UNSUPPORTED
- * from each, whatever the arguments. */
+ * backend without them answers FU_ERR_UNSUPPORTED from each, whatever the
+ * arguments; the CPU and CUDA backends have them all. */
 
 /* True when the backend runs every op of this section. */
 bool op_backend_can_train(const op_backend *be);

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "cpu-impl.h"
+#include "dropout-hash.h"
 #include "status.h"
 
 /* ---- matmul gradients -------------------------------------------------------- */
@@ -240,16 +241,6 @@ int cpu_cross_entropy(op_backend *be, op_tensor *logits, const int32_t *target, 
 
 /* ---- dropout ------------------------------------------------------------------ */
 
-/* The mask hash of ops.h: uniform in [0, 1) from (seed, row, col). */
-static float cpu_dropout_u(uint64_t seed, uint64_t row, uint64_t col) {
-    uint64_t z = seed ^ (row * 0xD1B54A32D192ED03ull) ^ (col * 0x9E3779B97F4A7C15ull);
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return (float)(z >> 40) * 0x1p-24f;
-}
-
 typedef struct cpu_dropout_args {
     int64_t n, row0;
     float *x; /* (R, n) in place */
@@ -257,14 +248,14 @@ typedef struct cpu_dropout_args {
     uint64_t seed;
 } cpu_dropout_args;
 
-/* Rows [r0, r1) of dropout (cpu_rows_fn): the mask of cpu_dropout_u, kept ones scaled. */
+/* Rows [r0, r1) of dropout (cpu_rows_fn): the mask of op_dropout_u, kept ones scaled. */
 static void cpu_dropout_rows(const void *arg, int64_t r0, int64_t r1) {
     const cpu_dropout_args *a = arg;
     const float keep = 1.0f / (1.0f - a->p);
     for (int64_t r = r0; r < r1; r++) {
         float *x = a->x + r * a->n;
         for (int64_t c = 0; c < a->n; c++)
-            x[c] = cpu_dropout_u(a->seed, (uint64_t)(a->row0 + r), (uint64_t)c) >= a->p ? x[c] * keep : 0.0f;
+            x[c] = op_dropout_u(a->seed, (uint64_t)(a->row0 + r), (uint64_t)c) >= a->p ? x[c] * keep : 0.0f;
     }
 }
 

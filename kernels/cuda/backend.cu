@@ -16,6 +16,7 @@
 #include "rmsnorm.cuh"
 #include "rope.cuh"
 #include "softmax.cuh"
+#include "train.cuh"
 
 #include <stdlib.h>
 
@@ -156,6 +157,7 @@ static void cuda_free(op_backend *be) {
     cu_rt_free(cb, cb->meta);
     cu_rt_free(cb, cb->xh);
     cu_rt_free(cb, cb->wh);
+    cu_rt_free(cb, cb->train);
     cu_rt_close(cb);
     free(cb->meta_host);
     free(cb->bufs);
@@ -289,15 +291,14 @@ static const op_backend_vtbl cuda_vtbl = {
     cuda_get_rows,
     cuda_softmax,
     cuda_log_softmax,
-    NULL, /* add_rows: not yet on the GPU; op_add_rows answers FU_ERR_UNSUPPORTED (so does LoRA) */
-    /* the training ops: not yet on the GPU; each answers FU_ERR_UNSUPPORTED */
-    NULL, /* matmul_back */
-    NULL, /* outer_acc */
-    NULL, /* rmsnorm_back */
-    NULL, /* swiglu_back */
-    NULL, /* attention_back */
-    NULL, /* cross_entropy */
-    NULL, /* dropout */
+    cuda_add_rows,
+    cuda_matmul_back,
+    cuda_outer_acc,
+    cuda_rmsnorm_back,
+    cuda_swiglu_back,
+    cuda_attention_back,
+    cuda_cross_entropy,
+    cuda_dropout,
 };
 
 /* A backend on `device` dequantizing chunk_elems weight elements per cuBLAS

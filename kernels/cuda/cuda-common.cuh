@@ -71,6 +71,8 @@ typedef struct cuda_backend {
     size_t xh_cap;        /* bytes */
     void *wh;             /* device: a chunk of dequantized f16 weight rows (rows, K) */
     size_t wh_cap;        /* bytes */
+    void *train;          /* device: training ops' scratch (attention_back's softmax statistics) */
+    size_t train_cap;     /* bytes */
     size_t chunk_elems;   /* weight elements dequantized per cuBLAS call */
     bool bf16_gemm;       /* cuBLAS takes bf16 operands (compute capability >= 8.0) */
     char device_name[256]; /* e.g. "NVIDIA H100 80GB HBM3" */
@@ -196,6 +198,49 @@ static inline dim3 cu_dim3_to(cu_dim3 d) { return dim3(d.x, d.y, d.z); }
     (name##_kernel<<<cu_dim3_to(grid), cu_dim3_to(block), (smem), (cudaStream_t)(cb)->stream>>>(args), \
      cu_rt_check_launch((cb), #name, __FILE__, __LINE__))
 #endif
+
+/* CU_WEIGHT_KERNELS(name, args_t, KERNEL): for a body `name##_body(c, a, type)`
+ * (type an int weight type), the kernels name_f32, name_f16, name_bf16,
+ * name_q8_0, name_q4_0, name_q4_1 and name_i8 made by KERNEL (CU_KERNEL or
+ * CU_KERNEL_SYNC), each with its type a constant so that cu_dequant's switch
+ * folds away, and `static int name##_launch(cb, type, grid, block, smem,
+ * const args_t *a)`, the launch of the kernel of `type` (FU_ERR_UNSUPPORTED
+ * for the types without one). */
+#define CU_WEIGHT_BODY_(name, args_t, sfx, type) \
+    CU_DEV void name##_##sfx##_body(const cu_ctx *c, const args_t *a) { name##_body(c, a, type); }
+#define CU_WEIGHT_CASE_(name, sfx, type) \
+    case type:                           \
+        return CU_LAUNCH(cb, name##_##sfx, grid, block, smem, *a);
+#define CU_WEIGHT_KERNELS(name, args_t, KERNEL)                                                        \
+    CU_WEIGHT_BODY_(name, args_t, f32, OP_TYPE_F32)                                                    \
+    CU_WEIGHT_BODY_(name, args_t, f16, OP_TYPE_F16)                                                    \
+    CU_WEIGHT_BODY_(name, args_t, bf16, OP_TYPE_BF16)                                                  \
+    CU_WEIGHT_BODY_(name, args_t, q8_0, OP_TYPE_Q8_0)                                                  \
+    CU_WEIGHT_BODY_(name, args_t, q4_0, OP_TYPE_Q4_0)                                                  \
+    CU_WEIGHT_BODY_(name, args_t, q4_1, OP_TYPE_Q4_1)                                                  \
+    CU_WEIGHT_BODY_(name, args_t, i8, OP_TYPE_I8)                                                      \
+    KERNEL(name##_f32, args_t)                                                                         \
+    KERNEL(name##_f16, args_t)                                                                         \
+    KERNEL(name##_bf16, args_t)                                                                        \
+    KERNEL(name##_q8_0, args_t)                                                                        \
+    KERNEL(name##_q4_0, args_t)                                                                        \
+    KERNEL(name##_q4_1, args_t)                                                                        \
+    KERNEL(name##_i8, args_t)                                                                          \
+    static int name##_launch(cuda_backend *cb, op_type type, cu_dim3 grid, cu_dim3 block, size_t smem, \
+                             const args_t *a) {                                                        \
+        switch (type) {                                                                                \
+            CU_WEIGHT_CASE_(name, f32, OP_TYPE_F32)                                                    \
+            CU_WEIGHT_CASE_(name, f16, OP_TYPE_F16)                                                    \
+            CU_WEIGHT_CASE_(name, bf16, OP_TYPE_BF16)                                                  \
+            CU_WEIGHT_CASE_(name, q8_0, OP_TYPE_Q8_0)                                                  \
+            CU_WEIGHT_CASE_(name, q4_0, OP_TYPE_Q4_0)                                                  \
+            CU_WEIGHT_CASE_(name, q4_1, OP_TYPE_Q4_1)                                                  \
+            CU_WEIGHT_CASE_(name, i8, OP_TYPE_I8)                                                      \
+        default:                                                                                       \
+            return fu_errorf(FU_ERR_UNSUPPORTED, "%s: no kernel for %s weights", #name,                \
+                             op_type_name(type));                                                      \
+        }                                                                                              \
+    }
 
 /* ---- device helpers --------------------------------------------------------------------- */
 

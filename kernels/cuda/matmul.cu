@@ -38,20 +38,7 @@ CU_DEV void mv_body(const cu_ctx *c, const mv_args *a, int type) {
     }
 }
 
-CU_DEV void mv_f32_body(const cu_ctx *c, const mv_args *a) { mv_body(c, a, OP_TYPE_F32); }
-CU_DEV void mv_f16_body(const cu_ctx *c, const mv_args *a) { mv_body(c, a, OP_TYPE_F16); }
-CU_DEV void mv_bf16_body(const cu_ctx *c, const mv_args *a) { mv_body(c, a, OP_TYPE_BF16); }
-CU_DEV void mv_q8_0_body(const cu_ctx *c, const mv_args *a) { mv_body(c, a, OP_TYPE_Q8_0); }
-CU_DEV void mv_q4_0_body(const cu_ctx *c, const mv_args *a) { mv_body(c, a, OP_TYPE_Q4_0); }
-CU_DEV void mv_q4_1_body(const cu_ctx *c, const mv_args *a) { mv_body(c, a, OP_TYPE_Q4_1); }
-CU_DEV void mv_i8_body(const cu_ctx *c, const mv_args *a) { mv_body(c, a, OP_TYPE_I8); }
-CU_KERNEL_SYNC(mv_f32, mv_args)
-CU_KERNEL_SYNC(mv_f16, mv_args)
-CU_KERNEL_SYNC(mv_bf16, mv_args)
-CU_KERNEL_SYNC(mv_q8_0, mv_args)
-CU_KERNEL_SYNC(mv_q4_0, mv_args)
-CU_KERNEL_SYNC(mv_q4_1, mv_args)
-CU_KERNEL_SYNC(mv_i8, mv_args)
+CU_WEIGHT_KERNELS(mv, mv_args, CU_KERNEL_SYNC)
 
 /* ---- prefill helpers ---------------------------------------------------------------- */
 
@@ -106,24 +93,7 @@ CU_KERNEL(mm_zero, mm_zero_args)
 static int mm_matvec(cuda_backend *cb, op_type type, const mv_args *a) {
     cu_dim3 grid = cu_dim((unsigned)((a->n + MV_WARPS - 1) / MV_WARPS), 1, 1);
     cu_dim3 block = cu_dim(MV_WARPS * CU_WARP, 1, 1);
-    switch (type) {
-    case OP_TYPE_F32:
-        return CU_LAUNCH(cb, mv_f32, grid, block, 0, *a);
-    case OP_TYPE_F16:
-        return CU_LAUNCH(cb, mv_f16, grid, block, 0, *a);
-    case OP_TYPE_BF16:
-        return CU_LAUNCH(cb, mv_bf16, grid, block, 0, *a);
-    case OP_TYPE_Q8_0:
-        return CU_LAUNCH(cb, mv_q8_0, grid, block, 0, *a);
-    case OP_TYPE_Q4_0:
-        return CU_LAUNCH(cb, mv_q4_0, grid, block, 0, *a);
-    case OP_TYPE_Q4_1:
-        return CU_LAUNCH(cb, mv_q4_1, grid, block, 0, *a);
-    case OP_TYPE_I8:
-        return CU_LAUNCH(cb, mv_i8, grid, block, 0, *a);
-    default:
-        return fu_errorf(FU_ERR_UNSUPPORTED, "matmul: no %s kernel", op_type_name(type));
-    }
+    return mv_launch(cb, type, grid, block, 0, a);
 }
 
 /* x (T, K) rounded to f16 / bf16 into cb->xh (T, K). */
@@ -193,22 +163,31 @@ static int mm_gemm(cuda_backend *cb, op_type type, const mv_args *m) {
     return FU_OK;
 }
 
+CU_INTERNAL int cuda_weight_check(cuda_backend *cb, const char *op, const op_tensor *w) {
+    const char *name = w->name ? w->name : "";
+    if (!cuda_rows_ok(w) || w->ne[2] * w->ne[3] != 1)
+        return fu_errorf(FU_ERR_INVALID, "%s %s: W must be 2-D with contiguous rows", op, name);
+    if (op_type_block_elems(w->type) > 1 && w->ne[0] % OP_QK)
+        return fu_errorf(FU_ERR_INVALID, "%s %s: K=%lld is not a multiple of %d", op, name, (long long)w->ne[0],
+                         OP_QK);
+    if (w->type == OP_TYPE_I8 && !w->row_scale)
+        return fu_errorf(FU_ERR_INVALID, "%s %s: i8 weights need row scales", op, name);
+    if (!cuda_supports_type(w->type))
+        return fu_errorf(FU_ERR_UNSUPPORTED, "%s %s: no %s kernel", op, name, op_type_name(w->type));
+    if (w->nb[1] % cuda_type_align(w->type) || (uintptr_t)w->data % cuda_type_align(w->type))
+        return fu_errorf(FU_ERR_INVALID, "%s %s: misaligned weight rows", op, name);
+    return cuda_mem_check(cb, op, w, NULL, NULL);
+}
+
 CU_INTERNAL int cuda_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y) {
     cuda_backend *cb = cuda_be(be);
     const char *name = w->name ? w->name : "";
-    if (!cuda_rows_ok(w) || !cuda_rows_ok(x) || !cuda_rows_ok(y) || w->ne[2] * w->ne[3] != 1)
-        return fu_errorf(FU_ERR_INVALID, "matmul %s: W must be 2-D and all rows contiguous", name);
-    if (op_type_block_elems(w->type) > 1 && w->ne[0] % OP_QK)
-        return fu_errorf(FU_ERR_INVALID, "matmul %s: K=%lld is not a multiple of %d", name,
-                         (long long)w->ne[0], OP_QK);
-    if (w->type == OP_TYPE_I8 && !w->row_scale)
-        return fu_errorf(FU_ERR_INVALID, "matmul %s: i8 weights need row scales", name);
-    if (!cuda_supports_type(w->type))
-        return fu_errorf(FU_ERR_UNSUPPORTED, "matmul %s: no %s kernel", name, op_type_name(w->type));
-    int rc = cuda_mem_check(cb, "matmul", w, x, y);
+    int rc = cuda_weight_check(cb, "matmul", w);
     if (rc) return rc;
-    if (w->nb[1] % cuda_type_align(w->type) || (uintptr_t)w->data % cuda_type_align(w->type) ||
-        x->nb[1] % 4 || y->nb[1] % 4 || (uintptr_t)x->data % 4 || (uintptr_t)y->data % 4)
+    if (!cuda_rows_ok(x) || !cuda_rows_ok(y))
+        return fu_errorf(FU_ERR_INVALID, "matmul %s: all rows must be contiguous", name);
+    if ((rc = cuda_mem_check(cb, "matmul", x, y, NULL))) return rc;
+    if (x->nb[1] % 4 || y->nb[1] % 4 || (uintptr_t)x->data % 4 || (uintptr_t)y->data % 4)
         return fu_errorf(FU_ERR_INVALID, "matmul %s: misaligned rows", name);
     mv_args m;
     m.w = (const uint8_t *)w->data;

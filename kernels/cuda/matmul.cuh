@@ -13,4 +13,10 @@
 
 CU_INTERNAL int cuda_matmul(op_backend *be, const op_tensor *w, const op_tensor *x, op_tensor *y);
 
+/* FU_OK when w can be a weight of this backend's kernels (cu_dequant): a 2-D
+ * tensor of a supported type with contiguous, aligned rows (K a multiple of 32
+ * for the block types), row scales for I8, all in this backend's memory; else
+ * the error, naming op and w. */
+CU_INTERNAL int cuda_weight_check(cuda_backend *cb, const char *op, const op_tensor *w);
+
 #endif

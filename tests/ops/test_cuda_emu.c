@@ -1,5 +1,6 @@
 /* test_cuda_emu.c -- the CUDA backend's kernels and host code on the CPU emulator, against the CPU
- * backend (every op, every weight type; see cuda-compare.h), plus the emulator's own semantics.
+ * backend (every op, every weight type, the training ops; see cuda-compare.h and
+ * cuda-compare-train.h), plus the emulator's own semantics.
  *
  * op_backend_cuda_emu_new() runs the very .cu sources of kernels/cuda compiled
  * as C, with the same launch configurations, metadata uploads and cuBLAS
@@ -16,7 +17,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
-#include "cuda-compare.h"
+#include "cuda-compare-train.h"
 
 #ifdef FUSION_HAVE_CUDA_EMU
 #include "cuda-emu.h"
@@ -103,26 +104,6 @@ static void test_real_backend_absent(void **state) {
     assert_null(op_backend_cuda_new(-1));
 }
 
-/* The training ops are not on the GPU yet: each answers FU_ERR_UNSUPPORTED,
- * whatever its arguments, and the backend says it cannot train. */
-static void test_training_ops_unsupported(void **state) {
-    (void)state;
-    assert_false(op_backend_can_train(cmp_dev));
-    assert_true(op_backend_can_train(cmp_cpu));
-    float x[4] = {0};
-    op_tensor t = op_tensor_2d(OP_TYPE_F32, x, 2, 2);
-    const int32_t first[2] = {0, 0}, target[2] = {0, 0};
-    op_attn_train a = {1, 1, 2, 1.0f, first};
-    assert_int_equal(op_matmul_back(cmp_dev, &t, &t, &t, 0.0f), FU_ERR_UNSUPPORTED);
-    assert_int_equal(op_outer_acc(cmp_dev, &t, &t, &t, 1.0f), FU_ERR_UNSUPPORTED);
-    assert_int_equal(op_rmsnorm_back(cmp_dev, &t, NULL, 1e-5f, &t, &t, 0.0f), FU_ERR_UNSUPPORTED);
-    assert_int_equal(op_swiglu_back(cmp_dev, &t, &t, &t, &t, &t), FU_ERR_UNSUPPORTED);
-    assert_int_equal(op_attention_back(cmp_dev, &a, &t, &t, &t, &t, &t, &t, &t, &t), FU_ERR_UNSUPPORTED);
-    assert_int_equal(op_cross_entropy(cmp_dev, &t, target, 1.0f, NULL, NULL), FU_ERR_UNSUPPORTED);
-    assert_int_equal(op_dropout(cmp_dev, &t, 0.5f, 1, 0), FU_ERR_UNSUPPORTED);
-    assert_non_null(strstr(fu_last_error(), "not supported by the cuda-emu backend"));
-}
-
 static int setup(void **state) {
     (void)state;
     op_cpu_options o = {.n_threads = 1, .isa = OP_CPU_ISA_PORTABLE};
@@ -146,8 +127,8 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_emu_semantics),
         cmocka_unit_test(test_real_backend_absent),
-        cmocka_unit_test(test_training_ops_unsupported),
         CMP_TESTS,
+        CMP_TRAIN_TESTS,
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
@@ -166,7 +147,7 @@ static int teardown(void **state) {
 }
 
 int main(void) {
-    const struct CMUnitTest tests[] = {CMP_TESTS};
+    const struct CMUnitTest tests[] = {CMP_TESTS, CMP_TRAIN_TESTS};
     return cmocka_run_group_tests(tests, setup, teardown);
 }
 #endif

@@ -1,13 +1,14 @@
-/* test_cuda_gpu.c -- every op of the CUDA backend on a real GPU against the CPU backend (see
- * cuda-compare.h for shapes and tolerances). Skips, test by test, when no GPU is usable
- * (or CUDA was not built in): op_backend_cuda_new(0) then returns NULL. */
+/* test_cuda_gpu.c -- every op of the CUDA backend on a real GPU against the CPU backend, the
+ * training ops included (see cuda-compare.h and cuda-compare-train.h for shapes and
+ * tolerances). Skips, test by test, when no GPU is usable (or CUDA was not built in):
+ * op_backend_cuda_new(0) then returns NULL. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <cmocka.h>
 
-#include "cuda-compare.h"
+#include "cuda-compare-train.h"
 
 static int setup(void **state) {
     (void)state;
@@ -28,6 +29,6 @@ static int teardown(void **state) {
 }
 
 int main(void) {
-    const struct CMUnitTest tests[] = {CMP_TESTS};
+    const struct CMUnitTest tests[] = {CMP_TESTS, CMP_TRAIN_TESTS};
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -18,6 +18,7 @@
 #include "../rmsnorm.cu"
 #include "../rope.cu"
 #include "../softmax.cu"
+#include "../train.cu"
 
 /* ---- runtime layer over host memory ------------------------------------------------------- */
 
