@@ -6,8 +6,9 @@ fusion from a Hugging Face directory written here, PyTorch from the same tensors
 r = 16 on all seven linear layers, AdamW, batches of 8 sequences of 256 tokens, on the same
 number of CPU threads. Each runs in its own process; reported: training tokens per second
 (forward + backward + optimizer step, after a warm-up step) and peak RSS. fusion is also run
-on the GGUF itself (Q4_1 weights, held as they are) and as a 2-span chain in one process, and
-with activations kept instead of recomputed.
+on the GGUF itself (Q4_1 weights, held as they are), as a 2-span chain in one process, with
+activations kept instead of recomputed, and through two fusion-shard processes on loopback
+(micro-batches one at a time, then two in flight).
 
   bench/train.py [--threads 2] [--steps 3] [--seq 256] [--batch 8]
 """
@@ -18,6 +19,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "oracle"))
@@ -131,6 +133,40 @@ def fusion(build, model, data, args, extra):
     return [s["seconds"] for s in steps[1:]], rss
 
 
+def chain(build, model, data, args, extra):
+    """fusion-train through two fusion-shard processes (blocks 0:15 and 15:30) on loopback; the
+    peak RSS is the largest of the three processes'."""
+    secret = "bench-train-secret-0123456789"
+    tmp = tempfile.mkdtemp(prefix="fusion-bench-chain-")
+    procs, hops = [], []
+    try:
+        for i, (a, b) in enumerate([(0, 15), (15, 30)]):
+            pf = os.path.join(tmp, f"port{i}")
+            procs.append(subprocess.Popen(
+                [os.path.join(build, "fusion-shard"), "--model", model, "--blocks", f"{a}:{b}", "--listen",
+                 "127.0.0.1:0", "--port-file", pf, "--secret", secret, "--insecure", "--threads",
+                 str(args.threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            while not os.path.exists(pf):
+                time.sleep(0.1)
+            hops += ["--hop", f"127.0.0.1:{open(pf).read().strip()}:{a}:{b}"]
+        os.environ["FUSION_SECRET"] = secret
+        secs, rss = fusion(build, model, data, args, hops + ["--insecure"] + extra)
+        return secs, max(rss, *(shard_rss(p.pid) for p in procs))
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait()
+
+
+def shard_rss(pid):
+    """A running process's peak RSS in MiB (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -160,6 +196,11 @@ def main():
                                ("fusion (Q4_1 GGUF)", gguf_path, []),
                                ("fusion (Q4_1 GGUF, 2 spans)", gguf_path, ["--spans", "2"])]:
         secs, rss = fusion(args.build, model, data, args, extra)
+        rows.append((name, tokens * len(secs) / sum(secs), rss))
+    half = ["--max-tokens", str(args.batch * args.seq // 4)]  # 4 micro-batches per step
+    for name, extra in [("fusion (Q4_1, 2 shard processes)", half),
+                        ("fusion (Q4_1, 2 shard processes, pipeline 2)", half + ["--pipeline", "2"])]:
+        secs, rss = chain(args.build, gguf_path, data, args, extra)
         rows.append((name, tokens * len(secs) / sum(secs), rss))
     print(f"{'':42s} {'tokens/s':>9s} {'vs torch':>9s} {'peak RSS MiB':>13s}")
     for name, tps, rss in rows:

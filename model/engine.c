@@ -251,7 +251,7 @@ static int eng_lora_reserve(eng_engine *e, int r) {
     return r > e->max_k ? op_reserve(e->be, (int64_t)T, r) : FU_OK;
 }
 
-int eng_seq_set_adapter(eng_seq *s, const lora_adapter *a) {
+int eng_seq_set_adapter(eng_seq *s, lora_adapter *a) {
     eng_engine *e = s->e;
     if (!a) {
         s->ad = NULL;
@@ -264,7 +264,7 @@ int eng_seq_set_adapter(eng_seq *s, const lora_adapter *a) {
     if (op_add_rows(e->be, &x, NULL, &none, 0.0f) == FU_ERR_UNSUPPORTED)
         return fu_errorf(FU_ERR_UNSUPPORTED, "LoRA is not supported on the %s backend yet",
                          op_backend_name(e->be));
-    if ((rc = eng_lora_reserve(e, a->cfg.r))) return rc;
+    if ((rc = eng_lora_reserve(e, a->cfg.r)) || (!a->dev && (rc = lora_upload(a, e->be)))) return rc;
     s->ad = a;
     return FU_OK;
 }
@@ -303,7 +303,8 @@ static int eng_lora_apply(eng_engine *e, int l, lora_target t, const op_tensor *
         if (!p->a) continue;
         const int32_t *rows = e->lrows + e->loff[g];
         const int64_t n = e->loff[g + 1] - e->loff[g], r = ad->cfg.r, in = x->ne[0], out = y->ne[0];
-        op_tensor a = op_tensor_2d(OP_TYPE_F32, p->a, in, r), b = op_tensor_2d(OP_TYPE_F32, p->b, r, out);
+        op_tensor a = op_tensor_2d(OP_TYPE_F32, lora_dev(ad, p->a), in, r);
+        op_tensor b = op_tensor_2d(OP_TYPE_F32, lora_dev(ad, p->b), r, out);
         op_tensor xg = op_tensor_2d(OP_TYPE_F32, e->lx, in, n), u = op_tensor_2d(OP_TYPE_F32, e->lu, r, n);
         op_tensor d = op_tensor_2d(OP_TYPE_F32, e->ld, out, n);
         a.name = "lora_A";

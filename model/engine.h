@@ -59,9 +59,10 @@ int eng_seq_truncate(eng_seq *s, int len);
  * held is kept as it is. The adapter must hold exactly the engine's span
  * [first, last) of blocks and have the model's shape (FU_ERR_INVALID naming
  * the difference); the backend must have op_add_rows (FU_ERR_UNSUPPORTED
- * otherwise: the CUDA backend for now). Sizes the engine's LoRA scratch for
- * the adapter's rank (FU_ERR_NOMEM), so that forwards do not allocate. */
-int eng_seq_set_adapter(eng_seq *s, const lora_adapter *a);
+ * otherwise). Puts the adapter where the backend reads it (lora_upload, once)
+ * and sizes the engine's LoRA scratch for its rank (FU_ERR_NOMEM), so that
+ * forwards do not allocate. */
+int eng_seq_set_adapter(eng_seq *s, lora_adapter *a);
 
 typedef struct eng_batch {
     int n_tokens;             /* T */

@@ -154,9 +154,23 @@ static int lora_alloc(const lora_config *cfg, const lora_shape *s, int first, in
 
 void lora_free(lora_adapter *ad) {
     if (!ad) return;
+    if (ad->dev && ad->dev != ad->data) op_buffer_free(ad->dev_be, ad->dev);
     free(ad->pairs);
     free(ad->data);
     free(ad);
+}
+
+int lora_upload(lora_adapter *ad, op_backend *be) {
+    const size_t bytes = ad->n_floats * sizeof(float);
+    if (ad->dev_be && ad->dev_be != be)
+        return fu_errorf(FU_ERR_INVALID, "lora: the adapter is already on the %s backend", op_backend_name(ad->dev_be));
+    if (ad->dev) return ad->dev == ad->data ? FU_OK : op_buffer_set(be, ad->dev, ad->data, bytes);
+    op_tensor host = op_tensor_1d(OP_TYPE_F32, ad->data, (int64_t)ad->n_floats), out;
+    int rc = op_tensor_upload(be, &host, &out);
+    if (rc < 0) return rc;
+    ad->dev = out.data;
+    ad->dev_be = be;
+    return FU_OK;
 }
 
 /* splitmix64: the generator of every random value here. */

@@ -78,6 +78,9 @@ typedef struct lora_adapter {
     bool qk_interleaved; /* q_proj / k_proj B rows in GGUF llama's order (pairs (i, i + hd/2) of
                             each head interleaved, as convert_hf_to_gguf permutes Q and K for
                             OP_ROPE_NORM), to match a model held that way; files hold PEFT's order */
+    op_backend *dev_be;  /* the backend of dev (lora_upload), NULL: none yet */
+    float *dev;          /* data as that backend's ops read it: data itself on a backend that reads
+                            host memory (the CPU), else a copy in its memory that the adapter owns */
 } lora_adapter;
 
 /* A config with PEFT's defaults: r 8, lora_alpha 8, dropout 0, no rslora,
@@ -177,6 +180,15 @@ int lora_save(const lora_adapter *ad, const char *dir);
  * targets) and shape and span's blocks lie within whole's. */
 int lora_merge_span(lora_adapter *whole, const lora_adapter *span);
 
-void lora_free(lora_adapter *ad); /* NULL is a no-op */
+/* Makes the adapter's weights readable by backend be's ops (ad->dev): the
+ * first call picks host memory or a copy in be's memory; later calls copy
+ * data there again (after it changed: an optimizer step). FU_ERR_INVALID when
+ * it was uploaded to another backend, FU_ERR_NOMEM. */
+int lora_upload(lora_adapter *ad, op_backend *be);
+
+/* Where host pointer p (into ad->data) is in ad->dev. */
+static inline float *lora_dev(const lora_adapter *ad, const float *p) { return ad->dev + (p - ad->data); }
+
+void lora_free(lora_adapter *ad); /* NULL is a no-op; frees a device copy too */
 
 #endif

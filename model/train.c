@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "engine-impl.h"
+#include "log.h"
 #include "status.h"
 
 #define TRN_HEAD_ROWS 64 /* rows of logits the head computes at a time */
@@ -38,6 +39,9 @@ struct trn_span {
     int64_t D, F, qd, kd, max_k;
     float scale;            /* lora_scale */
     float *grad, *m1, *m2;  /* (n_floats) host, as ad->data */
+    float *dgrad;           /* the gradients as the backend's ops accumulate them: grad itself on a
+                               backend that reads host memory, else a backend buffer (synced to grad
+                               after each backward) */
     trn_slot *slots;
     trn_stash rs;           /* TRN_RECOMPUTE: the block being rebuilt */
     /* scratch (backend memory), max_tokens rows */
@@ -155,6 +159,24 @@ uint64_t trn_bytes(const trn_span *s) { return s->bytes; }
 
 const lora_adapter *trn_adapter(const trn_span *s) { return s->ad; }
 
+/* Puts the adapter where the backend reads it and gives the gradients a
+ * place there: the host arrays themselves on the CPU. */
+static int trn_device_grads(trn_span *s) {
+    int rc = lora_upload(s->ad, s->be);
+    if (rc) return rc;
+    if (s->ad->dev == s->ad->data) {
+        s->dgrad = s->grad;
+        return FU_OK;
+    }
+    return (s->dgrad = trn_alloc(s, (int64_t)s->ad->n_floats)) ? FU_OK : fu_errorf(FU_ERR_NOMEM, "training gradients");
+}
+
+/* After the backend's ops changed the gradients: the host copy follows. */
+static int trn_sync_grads(trn_span *s) {
+    if (s->dgrad == s->grad) return FU_OK;
+    return op_buffer_get(s->be, s->grad, s->dgrad, s->ad->n_floats * sizeof(float));
+}
+
 /* ---- construction ------------------------------------------------------------------ */
 
 static int trn_check_adapter(const trn_span *s) {
@@ -232,6 +254,7 @@ int trn_new(eng_engine *e, lora_adapter *ad, const trn_options *opts, trn_span *
                        s->opts.budget_bytes / 1048576.0);
     if (!rc && (trn_host_alloc(s) || trn_alloc_scratch(s)))
         rc = fu_errorf(FU_ERR_NOMEM, "training scratch (%.1f MiB)", need / 1048576.0);
+    if (!rc) rc = trn_device_grads(s);
     for (int i = 0; !rc && i < s->opts.slots; i++)
         if (trn_alloc_slot(s, &s->slots[i])) rc = fu_errorf(FU_ERR_NOMEM, "training slot %d", i);
     if (!rc) rc = op_reserve(s->be, s->opts.max_tokens, s->max_k);
@@ -247,10 +270,10 @@ int trn_new(eng_engine *e, lora_adapter *ad, const trn_options *opts, trn_span *
 
 static op_tensor trn_t2(float *p, int64_t cols, int64_t rows) { return op_tensor_2d(OP_TYPE_F32, p, cols, rows); }
 
-/* The gradient accumulator of matrix A (is_b 0) or B of pair p. */
+/* The gradient accumulator of matrix A (is_b 0) or B of pair p, where the backend's ops add to it. */
 static float *trn_grad_of(const trn_span *s, const lora_pair *p, int is_b) {
     const float *w = is_b ? p->b : p->a;
-    return s->grad + (w - s->ad->data);
+    return s->dgrad + (w - s->ad->data);
 }
 
 /* The dropout seed of (micro-batch, block, target). */
@@ -279,10 +302,10 @@ static int trn_lora_fwd(trn_span *s, const trn_slot *sl, int l, lora_target t, c
     const lora_pair *p = lora_at(s->ad, s->m->first + l, t);
     if (!p->a) return FU_OK;
     const int64_t T = x->ne[1], in = x->ne[0];
-    op_tensor a = trn_t2(p->a, in, s->r), ut = trn_t2(u, s->r, T), xd;
+    op_tensor a = trn_t2(lora_dev(s->ad, p->a), in, s->r), ut = trn_t2(u, s->r, T), xd;
     int rc = trn_lora_input(s, sl, l, t, x, &xd);
     if (rc || (rc = op_matmul(s->be, &a, &xd, &ut)) || !y) return rc;
-    op_tensor b = trn_t2(p->b, s->r, y->ne[0]), d = trn_t2(s->ld, y->ne[0], T);
+    op_tensor b = trn_t2(lora_dev(s->ad, p->b), s->r, y->ne[0]), d = trn_t2(s->ld, y->ne[0], T);
     if ((rc = op_matmul(s->be, &b, &ut, &d))) return rc;
     return op_add_rows(s->be, y, s->ident, &d, s->scale);
 }
@@ -295,7 +318,8 @@ static int trn_lora_back(trn_span *s, const trn_slot *sl, int l, lora_target t, 
     if (!p->a) return FU_OK;
     const int64_t T = x->ne[1], in = x->ne[0], out = dy->ne[0];
     op_tensor gb = trn_t2(trn_grad_of(s, p, 1), s->r, out), ga = trn_t2(trn_grad_of(s, p, 0), in, s->r);
-    op_tensor ut = trn_t2((float *)u, s->r, T), b = trn_t2(p->b, s->r, out), a = trn_t2(p->a, in, s->r);
+    op_tensor ut = trn_t2((float *)u, s->r, T), b = trn_t2(lora_dev(s->ad, p->b), s->r, out);
+    op_tensor a = trn_t2(lora_dev(s->ad, p->a), in, s->r);
     op_tensor du = trn_t2(s->du, s->r, T), d = trn_t2(s->ld, in, T), xd;
     int rc;
     if ((rc = op_outer_acc(s->be, &gb, dy, &ut, s->scale)) || (rc = op_matmul_back(s->be, &b, dy, &du, 0.0f)) ||
@@ -624,6 +648,7 @@ int trn_backward(trn_span *s, int slot, const float *dy, float *dx) {
         rc = dy ? op_buffer_set(s->be, s->g, dy, bytes) : fu_errorf(FU_ERR_INVALID, "training: no output gradient");
     }
     for (int l = s->n_span - 1; l >= 0 && !rc; l--) rc = trn_block_back(s, sl, l);
+    if (!rc) rc = trn_sync_grads(s);
     if (!rc && dx) rc = op_buffer_get(s->be, dx, s->g, bytes);
     sl->used = false;
     return rc;
@@ -637,7 +662,11 @@ double trn_grad_sqnorm(const trn_span *s) {
     return sum;
 }
 
-void trn_zero_grad(trn_span *s) { memset(s->grad, 0, s->ad->n_floats * sizeof(float)); }
+void trn_zero_grad(trn_span *s) {
+    memset(s->grad, 0, s->ad->n_floats * sizeof(float));
+    if (s->dgrad != s->grad && op_buffer_set(s->be, s->dgrad, s->grad, s->ad->n_floats * sizeof(float)))
+        FU_WARN("training: clearing the gradients on the %s backend failed: %s", op_backend_name(s->be), fu_last_error());
+}
 
 trn_adamw trn_adamw_default(void) { return (trn_adamw){0.9f, 0.999f, 1e-8f, 0.01f}; }
 
@@ -656,7 +685,7 @@ int trn_step(trn_span *s, const trn_adamw *h, float lr, float grad_scale, int64_
         p[i] -= step * s->m1[i] / (sqrtf(s->m2[i]) / bc2s + h->eps);
     }
     trn_zero_grad(s);
-    return FU_OK;
+    return lora_upload(s->ad, s->be); /* the backend's copy follows the new weights */
 }
 
 float *trn_moment1(trn_span *s) { return s->m1; }
@@ -719,6 +748,7 @@ int trn_import(trn_span *s, const float *params, const float *m1, const float *m
         if (m2) memcpy(s->m2, p + 2 * n, n * sizeof(float)); else memset(s->m2, 0, n * sizeof(float));
         trn_zero_grad(s);
         for (int i = 0; i < s->opts.slots; i++) s->slots[i].used = false;
+        rc = lora_upload(s->ad, s->be);
     }
     lora_free(tmp);
     free(p);

@@ -66,7 +66,7 @@ static void merge_adapter(mdl_model *m, const lora_adapter *ad) {
 }
 
 /* Runs `n` tokens of one fresh sequence with adapter ad (NULL: none); logits of every position. */
-static void run_alone(fixture *f, const lora_adapter *ad, const int32_t *ids, int n, float *out) {
+static void run_alone(fixture *f, lora_adapter *ad, const int32_t *ids, int n, float *out) {
     eng_seq *s;
     assert_int_equal(eng_seq_new(f->e, MAX_LEN, &s), FU_OK);
     assert_int_equal(eng_seq_set_adapter(s, ad), FU_OK);

@@ -45,7 +45,7 @@ static mdl_config test_config(int n_layers, op_rope_mode rope) {
 
 /* Greedy reference on a private engine with adapter ad (NULL: none): the logits after the prompt
  * and after each generated token (rows of VOCAB) and the tokens generated. */
-static void reference_run(const mdl_model *m, op_backend *be, const lora_adapter *ad, float *logits,
+static void reference_run(const mdl_model *m, op_backend *be, lora_adapter *ad, float *logits,
                           int32_t *gen) {
     eng_engine *e;
     eng_seq *s;
@@ -151,7 +151,7 @@ static void test_core_mixed_adapters_batch(void **state) {
     int32_t gen[N_GEN];
     for (int i = 0; i < 6; i++) {
         assert_int_equal(w[i].rc, FU_OK);
-        const lora_adapter *ad = i % 3 == 2 ? NULL : ref[i % 3];
+        lora_adapter *ad = i % 3 == 2 ? NULL : ref[i % 3];
         reference_run(f.m, f.be, ad, want, gen);
         test_assert_close(w[i].id, w[i].logits, want, N_STEPS * VOCAB, 1e-4);
         assert_memory_equal(w[i].gen, gen, sizeof gen);
