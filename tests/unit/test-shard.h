@@ -20,7 +20,7 @@ typedef struct shard_fixture {
     rpc_channel *ch;
 } shard_fixture;
 
-/* Starts a server (config sc, its secret also the channel's) for blocks o of a random model of
+/* Starts a server (config sc, its secret and message limit also the channel's) for blocks o of a random model of
  * config c (seed 1, f32), on a one-thread CPU backend with a core of kv_bytes of KV cache. */
 static inline void shard_fixture_start(shard_fixture *f, const mdl_config *c, mdl_open_options o,
                                        uint64_t kv_bytes, const shard_server_config *sc) {
@@ -32,7 +32,7 @@ static inline void shard_fixture_start(shard_fixture *f, const mdl_config *c, md
     assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
     assert_int_equal(shard_server_new(f->core, sc, &f->srv), FU_OK);
     assert_int_equal(shard_server_start(f->srv), FU_OK);
-    rpc_channel_options cho = {.insecure = true, .secret = sc->secret};
+    rpc_channel_options cho = {.insecure = true, .secret = sc->secret, .max_message_bytes = sc->max_message_bytes};
     assert_int_equal(rpc_channel_new(shard_server_address(f->srv), &cho, &f->ch), FU_OK);
 }
 

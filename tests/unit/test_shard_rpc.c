@@ -16,18 +16,12 @@
 #include "shard-core.h"
 #include "shard-rpc.h"
 #include "status.h"
+#include "test-shard.h"
 #include "wire.h"
 
 #define SECRET "unit-secret"
 
-typedef struct fixture {
-    mdl_model *m;
-    op_backend *be;
-    shard_core *core;
-    shard_server *srv;
-    rpc_channel *ch;
-    char addr[64];
-} fixture;
+typedef shard_fixture fixture;
 
 static mdl_config cfg_small(void) {
     mdl_config c;
@@ -48,31 +42,14 @@ static mdl_config cfg_small(void) {
 
 /* A server for blocks [first, last) of the random model. */
 static void start(fixture *f, int first, int last, bool embed, bool head) {
-    memset(f, 0, sizeof *f);
     mdl_config c = cfg_small();
-    mdl_open_options o = {first, last, embed, head};
-    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 1, &o, &f->m), FU_OK);
-    op_cpu_options co = {.n_threads = 1, .isa = OP_CPU_ISA_AUTO};
-    f->be = op_backend_cpu_new(&co);
-    shard_core_options so = {.kv_budget_bytes = 1u << 20, .max_batch_tokens = 64, .kv_type = OP_TYPE_F32};
-    assert_int_equal(shard_core_new(f->m, f->be, &so, &f->core), FU_OK);
-    shard_server_config sc = {"127.0.0.1:0", NULL, NULL, NULL, NULL, true, SECRET, 1u << 20, 2000, 2,
-                              "random", "cpu", 1.0, NULL, NULL, NULL, 0, 0, 0, 0, 0, 0};
-    assert_int_equal(shard_server_new(f->core, &sc, &f->srv), FU_OK);
-    assert_int_equal(shard_server_start(f->srv), FU_OK);
-    snprintf(f->addr, sizeof f->addr, "127.0.0.1:%d", shard_server_port(f->srv));
-    rpc_channel_options cho = {.insecure = true, .secret = SECRET, .max_message_bytes = 1u << 20};
-    assert_int_equal(rpc_channel_new(f->addr, &cho, &f->ch), FU_OK);
+    shard_server_config sc = {.listen = "127.0.0.1:0", .allow_insecure = true, .secret = SECRET,
+                              .max_message_bytes = 1u << 20, .idle_timeout_ms = 2000, .n_workers = 2,
+                              .model_name = "random", .device = "cpu", .tokens_per_s = 1.0};
+    shard_fixture_start(f, &c, (mdl_open_options){first, last, embed, head}, 1u << 20, &sc);
 }
 
-static void stop(fixture *f) {
-    rpc_channel_free(f->ch);
-    shard_server_drain(f->srv, 0);
-    shard_server_free(f->srv);
-    shard_core_free(f->core);
-    op_backend_free(f->be);
-    mdl_free(f->m);
-}
+static void stop(fixture *f) { shard_fixture_stop(f); }
 
 /* Opens a session stream; returns the open's outcome. */
 static int open_session(fixture *f, rpc_stream **s, const Fusion__OpenSession *open, rpc_status *st) {
@@ -291,7 +268,7 @@ static void test_bad_opens_and_auth(void **state) {
     /* wrong secret */
     rpc_channel *bad;
     rpc_channel_options cho = {.insecure = true, .secret = "wrong"};
-    assert_int_equal(rpc_channel_new(f.addr, &cho, &bad), FU_OK);
+    assert_int_equal(rpc_channel_new(shard_server_address(f.srv), &cho, &bad), FU_OK);
     Fusion__HealthRequest hr = FUSION__HEALTH_REQUEST__INIT;
     assert_int_equal(rpc_call_unary(bad, RPC_SHARD_HEALTH, &hr.base, &fusion__health_reply__descriptor, &msg, 5000, &st),
                      RPC_UNAUTHENTICATED);
