@@ -143,7 +143,7 @@ static void test_bad_requests(void **state) {
     expect(train_svc_call_open(f.ch, &o, 10000, &opened, &st), RPC_OK, &st, NULL);
     expect(train_svc_call_open(f.ch, &o, 10000, &opened, &st), RPC_ALREADY_EXISTS, &st, "already open");
 
-    float hb[T * D], wb[T * 32];
+    float hb[T * D], wb[T * D]; /* wb: the (T, 32) tensor, then a (T - 1, D) one */
     int64_t hs[2], ws[2];
     wire_tensor h = hidden(hb, hs, T, D, 0.1f), wrong = hidden(wb, ws, T, 32, 0.1f);
     int32_t bad_first[T] = {0, 0, 1, 3, 3, 3};
