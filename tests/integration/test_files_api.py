@@ -196,7 +196,9 @@ def test_cut_off_upload(gw, data_dir):
     s.sendall(b"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
               b"\r\nContent-Type: multipart/form-data; boundary=xyzzy\r\nContent-Length: 100000\r\n\r\n" + head +
               facts())
-    time.sleep(0.5)
+    deadline = time.time() + 10
+    while not leftovers(data_dir) and time.time() < deadline:
+        time.sleep(0.05)
     assert leftovers(data_dir), "the upload should be streaming into a temporary file"
     s.close()
     deadline = time.time() + 10
