@@ -97,6 +97,17 @@ static int add_key(void *ctx, const char *k) {
 
 /* API keys, one per line ('#' comments, blank lines skipped), from a regular file (mf_read:
  * a FIFO or a device is refused at once rather than waited on). */
+/* An admin key: accepted as an API key, and it sees every owner's files. */
+static int add_admin_key(void *ctx, const char *k) {
+    gw_config *c = ctx;
+    if (!k[0]) return FU_OK;
+    if (c->n_admin_keys == GW_MAX_KEYS) return fu_errorf(FU_ERR_INVALID, "at most %d admin keys", GW_MAX_KEYS);
+    int rc = add_key(ctx, k);
+    if (!rc && !(c->admin_keys[c->n_admin_keys] = strdup(k))) rc = fu_errorf(FU_ERR_NOMEM, "config");
+    if (!rc) c->n_admin_keys++;
+    return rc;
+}
+
 static int load_keys(void *ctx, const char *path) {
     char *text;
     size_t len;
@@ -197,6 +208,16 @@ static gw_options options(gw_config *c) {
          .flags = FU_OPT_REPEAT},
         {"api-key-file", 0, FU_OPT_CALL, .dest = c, .fn = load_keys, .arg = "F",
          .help = "API keys, one per line (env FUSION_API_KEY_FILE)", .flags = FU_OPT_REPEAT},
+        {"admin-key", 0, FU_OPT_CALL, .dest = c, .fn = add_admin_key, .arg = "K",
+         .help = "an API key that also sees every key's files (repeatable)", .alias = "admin-keys",
+         .flags = FU_OPT_REPEAT},
+        {"data-dir", 0, FU_OPT_PATH, FU_OPT_TO(c->data_dir), "DIR",
+         "uploaded files and their database (created 0700; default:\n"
+         "$XDG_DATA_HOME/fusion, else ~/.local/share/fusion)"},
+        {"max-file-bytes", 0, FU_OPT_INT, FU_OPT_TO(c->max_file_bytes), .help = "an uploaded file's size at most",
+         .def = "536870912", .lo = 1, .hi = 1L << 40},
+        {"max-file-lines", 0, FU_OPT_INT, FU_OPT_TO(c->max_file_lines), .help = "an uploaded file's lines at most",
+         .def = "1000000", .lo = 1, .hi = 1 << 30},
         {"no-auth", 0, FU_OPT_FLAG, FU_OPT_TO(c->no_auth),
          .help = "serve without API keys on a --listen beyond loopback (refused otherwise)"},
         {"allowed-host", 0, FU_OPT_LIST, FU_OPT_TO(c->allowed_hosts), "NAME",
@@ -299,6 +320,7 @@ void gw_config_free(gw_config *c) {
     for (int i = 0; i < c->n_hops; i++) free(c->hops[i].address);
     for (int i = 0; i < c->n_shards; i++) free(c->shards[i]);
     for (int i = 0; i < c->n_api_keys; i++) free(c->api_keys[i]);
+    for (int i = 0; i < c->n_admin_keys; i++) free(c->admin_keys[i]);
     for (int i = 0; i < c->n_links; i++) {
         free(c->links[i].from);
         free(c->links[i].to);

@@ -26,6 +26,7 @@
 
 #include "chat-template.h"
 #include "clock.h"
+#include "gw-files.h"
 #include "log.h"
 #include "mapped-file.h"
 #include "status.h"
@@ -76,6 +77,7 @@ struct gw_server {
     const gw_model *model;
     gw_engine *engine;
     gw_metrics *metrics;
+    gw_files *files; /* /v1/files: the data directory and its database */
     struct MHD_Daemon *d;
     int listen_fd;
     int port;                       /* the bound port */
@@ -110,6 +112,7 @@ struct gw_conn {
     gw_conn *prev, *next;
     gw_route route;
     bool is_post;
+    bool is_delete;
     fu_buf body;
     bool too_large;
     bool responded;
@@ -123,6 +126,9 @@ struct gw_conn {
     char *origin;     /* the request's Origin once allowed, echoed in CORS headers (malloc'd), or NULL */
     bool close;       /* the request's framing is doubtful: close the connection after answering */
     gw_sock *sock;    /* its connection's deadlines (NULL: untracked) */
+    char owner[GW_OWNER_MAX]; /* who the API key names (gw_files_owner) */
+    bool admin;       /* an --admin-key: sees every owner's files */
+    gw_upload *upload; /* POST /v1/files: the body streams here instead of into `body` */
 };
 
 /* ---- responses --------------------------------------------------------------------------- */
@@ -147,6 +153,16 @@ static enum MHD_Result gw_queue(gw_conn *c, int status, const char *ctype, char 
     if (ctype) MHD_add_response_header(r, "Content-Type", ctype);
     if (status == 401) MHD_add_response_header(r, "WWW-Authenticate", "Bearer");
     gw_add_headers(c, r);
+    enum MHD_Result ret = MHD_queue_response(c->mc, (unsigned)status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+/* Queues response r (made by the caller, released here) with the common headers, counted. */
+static enum MHD_Result gw_queue_made(gw_conn *c, int status, struct MHD_Response *r) {
+    gw_add_headers(c, r);
+    c->responded = true;
+    gw_metrics_request(c->srv->metrics, c->route, status);
     enum MHD_Result ret = MHD_queue_response(c->mc, (unsigned)status, r);
     MHD_destroy_response(r);
     return ret;
@@ -221,6 +237,8 @@ static gw_route gw_route_of(const char *url, bool *post_expected) {
         *post_expected = false;
         return GW_ROUTE_MODELS;
     }
+    *post_expected = !strcmp(url, "/v1/files"); /* GET too: gw_files_method */
+    if (*post_expected || !strncmp(url, "/v1/files/", 10)) return GW_ROUTE_FILES;
     return GW_ROUTE_OTHER;
 }
 
@@ -242,9 +260,14 @@ static const char *gw_header(gw_conn *c, const char *name, size_t *len) {
     return v;
 }
 
+/* Whether c's API key is accepted; sets c->owner (and c->admin) from it: without configured
+ * keys everyone is the one anonymous owner. */
 static bool gw_authorized(gw_conn *c) {
     const gw_config *cfg = c->srv->cfg;
-    if (cfg->n_api_keys == 0) return true;
+    if (cfg->n_api_keys == 0) {
+        gw_files_owner(NULL, 0, c->owner);
+        return true;
+    }
     size_t hlen;
     const char *h = gw_header(c, "Authorization", &hlen);
     if (!h || hlen < 7 || strncasecmp(h, "Bearer ", 7)) return false;
@@ -252,8 +275,11 @@ static bool gw_authorized(gw_conn *c) {
     while (skip < hlen && h[skip] == ' ') skip++;
     const char *key = h + skip;
     size_t len = hlen - skip; /* the whole value: "KEY\0junk" is not KEY */
-    bool ok = false;
+    bool ok = false, admin = false;
     for (int i = 0; i < cfg->n_api_keys; i++) ok |= gw_key_equal(key, len, cfg->api_keys[i]);
+    for (int i = 0; i < cfg->n_admin_keys; i++) admin |= gw_key_equal(key, len, cfg->admin_keys[i]);
+    if (ok) gw_files_owner(key, len, c->owner);
+    c->admin = ok && admin;
     return ok;
 }
 
@@ -426,11 +452,10 @@ static int gw_check_request(gw_conn *c, const char *method, const char *version,
     return 0;
 }
 
-/* Answers a CORS preflight (OPTIONS) on a known route: 204 with what the route allows. */
-static enum MHD_Result gw_preflight(gw_conn *c, bool post) {
+/* Answers a CORS preflight (OPTIONS) on a known route: 204 with the methods it allows. */
+static enum MHD_Result gw_preflight(gw_conn *c, const char *methods) {
     struct MHD_Response *r = MHD_create_response_from_buffer(0, (char *)"", MHD_RESPMEM_PERSISTENT);
     if (!r) return MHD_NO;
-    const char *methods = post ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
     MHD_add_response_header(r, "Allow", methods);
     if (c->origin) {
         MHD_add_response_header(r, "Access-Control-Allow-Methods", methods);
@@ -441,12 +466,7 @@ static enum MHD_Result gw_preflight(gw_conn *c, bool post) {
         MHD_add_response_header(r, "Access-Control-Allow-Headers", plain ? asked : "Authorization, Content-Type");
         MHD_add_response_header(r, "Access-Control-Max-Age", "600");
     }
-    gw_add_headers(c, r);
-    c->responded = true;
-    gw_metrics_request(c->srv->metrics, c->route, 204);
-    enum MHD_Result ret = MHD_queue_response(c->mc, 204, r);
-    MHD_destroy_response(r);
-    return ret;
+    return gw_queue_made(c, 204, r);
 }
 
 /* ---- simple routes ---------------------------------------------------------------------------- */
@@ -821,6 +841,9 @@ static void gw_deadlines_once(gw_server *s) {
 
 /* ---- the access handler ------------------------------------------------------------------------------ */
 
+static enum MHD_Result gw_route_files(gw_conn *c, const char *url);
+static enum MHD_Result gw_begin_files(gw_conn *c, const char *url, const char *method);
+
 static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
     gw_server *s = c->srv;
     switch (c->route) {
@@ -828,6 +851,9 @@ static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
     case GW_ROUTE_MODELS: return gw_route_models(c, url);
     case GW_ROUTE_METRICS: return gw_route_metrics(c);
     case GW_ROUTE_SWARM: return gw_route_swarm(c);
+    case GW_ROUTE_FILES:
+        if (!c->upload) return gw_route_files(c, url);
+        break;
     default: break;
     }
     if (c->too_large)
@@ -844,14 +870,26 @@ static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
     return MHD_YES;
 }
 
+/* POST /v1/files, its body in (a body thread): the file checked, stored, its object answered. */
+static enum MHD_Result gw_route_upload(gw_conn *c) {
+    json_t *o = NULL;
+    gw_error e;
+    int rc = gw_upload_finish(c->upload, c->owner, &o, &e);
+    gw_upload_free(c->upload);
+    c->upload = NULL;
+    return rc ? gw_respond_error(c, &e) : gw_respond_json(c, 200, o);
+}
+
 /* Runs a POST route on a body thread: its response, or its job, is taken up by
  * gw_handle when the connection resumes. */
 static void gw_body_run(gw_conn *c) {
     c->deferred = true;
     json_error_t jerr;
-    json_t *body = json_loadb(c->body.data ? c->body.data : "", c->body.len, 0, &jerr);
+    json_t *body = c->upload ? NULL : json_loadb(c->body.data ? c->body.data : "", c->body.len, 0, &jerr);
     enum MHD_Result ret;
-    if (!body)
+    if (c->upload)
+        ret = gw_route_upload(c);
+    else if (!body)
         ret = gw_fail(c, 400, NULL, "invalid_json", "We could not parse the JSON body of your request: %s (at byte %d)",
                       jerr.text, jerr.position);
     else if (!json_is_object(body))
@@ -909,11 +947,13 @@ static enum MHD_Result gw_begin(gw_conn *c, const char *url, const char *method,
     bool want_post = false;
     c->route = gw_route_of(url, &want_post);
     c->is_post = !strcmp(method, "POST");
+    c->is_delete = !strcmp(method, "DELETE");
     gw_error e;
     if (gw_check_request(c, method, version, &e)) return gw_respond_error(c, &e);
     if (c->route == GW_ROUTE_OTHER)
         return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
-    if (!strcmp(method, "OPTIONS")) return gw_preflight(c, want_post);
+    if (c->route == GW_ROUTE_FILES) return gw_begin_files(c, url, method);
+    if (!strcmp(method, "OPTIONS")) return gw_preflight(c, want_post ? "POST, OPTIONS" : "GET, HEAD, OPTIONS");
     if (c->is_post != want_post && !(strcmp(method, "HEAD") == 0 && !want_post))
         return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
     if (c->route != GW_ROUTE_HEALTH && !gw_authorized(c))
@@ -936,16 +976,106 @@ static enum MHD_Result gw_begin(gw_conn *c, const char *url, const char *method,
     return MHD_YES;
 }
 
+/* ---- /v1/files -------------------------------------------------------------------------------------- */
+
+/* The methods a /v1/files URL allows, or NULL for an unknown one. */
+static const char *gw_files_methods(const char *url) {
+    if (!strcmp(url, "/v1/files")) return "GET, HEAD, POST, OPTIONS";
+    const char *slash = strchr(url + 10, '/');
+    if (!slash) return url[10] ? "GET, HEAD, DELETE, OPTIONS" : NULL;
+    return !strcmp(slash, "/content") && slash > url + 10 ? "GET, HEAD, OPTIONS" : NULL;
+}
+
+/* Whether `method` is one of the comma-separated `methods`. */
+static bool gw_method_in(const char *method, const char *methods) {
+    size_t n = strlen(method);
+    for (const char *p = methods; (p = strstr(p, method)); p += n)
+        if ((p == methods || p[-1] == ' ') && (p[n] == ',' || p[n] == '\0')) return true;
+    return false;
+}
+
+/* Whether a Content-Type value v[0..len) is multipart/form-data (case-insensitive). */
+static bool gw_multipart_type(const char *v, size_t len) {
+    static const char want[] = "multipart/form-data";
+    return len >= sizeof want - 1 && !strncasecmp(v, want, sizeof want - 1);
+}
+
+/* gw_begin for /v1/files: the method, the key, and for an upload its type, size and parser. */
+static enum MHD_Result gw_begin_files(gw_conn *c, const char *url, const char *method) {
+    const char *methods = gw_files_methods(url);
+    if (!methods) return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
+    if (!strcmp(method, "OPTIONS")) return gw_preflight(c, methods);
+    if (!gw_method_in(method, methods))
+        return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
+    if (!gw_authorized(c))
+        return gw_fail(c, 401, NULL, "invalid_api_key", "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
+    if (!c->is_post) return MHD_YES;
+    size_t ct_len;
+    const char *ct = gw_header(c, MHD_HTTP_HEADER_CONTENT_TYPE, &ct_len);
+    if (!ct || !gw_multipart_type(ct, ct_len))
+        return gw_fail(c, 415, NULL, "unsupported_media_type", "a file is uploaded as multipart/form-data");
+    const char *cl = MHD_lookup_connection_value(c->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    unsigned long long n = cl ? strtoull(cl, NULL, 10) : 0;
+    if (n > (unsigned long long)c->srv->cfg->max_file_bytes + 64 * 1024)
+        return gw_fail(c, 413, "file", "file_too_large", "the file exceeds %lld bytes",
+                       (long long)c->srv->cfg->max_file_bytes);
+    gw_error e;
+    if (gw_upload_new(c->srv->files, c->mc, &c->upload, &e)) return gw_respond_error(c, &e);
+    return MHD_YES;
+}
+
+/* GET /v1/files/{id}/content: the file's bytes, streamed from disk. */
+static enum MHD_Result gw_route_file_content(gw_conn *c, const char *owner, const char *id_slash) {
+    char id[GW_FILE_ID_MAX];
+    snprintf(id, sizeof id, "%.*s", (int)(strchr(id_slash, '/') - id_slash), id_slash);
+    int fd;
+    uint64_t size;
+    gw_error e;
+    if (gw_files_content(c->srv->files, owner, id, &fd, &size, &e)) return gw_respond_error(c, &e);
+    struct MHD_Response *r = MHD_create_response_from_fd64(size, fd); /* owns fd from here */
+    if (!r) {
+        close(fd);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, "Content-Type", "application/jsonl");
+    return gw_queue_made(c, 200, r);
+}
+
+/* The GET and DELETE routes of /v1/files (on libmicrohttpd's thread: a database lookup). */
+static enum MHD_Result gw_route_files(gw_conn *c, const char *url) {
+    gw_files *f = c->srv->files;
+    const char *owner = c->admin ? NULL : c->owner, *id = url + 10;
+    json_t *o = NULL;
+    gw_error e;
+    int rc;
+    if (!strcmp(url, "/v1/files")) {
+        gw_files_args a = {MHD_lookup_connection_value(c->mc, MHD_GET_ARGUMENT_KIND, "purpose"),
+                           MHD_lookup_connection_value(c->mc, MHD_GET_ARGUMENT_KIND, "limit"),
+                           MHD_lookup_connection_value(c->mc, MHD_GET_ARGUMENT_KIND, "order"),
+                           MHD_lookup_connection_value(c->mc, MHD_GET_ARGUMENT_KIND, "after")};
+        rc = gw_files_list(f, owner, &a, &o, &e);
+    } else if (strchr(id, '/')) {
+        return gw_route_file_content(c, owner, id);
+    } else {
+        rc = c->is_delete ? gw_files_delete(f, owner, id, &o, &e) : gw_files_get(f, owner, id, &o, &e);
+    }
+    return rc ? gw_respond_error(c, &e) : gw_respond_json(c, 200, o);
+}
+
 /* Takes upload[0..*upload_size) of c's body (consumed: *upload_size becomes 0); a body later
  * than --body-timeout-s closes the connection (libmicrohttpd takes no response before the
  * body's end, so no 408 can be sent). */
-static enum MHD_Result gw_upload(gw_conn *c, const char *upload, size_t *upload_size) {
+static enum MHD_Result gw_take_body(gw_conn *c, const char *upload, size_t *upload_size) {
     size_t n = *upload_size, max = c->srv->cfg->max_body_bytes;
     *upload_size = 0;
     if (c->responded) return MHD_YES; /* an early answer: discard the body */
     if (gw_body_late(c)) {
         FU_DEBUG("closing a connection: its request's body is late");
         return MHD_NO;
+    }
+    if (c->upload) {
+        gw_upload_feed(c->upload, upload, n);
+        return MHD_YES;
     }
     if (!c->too_large && c->body.len + n <= max) {
         if (fu_buf_append(&c->body, upload, n)) c->too_large = true;
@@ -969,7 +1099,7 @@ static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const cha
         return gw_queue(c, r.status, r.ctype, r.body, r.len);
     }
     if (c->body_failed) return MHD_NO;
-    if (*upload_size) return gw_upload(c, upload, upload_size);
+    if (*upload_size) return gw_take_body(c, upload, upload_size);
     if (c->sock && c->sock->phase == GW_PHASE_BODY) gw_sock_phase(c, GW_PHASE_BUSY); /* the request is in */
     if (c->responded) return MHD_YES;
     if (c->job) return gw_job_progress(c);
@@ -1000,6 +1130,7 @@ static void gw_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     if (c->next) c->next->prev = c->prev;
     pthread_mutex_unlock(&s->mu);
     fu_buf_free(&c->body);
+    gw_upload_free(c->upload); /* a body cut off: its temporary file goes */
     free(c->reply.body);
     free(c->origin);
     free(c);
@@ -1161,6 +1292,7 @@ static void gw_server_destroy(gw_server *s, bool close_listen) {
     if (close_listen && s->listen_fd >= 0) close(s->listen_fd);
     free(s->https_cert);
     free(s->https_key);
+    gw_files_close(s->files);
     pthread_cond_destroy(&s->watch_cv);
     pthread_mutex_destroy(&s->watch_mu);
     pthread_cond_destroy(&s->body_cv);
@@ -1231,6 +1363,10 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
         return FU_ERR_NETWORK;
     }
     s->port = *port;
+    if ((rc = gw_files_open(cfg, model, &s->files))) {
+        gw_server_destroy(s, true);
+        return rc;
+    }
     const char *colon = strrchr(spec, ':'); /* gw_listen checked it is there */
     snprintf(s->listen_name, sizeof s->listen_name, "%.*s", (int)(colon - spec), spec);
     if (!strcmp(s->listen_name, "0.0.0.0") || !strcmp(s->listen_name, "[::]")) /* a wildcard names no host */

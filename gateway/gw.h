@@ -254,6 +254,12 @@ typedef struct gw_config {
     char *lora_dir;         /* runtime loads (POST /v1/load_lora_adapter) from within it; NULL: refused */
     int max_lora_rank;      /* (256) */
     int max_loras;          /* adapters at once (8) */
+    /* files (/v1/files) */
+    char *data_dir;         /* files and the database; NULL: $XDG_DATA_HOME/fusion, else ~/.local/share/fusion */
+    int64_t max_file_bytes; /* an uploaded file's size at most (512 MiB) */
+    int max_file_lines;     /* an uploaded file's lines at most (1000000) */
+    char *admin_keys[GW_MAX_KEYS]; /* keys that see every owner's files (also accepted as API keys) */
+    int n_admin_keys;
 } gw_config;
 
 /* The shortest swarm secret accepted (bytes). */
@@ -297,6 +303,7 @@ typedef enum gw_route {
     GW_ROUTE_SWARM,
     GW_ROUTE_LOAD_LORA,   /* POST /v1/load_lora_adapter */
     GW_ROUTE_UNLOAD_LORA, /* POST /v1/unload_lora_adapter */
+    GW_ROUTE_FILES,       /* /v1/files, /v1/files/{id}, /v1/files/{id}/content */
     GW_ROUTE_OTHER,
     GW_ROUTE_COUNT
 } gw_route;

@@ -12,7 +12,7 @@ cd "$root"
 # ---- Debian packages ----------------------------------------------------------
 pkgs=(build-essential cmake pkg-config git curl ca-certificates openssl
       libjansson-dev libpcre2-dev libutf8proc-dev libcurl4-openssl-dev libssl-dev
-      libcmocka-dev libopenblas-dev libopenblas0-pthread libmicrohttpd-dev
+      libcmocka-dev libopenblas-dev libopenblas0-pthread libmicrohttpd-dev libsqlite3-dev
       libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
       python3 python3-venv python3-pip python3-torch clang libclang-rt-14-dev)
 missing=()

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "chat-train.h"
+#include "fuzz-chatml.h"
 #include "log.h"
 
 #define VOCAB 151936
@@ -15,22 +16,11 @@
 static tok_tokenizer *tok;
 static tpl_template *tpl;
 
-static const char chatml[] =
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
-
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc;
     (void)argv;
     fu_log_set_level(FU_LOG_LEVEL_OFF);
-    const char *dir = getenv("FUSION_TOKENIZERS");
-    char path[4096];
-    snprintf(path, sizeof path, "%s/qwen3/tokenizer.json",
-             dir ? dir : FUSION_FUZZ_SOURCE_DIR "/../shared/tokenizers");
-    if (tok_load_hf(path, &tok) == 0 && tpl_compile(chatml, &tpl) != 0) {
-        tok_free(tok);
-        tok = NULL;
-    }
+    fuzz_chatml_load(&tok, &tpl);
     return 0;
 }
 
