@@ -214,6 +214,8 @@ static gw_options options(gw_config *c) {
         {"data-dir", 0, FU_OPT_PATH, FU_OPT_TO(c->data_dir), "DIR",
          "uploaded files and their database (created 0700; default:\n"
          "$XDG_DATA_HOME/fusion, else ~/.local/share/fusion)"},
+        {"ft-org", 0, FU_OPT_STRING, FU_OPT_TO(c->ft_org), "NAME",
+         "the organization in fine-tuned model names (ft:BASE:NAME:SUFFIX:JOB)", .def = "fusion"},
         {"max-file-bytes", 0, FU_OPT_INT, FU_OPT_TO(c->max_file_bytes), .help = "an uploaded file's size at most",
          .def = "536870912", .lo = 1, .hi = 1L << 40},
         {"max-file-lines", 0, FU_OPT_INT, FU_OPT_TO(c->max_file_lines), .help = "an uploaded file's lines at most",

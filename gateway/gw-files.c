@@ -31,6 +31,7 @@
 #define GW_ORPHAN_AGE_S 60
 
 struct gw_files {
+    char data[PATH_MAX - 256]; /* DATA_DIR */
     char dir[PATH_MAX - 128]; /* DATA_DIR/files (room left for a file name) */
     gw_store *store;
     gw_file_check check;
@@ -171,6 +172,7 @@ int gw_files_open(const gw_config *cfg, const gw_model *m, gw_files **out) {
     f->max_file_lines = cfg->max_file_lines;
     int rc = gw_data_dir(cfg, data);
     if (!rc) rc = gw_mkdirs(data);
+    if (!rc && snprintf(f->data, sizeof f->data, "%s", data) >= (int)sizeof f->data) rc = fu_errorf(FU_ERR_IO, "path");
     if (!rc && snprintf(f->dir, sizeof f->dir, "%s/files", data) >= (int)sizeof f->dir) rc = fu_errorf(FU_ERR_IO, "path");
     if (!rc) rc = gw_mkdirs(f->dir);
     snprintf(db, sizeof db, "%s/fusion.db", data);
@@ -190,6 +192,33 @@ void gw_files_close(gw_files *f) {
     gw_store_close(f->store);
     gw_file_check_free(&f->check);
     free(f);
+}
+
+gw_store *gw_files_store(gw_files *f) { return f->store; }
+
+const char *gw_files_data_dir(const gw_files *f) { return f->data; }
+
+int gw_files_path(const gw_files *f, const char *id, char path[PATH_MAX]) {
+    if (!gw_file_id_valid(id)) return fu_errorf(FU_ERR_INVALID, "not a file id: %.64s", id);
+    gw_file_path(f, id, path);
+    return FU_OK;
+}
+
+int gw_files_add(gw_files *f, const char *owner, const char *filename, const char *purpose, const void *data,
+                 size_t len, gw_file *out) {
+    memset(out, 0, sizeof *out);
+    char path[PATH_MAX];
+    int rc = gw_file_id_new(out->id);
+    gw_file_path(f, out->id, path);
+    if (!rc) rc = af_write_buf(path, data, len);
+    snprintf(out->owner, sizeof out->owner, "%s", owner);
+    gw_filename_clean(filename, out->filename, sizeof out->filename);
+    snprintf(out->purpose, sizeof out->purpose, "%s", purpose);
+    snprintf(out->status, sizeof out->status, "processed");
+    out->bytes = (int64_t)len;
+    out->created_at = (int64_t)time(NULL);
+    if (!rc && (rc = gw_store_file_insert(f->store, out))) unlink(path);
+    return rc;
 }
 
 /* ---- uploads ------------------------------------------------------------------------------------------ */

@@ -19,6 +19,7 @@
 #define FU_GW_FILES_H
 
 #include <jansson.h>
+#include <limits.h>
 #include <microhttpd.h>
 #include <stdint.h>
 
@@ -37,6 +38,17 @@ void gw_files_owner(const char *key, size_t len, char out[GW_OWNER_MAX]);
  * borrowed. FU_OK, or an error with fu_last_error() naming the path. */
 int gw_files_open(const gw_config *cfg, const gw_model *m, gw_files **out);
 void gw_files_close(gw_files *f); /* NULL is a no-op */
+
+/* The database (shared with the fine-tuning jobs, gw-jobs.h); borrowed. */
+gw_store *gw_files_store(gw_files *f);
+/* DATA_DIR (borrowed). */
+const char *gw_files_data_dir(const gw_files *f);
+/* Where file `id`'s bytes are, into path. FU_OK, or FU_ERR_INVALID for a malformed id. */
+int gw_files_path(const gw_files *f, const char *id, char path[PATH_MAX]);
+/* Stores data[0..len) as a new file of owner (written atomically, then recorded; nothing kept on
+ * failure) and fills *out with its record. FU_OK, FU_ERR_IO, FU_ERR_INVALID. */
+int gw_files_add(gw_files *f, const char *owner, const char *filename, const char *purpose, const void *data,
+                 size_t len, gw_file *out);
 
 /* ---- uploads (POST /v1/files, multipart/form-data: file, purpose) ---- */
 

@@ -37,6 +37,7 @@ typedef struct gw_model {
     int n_layers;       /* transformer blocks (routing over a swarm); 0: unknown */
     gw_tool_format tool_format; /* how the chat template's model writes tool calls (gw_tool_format_detect) */
     gw_lora_set *loras; /* the LoRA adapters served besides the base model, borrowed; NULL: none */
+    const mdl_config *mdl; /* the model's shape (fine-tuning assembles adapters for it), borrowed; NULL: unknown */
 } gw_model;
 
 typedef struct gw_engine gw_engine;

@@ -27,6 +27,7 @@
 #include "chat-template.h"
 #include "clock.h"
 #include "gw-files.h"
+#include "gw-jobs.h"
 #include "log.h"
 #include "mapped-file.h"
 #include "status.h"
@@ -78,6 +79,7 @@ struct gw_server {
     gw_engine *engine;
     gw_metrics *metrics;
     gw_files *files; /* /v1/files: the data directory and its database */
+    gw_jobs *jobs;   /* /v1/fine_tuning/jobs and their runner */
     struct MHD_Daemon *d;
     int listen_fd;
     int port;                       /* the bound port */
@@ -113,6 +115,7 @@ struct gw_conn {
     gw_route route;
     bool is_post;
     bool is_delete;
+    char *url;        /* fine-tuning: the request's URL (malloc'd), for its body thread */
     fu_buf body;
     bool too_large;
     bool responded;
@@ -236,6 +239,10 @@ static gw_route gw_route_of(const char *url, bool *post_expected) {
     if (!strncmp(url, "/v1/models/", 11)) {
         *post_expected = false;
         return GW_ROUTE_MODELS;
+    }
+    if (!strncmp(url, "/v1/fine_tuning/jobs", 20) && (!url[20] || url[20] == '/')) {
+        *post_expected = false; /* per URL: gw_jobs_methods */
+        return GW_ROUTE_FINE_TUNING;
     }
     *post_expected = !strcmp(url, "/v1/files"); /* GET too: gw_files_method */
     if (*post_expected || !strncmp(url, "/v1/files/", 10)) return GW_ROUTE_FILES;
@@ -843,6 +850,9 @@ static void gw_deadlines_once(gw_server *s) {
 
 static enum MHD_Result gw_route_files(gw_conn *c, const char *url);
 static enum MHD_Result gw_begin_files(gw_conn *c, const char *url, const char *method);
+static enum MHD_Result gw_route_jobs_get(gw_conn *c, const char *url);
+static enum MHD_Result gw_route_jobs_post(gw_conn *c, json_t *body);
+static enum MHD_Result gw_begin_jobs(gw_conn *c, const char *url, const char *method);
 
 static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
     gw_server *s = c->srv;
@@ -853,6 +863,9 @@ static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
     case GW_ROUTE_SWARM: return gw_route_swarm(c);
     case GW_ROUTE_FILES:
         if (!c->upload) return gw_route_files(c, url);
+        break;
+    case GW_ROUTE_FINE_TUNING:
+        if (!c->is_post) return gw_route_jobs_get(c, url);
         break;
     default: break;
     }
@@ -885,7 +898,8 @@ static enum MHD_Result gw_route_upload(gw_conn *c) {
 static void gw_body_run(gw_conn *c) {
     c->deferred = true;
     json_error_t jerr;
-    json_t *body = c->upload ? NULL : json_loadb(c->body.data ? c->body.data : "", c->body.len, 0, &jerr);
+    bool empty_ok = c->route == GW_ROUTE_FINE_TUNING && c->body.len == 0; /* a cancel has no body */
+    json_t *body = c->upload ? NULL : empty_ok ? json_object() : json_loadb(c->body.data ? c->body.data : "", c->body.len, 0, &jerr);
     enum MHD_Result ret;
     if (c->upload)
         ret = gw_route_upload(c);
@@ -899,6 +913,7 @@ static void gw_body_run(gw_conn *c) {
     else if (c->route == GW_ROUTE_APPLY_TEMPLATE) ret = gw_route_apply_template(c, body);
     else if (c->route == GW_ROUTE_LOAD_LORA) ret = gw_route_load_lora(c, body);
     else if (c->route == GW_ROUTE_UNLOAD_LORA) ret = gw_route_unload_lora(c, body);
+    else if (c->route == GW_ROUTE_FINE_TUNING) ret = gw_route_jobs_post(c, body);
     else ret = gw_route_generate(c, body);
     json_decref(body);
     fu_buf_free(&c->body);
@@ -953,6 +968,7 @@ static enum MHD_Result gw_begin(gw_conn *c, const char *url, const char *method,
     if (c->route == GW_ROUTE_OTHER)
         return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
     if (c->route == GW_ROUTE_FILES) return gw_begin_files(c, url, method);
+    if (c->route == GW_ROUTE_FINE_TUNING) return gw_begin_jobs(c, url, method);
     if (!strcmp(method, "OPTIONS")) return gw_preflight(c, want_post ? "POST, OPTIONS" : "GET, HEAD, OPTIONS");
     if (c->is_post != want_post && !(strcmp(method, "HEAD") == 0 && !want_post))
         return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
@@ -1000,15 +1016,24 @@ static bool gw_multipart_type(const char *v, size_t len) {
     return len >= sizeof want - 1 && !strncasecmp(v, want, sizeof want - 1);
 }
 
+/* What /v1/files and /v1/fine_tuning/jobs check first: a known URL (methods non-NULL), a preflight,
+ * an allowed method, the API key. Returns true with *ret when that answers the request. */
+static bool gw_begin_answered(gw_conn *c, const char *url, const char *method, const char *methods,
+                              enum MHD_Result *ret) {
+    if (!methods) *ret = gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
+    else if (!strcmp(method, "OPTIONS")) *ret = gw_preflight(c, methods);
+    else if (!gw_method_in(method, methods))
+        *ret = gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
+    else if (!gw_authorized(c))
+        *ret = gw_fail(c, 401, NULL, "invalid_api_key", "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
+    else return false;
+    return true;
+}
+
 /* gw_begin for /v1/files: the method, the key, and for an upload its type, size and parser. */
 static enum MHD_Result gw_begin_files(gw_conn *c, const char *url, const char *method) {
-    const char *methods = gw_files_methods(url);
-    if (!methods) return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
-    if (!strcmp(method, "OPTIONS")) return gw_preflight(c, methods);
-    if (!gw_method_in(method, methods))
-        return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, url);
-    if (!gw_authorized(c))
-        return gw_fail(c, 401, NULL, "invalid_api_key", "Incorrect or missing API key: send 'Authorization: Bearer <key>'");
+    enum MHD_Result ret;
+    if (gw_begin_answered(c, url, method, gw_files_methods(url), &ret)) return ret;
     if (!c->is_post) return MHD_YES;
     size_t ct_len;
     const char *ct = gw_header(c, MHD_HTTP_HEADER_CONTENT_TYPE, &ct_len);
@@ -1059,6 +1084,74 @@ static enum MHD_Result gw_route_files(gw_conn *c, const char *url) {
     } else {
         rc = c->is_delete ? gw_files_delete(f, owner, id, &o, &e) : gw_files_get(f, owner, id, &o, &e);
     }
+    return rc ? gw_respond_error(c, &e) : gw_respond_json(c, 200, o);
+}
+
+/* ---- /v1/fine_tuning/jobs ------------------------------------------------------------------------------ */
+
+/* The methods a fine-tuning URL allows, or NULL for an unknown one; *id_len: the job id's length. */
+static const char *gw_jobs_methods(const char *url, size_t *id_len) {
+    const char *rest = url + 20; /* after "/v1/fine_tuning/jobs" */
+    if (!*rest) return "GET, HEAD, POST, OPTIONS";
+    const char *slash = strchr(rest + 1, '/');
+    *id_len = slash ? (size_t)(slash - rest - 1) : strlen(rest + 1);
+    if (!*id_len || *id_len >= GW_JOB_ID_MAX) return NULL;
+    if (!slash) return "GET, HEAD, OPTIONS";
+    if (!strcmp(slash, "/cancel")) return "POST, OPTIONS";
+    return !strcmp(slash, "/events") || !strcmp(slash, "/checkpoints") ? "GET, HEAD, OPTIONS" : NULL;
+}
+
+/* gw_begin for /v1/fine_tuning/jobs: the method, the key, a POST's type and size. */
+static enum MHD_Result gw_begin_jobs(gw_conn *c, const char *url, const char *method) {
+    size_t id_len = 0;
+    enum MHD_Result ret;
+    if (gw_begin_answered(c, url, method, gw_jobs_methods(url, &id_len), &ret)) return ret;
+    if (!c->is_post) return MHD_YES;
+    size_t ct_len;
+    const char *ct = gw_header(c, MHD_HTTP_HEADER_CONTENT_TYPE, &ct_len);
+    const char *cl = MHD_lookup_connection_value(c->mc, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+    bool empty = !cl || !strcmp(cl, "0");
+    if (!empty && (!ct || !gw_http_json_type(ct, ct_len)))
+        return gw_fail(c, 415, NULL, "unsupported_media_type",
+                       "the request body must be JSON sent with 'Content-Type: application/json'");
+    if (cl && strtoull(cl, NULL, 10) > c->srv->cfg->max_body_bytes)
+        return gw_fail(c, 413, NULL, "request_too_large", "the request body exceeds %zu bytes", c->srv->cfg->max_body_bytes);
+    c->url = strdup(url);
+    return c->url ? MHD_YES : MHD_NO;
+}
+
+/* The job id of a fine-tuning URL into id[GW_JOB_ID_MAX]; the part after it (NULL: none). */
+static const char *gw_jobs_id(const char *url, char *id) {
+    const char *rest = url + 21, *slash = strchr(rest, '/');
+    snprintf(id, GW_JOB_ID_MAX, "%.*s", slash ? (int)(slash - rest) : (int)strlen(rest), rest);
+    return slash;
+}
+
+/* The GET routes (on libmicrohttpd's thread: database lookups). */
+static enum MHD_Result gw_route_jobs_get(gw_conn *c, const char *url) {
+    gw_jobs *j = c->srv->jobs;
+    const char *after = MHD_lookup_connection_value(c->mc, MHD_GET_ARGUMENT_KIND, "after");
+    const char *limit = MHD_lookup_connection_value(c->mc, MHD_GET_ARGUMENT_KIND, "limit");
+    json_t *o = NULL;
+    gw_error e;
+    char id[GW_JOB_ID_MAX];
+    int rc;
+    if (!url[20]) return (rc = gw_jobs_list(j, c->owner, c->admin, after, limit, &o, &e)) ? gw_respond_error(c, &e)
+                                                                                        : gw_respond_json(c, 200, o);
+    const char *tail = gw_jobs_id(url, id);
+    if (!tail) rc = gw_jobs_get(j, c->owner, c->admin, id, &o, &e);
+    else if (!strcmp(tail, "/events")) rc = gw_jobs_events(j, c->owner, c->admin, id, after, limit, &o, &e);
+    else rc = gw_jobs_checkpoints(j, c->owner, c->admin, id, after, limit, &o, &e);
+    return rc ? gw_respond_error(c, &e) : gw_respond_json(c, 200, o);
+}
+
+/* The POST routes (a body thread): create, cancel. */
+static enum MHD_Result gw_route_jobs_post(gw_conn *c, json_t *body) {
+    json_t *o = NULL;
+    gw_error e;
+    char id[GW_JOB_ID_MAX];
+    int rc = !c->url[20] ? gw_jobs_create(c->srv->jobs, c->owner, c->admin, body, &o, &e)
+                         : (gw_jobs_id(c->url, id), gw_jobs_cancel(c->srv->jobs, c->owner, c->admin, id, &o, &e));
     return rc ? gw_respond_error(c, &e) : gw_respond_json(c, 200, o);
 }
 
@@ -1133,6 +1226,7 @@ static void gw_completed(void *cls, struct MHD_Connection *mc, void **con_cls, e
     gw_upload_free(c->upload); /* a body cut off: its temporary file goes */
     free(c->reply.body);
     free(c->origin);
+    free(c->url);
     free(c);
 }
 
@@ -1292,6 +1386,7 @@ static void gw_server_destroy(gw_server *s, bool close_listen) {
     if (close_listen && s->listen_fd >= 0) close(s->listen_fd);
     free(s->https_cert);
     free(s->https_key);
+    gw_jobs_close(s->jobs);
     gw_files_close(s->files);
     pthread_cond_destroy(&s->watch_cv);
     pthread_mutex_destroy(&s->watch_mu);
@@ -1363,7 +1458,7 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
         return FU_ERR_NETWORK;
     }
     s->port = *port;
-    if ((rc = gw_files_open(cfg, model, &s->files))) {
+    if ((rc = gw_files_open(cfg, model, &s->files)) || (rc = gw_jobs_open(cfg, model, s->files, &s->jobs))) {
         gw_server_destroy(s, true);
         return rc;
     }

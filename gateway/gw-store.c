@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "status.h"
@@ -16,6 +17,13 @@ struct gw_store {
     sqlite3 *db;
     pthread_mutex_t mu; /* the connection and its statements */
 };
+
+/* A table of records with ids, paged by insertion order: its name, the column a page is keyed on, its columns, its row. */
+typedef struct gw_table {
+    const char *name, *key, *columns;
+    size_t size;                                   /* bytes of one record */
+    void (*row)(sqlite3_stmt *st, void *out);      /* the row st is on (columns) into *out */
+} gw_table;
 
 /* The migrations: migrations[i] takes a database from user_version i to i + 1. */
 static const char *const migrations[] = {
@@ -31,6 +39,31 @@ static const char *const migrations[] = {
     " n_examples INTEGER NOT NULL DEFAULT 0,"
     " error TEXT NOT NULL DEFAULT '');"
     "CREATE INDEX files_owner ON files (owner, seq);",
+    "CREATE TABLE jobs ("
+    " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+    " id TEXT NOT NULL UNIQUE CHECK (substr(id, 1, 6) = 'ftjob-'),"
+    " owner TEXT NOT NULL CHECK (length(owner) > 0),"
+    " model TEXT NOT NULL, training_file TEXT NOT NULL, validation_file TEXT NOT NULL DEFAULT '',"
+    " suffix TEXT NOT NULL DEFAULT '', seed INTEGER NOT NULL, hyperparameters TEXT NOT NULL,"
+    " lora TEXT NOT NULL, status TEXT NOT NULL CHECK (status IN ('validating_files', 'queued', 'running',"
+    " 'succeeded', 'failed', 'cancelled')),"
+    " fine_tuned_model TEXT NOT NULL DEFAULT '', error TEXT NOT NULL DEFAULT '', created_at INTEGER NOT NULL,"
+    " finished_at INTEGER NOT NULL DEFAULT 0, trained_tokens INTEGER NOT NULL DEFAULT 0,"
+    " result_files TEXT NOT NULL DEFAULT '[]', metadata TEXT NOT NULL DEFAULT '');"
+    "CREATE INDEX jobs_owner ON jobs (owner, seq);"
+    "CREATE TABLE job_events ("
+    " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+    " id TEXT NOT NULL UNIQUE CHECK (substr(id, 1, 8) = 'ftevent-'),"
+    " job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE, created_at INTEGER NOT NULL,"
+    " level TEXT NOT NULL, type TEXT NOT NULL CHECK (type IN ('message', 'metrics')), message TEXT NOT NULL,"
+    " data TEXT NOT NULL DEFAULT '');"
+    "CREATE INDEX job_events_job ON job_events (job_id, seq);"
+    "CREATE TABLE job_checkpoints ("
+    " seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+    " id TEXT NOT NULL UNIQUE CHECK (substr(id, 1, 7) = 'ftckpt-'),"
+    " job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE, step_number INTEGER NOT NULL,"
+    " metrics TEXT NOT NULL, fine_tuned_model_checkpoint TEXT NOT NULL, created_at INTEGER NOT NULL);"
+    "CREATE INDEX job_checkpoints_job ON job_checkpoints (job_id, seq);",
 };
 
 #define GW_STORE_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
@@ -133,6 +166,10 @@ static void gw_file_row(sqlite3_stmt *st, gw_file *f) {
     gw_column_text(st, 8, f->error, sizeof f->error);
 }
 
+static void gw_file_row_any(sqlite3_stmt *st, void *out) { gw_file_row(st, out); }
+
+static const gw_table gw_files_table = {"files", "owner", GW_FILE_COLUMNS, sizeof(gw_file), gw_file_row_any};
+
 /* Binds f's fields to the INSERT's parameters 1..9. */
 static int gw_file_bind(sqlite3_stmt *st, const gw_file *f) {
     int rc = sqlite3_bind_text(st, 1, f->id, -1, SQLITE_STATIC);
@@ -182,21 +219,87 @@ static int gw_bind_id_owner(sqlite3_stmt *st, const char *id, const char *owner)
     return rc ? rc : owner ? sqlite3_bind_text(st, 2, owner, -1, SQLITE_STATIC) : sqlite3_bind_null(st, 2);
 }
 
-int gw_store_file_get(gw_store *s, const char *id, const char *owner, gw_file *out) {
+/* ---- tables: what files, jobs, events and checkpoints share ------------------------------------- */
+
+
+/* Binds text values v[0..n) to parameters 1..n (NULL: SQL NULL). */
+static int gw_bind_texts(sqlite3_stmt *st, const char *const *v, int n) {
+    int rc = SQLITE_OK;
+    for (int i = 0; i < n && rc == SQLITE_OK; i++)
+        rc = v[i] ? sqlite3_bind_text(st, i + 1, v[i], -1, SQLITE_STATIC) : sqlite3_bind_null(st, i + 1);
+    return rc;
+}
+
+/* Prepares sql, lets bind() bind it, runs it as one write transaction (under s->mu). */
+static int gw_store_run(gw_store *s, const char *sql, int (*bind)(sqlite3_stmt *, const void *), const void *arg,
+                        int *changes) {
     pthread_mutex_lock(&s->mu);
     sqlite3_stmt *st = NULL;
-    int rc = sqlite3_prepare_v2(s->db, "SELECT " GW_FILE_COLUMNS " FROM files WHERE id = ?1 AND (?2 IS NULL OR owner = ?2)",
-                                -1, &st, NULL);
-    if (rc || gw_bind_id_owner(st, id, owner)) rc = gw_store_fail(s, FU_ERR_IO, "get");
+    int rc = sqlite3_prepare_v2(s->db, sql, -1, &st, NULL);
+    rc = rc || bind(st, arg) ? gw_store_fail(s, FU_ERR_IO, "write") : gw_store_write(s, st, changes);
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* The one record of table t with id (and key, NULL: any) into out. FU_OK, FU_ERR_NOT_FOUND, FU_ERR_IO. */
+static int gw_store_get(gw_store *s, const gw_table *t, const char *id, const char *key, void *out) {
+    char sql[512];
+    snprintf(sql, sizeof sql, "SELECT %s FROM %s WHERE id = ?1 AND (?2 IS NULL OR %s = ?2)", t->columns, t->name,
+             t->key);
+    pthread_mutex_lock(&s->mu);
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_prepare_v2(s->db, sql, -1, &st, NULL);
+    if (rc || gw_bind_id_owner(st, id, key)) rc = gw_store_fail(s, FU_ERR_IO, "get");
     else if ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-        gw_file_row(st, out);
+        t->row(st, out);
         rc = FU_OK;
     } else {
-        rc = rc == SQLITE_DONE ? fu_errorf(FU_ERR_NOT_FOUND, "no such file: %.64s", id) : gw_store_fail(s, FU_ERR_IO, "get");
+        rc = rc == SQLITE_DONE ? fu_errorf(FU_ERR_NOT_FOUND, "no such record: %.64s", id) : gw_store_fail(s, FU_ERR_IO, "get");
     }
     sqlite3_finalize(st);
     pthread_mutex_unlock(&s->mu);
     return rc;
+}
+
+/* The seq of record q->after of table t (with q->key) into *seq (under s->mu). */
+static int gw_store_page_after(gw_store *s, const gw_table *t, const gw_page_query *q, sqlite3_int64 *seq) {
+    char sql[256];
+    snprintf(sql, sizeof sql, "SELECT seq FROM %s WHERE id = ?1 AND (?2 IS NULL OR %s = ?2)", t->name, t->key);
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_prepare_v2(s->db, sql, -1, &st, NULL);
+    if (rc || gw_bind_id_owner(st, q->after, q->key)) rc = gw_store_fail(s, FU_ERR_IO, "list");
+    else if ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+        *seq = sqlite3_column_int64(st, 0);
+        rc = FU_OK;
+    } else {
+        rc = rc == SQLITE_DONE ? fu_errorf(FU_ERR_NOT_FOUND, "no such record: %.64s", q->after)
+                               : gw_store_fail(s, FU_ERR_IO, "list");
+    }
+    sqlite3_finalize(st);
+    return rc;
+}
+
+/* Steps st's rows of table t into *out (at most limit; one more sets *has_more). */
+static int gw_store_page_collect(const gw_table *t, sqlite3_stmt *st, int limit, void **out, size_t *n,
+                                 bool *has_more) {
+    int step;
+    while ((step = sqlite3_step(st)) == SQLITE_ROW) {
+        if (*n == (size_t)limit) {
+            *has_more = true;
+            return FU_OK;
+        }
+        char *grown = realloc(*out, (*n + 1) * t->size);
+        if (!grown) return fu_errorf(FU_ERR_NOMEM, "list");
+        *out = grown;
+        t->row(st, grown + (*n)++ * t->size);
+    }
+    return step == SQLITE_DONE ? FU_OK : fu_errorf(FU_ERR_IO, "database: list: step %d", step);
+}
+
+
+int gw_store_file_get(gw_store *s, const char *id, const char *owner, gw_file *out) {
+    return gw_store_get(s, &gw_files_table, id, owner, out);
 }
 
 int gw_store_file_delete(gw_store *s, const char *id, const char *owner) {
@@ -219,43 +322,11 @@ static const char *gw_list_sql(bool asc) {
                  "purpose = ?2) AND (?3 IS NULL OR seq < ?3) ORDER BY seq DESC LIMIT ?4";
 }
 
-/* The seq of file `after` that q's owner sees into *seq (under s->mu). */
-static int gw_store_after_seq(gw_store *s, const gw_file_query *q, sqlite3_int64 *seq) {
-    sqlite3_stmt *st = NULL;
-    int rc = sqlite3_prepare_v2(s->db, "SELECT seq FROM files WHERE id = ?1 AND (?2 IS NULL OR owner = ?2)", -1, &st,
-                                NULL);
-    if (rc || gw_bind_id_owner(st, q->after, q->owner)) rc = gw_store_fail(s, FU_ERR_IO, "list");
-    else if ((rc = sqlite3_step(st)) == SQLITE_ROW) {
-        *seq = sqlite3_column_int64(st, 0);
-        rc = FU_OK;
-    } else {
-        rc = rc == SQLITE_DONE ? fu_errorf(FU_ERR_NOT_FOUND, "no such file: %.64s", q->after)
-                               : gw_store_fail(s, FU_ERR_IO, "list");
-    }
-    sqlite3_finalize(st);
-    return rc;
-}
-
-/* Steps st's rows into *out (at most limit; one more sets *has_more). */
-static int gw_store_collect(sqlite3_stmt *st, int limit, gw_file **out, size_t *n, bool *has_more) {
-    int step;
-    while ((step = sqlite3_step(st)) == SQLITE_ROW) {
-        if (*n == (size_t)limit) {
-            *has_more = true;
-            return FU_OK;
-        }
-        gw_file *grown = realloc(*out, (*n + 1) * sizeof **out);
-        if (!grown) return fu_errorf(FU_ERR_NOMEM, "file list");
-        *out = grown;
-        gw_file_row(st, &(*out)[(*n)++]);
-    }
-    return step == SQLITE_DONE ? FU_OK : fu_errorf(FU_ERR_IO, "database: list: step %d", step);
-}
-
 /* gw_store_file_list under s->mu. */
 static int gw_store_list_locked(gw_store *s, const gw_file_query *q, gw_file **out, size_t *n, bool *has_more) {
     sqlite3_int64 after = 0;
-    int rc = q->after ? gw_store_after_seq(s, q, &after) : FU_OK;
+    gw_page_query pq = {q->owner, q->after, q->limit};
+    int rc = q->after ? gw_store_page_after(s, &gw_files_table, &pq, &after) : FU_OK;
     if (rc) return rc;
     sqlite3_stmt *st = NULL;
     rc = sqlite3_prepare_v2(s->db, gw_list_sql(q->asc), -1, &st, NULL);
@@ -263,7 +334,8 @@ static int gw_store_list_locked(gw_store *s, const gw_file_query *q, gw_file **o
     if (!rc) rc = q->purpose ? sqlite3_bind_text(st, 2, q->purpose, -1, SQLITE_STATIC) : sqlite3_bind_null(st, 2);
     if (!rc) rc = q->after ? sqlite3_bind_int64(st, 3, after) : sqlite3_bind_null(st, 3);
     if (!rc) rc = sqlite3_bind_int64(st, 4, (sqlite3_int64)q->limit + 1);
-    rc = rc ? gw_store_fail(s, FU_ERR_IO, "list") : gw_store_collect(st, q->limit, out, n, has_more);
+    rc = rc ? gw_store_fail(s, FU_ERR_IO, "list")
+            : gw_store_page_collect(&gw_files_table, st, q->limit, (void **)out, n, has_more);
     sqlite3_finalize(st);
     return rc;
 }
@@ -281,4 +353,221 @@ int gw_store_file_list(gw_store *s, const gw_file_query *q, gw_file **out, size_
         *n = 0;
     }
     return rc;
+}
+
+/* ---- fine-tuning jobs, events, checkpoints ------------------------------------------------------ */
+
+#define GW_JOB_COLUMNS                                                                                        \
+    "id, owner, model, training_file, validation_file, suffix, seed, hyperparameters, lora, status, "         \
+    "fine_tuned_model, error, created_at, finished_at, trained_tokens, result_files, metadata"
+#define GW_EVENT_COLUMNS "id, job_id, created_at, level, type, message, data"
+#define GW_CKPT_COLUMNS "id, job_id, step_number, metrics, fine_tuned_model_checkpoint, created_at"
+#define GW_JOB_LIVE "('validating_files', 'queued', 'running')"
+
+static void gw_job_row(sqlite3_stmt *st, void *out) {
+    gw_ftjob *j = out;
+    memset(j, 0, sizeof *j);
+    gw_column_text(st, 0, j->id, sizeof j->id);
+    gw_column_text(st, 1, j->owner, sizeof j->owner);
+    gw_column_text(st, 2, j->model, sizeof j->model);
+    gw_column_text(st, 3, j->training_file, sizeof j->training_file);
+    gw_column_text(st, 4, j->validation_file, sizeof j->validation_file);
+    gw_column_text(st, 5, j->suffix, sizeof j->suffix);
+    j->seed = sqlite3_column_int64(st, 6);
+    gw_column_text(st, 7, j->hyperparameters, sizeof j->hyperparameters);
+    gw_column_text(st, 8, j->lora, sizeof j->lora);
+    gw_column_text(st, 9, j->status, sizeof j->status);
+    gw_column_text(st, 10, j->fine_tuned_model, sizeof j->fine_tuned_model);
+    gw_column_text(st, 11, j->error, sizeof j->error);
+    j->created_at = sqlite3_column_int64(st, 12);
+    j->finished_at = sqlite3_column_int64(st, 13);
+    j->trained_tokens = sqlite3_column_int64(st, 14);
+    gw_column_text(st, 15, j->result_files, sizeof j->result_files);
+    gw_column_text(st, 16, j->metadata, sizeof j->metadata);
+}
+
+static void gw_event_row(sqlite3_stmt *st, void *out) {
+    gw_ftevent *e = out;
+    memset(e, 0, sizeof *e);
+    gw_column_text(st, 0, e->id, sizeof e->id);
+    gw_column_text(st, 1, e->job_id, sizeof e->job_id);
+    e->created_at = sqlite3_column_int64(st, 2);
+    gw_column_text(st, 3, e->level, sizeof e->level);
+    gw_column_text(st, 4, e->type, sizeof e->type);
+    gw_column_text(st, 5, e->message, sizeof e->message);
+    gw_column_text(st, 6, e->data, sizeof e->data);
+}
+
+static void gw_ckpt_row(sqlite3_stmt *st, void *out) {
+    gw_ftckpt *c = out;
+    memset(c, 0, sizeof *c);
+    gw_column_text(st, 0, c->id, sizeof c->id);
+    gw_column_text(st, 1, c->job_id, sizeof c->job_id);
+    c->step_number = sqlite3_column_int64(st, 2);
+    gw_column_text(st, 3, c->metrics, sizeof c->metrics);
+    gw_column_text(st, 4, c->model, sizeof c->model);
+    c->created_at = sqlite3_column_int64(st, 5);
+}
+
+static const gw_table gw_jobs_table = {"jobs", "owner", GW_JOB_COLUMNS, sizeof(gw_ftjob), gw_job_row};
+static const gw_table gw_events_table = {"job_events", "job_id", GW_EVENT_COLUMNS, sizeof(gw_ftevent), gw_event_row};
+static const gw_table gw_ckpts_table = {"job_checkpoints", "job_id", GW_CKPT_COLUMNS, sizeof(gw_ftckpt), gw_ckpt_row};
+
+static int gw_job_bind(sqlite3_stmt *st, const void *arg) {
+    const gw_ftjob *j = arg;
+    const char *t[] = {j->id, j->owner, j->model, j->training_file, j->validation_file, j->suffix};
+    int rc = gw_bind_texts(st, t, 6);
+    if (!rc) rc = sqlite3_bind_int64(st, 7, j->seed);
+    const char *u[] = {j->hyperparameters, j->lora, j->status, j->fine_tuned_model, j->error};
+    for (int i = 0; i < 5 && !rc; i++) rc = sqlite3_bind_text(st, 8 + i, u[i], -1, SQLITE_STATIC);
+    if (!rc) rc = sqlite3_bind_int64(st, 13, j->created_at);
+    if (!rc) rc = sqlite3_bind_int64(st, 14, j->finished_at);
+    if (!rc) rc = sqlite3_bind_int64(st, 15, j->trained_tokens);
+    if (!rc) rc = sqlite3_bind_text(st, 16, j->result_files, -1, SQLITE_STATIC);
+    if (!rc) rc = sqlite3_bind_text(st, 17, j->metadata, -1, SQLITE_STATIC);
+    return rc;
+}
+
+int gw_store_job_insert(gw_store *s, const gw_ftjob *j) {
+    int changes = 0;
+    return gw_store_run(s, "INSERT INTO jobs (" GW_JOB_COLUMNS ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                        gw_job_bind, j, &changes);
+}
+
+int gw_store_job_get(gw_store *s, const char *id, const char *owner, gw_ftjob *out) {
+    return gw_store_get(s, &gw_jobs_table, id, owner, out);
+}
+
+static int gw_job_update_bind(sqlite3_stmt *st, const void *arg) {
+    const gw_ftjob *j = arg;
+    const char *t[] = {j->id, j->status, j->fine_tuned_model, j->error, j->result_files};
+    int rc = gw_bind_texts(st, t, 5);
+    if (!rc) rc = sqlite3_bind_int64(st, 6, j->finished_at);
+    if (!rc) rc = sqlite3_bind_int64(st, 7, j->trained_tokens);
+    return rc;
+}
+
+int gw_store_job_update(gw_store *s, const gw_ftjob *j) {
+    int changes = 0;
+    int rc = gw_store_run(s, "UPDATE jobs SET status = ?2, fine_tuned_model = ?3, error = ?4, result_files = ?5, "
+                             "finished_at = ?6, trained_tokens = ?7 WHERE id = ?1 AND status IN " GW_JOB_LIVE,
+                          gw_job_update_bind, j, &changes);
+    return !rc && !changes ? fu_errorf(FU_ERR_NOT_FOUND, "job %s has ended", j->id) : rc;
+}
+
+typedef struct gw_cancel_arg {
+    const char *id, *owner;
+} gw_cancel_arg;
+
+static int gw_cancel_bind(sqlite3_stmt *st, const void *arg) {
+    const gw_cancel_arg *a = arg;
+    int rc = gw_bind_id_owner(st, a->id, a->owner);
+    return rc ? rc : sqlite3_bind_int64(st, 3, (sqlite3_int64)time(NULL));
+}
+
+int gw_store_job_cancel(gw_store *s, const char *id, const char *owner, gw_ftjob *out) {
+    gw_cancel_arg a = {id, owner};
+    int changes = 0;
+    int rc = gw_store_run(s, "UPDATE jobs SET status = 'cancelled', finished_at = ?3 WHERE id = ?1 AND (?2 IS NULL "
+                             "OR owner = ?2) AND status IN " GW_JOB_LIVE,
+                          gw_cancel_bind, &a, &changes);
+    return rc ? rc : gw_store_job_get(s, id, owner, out);
+}
+
+int gw_store_job_next(gw_store *s, gw_ftjob *out) {
+    pthread_mutex_lock(&s->mu);
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_prepare_v2(s->db, "SELECT " GW_JOB_COLUMNS " FROM jobs WHERE status IN " GW_JOB_LIVE
+                                       " ORDER BY seq ASC LIMIT 1", -1, &st, NULL);
+    if (rc) rc = gw_store_fail(s, FU_ERR_IO, "next job");
+    else if ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+        gw_job_row(st, out);
+        rc = FU_OK;
+    } else {
+        rc = rc == SQLITE_DONE ? FU_ERR_NOT_FOUND : gw_store_fail(s, FU_ERR_IO, "next job");
+    }
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* A page of table t, newest first (under s->mu). */
+static int gw_store_page_locked(gw_store *s, const gw_table *t, const gw_page_query *q, void **out, size_t *n,
+                                bool *has_more) {
+    sqlite3_int64 after = 0;
+    int rc = q->after ? gw_store_page_after(s, t, q, &after) : FU_OK;
+    if (rc) return rc;
+    char sql[512];
+    snprintf(sql, sizeof sql, "SELECT %s FROM %s WHERE (?1 IS NULL OR %s = ?1) AND (?2 IS NULL OR seq < ?2) "
+                              "ORDER BY seq DESC LIMIT ?3", t->columns, t->name, t->key);
+    sqlite3_stmt *st = NULL;
+    rc = sqlite3_prepare_v2(s->db, sql, -1, &st, NULL);
+    if (!rc) rc = q->key ? sqlite3_bind_text(st, 1, q->key, -1, SQLITE_STATIC) : sqlite3_bind_null(st, 1);
+    if (!rc) rc = q->after ? sqlite3_bind_int64(st, 2, after) : sqlite3_bind_null(st, 2);
+    if (!rc) rc = sqlite3_bind_int64(st, 3, (sqlite3_int64)q->limit + 1);
+    rc = rc ? gw_store_fail(s, FU_ERR_IO, "list") : gw_store_page_collect(t, st, q->limit, out, n, has_more);
+    sqlite3_finalize(st);
+    return rc;
+}
+
+/* A page of table t: *out malloc'd (NULL and *n 0 on failure). */
+static int gw_store_page(gw_store *s, const gw_table *t, const gw_page_query *q, void **out, size_t *n,
+                         bool *has_more) {
+    *out = NULL;
+    *n = 0;
+    *has_more = false;
+    pthread_mutex_lock(&s->mu);
+    int rc = gw_store_page_locked(s, t, q, out, n, has_more);
+    pthread_mutex_unlock(&s->mu);
+    if (rc) {
+        free(*out);
+        *out = NULL;
+        *n = 0;
+    }
+    return rc;
+}
+
+int gw_store_job_list(gw_store *s, const gw_page_query *q, gw_ftjob **out, size_t *n, bool *has_more) {
+    return gw_store_page(s, &gw_jobs_table, q, (void **)out, n, has_more);
+}
+
+static int gw_event_bind(sqlite3_stmt *st, const void *arg) {
+    const gw_ftevent *e = arg;
+    const char *t[] = {e->id, e->job_id};
+    int rc = gw_bind_texts(st, t, 2);
+    if (!rc) rc = sqlite3_bind_int64(st, 3, e->created_at);
+    const char *u[] = {e->level, e->type, e->message, e->data};
+    for (int i = 0; i < 4 && !rc; i++) rc = sqlite3_bind_text(st, 4 + i, u[i], -1, SQLITE_STATIC);
+    return rc;
+}
+
+int gw_store_event_insert(gw_store *s, const gw_ftevent *e) {
+    int changes = 0;
+    return gw_store_run(s, "INSERT INTO job_events (" GW_EVENT_COLUMNS ") VALUES (?,?,?,?,?,?,?)", gw_event_bind, e,
+                        &changes);
+}
+
+int gw_store_event_list(gw_store *s, const gw_page_query *q, gw_ftevent **out, size_t *n, bool *has_more) {
+    return gw_store_page(s, &gw_events_table, q, (void **)out, n, has_more);
+}
+
+static int gw_ckpt_bind(sqlite3_stmt *st, const void *arg) {
+    const gw_ftckpt *c = arg;
+    const char *t[] = {c->id, c->job_id};
+    int rc = gw_bind_texts(st, t, 2);
+    if (!rc) rc = sqlite3_bind_int64(st, 3, c->step_number);
+    if (!rc) rc = sqlite3_bind_text(st, 4, c->metrics, -1, SQLITE_STATIC);
+    if (!rc) rc = sqlite3_bind_text(st, 5, c->model, -1, SQLITE_STATIC);
+    if (!rc) rc = sqlite3_bind_int64(st, 6, c->created_at);
+    return rc;
+}
+
+int gw_store_ckpt_insert(gw_store *s, const gw_ftckpt *c) {
+    int changes = 0;
+    return gw_store_run(s, "INSERT INTO job_checkpoints (" GW_CKPT_COLUMNS ") VALUES (?,?,?,?,?,?)", gw_ckpt_bind, c,
+                        &changes);
+}
+
+int gw_store_ckpt_list(gw_store *s, const gw_page_query *q, gw_ftckpt **out, size_t *n, bool *has_more) {
+    return gw_store_page(s, &gw_ckpts_table, q, (void **)out, n, has_more);
 }

@@ -1,4 +1,4 @@
-/* gw-store.h -- the gateway's durable metadata in SQLite: uploaded files (later: fine-tuning jobs, events, checkpoints).
+/* gw-store.h -- the gateway's durable metadata in SQLite: uploaded files, fine-tuning jobs, their events and checkpoints.
  *
  * One database file (WAL journal) under the data directory. Its schema is
  * versioned with PRAGMA user_version: opening applies the migrations a file
@@ -67,5 +67,84 @@ int gw_store_file_delete(gw_store *s, const char *id, const char *owner);
 /* The files q selects: *out (malloc'd, *n entries; NULL when none) and whether more follow.
  * An `after` that q's owner cannot see is FU_ERR_NOT_FOUND. FU_OK, FU_ERR_IO, FU_ERR_NOMEM. */
 int gw_store_file_list(gw_store *s, const gw_file_query *q, gw_file **out, size_t *n, bool *has_more);
+
+/* ---- fine-tuning jobs ------------------------------------------------------------------------ */
+
+#define GW_JOB_ID_MAX 48
+
+/* One fine-tuning job (OpenAI's FineTuningJob, plus its owner and LoRA settings). JSON fields hold
+ * compact JSON text ("" where none). */
+typedef struct gw_ftjob {
+    char id[GW_JOB_ID_MAX];            /* "ftjob-" + hex */
+    char owner[GW_OWNER_MAX];
+    char model[256];                   /* the base model's served id */
+    char training_file[GW_FILE_ID_MAX];
+    char validation_file[GW_FILE_ID_MAX]; /* "" when none */
+    char suffix[72];
+    int64_t seed;
+    char hyperparameters[512];         /* {"n_epochs", "batch_size", "learning_rate_multiplier"} as resolved */
+    char lora[1024];                   /* {"r", "alpha", "dropout", "target_modules"} */
+    char status[24];                   /* validating_files, queued, running, succeeded, failed, cancelled */
+    char fine_tuned_model[512];        /* "" until it succeeds */
+    char error[1024];                  /* {"code", "message", "param"}; "" when none */
+    int64_t created_at, finished_at;   /* Unix seconds; finished_at 0: not finished */
+    int64_t trained_tokens;
+    char result_files[256];            /* a JSON array of file ids */
+    char metadata[12288];              /* a JSON object; "" when none */
+} gw_ftjob;
+
+/* One event of a job (fine_tuning.job.event). */
+typedef struct gw_ftevent {
+    char id[GW_JOB_ID_MAX];    /* "ftevent-" + hex */
+    char job_id[GW_JOB_ID_MAX];
+    int64_t created_at;
+    char level[8];             /* info, warn, error */
+    char type[16];             /* message or metrics */
+    char message[512];
+    char data[1024];           /* JSON object text; "" when none */
+} gw_ftevent;
+
+/* One checkpoint of a job (fine_tuning.job.checkpoint). */
+typedef struct gw_ftckpt {
+    char id[GW_JOB_ID_MAX];    /* "ftckpt-" + hex */
+    char job_id[GW_JOB_ID_MAX];
+    int64_t step_number;
+    char metrics[1024];        /* JSON object text */
+    char model[640];           /* fine_tuned_model_checkpoint */
+    int64_t created_at;
+} gw_ftckpt;
+
+/* A page of a listing, newest first: records of `key` (a job's owner, NULL: everyone's; an
+ * event's or checkpoint's job id) after record `after` (NULL: from the newest), at most limit. */
+typedef struct gw_page_query {
+    const char *key;
+    const char *after;
+    int limit;
+} gw_page_query;
+
+/* Inserts job j (copied). FU_OK; FU_ERR_INVALID (duplicate id, a value the schema refuses); FU_ERR_IO. */
+int gw_store_job_insert(gw_store *s, const gw_ftjob *j);
+/* Job `id` if it belongs to owner (NULL: anyone) into *out. FU_OK, FU_ERR_NOT_FOUND, FU_ERR_IO. */
+int gw_store_job_get(gw_store *s, const char *id, const char *owner, gw_ftjob *out);
+/* Writes j's status, fine_tuned_model, error, finished_at, trained_tokens and result_files, unless
+ * the stored job has already ended (cancelled meanwhile): then FU_ERR_NOT_FOUND, nothing written. */
+int gw_store_job_update(gw_store *s, const gw_ftjob *j);
+/* Cancels job `id` of owner (NULL: anyone) unless it has ended (an ended job is left as it is);
+ * *out: the job as it is now. FU_OK, FU_ERR_NOT_FOUND (no such job), FU_ERR_IO. */
+int gw_store_job_cancel(gw_store *s, const char *id, const char *owner, gw_ftjob *out);
+/* The oldest job not yet ended (validating_files, queued or running) into *out: FU_OK, or
+ * FU_ERR_NOT_FOUND when there is none; FU_ERR_IO. */
+int gw_store_job_next(gw_store *s, gw_ftjob *out);
+/* The jobs q selects (q->key: the owner): *out (malloc'd, *n entries) and whether more follow. */
+int gw_store_job_list(gw_store *s, const gw_page_query *q, gw_ftjob **out, size_t *n, bool *has_more);
+
+/* Inserts event e (copied). FU_OK, FU_ERR_INVALID, FU_ERR_IO. */
+int gw_store_event_insert(gw_store *s, const gw_ftevent *e);
+/* The events q selects (q->key: the job id), newest first. */
+int gw_store_event_list(gw_store *s, const gw_page_query *q, gw_ftevent **out, size_t *n, bool *has_more);
+/* Inserts checkpoint c (copied). FU_OK, FU_ERR_INVALID, FU_ERR_IO. */
+int gw_store_ckpt_insert(gw_store *s, const gw_ftckpt *c);
+/* The checkpoints q selects (q->key: the job id), newest first. */
+int gw_store_ckpt_list(gw_store *s, const gw_page_query *q, gw_ftckpt **out, size_t *n, bool *has_more);
 
 #endif

@@ -258,8 +258,9 @@ typedef struct gw_config {
     char *data_dir;         /* files and the database; NULL: $XDG_DATA_HOME/fusion, else ~/.local/share/fusion */
     int64_t max_file_bytes; /* an uploaded file's size at most (512 MiB) */
     int max_file_lines;     /* an uploaded file's lines at most (1000000) */
-    char *admin_keys[GW_MAX_KEYS]; /* keys that see every owner's files (also accepted as API keys) */
+    char *admin_keys[GW_MAX_KEYS]; /* keys that see every owner's files and jobs (also accepted as API keys) */
     int n_admin_keys;
+    char *ft_org;           /* fine-tuning: the organization in "ft:BASE:ORG:SUFFIX:JOB" ("fusion") */
 } gw_config;
 
 /* The shortest swarm secret accepted (bytes). */
@@ -304,6 +305,7 @@ typedef enum gw_route {
     GW_ROUTE_LOAD_LORA,   /* POST /v1/load_lora_adapter */
     GW_ROUTE_UNLOAD_LORA, /* POST /v1/unload_lora_adapter */
     GW_ROUTE_FILES,       /* /v1/files, /v1/files/{id}, /v1/files/{id}/content */
+    GW_ROUTE_FINE_TUNING, /* /v1/fine_tuning/jobs and below */
     GW_ROUTE_OTHER,
     GW_ROUTE_COUNT
 } gw_route;

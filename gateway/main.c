@@ -103,7 +103,7 @@ static int serve(gw_config *cfg, const gw_loaded *l) {
     const mdl_config *mc = &l->m->cfg;
     /* token ids are checked against the model's vocabulary (the LM head's rows) */
     gw_model model = {l->tok, l->tpl, l->name, mc->vocab_size, mc->max_seq_len, mc->n_layers,
-                      gw_tool_format_detect(tok_chat_template(l->tok)), NULL};
+                      gw_tool_format_detect(tok_chat_template(l->tok)), NULL, mc};
     cfg->hidden_size = mc->dim; /* what a token costs on the wire between servers */
     signal(SIGPIPE, SIG_IGN);
     sigset_t set;

@@ -1,5 +1,7 @@
 /* test_gw_store.c -- the gateway's SQLite store: files CRUD, the owner filter, paging (after, limit,
- * order), persistence across a reopen, the schema version, and that a failed insert keeps nothing. */
+ * order), persistence across a reopen, the schema version, and that a failed insert keeps nothing;
+ * fine-tuning jobs (owner filter, the runner's next job, an update refused once cancelled, newest-first
+ * paging) with their events and checkpoints. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -156,12 +158,118 @@ static void test_failed_insert_keeps_nothing(void **state) {
     gw_store_close(s);
 }
 
+/* A job "ftjob-<n as 24 hex digits>" of owner in status. */
+static gw_ftjob *job(int n, const char *owner, const char *status) {
+    gw_ftjob *j = calloc(1, sizeof *j);
+    assert_non_null(j);
+    snprintf(j->id, sizeof j->id, "ftjob-%024x", n);
+    snprintf(j->owner, sizeof j->owner, "%s", owner);
+    snprintf(j->model, sizeof j->model, "base");
+    snprintf(j->training_file, sizeof j->training_file, "file-%024x", n);
+    snprintf(j->hyperparameters, sizeof j->hyperparameters, "{\"n_epochs\":3}");
+    snprintf(j->lora, sizeof j->lora, "{\"r\":16}");
+    snprintf(j->status, sizeof j->status, "%s", status);
+    snprintf(j->result_files, sizeof j->result_files, "[]");
+    j->created_at = 1700000000 + n;
+    return j;
+}
+
+static void test_jobs(void **state) {
+    (void)state;
+    char path[256];
+    temp_db(path);
+    gw_store *s;
+    assert_int_equal(gw_store_open(path, &s), FU_OK);
+    gw_ftjob *a = job(1, "alice", "succeeded"), *b = job(2, "alice", "queued"), *c = job(3, "bob", "queued");
+    gw_ftjob *got = job(0, "x", "queued");
+    assert_int_equal(gw_store_job_insert(s, a), FU_OK);
+    assert_int_equal(gw_store_job_insert(s, b), FU_OK);
+    assert_int_equal(gw_store_job_insert(s, c), FU_OK);
+    assert_int_equal(gw_store_job_insert(s, c), FU_ERR_INVALID); /* a duplicate id */
+    assert_int_equal(gw_store_job_get(s, c->id, "alice", got), FU_ERR_NOT_FOUND);
+    assert_int_equal(gw_store_job_next(s, got), FU_OK); /* the oldest job not ended */
+    assert_string_equal(got->id, b->id);
+    assert_int_equal(gw_store_job_cancel(s, b->id, "bob", got), FU_ERR_NOT_FOUND);
+    assert_int_equal(gw_store_job_cancel(s, b->id, "alice", got), FU_OK);
+    assert_string_equal(got->status, "cancelled");
+    assert_true(got->finished_at > 0);
+    snprintf(b->status, sizeof b->status, "succeeded");
+    assert_int_equal(gw_store_job_update(s, b), FU_ERR_NOT_FOUND); /* the runner loses to the cancel */
+    assert_int_equal(gw_store_job_next(s, got), FU_OK);
+    assert_string_equal(got->id, c->id);
+    snprintf(c->status, sizeof c->status, "running");
+    c->trained_tokens = 42;
+    assert_int_equal(gw_store_job_update(s, c), FU_OK);
+    assert_int_equal(gw_store_job_get(s, c->id, NULL, got), FU_OK);
+    assert_int_equal(got->trained_tokens, 42);
+    gw_page_query q = {"alice", NULL, 1};
+    gw_ftjob *rows;
+    size_t n;
+    bool more;
+    assert_int_equal(gw_store_job_list(s, &q, &rows, &n, &more), FU_OK);
+    assert_true(n == 1 && more && !strcmp(rows[0].id, b->id)); /* newest first */
+    q.after = rows[0].id;
+    free(rows);
+    assert_int_equal(gw_store_job_list(s, &q, &rows, &n, &more), FU_OK);
+    assert_true(n == 1 && !more && !strcmp(rows[0].id, a->id));
+    free(rows);
+    q = (gw_page_query){"alice", c->id, 10}; /* another owner's job as the cursor */
+    assert_int_equal(gw_store_job_list(s, &q, &rows, &n, &more), FU_ERR_NOT_FOUND);
+    free(a), free(b), free(c), free(got);
+    gw_store_close(s);
+}
+
+static void test_events_and_checkpoints(void **state) {
+    (void)state;
+    char path[256];
+    temp_db(path);
+    gw_store *s;
+    assert_int_equal(gw_store_open(path, &s), FU_OK);
+    gw_ftjob *j = job(1, "alice", "running");
+    assert_int_equal(gw_store_job_insert(s, j), FU_OK);
+    for (int i = 0; i < 3; i++) {
+        gw_ftevent e = {.created_at = i};
+        snprintf(e.id, sizeof e.id, "ftevent-%d", i);
+        snprintf(e.job_id, sizeof e.job_id, "%s", j->id);
+        snprintf(e.level, sizeof e.level, "info");
+        snprintf(e.type, sizeof e.type, i ? "metrics" : "message");
+        snprintf(e.message, sizeof e.message, "step %d", i);
+        assert_int_equal(gw_store_event_insert(s, &e), FU_OK);
+    }
+    gw_ftevent bad = {0};
+    snprintf(bad.id, sizeof bad.id, "ftevent-x");
+    snprintf(bad.job_id, sizeof bad.job_id, "ftjob-none"); /* no such job: the foreign key */
+    snprintf(bad.type, sizeof bad.type, "message");
+    assert_int_equal(gw_store_event_insert(s, &bad), FU_ERR_INVALID);
+    gw_ftckpt c = {.step_number = 4, .created_at = 5};
+    snprintf(c.id, sizeof c.id, "ftckpt-1");
+    snprintf(c.job_id, sizeof c.job_id, "%s", j->id);
+    snprintf(c.metrics, sizeof c.metrics, "{}");
+    snprintf(c.model, sizeof c.model, "ft:base:fusion::%s:ckpt-step-4", j->id);
+    assert_int_equal(gw_store_ckpt_insert(s, &c), FU_OK);
+    gw_page_query q = {j->id, NULL, 2};
+    gw_ftevent *ev;
+    gw_ftckpt *ck;
+    size_t n;
+    bool more;
+    assert_int_equal(gw_store_event_list(s, &q, &ev, &n, &more), FU_OK);
+    assert_true(n == 2 && more && !strcmp(ev[0].id, "ftevent-2") && !strcmp(ev[1].type, "metrics"));
+    free(ev);
+    assert_int_equal(gw_store_ckpt_list(s, &q, &ck, &n, &more), FU_OK);
+    assert_true(n == 1 && !more && ck[0].step_number == 4);
+    free(ck);
+    free(j);
+    gw_store_close(s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_crud_and_owner),
         cmocka_unit_test(test_paging),
         cmocka_unit_test(test_reopen_and_version),
         cmocka_unit_test(test_failed_insert_keeps_nothing),
+        cmocka_unit_test(test_jobs),
+        cmocka_unit_test(test_events_and_checkpoints),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
