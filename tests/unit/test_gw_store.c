@@ -208,7 +208,9 @@ static void test_jobs(void **state) {
     bool more;
     assert_int_equal(gw_store_job_list(s, &q, &rows, &n, &more), FU_OK);
     assert_true(n == 1 && more && !strcmp(rows[0].id, b->id)); /* newest first */
-    q.after = rows[0].id;
+    char cursor[sizeof rows[0].id];
+    snprintf(cursor, sizeof cursor, "%s", rows[0].id);
+    q.after = cursor;
     free(rows);
     assert_int_equal(gw_store_job_list(s, &q, &rows, &n, &more), FU_OK);
     assert_true(n == 1 && !more && !strcmp(rows[0].id, a->id));
