@@ -127,20 +127,6 @@ static int gw_run_settings(gw_run *r) {
     return rc;
 }
 
-/* The PEFT-ordered state of blocks [first, last) of the adapter in r->resume_dir. */
-static int gw_run_resume_state(gw_run *r, int first, int last, trn_state *st) {
-    lora_adapter *ad = NULL;
-    int rc = lora_load(r->resume_dir, r->j->model->mdl, first, last, 4096, &ad);
-    if (!rc) rc = lora_set_qk_order(ad, false);
-    if (!rc) {
-        *st = (trn_state){first, last, ad->n_floats, malloc(ad->n_floats * sizeof(float) + 1), NULL, NULL};
-        if (st->params) memcpy(st->params, ad->data, ad->n_floats * sizeof(float));
-        else rc = fu_errorf(FU_ERR_NOMEM, "adapter state");
-    }
-    lora_free(ad);
-    return rc;
-}
-
 /* Stage i on hop i of the static chain (from the resumed checkpoint's state when there is one). */
 static int gw_run_stage(gw_run *r, int i, int max_tokens) {
     const gw_config *cfg = r->j->cfg;
@@ -155,7 +141,7 @@ static int gw_run_stage(gw_run *r, int i, int max_tokens) {
                             .dim = cfg->hidden_size, .timeout_ms = 600 * 1000};
     trn_state st = {0};
     int rc = rpc_channel_new(h->address, &co, &r->ch[i]);
-    if (!rc && r->resume_dir[0]) rc = gw_run_resume_state(r, h->first, h->last, &st);
+    if (!rc && r->resume_dir[0]) rc = trn_state_load(r->resume_dir, r->j->model->mdl, h->first, h->last, 4096, &st);
     if (!rc) rc = trn_remote_open(r->ch[i], &o, r->resume_dir[0] ? &st : NULL, &r->rem[i]);
     if (!rc) r->stages[i] = trn_remote_stage(r->rem[i]);
     trn_state_clear(&st);
@@ -224,17 +210,7 @@ static int gw_run_save(gw_run *r, trn_run *run, const char *leaf, char *dir, siz
     lora_adapter *whole = NULL;
     int rc = gw_run_mkdirs(tmp);
     if (!rc) rc = lora_new(&r->lora, r->j->model->mdl, 0, r->j->model->n_layers, 0, &whole);
-    size_t at = 0;
-    for (int s = 0; s < r->n && !rc; s++) {
-        trn_stage st = trn_run_stage(run, s);
-        trn_state state = {0};
-        if (!(rc = st.vt->get_state(st.st, &state)) && at + state.n > whole->n_floats)
-            rc = fu_errorf(FU_ERR_FORMAT, "span %d's state is larger than the adapter", s);
-        if (!rc) memcpy(whole->data + at, state.params, state.n * sizeof(float));
-        at += state.n;
-        trn_state_clear(&state);
-    }
-    if (!rc && at != whole->n_floats) rc = fu_errorf(FU_ERR_FORMAT, "the spans' states do not cover the adapter");
+    if (!rc) rc = trn_run_params(run, whole->data, whole->n_floats);
     if (!rc) whole->qk_interleaved = false, rc = lora_save(whole, tmp);
     lora_free(whole);
     if (!rc) gw_run_rmdir(dir);

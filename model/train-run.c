@@ -47,6 +47,20 @@ void trn_state_clear(trn_state *s) {
     *s = (trn_state){0};
 }
 
+int trn_state_load(const char *dir, const mdl_config *m, int first, int last, int max_rank, trn_state *out) {
+    *out = (trn_state){0};
+    lora_adapter *ad = NULL;
+    int rc = lora_load(dir, m, first, last, max_rank, &ad);
+    if (!rc) rc = lora_set_qk_order(ad, false);
+    if (!rc) {
+        *out = (trn_state){first, last, ad->n_floats, malloc(ad->n_floats * sizeof(float) + 1), NULL, NULL};
+        if (out->params) memcpy(out->params, ad->data, ad->n_floats * sizeof(float));
+        else rc = fu_errorf(FU_ERR_NOMEM, "adapter state");
+    }
+    lora_free(ad);
+    return rc;
+}
+
 /* ---- local stages ------------------------------------------------------------------- */
 
 static int local_forward(void *st, int slot, const trn_batch *b, float *out, trn_loss *loss) {
@@ -106,6 +120,21 @@ void trn_run_free(trn_run *r) {
 
 int trn_run_replacements(const trn_run *r) { return r->replacements; }
 trn_stage trn_run_stage(const trn_run *r, int index) { return r->stages[index]; }
+
+int trn_run_params(const trn_run *r, float *out, size_t n) {
+    size_t at = 0;
+    int rc = FU_OK;
+    for (int s = 0; s < r->n_stages && !rc; s++) {
+        trn_state state = {0};
+        if (!(rc = r->stages[s].vt->get_state(r->stages[s].st, &state)) && at + state.n > n)
+            rc = fu_errorf(FU_ERR_FORMAT, "span %d's state is larger than the adapter", s);
+        if (!rc) memcpy(out + at, state.params, state.n * sizeof(float));
+        at += state.n;
+        trn_state_clear(&state);
+    }
+    if (!rc && at != n) rc = fu_errorf(FU_ERR_FORMAT, "the spans' states do not cover the adapter");
+    return rc;
+}
 
 /* Pulls every stage's state into the snapshot (after step r->steps). */
 static int trn_run_snapshot(trn_run *r) {

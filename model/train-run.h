@@ -38,6 +38,11 @@ typedef struct trn_state {
 
 void trn_state_clear(trn_state *s);
 
+/* The state of blocks [first, last) of the PEFT adapter in directory dir
+ * (lora_load for model m, ranks up to max_rank): its weights in PEFT's order,
+ * no moments (zeros). The caller clears *out. lora_load's errors, FU_ERR_NOMEM. */
+int trn_state_load(const char *dir, const mdl_config *m, int first, int last, int max_rank, trn_state *out);
+
 /* A span of the chain, as the coordinator drives it; every call returns FU_OK
  * or a negative fu_status with the error set. FU_ERR_NETWORK means the
  * stage's server is gone (the run may replace it); any other error is the
@@ -140,5 +145,10 @@ int trn_run_replacements(const trn_run *r);
 
 /* The run's stage `index` now (a replaced one's successor). */
 trn_stage trn_run_stage(const trn_run *r, int index);
+
+/* The whole adapter's weights in PEFT's order, the stages' states (get_state)
+ * one after another into out (n floats: the whole adapter's n_floats).
+ * FU_ERR_FORMAT unless the states fill exactly n floats; a stage's error. */
+int trn_run_params(const trn_run *r, float *out, size_t n);
 
 #endif

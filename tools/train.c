@@ -256,20 +256,6 @@ static trn_remote_options hop_options(const train_ctx *c, const int span[2], con
         .dim = c->cfg->cfg.dim, .wire_dtype = args.wire, .timeout_ms = args.timeout_s * 1000};
 }
 
-/* The PEFT-ordered state of the adapter file's blocks span[0..1) (--adapter with --hop). */
-static int hop_initial_state(const train_ctx *c, const int span[2], trn_state *st) {
-    lora_adapter *ad = NULL;
-    int rc = lora_load(args.adapter, &c->cfg->cfg, span[0], span[1], 4096, &ad);
-    if (!rc) rc = lora_set_qk_order(ad, false);
-    if (!rc) {
-        *st = (trn_state){span[0], span[1], ad->n_floats, malloc(ad->n_floats * sizeof(float) + 1), NULL, NULL};
-        if (st->params) memcpy(st->params, ad->data, ad->n_floats * sizeof(float));
-        else rc = fu_errorf(FU_ERR_NOMEM, "adapter state");
-    }
-    lora_free(ad);
-    return rc;
-}
-
 /* Hop i: its job opened on the server. */
 static int hop_open(train_ctx *c, int i) {
     train_hop *h = &c->hop[i];
@@ -280,7 +266,7 @@ static int hop_open(train_ctx *c, int i) {
                        i ? c->hop[i - 1].span[1] : 0);
     if (!rc && i == c->n - 1 && h->span[1] != c->n_layers)
         rc = fu_errorf(FU_ERR_INVALID, "the chain ends at block %d of %d", h->span[1], c->n_layers);
-    if (!rc && args.adapter) rc = hop_initial_state(c, h->span, &st);
+    if (!rc && args.adapter) rc = trn_state_load(args.adapter, &c->cfg->cfg, h->span[0], h->span[1], 4096, &st);
     trn_remote_options o = hop_options(c, h->span, c->job);
     if (!rc) rc = trn_remote_open(h->ch, &o, args.adapter ? &st : NULL, &h->rem);
     if (!rc) c->stages[i] = trn_remote_stage(h->rem);
@@ -481,17 +467,7 @@ static int save_adapter(train_ctx *c, trn_run *r) {
         }
         lora_free(file);
     }
-    size_t at = 0;
-    for (int s = 0; s < c->n && !rc; s++) {
-        trn_stage st = trn_run_stage(r, s);
-        trn_state state = {0};
-        if (!(rc = st.vt->get_state(st.st, &state)) && at + state.n > whole->n_floats)
-            rc = fu_errorf(FU_ERR_FORMAT, "span %d's state is larger than the adapter", s);
-        if (!rc) memcpy(whole->data + at, state.params, state.n * sizeof(float));
-        at += state.n;
-        trn_state_clear(&state);
-    }
-    if (!rc && at != whole->n_floats) rc = fu_errorf(FU_ERR_FORMAT, "the spans' states do not cover the adapter");
+    if (!rc) rc = trn_run_params(r, whole->data, whole->n_floats);
     if (!rc) {
         whole->qk_interleaved = false; /* the states are in PEFT's order */
         rc = lora_save(whole, args.out);
