@@ -160,9 +160,7 @@ int gw_file_check_text(const gw_file_check *fc, const char *data, size_t len, in
         }
         p = nl ? nl + 1 : end;
     }
-    if (*n_examples < GW_FILE_MIN_EXAMPLES)
-        return gw_error_set(err, 400, "file", "invalid_n_examples",
-                            "Training file has %lld example(s), but must have at least %d examples.",
-                            (long long)*n_examples, GW_FILE_MIN_EXAMPLES);
+    if (!*n_examples)
+        return gw_error_set(err, 400, "file", "invalid_n_examples", "The file has no examples.");
     return 0;
 }

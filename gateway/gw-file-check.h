@@ -39,8 +39,9 @@ void gw_file_check_free(gw_file_check *fc); /* zeroes *fc; safe on a zeroed one 
  * *err (param "file", code "invalid_file_format"); 500 when out of memory. */
 int gw_file_check_line(const gw_file_check *fc, const char *text, size_t len, size_t lineno, gw_error *err);
 /* Checks a whole file data[0..len): at most max_lines lines (blank ones are skipped), each
- * gw_file_check_line, at least GW_FILE_MIN_EXAMPLES examples (else code
- * "invalid_n_examples"). 0 with *n_examples, or the HTTP status with *err (the first problem). */
+ * gw_file_check_line, at least one example (else code "invalid_n_examples"; a training file
+ * needs GW_FILE_MIN_EXAMPLES, which job creation checks, while a validation file may hold
+ * fewer). 0 with *n_examples, or the HTTP status with *err (the first problem). */
 int gw_file_check_text(const gw_file_check *fc, const char *data, size_t len, int max_lines, int64_t *n_examples,
                        gw_error *err);
 

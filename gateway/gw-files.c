@@ -448,12 +448,22 @@ int gw_files_delete(gw_files *f, const char *owner, const char *id, json_t **out
     return *out ? 0 : gw_error_set(err, 500, NULL, NULL, "out of memory");
 }
 
-int gw_files_content(gw_files *f, const char *owner, const char *id, int *fd, uint64_t *size, gw_error *err) {
+/* The media type of a stored file, by its name's extension: results are CSV or SVG, uploads JSONL. */
+static const char *gw_file_type(const char *filename) {
+    const char *dot = strrchr(filename, '.');
+    return dot && !strcmp(dot, ".csv")   ? "text/csv"
+           : dot && !strcmp(dot, ".svg") ? "image/svg+xml"
+                                          : "application/jsonl";
+}
+
+int gw_files_content(gw_files *f, const char *owner, const char *id, int *fd, uint64_t *size, const char **type,
+                     gw_error *err) {
     gw_file row;
     char path[PATH_MAX];
     *fd = -1;
     int rc = gw_file_find(f, owner, id, &row, err);
     if (rc) return rc;
+    *type = gw_file_type(row.filename);
     gw_file_path(f, row.id, path);
     if (mf_open_regular(path, (uint64_t)INT64_MAX, fd, size)) {
         FU_ERROR("files: %s", fu_last_error());

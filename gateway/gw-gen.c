@@ -1262,6 +1262,8 @@ void gw_engine_free(gw_engine *e) {
     free(e);
 }
 
+struct gw_swarm *gw_engine_swarm(gw_engine *e) { return e->swarm; }
+
 json_t *gw_engine_swarm_json(gw_engine *e) {
     if (e->swarm) return gw_swarm_json(e->swarm);
     json_t *servers = json_array();

@@ -59,6 +59,8 @@ int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metri
 void gw_engine_free(gw_engine *e);
 /* Choices queued and not yet taken by a worker (thread-safe). */
 int gw_engine_queue_depth(gw_engine *e);
+/* The routed swarm (borrowed, for fine-tuning chains), or NULL with a static chain. */
+struct gw_swarm *gw_engine_swarm(gw_engine *e);
 /* The /v1/swarm document (new reference): the routed swarm's servers and flow,
  * or the static chain's hops. NULL on allocation failure. */
 json_t *gw_engine_swarm_json(gw_engine *e);

@@ -1055,14 +1055,15 @@ static enum MHD_Result gw_route_file_content(gw_conn *c, const char *owner, cons
     snprintf(id, sizeof id, "%.*s", (int)(strchr(id_slash, '/') - id_slash), id_slash);
     int fd;
     uint64_t size;
+    const char *type;
     gw_error e;
-    if (gw_files_content(c->srv->files, owner, id, &fd, &size, &e)) return gw_respond_error(c, &e);
+    if (gw_files_content(c->srv->files, owner, id, &fd, &size, &type, &e)) return gw_respond_error(c, &e);
     struct MHD_Response *r = MHD_create_response_from_fd64(size, fd); /* owns fd from here */
     if (!r) {
         close(fd);
         return MHD_NO;
     }
-    MHD_add_response_header(r, "Content-Type", "application/jsonl");
+    MHD_add_response_header(r, "Content-Type", type);
     return gw_queue_made(c, 200, r);
 }
 
@@ -1458,7 +1459,7 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
         return FU_ERR_NETWORK;
     }
     s->port = *port;
-    if ((rc = gw_files_open(cfg, model, &s->files)) || (rc = gw_jobs_open(cfg, model, s->files, &s->jobs))) {
+    if ((rc = gw_files_open(cfg, model, &s->files)) || (rc = gw_jobs_open(cfg, model, s->files, engine ? gw_engine_swarm(engine) : NULL, &s->jobs))) {
         gw_server_destroy(s, true);
         return rc;
     }

@@ -1,6 +1,6 @@
 /* gw-jobs-impl.h -- what gw-jobs.c (the routes) and gw-jobs-run.c (the runner) share.
  *
- * Threading: the runner's flags are under gw_jobs.mu. Ownership: as gw-jobs.h.
+ * Threading: the runners' flags and slots are under gw_jobs.mu. Ownership: as gw-jobs.h.
  */
 #ifndef FU_GW_JOBS_IMPL_H
 #define FU_GW_JOBS_IMPL_H
@@ -10,17 +10,28 @@
 
 #include "gw-jobs.h"
 #include "gw-store.h"
+#include "gw-swarm.h"
+
+/* A runner thread and the job it trains. */
+typedef struct gw_jobs_slot {
+    struct gw_jobs *j;
+    pthread_t thread;
+    bool started;
+    char id[GW_JOB_ID_MAX]; /* the job it trains; "" when idle (under gw_jobs.mu) */
+} gw_jobs_slot;
 
 struct gw_jobs {
     const gw_config *cfg;
     const gw_model *model;
     gw_files *files;
     gw_store *store;      /* the files' database, borrowed */
-    pthread_t runner;
-    bool runner_started;
+    gw_swarm *swarm;      /* the routed swarm, borrowed; NULL: the static chain (cfg->hops) */
+    gw_jobs_slot slots[GW_MAX_FT_JOBS]; /* cfg->max_ft_jobs runners */
+    int n_slots;
     pthread_mutex_t mu;
     pthread_cond_t cv;    /* a new job, a cancel, or the stop */
-    bool wake, stopping;  /* under mu */
+    unsigned gen;         /* bumped by each wake (under mu) */
+    bool stopping;        /* under mu */
 };
 
 /* A new id: prefix and 24 random hex digits into out[GW_JOB_ID_MAX]. FU_OK or FU_ERR_INTERNAL. */
@@ -35,7 +46,8 @@ void gw_jobs_dir(const gw_jobs *j, const char *id, const char *leaf, char *out, 
 
 /* Serves again every checkpoint and finished job's adapter (at open). */
 void gw_jobs_reserve(gw_jobs *j);
-/* The runner thread's body (arg: the gw_jobs). */
+/* A runner thread's body (arg: its gw_jobs_slot): it trains the oldest job no other runner has,
+ * one after another, until the stop. */
 void *gw_jobs_runner(void *arg);
 /* Wakes the runner (a new job, a cancel). */
 void gw_jobs_wake(gw_jobs *j);

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "gw-file-check.h"
 #include "log.h"
 #include "lora.h"
 #include "parse.h"
@@ -69,7 +70,7 @@ static json_t *gw_job_json(const gw_jobs *j, const gw_ftjob *jb) {
     json_t *hp = gw_json_field(jb->hyperparameters);
     json_t *method = json_pack("{s:s, s:{s:O}}", "type", "supervised", "supervised", "hyperparameters", hp);
     bool ended = !strcmp(jb->status, "succeeded") || !strcmp(jb->status, "failed") || !strcmp(jb->status, "cancelled");
-    return json_pack("{s:s, s:s, s:I, s:o, s:o, s:o, s:o, s:s, s:s, s:o, s:I, s:s, s:o, s:s, s:o, s:n, s:n, s:o, "
+    return json_pack("{s:s, s:s, s:I, s:o, s:o, s:o, s:o, s:s, s:s, s:o, s:I, s:s, s:o, s:s, s:o, s:o, s:n, s:o, "
                      "s:o, s:o}",
                      "id", jb->id, "object", "fine_tuning.job", "created_at", (json_int_t)jb->created_at, "error",
                      gw_json_field(jb->error), "fine_tuned_model",
@@ -80,8 +81,8 @@ static json_t *gw_job_json(const gw_jobs *j, const gw_ftjob *jb) {
                      "trained_tokens", ended || jb->trained_tokens ? json_integer(jb->trained_tokens) : json_null(),
                      "training_file", jb->training_file, "validation_file",
                      jb->validation_file[0] ? json_string(jb->validation_file) : json_null(), "estimated_finish",
-                     "integrations", "metadata", gw_json_field(jb->metadata), "method", method, "lora",
-                     gw_json_field(jb->lora));
+                     gw_json_int_or_null(ended ? 0 : jb->estimated_finish), "integrations", "metadata",
+                     gw_json_field(jb->metadata), "method", method, "lora", gw_json_field(jb->lora));
 }
 
 static json_t *gw_event_json(const gw_ftevent *e) {
@@ -231,6 +232,10 @@ int gw_jobs_create(gw_jobs *j, const char *owner, bool admin, const json_t *body
                                     "'model' must be the served base model, %s", j->model->name);
     const char *fowner = admin ? NULL : owner;
     if (!rc) rc = gw_job_file(j, body, "training_file", true, fowner, jb->training_file, &n_examples, err);
+    if (!rc && n_examples < GW_FILE_MIN_EXAMPLES)
+        rc = gw_error_set(err, 400, "training_file", "invalid_n_examples",
+                          "Training file has %lld example(s), but must have at least %d examples.",
+                          (long long)n_examples, GW_FILE_MIN_EXAMPLES);
     if (!rc) rc = gw_job_file(j, body, "validation_file", false, fowner, jb->validation_file, NULL, err);
     if (!rc) rc = gw_job_hparams(body, n_examples, jb, err);
     if (!rc) rc = gw_job_lora(j, body, jb, err);
@@ -366,23 +371,26 @@ int gw_jobs_checkpoints(gw_jobs *j, const char *owner, bool admin, const char *i
 
 void gw_jobs_wake(gw_jobs *j) {
     pthread_mutex_lock(&j->mu);
-    j->wake = true;
+    j->gen++;
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
 }
 
-int gw_jobs_open(const gw_config *cfg, const gw_model *m, gw_files *files, gw_jobs **out) {
+int gw_jobs_open(const gw_config *cfg, const gw_model *m, gw_files *files, gw_swarm *swarm, gw_jobs **out) {
     *out = NULL;
     gw_jobs *j = calloc(1, sizeof *j);
     if (!j) return fu_errorf(FU_ERR_NOMEM, "jobs");
-    *j = (gw_jobs){.cfg = cfg, .model = m, .files = files, .store = gw_files_store(files)};
+    *j = (gw_jobs){.cfg = cfg, .model = m, .files = files, .store = gw_files_store(files), .swarm = swarm};
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
     gw_jobs_reserve(j);
-    j->runner_started = !pthread_create(&j->runner, NULL, gw_jobs_runner, j);
-    if (!j->runner_started) {
-        gw_jobs_close(j);
-        return fu_errorf(FU_ERR_INTERNAL, "cannot start the fine-tuning runner");
+    j->n_slots = cfg->max_ft_jobs < 1 ? 1 : cfg->max_ft_jobs > GW_MAX_FT_JOBS ? GW_MAX_FT_JOBS : cfg->max_ft_jobs;
+    for (int i = 0; i < j->n_slots; i++) {
+        j->slots[i].j = j;
+        if (!(j->slots[i].started = !pthread_create(&j->slots[i].thread, NULL, gw_jobs_runner, &j->slots[i]))) {
+            gw_jobs_close(j);
+            return fu_errorf(FU_ERR_INTERNAL, "cannot start the fine-tuning runners");
+        }
     }
     *out = j;
     return FU_OK;
@@ -394,7 +402,8 @@ void gw_jobs_close(gw_jobs *j) {
     j->stopping = true;
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
-    if (j->runner_started) pthread_join(j->runner, NULL);
+    for (int i = 0; i < j->n_slots; i++)
+        if (j->slots[i].started) pthread_join(j->slots[i].thread, NULL);
     pthread_cond_destroy(&j->cv);
     pthread_mutex_destroy(&j->mu);
     free(j);

@@ -1,19 +1,27 @@
-/* gw-jobs.h -- OpenAI's fine-tuning jobs (/v1/fine_tuning/jobs): creation, listing, cancel, events, checkpoints, and the runner that trains them through the chain.
+/* gw-jobs.h -- OpenAI's fine-tuning jobs (/v1/fine_tuning/jobs): creation, listing, cancel, events, checkpoints, and the runners that train them through the chain.
  *
  * A job is a LoRA fine-tune of the served base model on an uploaded file
  * (gw-files.h), recorded in the gateway's database (gw-store.h) with its
- * events and checkpoints. One runner thread takes the jobs not yet ended one
- * after another, oldest first (validating_files -> queued -> running ->
- * succeeded | failed | cancelled): it tokenizes the training file with the
+ * events and checkpoints. cfg->max_ft_jobs runner threads (1 by default: one
+ * job after another) each take the oldest job not yet ended that no other
+ * runner has (validating_files -> queued -> running -> succeeded | failed |
+ * cancelled). A runner tokenizes the training and validation files with the
  * model's chat template (chat_train_line), opens one fusion.Train stage per
- * hop of the static chain (train-remote.h) and runs n_epochs of AdamW steps
- * (train-run.h), writing a metrics event per step, a checkpoint per epoch
- * (DATA_DIR/jobs/<id>/ckpt-step-N, served as "ft:BASE:ORG:SUFFIX:JOB:ckpt-step-N")
- * and at the end the final adapter (DATA_DIR/jobs/<id>/final, served as
- * "ft:BASE:ORG:SUFFIX:JOB") and a metrics CSV as a "fine-tune-results" file.
+ * hop -- the static chain's, or on a routed swarm the members whose whole
+ * spans tile the model (gw_swarm_train_chain) -- and runs n_epochs of AdamW
+ * steps (train-run.h). It records a metrics event per step (with the
+ * validation loss over the whole validation file at the end of each epoch),
+ * the job's trained tokens and estimated_finish, a checkpoint per epoch
+ * (DATA_DIR/jobs/<id>/ckpt-step-N: the adapter in PEFT's format plus its AdamW
+ * moments, served as "ft:BASE:ORG:SUFFIX:JOB:ckpt-step-N") and at the end the
+ * final adapter (DATA_DIR/jobs/<id>/final, served as "ft:BASE:ORG:SUFFIX:JOB")
+ * and two "fine-tune-results" files: step_metrics.csv and loss_curve.svg.
  * A cancel is seen between steps. Jobs found unfinished at start are run
- * again, from their last checkpoint when they have one; the adapters of
- * every checkpoint and finished job are served again.
+ * again from their last checkpoint, exactly (weights and moments), without
+ * recording again the metrics events of steps already recorded; the adapters
+ * of every checkpoint and finished job are served again. On a swarm, a chain
+ * that loses a server is reported to the swarm and replaced by another, the
+ * job going on from its last checkpoint (at most 3 times).
  *
  * Defaults ("auto"): n_epochs 3, batch_size min(8, examples), learning rate
  * 2e-4 x learning_rate_multiplier (1), linear warm-up over the first 10% of
@@ -21,9 +29,9 @@
  * LoRA r 16, alpha 32, dropout 0, every linear layer.
  *
  * Threading: every gw_jobs_* route may be called from any thread (the store
- * locks itself); the runner is the only writer of a running job's progress.
- * Ownership: gw_jobs borrows the config, model and files, which must outlive
- * it; results are new JSON references for the caller.
+ * locks itself); a job's runner is the only writer of its progress.
+ * Ownership: gw_jobs borrows the config, model, files and swarm, which must
+ * outlive it; results are new JSON references for the caller.
  */
 #ifndef FU_GW_JOBS_H
 #define FU_GW_JOBS_H
@@ -36,10 +44,10 @@
 
 typedef struct gw_jobs gw_jobs;
 
-/* Serves again the adapters of earlier jobs and starts the runner. cfg, m and files are
- * borrowed. FU_OK, or an error with fu_last_error() saying why. */
-int gw_jobs_open(const gw_config *cfg, const gw_model *m, gw_files *files, gw_jobs **out);
-/* Stops the runner (a running job stops between steps and stays "running", to be resumed at the
+/* Serves again the adapters of earlier jobs and starts the runners. cfg, m, files and swarm
+ * (NULL: train on the static chain cfg->hops) are borrowed. FU_OK, or an error with fu_last_error() saying why. */
+int gw_jobs_open(const gw_config *cfg, const gw_model *m, gw_files *files, struct gw_swarm *swarm, gw_jobs **out);
+/* Stops the runners (a running job stops between steps and stays "running", to be resumed at the
  * next start) and frees j. NULL is a no-op. */
 void gw_jobs_close(gw_jobs *j);
 

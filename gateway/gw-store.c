@@ -2,6 +2,7 @@
 #include "gw-store.h"
 
 #include <fcntl.h>
+#include <jansson.h>
 #include <pthread.h>
 #include <sqlite3.h>
 #include <stdio.h>
@@ -64,6 +65,7 @@ static const char *const migrations[] = {
     " job_id TEXT NOT NULL REFERENCES jobs (id) ON DELETE CASCADE, step_number INTEGER NOT NULL,"
     " metrics TEXT NOT NULL, fine_tuned_model_checkpoint TEXT NOT NULL, created_at INTEGER NOT NULL);"
     "CREATE INDEX job_checkpoints_job ON job_checkpoints (job_id, seq);",
+    "ALTER TABLE jobs ADD COLUMN estimated_finish INTEGER NOT NULL DEFAULT 0;",
 };
 
 #define GW_STORE_VERSION ((int)(sizeof migrations / sizeof migrations[0]))
@@ -359,7 +361,7 @@ int gw_store_file_list(gw_store *s, const gw_file_query *q, gw_file **out, size_
 
 #define GW_JOB_COLUMNS                                                                                        \
     "id, owner, model, training_file, validation_file, suffix, seed, hyperparameters, lora, status, "         \
-    "fine_tuned_model, error, created_at, finished_at, trained_tokens, result_files, metadata"
+    "fine_tuned_model, error, created_at, finished_at, trained_tokens, result_files, metadata, estimated_finish"
 #define GW_EVENT_COLUMNS "id, job_id, created_at, level, type, message, data"
 #define GW_CKPT_COLUMNS "id, job_id, step_number, metrics, fine_tuned_model_checkpoint, created_at"
 #define GW_JOB_LIVE "('validating_files', 'queued', 'running')"
@@ -384,6 +386,7 @@ static void gw_job_row(sqlite3_stmt *st, void *out) {
     j->trained_tokens = sqlite3_column_int64(st, 14);
     gw_column_text(st, 15, j->result_files, sizeof j->result_files);
     gw_column_text(st, 16, j->metadata, sizeof j->metadata);
+    j->estimated_finish = sqlite3_column_int64(st, 17);
 }
 
 static void gw_event_row(sqlite3_stmt *st, void *out) {
@@ -425,12 +428,13 @@ static int gw_job_bind(sqlite3_stmt *st, const void *arg) {
     if (!rc) rc = sqlite3_bind_int64(st, 15, j->trained_tokens);
     if (!rc) rc = sqlite3_bind_text(st, 16, j->result_files, -1, SQLITE_STATIC);
     if (!rc) rc = sqlite3_bind_text(st, 17, j->metadata, -1, SQLITE_STATIC);
+    if (!rc) rc = sqlite3_bind_int64(st, 18, j->estimated_finish);
     return rc;
 }
 
 int gw_store_job_insert(gw_store *s, const gw_ftjob *j) {
     int changes = 0;
-    return gw_store_run(s, "INSERT INTO jobs (" GW_JOB_COLUMNS ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+    return gw_store_run(s, "INSERT INTO jobs (" GW_JOB_COLUMNS ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                         gw_job_bind, j, &changes);
 }
 
@@ -444,13 +448,14 @@ static int gw_job_update_bind(sqlite3_stmt *st, const void *arg) {
     int rc = gw_bind_texts(st, t, 5);
     if (!rc) rc = sqlite3_bind_int64(st, 6, j->finished_at);
     if (!rc) rc = sqlite3_bind_int64(st, 7, j->trained_tokens);
+    if (!rc) rc = sqlite3_bind_int64(st, 8, j->estimated_finish);
     return rc;
 }
 
 int gw_store_job_update(gw_store *s, const gw_ftjob *j) {
     int changes = 0;
     int rc = gw_store_run(s, "UPDATE jobs SET status = ?2, fine_tuned_model = ?3, error = ?4, result_files = ?5, "
-                             "finished_at = ?6, trained_tokens = ?7 WHERE id = ?1 AND status IN " GW_JOB_LIVE,
+                             "finished_at = ?6, trained_tokens = ?7, estimated_finish = ?8 WHERE id = ?1 AND status IN " GW_JOB_LIVE,
                           gw_job_update_bind, j, &changes);
     return !rc && !changes ? fu_errorf(FU_ERR_NOT_FOUND, "job %s has ended", j->id) : rc;
 }
@@ -474,12 +479,24 @@ int gw_store_job_cancel(gw_store *s, const char *id, const char *owner, gw_ftjob
     return rc ? rc : gw_store_job_get(s, id, owner, out);
 }
 
-int gw_store_job_next(gw_store *s, gw_ftjob *out) {
+/* The ids skip[0..n) as a JSON array's text (malloc'd; NULL when out of memory). */
+static char *gw_ids_json(const char *const *skip, int n) {
+    json_t *a = json_array();
+    for (int i = 0; i < n && a; i++) json_array_append_new(a, json_string(skip[i]));
+    char *text = a ? json_dumps(a, JSON_COMPACT) : NULL;
+    json_decref(a);
+    return text;
+}
+
+int gw_store_job_next(gw_store *s, const char *const *skip, int n_skip, gw_ftjob *out) {
+    char *ids = gw_ids_json(skip, n_skip);
+    if (!ids) return fu_errorf(FU_ERR_NOMEM, "next job");
     pthread_mutex_lock(&s->mu);
     sqlite3_stmt *st = NULL;
     int rc = sqlite3_prepare_v2(s->db, "SELECT " GW_JOB_COLUMNS " FROM jobs WHERE status IN " GW_JOB_LIVE
-                                       " ORDER BY seq ASC LIMIT 1", -1, &st, NULL);
-    if (rc) rc = gw_store_fail(s, FU_ERR_IO, "next job");
+                                       " AND id NOT IN (SELECT value FROM json_each(?1)) ORDER BY seq ASC LIMIT 1",
+                                -1, &st, NULL);
+    if (rc || sqlite3_bind_text(st, 1, ids, -1, SQLITE_STATIC)) rc = gw_store_fail(s, FU_ERR_IO, "next job");
     else if ((rc = sqlite3_step(st)) == SQLITE_ROW) {
         gw_job_row(st, out);
         rc = FU_OK;
@@ -488,6 +505,7 @@ int gw_store_job_next(gw_store *s, gw_ftjob *out) {
     }
     sqlite3_finalize(st);
     pthread_mutex_unlock(&s->mu);
+    free(ids);
     return rc;
 }
 
@@ -545,6 +563,20 @@ int gw_store_event_insert(gw_store *s, const gw_ftevent *e) {
     int changes = 0;
     return gw_store_run(s, "INSERT INTO job_events (" GW_EVENT_COLUMNS ") VALUES (?,?,?,?,?,?,?)", gw_event_bind, e,
                         &changes);
+}
+
+int gw_store_event_last_step(gw_store *s, const char *job_id, int64_t *out) {
+    *out = 0;
+    pthread_mutex_lock(&s->mu);
+    sqlite3_stmt *st = NULL;
+    int rc = sqlite3_prepare_v2(s->db, "SELECT COALESCE(MAX(json_extract(data, '$.step')), 0) FROM job_events "
+                                       "WHERE job_id = ?1 AND type = 'metrics' AND json_valid(data)", -1, &st, NULL);
+    if (!rc) rc = sqlite3_bind_text(st, 1, job_id, -1, SQLITE_STATIC);
+    if (!rc && sqlite3_step(st) == SQLITE_ROW) *out = sqlite3_column_int64(st, 0);
+    else rc = gw_store_fail(s, FU_ERR_IO, "last step");
+    sqlite3_finalize(st);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
 }
 
 int gw_store_event_list(gw_store *s, const gw_page_query *q, gw_ftevent **out, size_t *n, bool *has_more) {

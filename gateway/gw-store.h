@@ -91,6 +91,7 @@ typedef struct gw_ftjob {
     int64_t trained_tokens;
     char result_files[256];            /* a JSON array of file ids */
     char metadata[12288];              /* a JSON object; "" when none */
+    int64_t estimated_finish;          /* Unix seconds the runner expects it to end; 0: unknown */
 } gw_ftjob;
 
 /* One event of a job (fine_tuning.job.event). */
@@ -126,20 +127,23 @@ typedef struct gw_page_query {
 int gw_store_job_insert(gw_store *s, const gw_ftjob *j);
 /* Job `id` if it belongs to owner (NULL: anyone) into *out. FU_OK, FU_ERR_NOT_FOUND, FU_ERR_IO. */
 int gw_store_job_get(gw_store *s, const char *id, const char *owner, gw_ftjob *out);
-/* Writes j's status, fine_tuned_model, error, finished_at, trained_tokens and result_files, unless
+/* Writes j's status, fine_tuned_model, error, finished_at, trained_tokens, result_files and
+ * estimated_finish, unless
  * the stored job has already ended (cancelled meanwhile): then FU_ERR_NOT_FOUND, nothing written. */
 int gw_store_job_update(gw_store *s, const gw_ftjob *j);
 /* Cancels job `id` of owner (NULL: anyone) unless it has ended (an ended job is left as it is);
  * *out: the job as it is now. FU_OK, FU_ERR_NOT_FOUND (no such job), FU_ERR_IO. */
 int gw_store_job_cancel(gw_store *s, const char *id, const char *owner, gw_ftjob *out);
-/* The oldest job not yet ended (validating_files, queued or running) into *out: FU_OK, or
- * FU_ERR_NOT_FOUND when there is none; FU_ERR_IO. */
-int gw_store_job_next(gw_store *s, gw_ftjob *out);
+/* The oldest job not yet ended (validating_files, queued or running) whose id is not in
+ * skip[0..n_skip) into *out: FU_OK, or FU_ERR_NOT_FOUND when there is none; FU_ERR_IO. */
+int gw_store_job_next(gw_store *s, const char *const *skip, int n_skip, gw_ftjob *out);
 /* The jobs q selects (q->key: the owner): *out (malloc'd, *n entries) and whether more follow. */
 int gw_store_job_list(gw_store *s, const gw_page_query *q, gw_ftjob **out, size_t *n, bool *has_more);
 
 /* Inserts event e (copied). FU_OK, FU_ERR_INVALID, FU_ERR_IO. */
 int gw_store_event_insert(gw_store *s, const gw_ftevent *e);
+/* The largest data.step of job_id's metrics events into *out (0: none). FU_OK, FU_ERR_IO. */
+int gw_store_event_last_step(gw_store *s, const char *job_id, int64_t *out);
 /* The events q selects (q->key: the job id), newest first. */
 int gw_store_event_list(gw_store *s, const gw_page_query *q, gw_ftevent **out, size_t *n, bool *has_more);
 /* Inserts checkpoint c (copied). FU_OK, FU_ERR_INVALID, FU_ERR_IO. */

@@ -1154,6 +1154,23 @@ int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err) {
     return FU_OK;
 }
 
+int gw_swarm_train_chain(gw_swarm *s, const int *avoid, int n_avoid, gw_lease *l, gw_error *err) {
+    memset(l, 0, sizeof *l);
+    int ids[GW_MAX_HOPS], n = 0;
+    pthread_mutex_lock(&s->mu);
+    int rc = rt_train_chain(&s->sw, avoid, n_avoid, GW_MAX_HOPS, ids, &n);
+    for (int h = 0; !rc && h < n; h++) {
+        const rt_server *sv = &s->sw.servers[ids[h]];
+        snprintf(l->addr[h], sizeof l->addr[h], "%s", sv->address);
+        l->hops[h] = (chain_hop){l->addr[h], sv->first, sv->last, NULL};
+        l->ids[h] = ids[h];
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (rc) return gw_error_set(err, 503, NULL, "no_training_chain", "%s", fu_last_error()), rc;
+    l->n_hops = n;
+    return FU_OK;
+}
+
 void gw_swarm_release(gw_swarm *s, gw_lease *l) {
     if (!l->path) return;
     pthread_mutex_lock(&s->mu);

@@ -100,6 +100,11 @@ void gw_swarm_free(gw_swarm *s);
  * KV room) with *err set to a 503 ("no server covers blocks [a, b)" when a span
  * is uncovered) and *l empty. */
 int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err);
+/* A chain for a training run (rt_train_chain): members whose whole spans tile the model, none of
+ * router ids avoid[0..n_avoid), into *l -- addresses, spans and ids, no reservation (l->path
+ * stays NULL; gw_swarm_report_failure takes it). On failure *err is a 503 saying which blocks
+ * no chain of whole spans covers. */
+int gw_swarm_train_chain(gw_swarm *s, const int *avoid, int n_avoid, gw_lease *l, gw_error *err);
 /* Releases the lease's reservations (an empty lease is a no-op). */
 void gw_swarm_release(gw_swarm *s, gw_lease *l);
 /* A call over the lease failed with status `code` and `message` (chain errors name

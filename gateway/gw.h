@@ -261,7 +261,11 @@ typedef struct gw_config {
     char *admin_keys[GW_MAX_KEYS]; /* keys that see every owner's files and jobs (also accepted as API keys) */
     int n_admin_keys;
     char *ft_org;           /* fine-tuning: the organization in "ft:BASE:ORG:SUFFIX:JOB" ("fusion") */
+    int max_ft_jobs;        /* fine-tuning jobs trained at once (1: one after another) */
 } gw_config;
+
+/* The most fine-tuning jobs a gateway trains at once. */
+#define GW_MAX_FT_JOBS 16
 
 /* The shortest swarm secret accepted (bytes). */
 #define GW_MIN_SECRET_BYTES 16

@@ -3,10 +3,13 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "log.h"
+#include "safetensors.h"
 #include "status.h"
 
 /* One micro-batch in flight: its rows, and the hidden states (then the
@@ -47,17 +50,57 @@ void trn_state_clear(trn_state *s) {
     *s = (trn_state){0};
 }
 
+int trn_optimizer_save(const char *dir, const float *m1, const float *m2, size_t n) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/" TRN_OPTIMIZER_FILE, dir);
+    const int64_t shape[1] = {(int64_t)n};
+    const st_write_tensor t[2] = {{"exp_avg", "F32", 1, shape, m1}, {"exp_avg_sq", "F32", 1, shape, m2}};
+    return st_write(path, t, 2);
+}
+
+/* Copies n floats at offset `at` of f32 vector tensor `name` of st into out. */
+static int trn_moment_read(const st_model *st, const char *name, size_t at, size_t n, float *out) {
+    int64_t i = st_model_find_index(st, name);
+    st_tensor_info ti;
+    if (i < 0 || st_model_tensor_info(st, i, &ti))
+        return fu_errorf(FU_ERR_FORMAT, "%s: no tensor %s", st_model_path(st), name);
+    if (strcmp(ti.dtype, "F32") || ti.rank != 1 || ti.nbytes < (at + n) * sizeof(float))
+        return fu_errorf(FU_ERR_FORMAT, "%s: %s is not an f32 vector of the adapter's size", st_model_path(st), name);
+    memcpy(out, (const float *)ti.data + at, n * sizeof(float));
+    return FU_OK;
+}
+
+/* The moments of out's span (blocks [out->first, out->last), out->n floats, every block the same size)
+ * from dir's optimizer file, when there is one. */
+static int trn_moments_load(const char *dir, trn_state *out) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/" TRN_OPTIMIZER_FILE, dir);
+    if (access(path, F_OK)) return FU_OK;
+    st_model *st = NULL;
+    int rc = st_model_open(path, &st);
+    const size_t at = out->n / (size_t)(out->last - out->first) * (size_t)out->first;
+    out->m1 = rc ? NULL : malloc(out->n * sizeof(float) + 1);
+    out->m2 = rc ? NULL : malloc(out->n * sizeof(float) + 1);
+    if (!rc && !(out->m1 && out->m2)) rc = fu_errorf(FU_ERR_NOMEM, "optimizer state");
+    if (!rc) rc = trn_moment_read(st, "exp_avg", at, out->n, out->m1);
+    if (!rc) rc = trn_moment_read(st, "exp_avg_sq", at, out->n, out->m2);
+    st_model_close(st);
+    return rc;
+}
+
 int trn_state_load(const char *dir, const mdl_config *m, int first, int last, int max_rank, trn_state *out) {
     *out = (trn_state){0};
     lora_adapter *ad = NULL;
     int rc = lora_load(dir, m, first, last, max_rank, &ad);
     if (!rc) rc = lora_set_qk_order(ad, false);
     if (!rc) {
-        *out = (trn_state){first, last, ad->n_floats, malloc(ad->n_floats * sizeof(float) + 1), NULL, NULL};
+        *out = (trn_state){ad->first, ad->last, ad->n_floats, malloc(ad->n_floats * sizeof(float) + 1), NULL, NULL};
         if (out->params) memcpy(out->params, ad->data, ad->n_floats * sizeof(float));
         else rc = fu_errorf(FU_ERR_NOMEM, "adapter state");
     }
+    if (!rc) rc = trn_moments_load(dir, out);
     lora_free(ad);
+    if (rc) trn_state_clear(out);
     return rc;
 }
 
@@ -121,14 +164,16 @@ void trn_run_free(trn_run *r) {
 int trn_run_replacements(const trn_run *r) { return r->replacements; }
 trn_stage trn_run_stage(const trn_run *r, int index) { return r->stages[index]; }
 
-int trn_run_params(const trn_run *r, float *out, size_t n) {
+int trn_run_params(const trn_run *r, float *params, float *m1, float *m2, size_t n) {
     size_t at = 0;
     int rc = FU_OK;
     for (int s = 0; s < r->n_stages && !rc; s++) {
         trn_state state = {0};
         if (!(rc = r->stages[s].vt->get_state(r->stages[s].st, &state)) && at + state.n > n)
             rc = fu_errorf(FU_ERR_FORMAT, "span %d's state is larger than the adapter", s);
-        if (!rc) memcpy(out + at, state.params, state.n * sizeof(float));
+        if (!rc) memcpy(params + at, state.params, state.n * sizeof(float));
+        if (!rc && m1) memcpy(m1 + at, state.m1, state.n * sizeof(float));
+        if (!rc && m2) memcpy(m2 + at, state.m2, state.n * sizeof(float));
         at += state.n;
         trn_state_clear(&state);
     }

@@ -38,9 +38,22 @@ typedef struct trn_state {
 
 void trn_state_clear(trn_state *s);
 
+/* The file beside a PEFT adapter that carries its AdamW moments: tensors
+ * "exp_avg" and "exp_avg_sq", f32, each the whole adapter's floats in PEFT's
+ * order (the order of trn_run_params), so that a run resumed from the
+ * directory continues exactly where it stopped. */
+#define TRN_OPTIMIZER_FILE "optimizer.safetensors"
+
+/* Writes m1 and m2 (n floats each) as dir/TRN_OPTIMIZER_FILE, atomically.
+ * st_write's errors. */
+int trn_optimizer_save(const char *dir, const float *m1, const float *m2, size_t n);
+
 /* The state of blocks [first, last) of the PEFT adapter in directory dir
  * (lora_load for model m, ranks up to max_rank): its weights in PEFT's order,
- * no moments (zeros). The caller clears *out. lora_load's errors, FU_ERR_NOMEM. */
+ * and its moments from dir/TRN_OPTIMIZER_FILE when that file exists (else
+ * none: zeros). The caller clears *out. lora_load's errors; FU_ERR_FORMAT
+ * for an optimizer file whose tensors are missing, of another dtype or not
+ * the adapter's size; FU_ERR_NOMEM. */
 int trn_state_load(const char *dir, const mdl_config *m, int first, int last, int max_rank, trn_state *out);
 
 /* A span of the chain, as the coordinator drives it; every call returns FU_OK
@@ -147,8 +160,9 @@ int trn_run_replacements(const trn_run *r);
 trn_stage trn_run_stage(const trn_run *r, int index);
 
 /* The whole adapter's weights in PEFT's order, the stages' states (get_state)
- * one after another into out (n floats: the whole adapter's n_floats).
+ * one after another into params, and their AdamW moments into m1 and m2 (each
+ * n floats: the whole adapter's n_floats; m1 and m2 may be NULL).
  * FU_ERR_FORMAT unless the states fill exactly n floats; a stage's error. */
-int trn_run_params(const trn_run *r, float *out, size_t n);
+int trn_run_params(const trn_run *r, float *params, float *m1, float *m2, size_t n);
 
 #endif

@@ -308,6 +308,15 @@ double rt_router_load(const rt_router *r, int id);
 /* 1 if a path still holds load or KV on server `id` (its slot must not be reused yet). */
 int rt_router_busy(const rt_router *r, int id);
 
+/* A chain for training: servers whose whole spans tile [0, n_layers) exactly, one after
+ * another (a trainer holds its server's whole span, so a chain of partial spans will not do).
+ * Only RT_SERVER_ACTIVE servers with a span, and not in avoid[0..n_avoid) (servers a run lost),
+ * are taken. Of such chains the one with the fewest hops wins, then the one whose slowest
+ * server (tput for its span's length; 0 when unknown) is fastest. *n (<= max) server ids into
+ * ids[] in block order. FU_OK; FU_ERR_NOT_FOUND when no chain tiles the model (within max
+ * hops); FU_ERR_NOMEM. */
+int rt_train_chain(const rt_swarm *sw, const int *avoid, int n_avoid, int max, int *ids, int *n);
+
 /* ---------------------------------------------------------------------------------------- */
 /* Simulator                                                                                  */
 

@@ -467,7 +467,7 @@ static int save_adapter(train_ctx *c, trn_run *r) {
         }
         lora_free(file);
     }
-    if (!rc) rc = trn_run_params(r, whole->data, whole->n_floats);
+    if (!rc) rc = trn_run_params(r, whole->data, NULL, NULL, whole->n_floats);
     if (!rc) {
         whole->qk_interleaved = false; /* the states are in PEFT's order */
         rc = lora_save(whole, args.out);

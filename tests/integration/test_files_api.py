@@ -4,7 +4,7 @@ Checks: an upload of a valid chat JSONL (files.create) is listed (with limit/aft
 its content read back byte for byte, deleted (then NotFoundError); another key's files are invisible
 (NotFoundError), an --admin-key sees them; invalid files are BadRequestError naming the line (not JSON,
 no messages, weight 2, no assistant message, an unknown role, an unknown key, fewer than 10 examples:
-invalid_n_examples) and leave nothing; hostile uploads get a clear 4xx and the server stays up (too
+invalid_n_examples, here or for a training file at job creation) and leave nothing; hostile uploads get a clear 4xx and the server stays up (too
 large, cut off mid-body, invalid UTF-8, 10^5 short lines, deep nesting, no multipart boundary, a
 filename with separators, 8 concurrent uploads); after kill -9 and a restart on the same --data-dir
 every file is listed with its content intact.
@@ -155,8 +155,15 @@ def test_invalid_lines(gw, data_dir, lines, line_no, words):
 def test_few_examples_and_purpose(gw, data_dir):
     before = len(os.listdir(os.path.join(data_dir, "files")))
     with pytest.raises(openai.BadRequestError) as e:
-        client(gw).files.create(file=("few.jsonl", "\n".join(examples(9)).encode()), purpose="fine-tune")
+        client(gw).files.create(file=("empty.jsonl", b"\n \n"), purpose="fine-tune")
     assert e.value.body["code"] == "invalid_n_examples", e.value.body
+    few = client(gw).files.create(file=("few.jsonl", "\n".join(examples(9)).encode()), purpose="fine-tune")
+    base = client(gw).models.list().data[0].id  # nine examples: a validation file, not a training file
+    with pytest.raises(openai.BadRequestError) as e:
+        client(gw).fine_tuning.jobs.create(model=base, training_file=few.id)
+    assert e.value.body["code"] == "invalid_n_examples" and e.value.body["param"] == "training_file", e.value.body
+    assert "9 example(s)" in e.value.body["message"]
+    client(gw).files.delete(few.id)
     st, body = upload(gw, facts(), purpose="batch")
     assert st == 400 and body["error"]["param"] == "purpose", body
     assert len(os.listdir(os.path.join(data_dir, "files"))) == before

@@ -1,9 +1,11 @@
 """fusion-gateway's /v1/fine_tuning/jobs through the official openai SDK, trained over a 2-shard chain.
 
 Checks: a job on tests/data/vellmora-facts.jsonl (LoRA r 16, 8 epochs of batch 5, lr 2e-4 x 10 with
-cosine decay) runs validating_files -> running -> succeeded; it has metrics events, one checkpoint per
-epoch but the last (each a served model), a metrics CSV as its result file, and its fine_tuned_model
-answers the facts at once through chat.completions and is listed by /v1/models with the base as parent.
+cosine decay), validated on five of its lines, runs validating_files -> running -> succeeded with an
+estimated_finish while it runs; it has metrics events (the validation loss at each epoch's end), one
+checkpoint per epoch but the last (each a served model, its metrics with full_valid_loss), a metrics CSV
+and an SVG loss curve as its result files, and its fine_tuned_model answers the facts at once through
+chat.completions and is listed by /v1/models with the base as parent.
 Besides: a queued job is cancelled, jobs.list pages with limit/after, a method.type other than
 "supervised" is BadRequestError naming "method.type", another key's job is NotFoundError.
 """
@@ -12,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -61,10 +64,18 @@ def training_file(cluster):
 
 
 @pytest.fixture(scope="module")
-def job(cluster, base_id, training_file):
+def validation_file(cluster):
+    with open(FACTS, "rb") as f:
+        lines = f.read().splitlines(keepends=True)[:5]
+    return client(cluster["gw"]).files.create(file=("valid.jsonl", b"".join(lines)), purpose="fine-tune").id
+
+
+@pytest.fixture(scope="module")
+def job(cluster, base_id, training_file, validation_file):
     """The main job, created first (the runner takes jobs oldest first)."""
     c = client(cluster["gw"])
-    return c.fine_tuning.jobs.create(model=base_id, training_file=training_file, suffix="vellmora", seed=7,
+    return c.fine_tuning.jobs.create(model=base_id, training_file=training_file, validation_file=validation_file,
+                                     suffix="vellmora", seed=7,
                                      method={"type": "supervised", "supervised": {"hyperparameters": HYPER}},
                                      extra_body={"lora": LORA})
 
@@ -125,35 +136,55 @@ def test_other_key_sees_nothing(cluster, job):
     assert other.fine_tuning.jobs.list().data == []
 
 
-def wait_done(c, job_id, timeout=600):
+def wait_done(c, job_id, timeout=600, seen=None):
+    """The job once it has ended; the estimated_finish values seen while it ran go into seen."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         j = c.fine_tuning.jobs.retrieve(job_id)
         if j.status in ("succeeded", "failed", "cancelled"):
             return j
+        if seen is not None and j.status == "running":
+            seen.append(j.estimated_finish)
         time.sleep(2)
     raise AssertionError(f"job {job_id} still {j.status} after {timeout} s")
 
 
 def test_job_trains_and_serves(cluster, job, base_id):
     c = client(cluster["gw"])
-    done = wait_done(c, job.id)
+    etas = []
+    done = wait_done(c, job.id, seen=etas)
     assert done.status == "succeeded", (done.error, cluster["gw"].output()[-3000:])
     assert done.fine_tuned_model == f"ft:{base_id}:fusion:vellmora:{job.id}"
-    assert done.trained_tokens > 0 and done.finished_at >= done.created_at and len(done.result_files) == 1
+    assert done.trained_tokens > 0 and done.finished_at >= done.created_at and len(done.result_files) == 2
+    assert any(e and e >= done.created_at for e in etas), etas  # estimated while running
+    assert done.estimated_finish is None
 
     events = list(c.fine_tuning.jobs.list_events(job.id, limit=100))
     metrics = [e for e in events if e.type == "metrics"]
     assert len(metrics) == EPOCHS * 4, [e.message for e in events if e.type == "message"]
     loss = {e.data["step"]: e.data["train_loss"] for e in metrics}
     assert loss[EPOCHS * 4] < loss[1], loss
+    valid = {e.data["step"]: e.data["valid_loss"] for e in metrics if "valid_loss" in e.data}
+    assert sorted(valid) == [4 * e for e in range(1, EPOCHS + 1)], valid  # each epoch's end
+    assert valid[EPOCHS * 4] < valid[4], valid
 
     ckpts = c.fine_tuning.jobs.checkpoints.list(job.id).data
     assert sorted(k.step_number for k in ckpts) == [4 * e for e in range(1, EPOCHS)]
     assert all(k.fine_tuned_model_checkpoint.startswith(done.fine_tuned_model + ":ckpt-step-") for k in ckpts)
+    assert all(k.metrics.full_valid_loss == pytest.approx(valid[k.step_number]) for k in ckpts)
 
-    csv = c.files.content(done.result_files[0]).text.splitlines()
-    assert csv[0].startswith("step,train_loss") and len(csv) == 1 + EPOCHS * 4
+    files = {f: c.files.retrieve(f).filename for f in done.result_files}
+    assert sorted(files.values()) == ["loss_curve.svg", "step_metrics.csv"]
+    by_name = {n: f for f, n in files.items()}
+    csv = c.files.content(by_name["step_metrics.csv"]).text.splitlines()
+    assert csv[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy,learning_rate"
+    assert len(csv) == 1 + EPOCHS * 4
+    rows = [r.split(",") for r in csv[1:]]
+    assert [bool(r[3]) for r in rows] == [(i + 1) % 4 == 0 for i in range(EPOCHS * 4)]
+    svg = c.files.content(by_name["loss_curve.svg"])
+    assert svg.response.headers["content-type"] == "image/svg+xml"
+    root = ET.fromstring(svg.content)
+    assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 2  # training and validation loss
 
     models = {m.id: m for m in c.models.list().data}
     assert done.fine_tuned_model in models

@@ -187,7 +187,7 @@ static void test_jobs(void **state) {
     assert_int_equal(gw_store_job_insert(s, c), FU_OK);
     assert_int_equal(gw_store_job_insert(s, c), FU_ERR_INVALID); /* a duplicate id */
     assert_int_equal(gw_store_job_get(s, c->id, "alice", got), FU_ERR_NOT_FOUND);
-    assert_int_equal(gw_store_job_next(s, got), FU_OK); /* the oldest job not ended */
+    assert_int_equal(gw_store_job_next(s, NULL, 0, got), FU_OK); /* the oldest job not ended */
     assert_string_equal(got->id, b->id);
     assert_int_equal(gw_store_job_cancel(s, b->id, "bob", got), FU_ERR_NOT_FOUND);
     assert_int_equal(gw_store_job_cancel(s, b->id, "alice", got), FU_OK);
@@ -195,13 +195,17 @@ static void test_jobs(void **state) {
     assert_true(got->finished_at > 0);
     snprintf(b->status, sizeof b->status, "succeeded");
     assert_int_equal(gw_store_job_update(s, b), FU_ERR_NOT_FOUND); /* the runner loses to the cancel */
-    assert_int_equal(gw_store_job_next(s, got), FU_OK);
+    assert_int_equal(gw_store_job_next(s, NULL, 0, got), FU_OK);
     assert_string_equal(got->id, c->id);
+    const char *running[] = {c->id};
+    assert_int_equal(gw_store_job_next(s, running, 1, got), FU_ERR_NOT_FOUND); /* another runner has it */
     snprintf(c->status, sizeof c->status, "running");
     c->trained_tokens = 42;
+    c->estimated_finish = 1700000000;
     assert_int_equal(gw_store_job_update(s, c), FU_OK);
     assert_int_equal(gw_store_job_get(s, c->id, NULL, got), FU_OK);
     assert_int_equal(got->trained_tokens, 42);
+    assert_int_equal(got->estimated_finish, 1700000000);
     gw_page_query q = {"alice", NULL, 1};
     gw_ftjob *rows;
     size_t n;
@@ -236,8 +240,14 @@ static void test_events_and_checkpoints(void **state) {
         snprintf(e.level, sizeof e.level, "info");
         snprintf(e.type, sizeof e.type, i ? "metrics" : "message");
         snprintf(e.message, sizeof e.message, "step %d", i);
+        if (i) snprintf(e.data, sizeof e.data, "{\"step\": %d, \"train_loss\": 1.5}", 10 * i);
         assert_int_equal(gw_store_event_insert(s, &e), FU_OK);
     }
+    int64_t last = -1;
+    assert_int_equal(gw_store_event_last_step(s, j->id, &last), FU_OK);
+    assert_int_equal(last, 20); /* the metrics events' largest step */
+    assert_int_equal(gw_store_event_last_step(s, "ftjob-none", &last), FU_OK);
+    assert_int_equal(last, 0);
     gw_ftevent bad = {0};
     snprintf(bad.id, sizeof bad.id, "ftevent-x");
     snprintf(bad.job_id, sizeof bad.job_id, "ftjob-none"); /* no such job: the foreign key */

@@ -571,6 +571,36 @@ static void test_slot_reuse(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* Training chains: whole spans that tile the model, fewest hops, then the fastest bottleneck;
+ * overlapping or partial spans never join one, lost servers are avoided. */
+static void test_train_chain(void **st) {
+    (void)st;
+    rt_model m = tiny_model(6);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double t[] = {60, 30, 20, 15, 12, 10}, fast[] = {120, 60, 40, 30, 24, 20};
+    int ids[8], n = -1;
+    assert_int_equal(rt_train_chain(&sw, NULL, 0, 8, ids, &n), FU_ERR_NOT_FOUND); /* nobody */
+    int a = add(&sw, "A", 6, fast, 0, 3), b = add(&sw, "B", 6, t, 2, 6); /* overlap: no tiling */
+    assert_int_equal(rt_train_chain(&sw, NULL, 0, 8, ids, &n), FU_ERR_NOT_FOUND);
+    int c = add(&sw, "C", 6, t, 3, 6), d = add(&sw, "D", 6, fast, 3, 6);
+    assert_int_equal(rt_train_chain(&sw, NULL, 0, 8, ids, &n), FU_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(ids[0], a);
+    assert_int_equal(ids[1], d); /* D is faster for the same span */
+    int e = add(&sw, "E", 6, t, 0, 6);            /* one hop beats two */
+    assert_int_equal(rt_train_chain(&sw, NULL, 0, 8, ids, &n), FU_OK);
+    assert_true(n == 1 && ids[0] == e);
+    const int lost[] = {e, d};
+    assert_int_equal(rt_train_chain(&sw, lost, 2, 8, ids, &n), FU_OK);
+    assert_true(n == 2 && ids[0] == a && ids[1] == c);
+    assert_int_equal(rt_train_chain(&sw, lost, 2, 1, ids, &n), FU_ERR_NOT_FOUND); /* more hops than max */
+    assert_int_equal(rt_swarm_remove_server(&sw, c), FU_OK);
+    assert_int_equal(rt_train_chain(&sw, lost, 2, 8, ids, &n), FU_ERR_NOT_FOUND);
+    (void)b;
+    rt_swarm_free(&sw);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_maxflow_greedy_trap), cmocka_unit_test(test_maxflow_clrs),
@@ -579,6 +609,7 @@ int main(void) {
         cmocka_unit_test(test_iwrr),                cmocka_unit_test(test_sim),
         cmocka_unit_test(test_ini_and_exprs),       cmocka_unit_test(test_json_format),
         cmocka_unit_test(test_helix_files),         cmocka_unit_test(test_slot_reuse),
+        cmocka_unit_test(test_train_chain),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

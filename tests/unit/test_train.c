@@ -4,7 +4,9 @@
  * skipped and changes nothing; a stage whose server dies mid-run is replaced from the
  * snapshot and the run ends with the adapter of an undisturbed one, bit for bit; a
  * pipeline of micro-batches in flight gives the sequential run's adapter, bit for bit; the
- * learning-rate schedules; the state's export in PEFT's order from a GGUF-layout model. */
+ * learning-rate schedules; the state's export in PEFT's order from a GGUF-layout model; a
+ * span's state (weights and AdamW moments) loads from a saved whole adapter and its optimizer
+ * file, and a damaged optimizer file is refused. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,11 +15,13 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "engine.h"
 #include "lora.h"
 #include "model.h"
 #include "status.h"
+#include "test-files.h"
 #include "test-model.h"
 #include "train-run.h"
 #include "train.h"
@@ -35,16 +39,15 @@ typedef struct span_fx {
 static op_backend *be;
 
 static int setup(void **state) {
-    (void)state;
+    if (tf_setup(state)) return -1;
     op_cpu_options co = {.n_threads = 2};
     be = op_backend_cpu_new(&co);
     return be ? 0 : -1;
 }
 
 static int teardown(void **state) {
-    (void)state;
     op_backend_free(be);
-    return 0;
+    return tf_teardown(state);
 }
 
 static lora_config test_lora(float dropout) {
@@ -402,6 +405,52 @@ static void test_state_in_peft_order(void **state) {
     span_close(&b);
 }
 
+/* A whole adapter saved with its moments (m1[i] = i, m2[i] = -i) into tmpdir/rel. */
+static lora_adapter *saved_with_moments(const mdl_config *c, const char *rel, size_t moments) {
+    lora_config lc = test_lora(0);
+    lora_adapter *ad;
+    assert_int_equal(lora_new(&lc, c, 0, c->n_layers, 3, &ad), FU_OK);
+    lora_randomize_b(ad, 4, 0.1f);
+    char dir[512];
+    tmp_path(dir, sizeof dir, rel);
+    mkdir(dir, 0755);
+    assert_int_equal(lora_save(ad, dir), FU_OK);
+    float *m = malloc(2 * moments * sizeof(float));
+    for (size_t i = 0; i < moments; i++) m[i] = (float)i, m[moments + i] = -(float)i;
+    assert_int_equal(trn_optimizer_save(dir, m, m + moments, moments), FU_OK);
+    free(m);
+    return ad;
+}
+
+static void test_state_with_moments(void **state) {
+    (void)state;
+    mdl_config c = test_small_config(MDL_ARCH_LLAMA);
+    lora_adapter *whole = saved_with_moments(&c, "resume", 0);
+    const size_t n = whole->n_floats, per_block = n / (size_t)c.n_layers;
+    lora_free(whole);
+    whole = saved_with_moments(&c, "resume", n);
+    char dir[512];
+    tmp_path(dir, sizeof dir, "resume");
+    trn_state st;
+    assert_int_equal(trn_state_load(dir, &c, 1, 2, 64, &st), FU_OK); /* the second block */
+    assert_true(st.first == 1 && st.last == 2 && st.n == per_block && st.m1 && st.m2);
+    assert_memory_equal(st.params, whole->data + per_block, per_block * sizeof(float));
+    assert_true(st.m1[0] == (float)per_block && st.m2[per_block - 1] == -(float)(2 * per_block - 1));
+    trn_state_clear(&st);
+    float *small = calloc(2 * n, sizeof(float)); /* moments of another size: refused */
+    assert_int_equal(trn_optimizer_save(dir, small, small + n, n / 2), FU_OK);
+    assert_int_equal(trn_state_load(dir, &c, 1, 2, 64, &st), FU_ERR_FORMAT);
+    assert_null(st.params);
+    tmp_path(dir, sizeof dir, "resume/" TRN_OPTIMIZER_FILE); /* none: weights only */
+    assert_int_equal(unlink(dir), 0);
+    tmp_path(dir, sizeof dir, "resume");
+    assert_int_equal(trn_state_load(dir, &c, 0, 2, 64, &st), FU_OK);
+    assert_true(st.n == n && !st.m1 && !st.m2);
+    trn_state_clear(&st);
+    free(small);
+    lora_free(whole);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_keep_equals_recompute),
@@ -412,6 +461,7 @@ int main(void) {
         cmocka_unit_test(test_pipeline_equals_sequential),
         cmocka_unit_test(test_schedules),
         cmocka_unit_test(test_state_in_peft_order),
+        cmocka_unit_test(test_state_with_moments),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
