@@ -97,7 +97,9 @@ def test_wrong_key(cluster):
 
 
 def test_unreachable_url():
-    res = finetune(None, FACTS, timeout=30)
+    """Also loads config/finetune.example.json, whose url the flag overrides."""
+    example = os.path.join(SOURCE, "config", "finetune.example.json")
+    res = finetune(None, "--config", example, "--url", "http://127.0.0.1:1", FACTS, timeout=30)
     assert res.returncode == 1
     assert "cannot reach http://127.0.0.1:1" in res.stderr, res.stderr
 
