@@ -1,7 +1,7 @@
 """fusion-finetune against a gateway over a 2-shard chain, run as a subprocess.
 
 Checks: a whole job on tests/data/vellmora-facts.jsonl (settings from --config, --epochs overriding
-it) exits 0 with one progress line per metrics event, the fine_tuned_model as the last line of
+it; a --validation file uploaded too) exits 0 with one progress line per metrics event, the fine_tuned_model as the last line of
 stdout, a model that answers a chat completion, and the job's metrics CSV written by --results.
 Errors exit 1 with one line: a file with a line that is not JSON (the server's message naming the
 line), a wrong API key (the 401 message), an unreachable URL, a server whose replies are broken
@@ -56,7 +56,8 @@ def test_whole_job(cluster, tmp_path):
     config = tmp_path / "finetune.json"
     config.write_text(json.dumps({"epochs": 1, "batch_size": 10, "lr_multiplier": 10, "lora_r": 8,
                                   "suffix": "cli", "seed": 3}))
-    res = finetune(cluster, "--config", str(config), "--epochs", "2", "--results", str(tmp_path / "out"), FACTS)
+    res = finetune(cluster, "--config", str(config), "--epochs", "2", "--results", str(tmp_path / "out"),
+                   "--validation", FACTS, FACTS)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     model = lines[-1]
@@ -69,7 +70,7 @@ def test_whole_job(cluster, tmp_path):
     st, job = api_request(cluster, "GET", f"/v1/fine_tuning/jobs/{job_id}", key=KEY)
     assert st == 200 and job["status"] == "succeeded", job
     assert job["hyperparameters"]["n_epochs"] == 2 and job["hyperparameters"]["batch_size"] == 10, job
-    assert job["lora"]["r"] == 8 and job["seed"] == 3, job
+    assert job["lora"]["r"] == 8 and job["seed"] == 3 and job["validation_file"].startswith("file-"), job
 
     csv = (tmp_path / "out" / "step_metrics.csv").read_text().splitlines()
     assert csv[0].startswith("step,train_loss") and len(csv) == 5, csv
