@@ -448,12 +448,17 @@ int gw_files_delete(gw_files *f, const char *owner, const char *id, json_t **out
     return *out ? 0 : gw_error_set(err, 500, NULL, NULL, "out of memory");
 }
 
-/* The media type of a stored file, by its name's extension: results are CSV or SVG, uploads JSONL. */
+/* The media type of a stored file, by its name's extension: results are CSV, SVG, JSON or
+ * safetensors, uploads JSONL. */
 static const char *gw_file_type(const char *filename) {
+    static const char *const types[][2] = {{".csv", "text/csv"},
+                                           {".svg", "image/svg+xml"},
+                                           {".json", "application/json"},
+                                           {".safetensors", "application/octet-stream"}};
     const char *dot = strrchr(filename, '.');
-    return dot && !strcmp(dot, ".csv")   ? "text/csv"
-           : dot && !strcmp(dot, ".svg") ? "image/svg+xml"
-                                          : "application/jsonl";
+    for (size_t i = 0; dot && i < sizeof types / sizeof types[0]; i++)
+        if (!strcmp(dot, types[i][0])) return types[i][1];
+    return "application/jsonl";
 }
 
 int gw_files_content(gw_files *f, const char *owner, const char *id, int *fd, uint64_t *size, const char **type,

@@ -79,8 +79,8 @@ int gw_files_get(gw_files *f, const char *owner, const char *id, json_t **out, g
 /* DELETE /v1/files/{id}: {id, object: "file", deleted: true}; the file is removed. */
 int gw_files_delete(gw_files *f, const char *owner, const char *id, json_t **out, gw_error *err);
 /* GET /v1/files/{id}/content: an open descriptor of its bytes (*fd, which the caller closes),
- * their count and their media type (*type, static: text/csv or image/svg+xml for results by their
- * name, else application/jsonl). 0, or the HTTP status with *err. */
+ * their count and their media type (*type, static: by the name's extension for results -- .csv,
+ * .svg, .json, .safetensors -- else application/jsonl). 0, or the HTTP status with *err. */
 int gw_files_content(gw_files *f, const char *owner, const char *id, int *fd, uint64_t *size, const char **type,
                      gw_error *err);
 

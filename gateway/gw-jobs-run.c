@@ -239,9 +239,9 @@ static int gw_run_mkdirs(const char *path) {
 /* Removes an adapter directory written by gw_run_save (its files, then itself). */
 static void gw_run_rmdir(const char *dir) {
     char p[PATH_MAX + 32];
-    snprintf(p, sizeof p, "%s/adapter_config.json", dir);
+    snprintf(p, sizeof p, "%s/" LORA_CONFIG_FILE, dir);
     unlink(p);
-    snprintf(p, sizeof p, "%s/adapter_model.safetensors", dir);
+    snprintf(p, sizeof p, "%s/" LORA_WEIGHTS_FILE, dir);
     unlink(p);
     snprintf(p, sizeof p, "%s/" TRN_OPTIMIZER_FILE, dir);
     unlink(p);
@@ -455,17 +455,33 @@ static int gw_curve_svg(const gw_run *r, const gw_curve *c, fu_buf *b) {
     return gw_plot_svg(title, "step", "loss (mean cross-entropy per token)", s, r->valid.n ? 2 : 1, b);
 }
 
-/* The result files: step_metrics.csv and loss_curve.svg. */
-static int gw_run_results(gw_run *r) {
+/* Adds file `leaf` of the adapter in dir as a result file of the job, its id into *f. */
+static int gw_run_result_file(gw_run *r, const char *dir, const char *leaf, gw_file *f) {
+    char path[PATH_MAX + 64], *data = NULL;
+    size_t len = 0;
+    snprintf(path, sizeof path, "%s/%s", dir, leaf);
+    int rc = mf_read(path, (size_t)1 << 40, &data, &len);
+    if (!rc) rc = gw_files_add(r->j->files, r->jb.owner, leaf, "fine-tune-results", data, len, f);
+    free(data);
+    return rc;
+}
+
+/* The result files: step_metrics.csv, loss_curve.svg and the final adapter in PEFT's format
+ * (adapter_config.json, adapter_model.safetensors: downloaded into one directory, they load in peft). */
+static int gw_run_results(gw_run *r, const char *final_dir) {
     gw_curve c;
     fu_buf csv = {0}, svg = {0};
-    gw_file f[2];
+    gw_file f[4];
     int rc = gw_curve_load(r, &c);
     if (!rc) rc = gw_curve_csv(&c, &csv);
     if (!rc) rc = gw_curve_svg(r, &c, &svg);
     if (!rc) rc = gw_files_add(r->j->files, r->jb.owner, "step_metrics.csv", "fine-tune-results", csv.data, csv.len, &f[0]);
     if (!rc) rc = gw_files_add(r->j->files, r->jb.owner, "loss_curve.svg", "fine-tune-results", svg.data, svg.len, &f[1]);
-    if (!rc) snprintf(r->jb.result_files, sizeof r->jb.result_files, "[\"%s\", \"%s\"]", f[0].id, f[1].id);
+    if (!rc) rc = gw_run_result_file(r, final_dir, LORA_CONFIG_FILE, &f[2]);
+    if (!rc) rc = gw_run_result_file(r, final_dir, LORA_WEIGHTS_FILE, &f[3]);
+    if (!rc)
+        snprintf(r->jb.result_files, sizeof r->jb.result_files, "[\"%s\", \"%s\", \"%s\", \"%s\"]", f[0].id,
+                 f[1].id, f[2].id, f[3].id);
     fu_buf_free(&csv), fu_buf_free(&svg);
     gw_curve_free(&c);
     return rc;
@@ -485,7 +501,7 @@ static int gw_run_train(gw_run *r, bool *stopped) {
     if (!rc && !*stopped) rc = gw_run_save(r, run, "final", dir, sizeof dir);
     gw_jobs_model_name(r->j, &r->jb, 0, r->jb.fine_tuned_model, sizeof r->jb.fine_tuned_model);
     if (!rc && !*stopped) rc = gw_run_serve(r->j, r->jb.fine_tuned_model, dir);
-    if (!rc && !*stopped) rc = gw_run_results(r);
+    if (!rc && !*stopped) rc = gw_run_results(r, dir);
     trn_run_free(run);
     return rc;
 }

@@ -15,8 +15,6 @@
 #include "safetensors.h"
 #include "status.h"
 
-#define LORA_CONFIG_FILE "adapter_config.json"
-#define LORA_WEIGHTS_FILE "adapter_model.safetensors"
 #define LORA_CONFIG_MAX ((size_t)1 << 20)
 #define LORA_PREFIX "base_model.model.model.layers."
 

@@ -169,6 +169,10 @@ void lora_randomize_b(lora_adapter *ad, uint64_t seed, float bound);
 int lora_load(const char *dir, const mdl_config *m, int first, int last, int max_rank,
               lora_adapter **out);
 
+/* The two files of a PEFT adapter directory. */
+#define LORA_CONFIG_FILE "adapter_config.json"
+#define LORA_WEIGHTS_FILE "adapter_model.safetensors"
+
 /* Writes the adapter into directory `dir` (which must exist) as PEFT does:
  * adapter_config.json and adapter_model.safetensors (f32, the held blocks
  * only), each written atomically. FU_ERR_IO naming the file, FU_ERR_NOMEM. */

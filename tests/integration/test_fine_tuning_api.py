@@ -3,8 +3,8 @@
 Checks: a job on tests/data/vellmora-facts.jsonl (LoRA r 16, 8 epochs of batch 5, lr 2e-4 x 10 with
 cosine decay), validated on five of its lines, runs validating_files -> running -> succeeded with an
 estimated_finish while it runs; it has metrics events (the validation loss at each epoch's end), one
-checkpoint per epoch but the last (each a served model, its metrics with full_valid_loss), a metrics CSV
-and an SVG loss curve as its result files, and its fine_tuned_model answers the facts at once through
+checkpoint per epoch but the last (each a served model, its metrics with full_valid_loss), a metrics CSV,
+an SVG loss curve and the adapter in PEFT's format as its result files, and its fine_tuned_model answers the facts at once through
 chat.completions and is listed by /v1/models with the base as parent.
 Besides: a queued job is cancelled, jobs.list pages with limit/after, a method.type other than
 "supervised" is BadRequestError naming "method.type", another key's job is NotFoundError.
@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 import time
+import json
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from shard_cluster import SOURCE, Gateway, Shard, default_model  # noqa: E402
 
 openai = pytest.importorskip("openai")
+st_load = pytest.importorskip("safetensors.numpy").load
 
 KEY, OTHER = "sk-ft-key", "sk-ft-other"
 FACTS = os.path.join(SOURCE, "tests", "data", "vellmora-facts.jsonl")
@@ -155,7 +157,7 @@ def test_job_trains_and_serves(cluster, job, base_id):
     done = wait_done(c, job.id, seen=etas)
     assert done.status == "succeeded", (done.error, cluster["gw"].output()[-3000:])
     assert done.fine_tuned_model == f"ft:{base_id}:fusion:vellmora:{job.id}"
-    assert done.trained_tokens > 0 and done.finished_at >= done.created_at and len(done.result_files) == 2
+    assert done.trained_tokens > 0 and done.finished_at >= done.created_at and len(done.result_files) == 4
     assert any(e and e >= done.created_at for e in etas), etas  # estimated while running
     assert done.estimated_finish is None
 
@@ -174,7 +176,8 @@ def test_job_trains_and_serves(cluster, job, base_id):
     assert all(k.metrics.full_valid_loss == pytest.approx(valid[k.step_number]) for k in ckpts)
 
     files = {f: c.files.retrieve(f).filename for f in done.result_files}
-    assert sorted(files.values()) == ["loss_curve.svg", "step_metrics.csv"]
+    assert sorted(files.values()) == ["adapter_config.json", "adapter_model.safetensors", "loss_curve.svg",
+                                      "step_metrics.csv"]
     by_name = {n: f for f, n in files.items()}
     csv = c.files.content(by_name["step_metrics.csv"]).text.splitlines()
     assert csv[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy,learning_rate"
@@ -185,6 +188,13 @@ def test_job_trains_and_serves(cluster, job, base_id):
     assert svg.response.headers["content-type"] == "image/svg+xml"
     root = ET.fromstring(svg.content)
     assert len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 2  # training and validation loss
+
+    # the adapter, downloadable in PEFT's format
+    config = json.loads(c.files.content(by_name["adapter_config.json"]).content)
+    assert config["peft_type"] == "LORA" and config["r"] == LORA["r"] and config["lora_alpha"] == LORA["alpha"]
+    weights = st_load(c.files.content(by_name["adapter_model.safetensors"]).content)
+    assert len(weights) == 30 * 7 * 2  # every block, every linear layer, A and B
+    assert weights["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (LORA["r"], 576)
 
     models = {m.id: m for m in c.models.list().data}
     assert done.fine_tuned_model in models

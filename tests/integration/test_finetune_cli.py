@@ -2,7 +2,8 @@
 
 Checks: a whole job on tests/data/vellmora-facts.jsonl (settings from --config, --epochs overriding
 it; a --validation file uploaded too) exits 0 with one progress line per metrics event, the fine_tuned_model as the last line of
-stdout, a model that answers a chat completion, and the job's metrics CSV written by --results.
+stdout, a model that answers a chat completion, and the job's result files written by --results: the metrics
+CSV, the loss curve and the adapter in PEFT's format.
 Errors exit 1 with one line: a file with a line that is not JSON (the server's message naming the
 line), a wrong API key (the 401 message), an unreachable URL, a server whose replies are broken
 (not JSON, 5xx pages, missing fields). --no-follow prints the job id;
@@ -65,6 +66,7 @@ def test_whole_job(cluster, tmp_path):
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert [s.split()[1] for s in steps] == ["1/4", "2/4", "3/4", "4/4"], res.stdout
     assert all("  loss " in s for s in steps), steps
+    assert "valid " in steps[1] and "valid " in steps[3], steps  # each epoch's end has a validation loss
 
     job_id = model.rsplit(":", 1)[1]
     st, job = api_request(cluster, "GET", f"/v1/fine_tuning/jobs/{job_id}", key=KEY)
@@ -74,6 +76,10 @@ def test_whole_job(cluster, tmp_path):
 
     csv = (tmp_path / "out" / "step_metrics.csv").read_text().splitlines()
     assert csv[0].startswith("step,train_loss") and len(csv) == 5, csv
+    peft = json.loads((tmp_path / "out" / "adapter_config.json").read_text())  # --results DIR is a PEFT adapter
+    assert peft["peft_type"] == "LORA" and peft["r"] == 8, peft
+    assert (tmp_path / "out" / "adapter_model.safetensors").stat().st_size > 0
+    assert (tmp_path / "out" / "loss_curve.svg").read_text().startswith("<?xml")
 
     st, answer = api_request(cluster, "POST", "/v1/chat/completions", key=KEY, timeout=120,
                              body={"model": model, "max_tokens": 8, "temperature": 0,
