@@ -2,6 +2,7 @@
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -112,6 +113,17 @@ class Gateway:
 
     def stop(self):
         return stop_process(self.proc, signal.SIGTERM, 20)
+
+
+def stop_all(gw, shards, *dirs):
+    """Stops the gateway, then the shards, removes dirs; asserts that the gateway exited 0."""
+    rc = gw.stop()
+    out = gw.output()
+    for s in shards:
+        s.stop()
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    assert rc == 0, f"gateway exited {rc}:\n{out[-3000:]}"
 
 
 @contextlib.contextmanager

@@ -3,14 +3,14 @@
 Checks: an upload of a valid chat JSONL (files.create) is listed (with limit/after paging), retrieved,
 its content read back byte for byte, deleted (then NotFoundError); another key's files are invisible
 (NotFoundError), an --admin-key sees them; invalid files are BadRequestError naming the line (not JSON,
-no messages, weight 2, no assistant message, an unknown role, an unknown key, fewer than 10 examples:
-invalid_n_examples, here or for a training file at job creation) and leave nothing; hostile uploads get a clear 4xx and the server stays up (too
-large, cut off mid-body, invalid UTF-8, 10^5 short lines, deep nesting, no multipart boundary, a
-filename with separators, 8 concurrent uploads); after kill -9 and a restart on the same --data-dir
-every file is listed with its content intact.
+no messages, weight 2, no assistant message, an unknown role, an unknown key) and leave nothing, as
+are files without examples (invalid_n_examples; a training file of fewer than 10 is refused at job
+creation); hostile uploads get a clear 4xx and the server stays up (too large, cut off mid-body,
+invalid UTF-8, 10^5 short lines, 10^6 empty ones, deep nesting, no multipart boundary, a filename
+with separators, 8 concurrent uploads); after kill -9 and a restart on the same --data-dir every
+file is listed with its content intact.
 """
 import concurrent.futures
-import io
 import json
 import os
 import shutil
@@ -176,6 +176,8 @@ def test_hostile_uploads(gw, data_dir):
     assert st == 400 and "UTF-8" in body["error"]["message"], body
     st, body = upload(gw, b'{}\n' * 100000)
     assert st == 400 and "Line 1:" in body["error"]["message"], body
+    st, body = upload(gw, b'\n' * 10 ** 6)  # a million (empty) lines
+    assert st == 400 and body["error"]["code"] == "invalid_n_examples", body
     st, body = upload(gw, ("[" * 100000 + "]" * 100000 + "\n").encode() + facts())
     assert st == 400 and "Line 1:" in body["error"]["message"], body
     r = requests.post(gw.url + "/v1/files", headers={"Authorization": f"Bearer {KEY}",

@@ -10,7 +10,6 @@ Besides: a queued job is cancelled, jobs.list pages with limit/after, a method.t
 "supervised" is BadRequestError naming "method.type", another key's job is NotFoundError.
 """
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -20,7 +19,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import SOURCE, Gateway, Shard, default_model  # noqa: E402
+from shard_cluster import SOURCE, Gateway, Shard, default_model, stop_all  # noqa: E402
 
 openai = pytest.importorskip("openai")
 st_load = pytest.importorskip("safetensors.numpy").load
@@ -42,12 +41,7 @@ def cluster():
     try:
         yield dict(gw=gw, model=model)
     finally:
-        rc = gw.stop()
-        out = gw.output()
-        a.stop()
-        b.stop()
-        shutil.rmtree(data, ignore_errors=True)
-        assert rc == 0, f"gateway exited {rc}:\n{out[-3000:]}"
+        stop_all(gw, (a, b), data)
 
 
 def client(gw, key=KEY):

@@ -20,7 +20,7 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import SOURCE, Gateway, Shard, default_model, swarm_cluster  # noqa: E402
+from shard_cluster import SOURCE, Gateway, Shard, default_model, stop_all, swarm_cluster  # noqa: E402
 
 openai = pytest.importorskip("openai")
 np = pytest.importorskip("numpy")
@@ -116,12 +116,7 @@ def test_gateway_restart_resumes_exactly():
                                            messages=[{"role": "user", "content": "Hi"}])
         assert answer.choices[0].message.content is not None
     finally:
-        rc = gw.stop()
-        out = gw.output()
-        a.stop()
-        b.stop()
-        shutil.rmtree(data, ignore_errors=True)
-    assert rc == 0, out[-3000:]
+        stop_all(gw, (a, b), data)
 
 
 def cpu_seconds(pid):

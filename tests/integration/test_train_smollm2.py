@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 
-import pytest
 
 from shard_cluster import SECRET, SOURCE, Shard, default_model, program
 
