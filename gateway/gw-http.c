@@ -27,7 +27,9 @@
 #include "chat-template.h"
 #include "clock.h"
 #include "gw-files.h"
+#include "gw-health.h"
 #include "gw-jobs.h"
+#include "gw-swarm.h"
 #include "log.h"
 #include "mapped-file.h"
 #include "status.h"
@@ -80,7 +82,10 @@ struct gw_server {
     gw_metrics *metrics;
     gw_files *files; /* /v1/files: the data directory and its database */
     gw_jobs *jobs;   /* /v1/fine_tuning/jobs and their runner */
+    gw_health *health; /* /health's readiness and /metrics' per-shard figures */
     struct MHD_Daemon *d;
+    struct MHD_Daemon *scrape_d; /* --metrics-listen: /metrics without a key; NULL: none */
+    int scrape_port;
     int listen_fd;
     int port;                       /* the bound port */
     char listen_name[GW_HOST_MAX];  /* --listen's host, accepted in Host headers */
@@ -227,6 +232,7 @@ static gw_route gw_route_of(const char *url, bool *post_expected) {
         {"/v1/models", GW_ROUTE_MODELS, false},         {"/tokenize", GW_ROUTE_TOKENIZE, true},
         {"/detokenize", GW_ROUTE_DETOKENIZE, true},     {"/apply-template", GW_ROUTE_APPLY_TEMPLATE, true},
         {"/health", GW_ROUTE_HEALTH, false},            {"/metrics", GW_ROUTE_METRICS, false},
+        {"/livez", GW_ROUTE_HEALTH, false},
         {"/chat/completions", GW_ROUTE_CHAT, true},     {"/completions", GW_ROUTE_COMPLETIONS, true},
         {"/v1/health", GW_ROUTE_HEALTH, false},         {"/v1/swarm", GW_ROUTE_SWARM, false},
         {"/v1/load_lora_adapter", GW_ROUTE_LOAD_LORA, true}, {"/v1/unload_lora_adapter", GW_ROUTE_UNLOAD_LORA, true},
@@ -541,13 +547,38 @@ static enum MHD_Result gw_route_unload_lora(gw_conn *c, const json_t *body) {
     return gw_respond_text(c, msg);
 }
 
+/* The Prometheus page: the gateway's counters and histograms, readiness, every shard's figures. */
+static int gw_metrics_page(gw_server *s, fu_buf *b) {
+    int rc = gw_metrics_render(s->metrics, s->engine ? gw_engine_queue_depth(s->engine) : 0, b);
+    return rc || !s->health ? rc : gw_health_render(s->health, b);
+}
+
 static enum MHD_Result gw_route_metrics(gw_conn *c) {
     fu_buf b = {0};
-    if (gw_metrics_render(c->srv->metrics, gw_engine_queue_depth(c->srv->engine), &b)) {
+    if (gw_metrics_page(c->srv, &b)) {
         fu_buf_free(&b);
         return gw_fail(c, 500, NULL, NULL, "out of memory");
     }
     return gw_respond(c, 200, "text/plain; version=0.0.4", b.data, b.len);
+}
+
+/* /livez and /health?live=1: the process answers. /health: 200 when a full chain can serve,
+ * else 503 with the reason (no addresses). *status gets the HTTP status; new reference. */
+static json_t *gw_health_json(gw_server *s, struct MHD_Connection *mc, const char *url, int *status) {
+    const char *live = MHD_lookup_connection_value(mc, MHD_GET_ARGUMENT_KIND, "live");
+    char reason[256];
+    *status = 200;
+    if (!strcmp(url, "/livez") || (live && strcmp(live, "0")) || !s->health ||
+        gw_health_ready(s->health, reason, sizeof reason))
+        return json_pack("{s:s}", "status", "ok");
+    *status = 503;
+    return json_pack("{s:s, s:s}", "status", "unavailable", "reason", reason);
+}
+
+static enum MHD_Result gw_route_health(gw_conn *c, const char *url) {
+    int status;
+    json_t *o = gw_health_json(c->srv, c->mc, url, &status);
+    return gw_respond_json(c, status, o);
 }
 
 static enum MHD_Result gw_route_swarm(gw_conn *c) {
@@ -857,7 +888,7 @@ static enum MHD_Result gw_begin_jobs(gw_conn *c, const char *url, const char *me
 static enum MHD_Result gw_dispatch(gw_conn *c, const char *url) {
     gw_server *s = c->srv;
     switch (c->route) {
-    case GW_ROUTE_HEALTH: return gw_respond_json(c, 200, json_pack("{s:s}", "status", "ok"));
+    case GW_ROUTE_HEALTH: return gw_route_health(c, url);
     case GW_ROUTE_MODELS: return gw_route_models(c, url);
     case GW_ROUTE_METRICS: return gw_route_metrics(c);
     case GW_ROUTE_SWARM: return gw_route_swarm(c);
@@ -1387,6 +1418,7 @@ static void gw_server_destroy(gw_server *s, bool close_listen) {
     if (close_listen && s->listen_fd >= 0) close(s->listen_fd);
     free(s->https_cert);
     free(s->https_key);
+    gw_health_free(s->health);
     gw_jobs_close(s->jobs);
     gw_files_close(s->files);
     pthread_cond_destroy(&s->watch_cv);
@@ -1396,6 +1428,65 @@ static void gw_server_destroy(gw_server *s, bool close_listen) {
     pthread_mutex_destroy(&s->mu);
     free(s);
 }
+
+/* ---- --metrics-listen ------------------------------------------------------------------------------- */
+
+/* The answer of the scrape listener to GET url: the metrics page, readiness, or a 404/405 error. */
+static struct MHD_Response *gw_scrape_answer(gw_server *s, struct MHD_Connection *mc, const char *url,
+                                             const char *method, int *status) {
+    fu_buf b = {0};
+    json_t *o = NULL;
+    gw_error e = {0};
+    if (strcmp(method, "GET") && strcmp(method, "HEAD")) gw_error_set(&e, 405, NULL, "method_not_allowed", "only GET");
+    else if (!strcmp(url, "/metrics") && gw_metrics_page(s, &b)) gw_error_set(&e, 500, NULL, NULL, "out of memory");
+    else if (!strcmp(url, "/health") || !strcmp(url, "/livez")) o = gw_health_json(s, mc, url, status);
+    else if (strcmp(url, "/metrics")) gw_error_set(&e, 404, NULL, "not_found", "this listener serves /metrics only");
+    if (e.http) *status = e.http;
+    else if (!o) *status = 200;
+    char *text = e.http ? gw_error_json(&e) : o ? json_dumps(o, JSON_COMPACT) : NULL;
+    json_decref(o);
+    const char *type = text ? "application/json" : "text/plain; version=0.0.4";
+    struct MHD_Response *r = text ? MHD_create_response_from_buffer(strlen(text), text, MHD_RESPMEM_MUST_FREE)
+                                  : MHD_create_response_from_buffer(b.len, b.data, MHD_RESPMEM_MUST_FREE);
+    if (r) MHD_add_response_header(r, "Content-Type", type);
+    else free(text), fu_buf_free(&b);
+    return r;
+}
+
+static enum MHD_Result gw_scrape_handle(void *cls, struct MHD_Connection *mc, const char *url, const char *method,
+                                        const char *version, const char *upload_data, size_t *upload_size,
+                                        void **ptr) {
+    (void)version, (void)upload_data;
+    if (!*ptr) { /* the headers: answer once the (ignored) body is in */
+        *ptr = cls;
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    int status = 200;
+    struct MHD_Response *r = gw_scrape_answer(cls, mc, url, method, &status);
+    if (!r) return MHD_NO;
+    enum MHD_Result ret = MHD_queue_response(mc, (unsigned)status, r);
+    MHD_destroy_response(r);
+    return ret;
+}
+
+/* Starts the --metrics-listen daemon (no key asked: it serves figures, never data). */
+static int gw_start_scrape(gw_server *s) {
+    int fd = gw_listen(s->cfg->metrics_listen, &s->scrape_port);
+    if (fd < 0) return fu_errorf(FU_ERR_NETWORK, "--metrics-listen %s: %s", s->cfg->metrics_listen, fu_last_error());
+    s->scrape_d = MHD_start_daemon(MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL,
+                                   gw_scrape_handle, s, MHD_OPTION_LISTEN_SOCKET, fd, MHD_OPTION_CONNECTION_LIMIT,
+                                   64u, MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_EXTERNAL_LOGGER, gw_mhd_log,
+                                   NULL, MHD_OPTION_END);
+    if (s->scrape_d) return FU_OK;
+    close(fd);
+    return fu_errorf(FU_ERR_NETWORK, "cannot start the --metrics-listen server");
+}
+
+int gw_server_metrics_port(const gw_server *s) { return s->scrape_port; }
 
 /* Starts libmicrohttpd on s->listen_fd with the configured limits (and HTTPS when a
  * certificate is configured, read here). FU_OK; else an error, s->d NULL. */
@@ -1428,11 +1519,11 @@ static int gw_start_daemon(gw_server *s) {
     return FU_OK;
 }
 
-int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engine, gw_metrics *metrics,
-                    gw_server **out, int *port) {
-    *out = NULL;
+/* A server's struct with its locks (nothing started). NULL when out of memory. */
+static gw_server *gw_server_alloc(const gw_config *cfg, const gw_model *model, gw_engine *engine,
+                                  gw_metrics *metrics) {
     gw_server *s = calloc(1, sizeof *s);
-    if (!s) return fu_errorf(FU_ERR_NOMEM, "server");
+    if (!s) return NULL;
     s->cfg = cfg;
     s->model = model;
     s->engine = engine;
@@ -1447,6 +1538,25 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
     pthread_condattr_destroy(&ca);
     pthread_mutex_init(&s->body_mu, NULL);
     pthread_cond_init(&s->body_cv, NULL);
+    return s;
+}
+
+/* The watcher and the body threads; on failure the server is stopped and freed. */
+static int gw_start_threads(gw_server *s) {
+    s->watch_started = !pthread_create(&s->watch, NULL, gw_watch_main, s);
+    while (s->watch_started && s->n_body_threads < GW_BODY_THREADS &&
+           !pthread_create(&s->body_threads[s->n_body_threads], NULL, gw_body_main, s))
+        s->n_body_threads++;
+    if (s->n_body_threads == GW_BODY_THREADS) return FU_OK;
+    gw_server_stop(s);
+    return fu_errorf(FU_ERR_INTERNAL, "cannot start the HTTP server's threads");
+}
+
+int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engine, gw_metrics *metrics,
+                    gw_server **out, int *port) {
+    *out = NULL;
+    gw_server *s = gw_server_alloc(cfg, model, engine, metrics);
+    if (!s) return fu_errorf(FU_ERR_NOMEM, "server");
     const char *spec = cfg->listen ? cfg->listen : GW_DEFAULT_LISTEN;
     int rc = gw_listen_check(cfg);
     if (rc) {
@@ -1459,7 +1569,9 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
         return FU_ERR_NETWORK;
     }
     s->port = *port;
-    if ((rc = gw_files_open(cfg, model, &s->files)) || (rc = gw_jobs_open(cfg, model, s->files, engine ? gw_engine_swarm(engine) : NULL, &s->jobs))) {
+    gw_swarm *swarm = engine ? gw_engine_swarm(engine) : NULL;
+    if ((rc = gw_files_open(cfg, model, &s->files)) || (rc = gw_jobs_open(cfg, model, s->files, swarm, &s->jobs)) ||
+        (rc = gw_health_new(cfg, swarm, &s->health))) {
         gw_server_destroy(s, true);
         return rc;
     }
@@ -1468,18 +1580,12 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
     if (!strcmp(s->listen_name, "0.0.0.0") || !strcmp(s->listen_name, "[::]")) /* a wildcard names no host */
         s->listen_name[0] = '\0';
     rc = gw_start_daemon(s);
+    if (!rc && cfg->metrics_listen && (rc = gw_start_scrape(s))) MHD_stop_daemon(s->d); /* closes listen_fd */
     if (rc) {
-        gw_server_destroy(s, true);
+        gw_server_destroy(s, !s->d);
         return rc;
     }
-    s->watch_started = !pthread_create(&s->watch, NULL, gw_watch_main, s);
-    while (s->watch_started && s->n_body_threads < GW_BODY_THREADS &&
-           !pthread_create(&s->body_threads[s->n_body_threads], NULL, gw_body_main, s))
-        s->n_body_threads++;
-    if (s->n_body_threads < GW_BODY_THREADS) {
-        gw_server_stop(s);
-        return fu_errorf(FU_ERR_INTERNAL, "cannot start the HTTP server's threads");
-    }
+    if ((rc = gw_start_threads(s))) return rc;
     *out = s;
     return FU_OK;
 }
@@ -1517,6 +1623,7 @@ void gw_server_stop(gw_server *s) {
         struct timespec ts = {0, 20 * 1000 * 1000};
         nanosleep(&ts, NULL);
     }
+    if (s->scrape_d) MHD_stop_daemon(s->scrape_d);
     MHD_stop_daemon(s->d); /* closes the listening socket too */
     for (gw_sock *k = s->socks, *next; k; k = next) { /* none once every close was notified */
         next = k->next;

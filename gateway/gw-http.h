@@ -23,6 +23,8 @@ int gw_listen_check(const gw_config *cfg);
 
 /* Binds cfg->listen and starts serving; everything passed in is borrowed and must
  * outlive the server. *port receives the bound port (useful with port 0). */
+/* The bound port of --metrics-listen (0: none). */
+int gw_server_metrics_port(const gw_server *s);
 int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engine, gw_metrics *metrics,
                     gw_server **out, int *port);
 /* Cancels every generation, answers waiting clients and stops the server; frees it.

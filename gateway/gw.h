@@ -204,6 +204,8 @@ typedef struct gw_config {
     char *model_name;       /* id served in /v1/models; NULL: the model's name */
     char *listen;           /* "127.0.0.1:8080" */
     char *port_file;
+    char *metrics_listen;    /* "host:port" serving /metrics, /health, /livez without a key; NULL: none */
+    char *metrics_port_file; /* write that listener's bound port here */
     gw_hop_cfg hops[GW_MAX_HOPS];
     int n_hops;             /* a static chain ... */
     char *shards[GW_MAX_SHARDS]; /* ... or a routed swarm: shard addresses ("host:port"), spans from Info */

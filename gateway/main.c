@@ -125,6 +125,7 @@ static int serve(gw_config *cfg, const gw_loaded *l) {
                 cfg->swarm_listen ? ", members join at " : "", cfg->swarm_listen ? cfg->swarm_listen : "",
                 cfg->workers, cfg->n_api_keys);
     if (!rc && cfg->port_file) rc = write_port_file(cfg->port_file, port);
+    if (!rc && cfg->metrics_port_file) rc = write_port_file(cfg->metrics_port_file, gw_server_metrics_port(server));
     if (rc) {
         fprintf(stderr, "fusion-gateway: %s\n", fu_last_error());
     } else {
