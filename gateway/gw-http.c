@@ -27,6 +27,7 @@
 #include "chat-template.h"
 #include "clock.h"
 #include "gw-files.h"
+#include "gw-embed.h"
 #include "gw-health.h"
 #include "gw-jobs.h"
 #include "gw-swarm.h"
@@ -83,6 +84,7 @@ struct gw_server {
     gw_files *files; /* /v1/files: the data directory and its database */
     gw_jobs *jobs;   /* /v1/fine_tuning/jobs and their runner */
     gw_health *health; /* /health's readiness and /metrics' per-shard figures */
+    gw_embed *embed;   /* /v1/embeddings */
     struct MHD_Daemon *d;
     struct MHD_Daemon *scrape_d; /* --metrics-listen: /metrics without a key; NULL: none */
     int scrape_port;
@@ -232,7 +234,8 @@ static gw_route gw_route_of(const char *url, bool *post_expected) {
         {"/v1/models", GW_ROUTE_MODELS, false},         {"/tokenize", GW_ROUTE_TOKENIZE, true},
         {"/detokenize", GW_ROUTE_DETOKENIZE, true},     {"/apply-template", GW_ROUTE_APPLY_TEMPLATE, true},
         {"/health", GW_ROUTE_HEALTH, false},            {"/metrics", GW_ROUTE_METRICS, false},
-        {"/livez", GW_ROUTE_HEALTH, false},
+        {"/livez", GW_ROUTE_HEALTH, false},             {"/v1/embeddings", GW_ROUTE_EMBEDDINGS, true},
+        {"/embeddings", GW_ROUTE_EMBEDDINGS, true},
         {"/chat/completions", GW_ROUTE_CHAT, true},     {"/completions", GW_ROUTE_COMPLETIONS, true},
         {"/v1/health", GW_ROUTE_HEALTH, false},         {"/v1/swarm", GW_ROUTE_SWARM, false},
         {"/v1/load_lora_adapter", GW_ROUTE_LOAD_LORA, true}, {"/v1/unload_lora_adapter", GW_ROUTE_UNLOAD_LORA, true},
@@ -592,6 +595,14 @@ static bool gw_opt_bool(const json_t *o, const char *key, bool dflt) {
     return json_is_boolean(v) ? json_is_true(v) : dflt;
 }
 
+/* POST /v1/embeddings (on a body thread: the chain's Forward calls). */
+static enum MHD_Result gw_route_embeddings(gw_conn *c, const json_t *body) {
+    json_t *out = NULL;
+    gw_error err;
+    if (gw_embed_run(c->srv->embed, body, &out, &err)) return gw_respond_error(c, &err);
+    return gw_respond_json(c, 200, out);
+}
+
 static enum MHD_Result gw_route_tokenize(gw_conn *c, const json_t *body) {
     const gw_model *m = c->srv->model;
     const json_t *content = json_object_get(body, "content");
@@ -945,6 +956,7 @@ static void gw_body_run(gw_conn *c) {
     else if (c->route == GW_ROUTE_LOAD_LORA) ret = gw_route_load_lora(c, body);
     else if (c->route == GW_ROUTE_UNLOAD_LORA) ret = gw_route_unload_lora(c, body);
     else if (c->route == GW_ROUTE_FINE_TUNING) ret = gw_route_jobs_post(c, body);
+    else if (c->route == GW_ROUTE_EMBEDDINGS) ret = gw_route_embeddings(c, body);
     else ret = gw_route_generate(c, body);
     json_decref(body);
     fu_buf_free(&c->body);
@@ -1419,6 +1431,7 @@ static void gw_server_destroy(gw_server *s, bool close_listen) {
     free(s->https_cert);
     free(s->https_key);
     gw_health_free(s->health);
+    gw_embed_free(s->embed);
     gw_jobs_close(s->jobs);
     gw_files_close(s->files);
     pthread_cond_destroy(&s->watch_cv);
@@ -1571,7 +1584,7 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
     s->port = *port;
     gw_swarm *swarm = engine ? gw_engine_swarm(engine) : NULL;
     if ((rc = gw_files_open(cfg, model, &s->files)) || (rc = gw_jobs_open(cfg, model, s->files, swarm, &s->jobs)) ||
-        (rc = gw_health_new(cfg, swarm, &s->health))) {
+        (rc = gw_health_new(cfg, swarm, &s->health)) || (rc = gw_embed_new(cfg, model, swarm, &s->embed))) {
         gw_server_destroy(s, true);
         return rc;
     }

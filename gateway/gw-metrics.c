@@ -88,7 +88,8 @@ const char *gw_route_name(gw_route r) {
     static const char *names[GW_ROUTE_COUNT] = {"/v1/chat/completions", "/v1/completions", "/v1/models",
                                                 "/tokenize", "/detokenize", "/apply-template",
                                                 "/health", "/metrics", "/v1/swarm", "/v1/load_lora_adapter",
-                                                "/v1/unload_lora_adapter", "/v1/files", "/v1/fine_tuning/jobs", "other"};
+                                                "/v1/unload_lora_adapter", "/v1/files", "/v1/fine_tuning/jobs",
+                                                "/v1/embeddings", "other"};
     return (unsigned)r < GW_ROUTE_COUNT ? names[r] : "other";
 }
 

@@ -312,6 +312,7 @@ typedef enum gw_route {
     GW_ROUTE_UNLOAD_LORA, /* POST /v1/unload_lora_adapter */
     GW_ROUTE_FILES,       /* /v1/files, /v1/files/{id}, /v1/files/{id}/content */
     GW_ROUTE_FINE_TUNING, /* /v1/fine_tuning/jobs and below */
+    GW_ROUTE_EMBEDDINGS,  /* POST /v1/embeddings */
     GW_ROUTE_OTHER,
     GW_ROUTE_COUNT
 } gw_route;
