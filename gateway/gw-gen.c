@@ -1180,6 +1180,7 @@ static void *gw_worker(void *arg) {
         e->q_head = (e->q_head + 1) % e->q_cap;
         e->q_len--;
         pthread_mutex_unlock(&e->mu);
+        gw_metrics_queue_wait(e->metrics, fu_now_s() - t.job->t_arrival);
         gw_run_choice(t.job, t.choice);
         gw_job_release(t.job);
         pthread_mutex_lock(&e->mu);

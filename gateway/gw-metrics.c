@@ -26,7 +26,7 @@ struct gw_metrics {
     uint64_t requests[GW_ROUTE_COUNT][GW_N_CODES + 1]; /* last: other codes */
     uint64_t prompt_tokens, completion_tokens;
     int sessions, running;
-    gw_hist ttft, itl, e2e;
+    gw_hist ttft, itl, e2e, queue;
 };
 
 static void gw_hist_init(gw_hist *h, const char *name, const char *help, const double *le, int n) {
@@ -74,6 +74,9 @@ int gw_metrics_new(gw_metrics **out) {
                  itl, (int)(sizeof itl / sizeof *itl));
     gw_hist_init(&m->e2e, "fusion_gateway_request_duration_seconds",
                  "Time from arrival to the end of a generation request.", e2e, (int)(sizeof e2e / sizeof *e2e));
+    gw_hist_init(&m->queue, "fusion_gateway_queue_wait_seconds",
+                 "Time a choice waited from its request's arrival until a generation worker took it.", ttft,
+                 (int)(sizeof ttft / sizeof *ttft));
     *out = m;
     return FU_OK;
 }
@@ -119,6 +122,7 @@ void gw_metrics_tokens(gw_metrics *m, int64_t prompt, int64_t completion) {
 GW_OBSERVE(gw_metrics_ttft, ttft)
 GW_OBSERVE(gw_metrics_itl, itl)
 GW_OBSERVE(gw_metrics_e2e, e2e)
+GW_OBSERVE(gw_metrics_queue_wait, queue)
 
 void gw_metrics_sessions(gw_metrics *m, int delta) {
     pthread_mutex_lock(&m->mu);
@@ -163,6 +167,7 @@ int gw_metrics_render(gw_metrics *m, int queue_depth, fu_buf *out) {
     if (!rc) rc = gw_hist_render(&m->ttft, out);
     if (!rc) rc = gw_hist_render(&m->itl, out);
     if (!rc) rc = gw_hist_render(&m->e2e, out);
+    if (!rc) rc = gw_hist_render(&m->queue, out);
     pthread_mutex_unlock(&m->mu);
     return rc;
 }

@@ -328,6 +328,8 @@ void gw_metrics_request(gw_metrics *m, gw_route route, int http_status);
 void gw_metrics_tokens(gw_metrics *m, int64_t prompt, int64_t completion);
 /* Latency observations: time to first token, between tokens, request end to end. */
 void gw_metrics_ttft(gw_metrics *m, double seconds);
+/* A choice waited this long from its request's arrival until a worker took it. */
+void gw_metrics_queue_wait(gw_metrics *m, double seconds);
 void gw_metrics_itl(gw_metrics *m, double seconds);
 void gw_metrics_e2e(gw_metrics *m, double seconds);
 void gw_metrics_sessions(gw_metrics *m, int delta);  /* chain sessions open */

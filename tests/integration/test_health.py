@@ -59,6 +59,8 @@ def test_static_chain_health():
         assert KEY not in gw.output()  # a fingerprint of the key, never the key
         st, page = api_request(gw, "GET", "/metrics", key=KEY)
         assert st == 200 and metric_lines(page, "fusion_gateway_ready") == ["fusion_gateway_ready 1"], page
+        assert metric_lines(page, "fusion_gateway_queue_wait_seconds_count") == [
+            "fusion_gateway_queue_wait_seconds_count 1"], page
         up = metric_lines(page, "fusion_shard_up")
         assert len(up) == 2 and all(ln.endswith(" 1") for ln in up), up
         assert f'shard="{b.address}",first="15",last="30",state="serving"' in up[1], up
