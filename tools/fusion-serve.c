@@ -93,7 +93,7 @@ typedef struct fz_serve {
     int temp_work;                 /* 1: remove work at the end */
     char key[128], secret[256];
     char env_secret[300], env_key[160];
-    char url[300], swarm_addr[300];
+    char url[300], swarm_addr[300], local_join[300]; /* local_join: where local shards join */
     fz_child ch[FZ_MAX_SHARDS + 1];
     int pgid;
 } fz_serve;
@@ -157,6 +157,19 @@ static void fz_serve_cleanup(fz_serve *s) {
     rmdir(s->work);
 }
 
+/* Where others join (this host's name for a wildcard --swarm-listen) and where local shards do. */
+static void fz_serve_swarm_addr(fz_serve *s, const char *listen, int port) {
+    const char *colon = strrchr(listen, ':');
+    int hl = colon ? (int)(colon - listen) : (int)strlen(listen);
+    char host[256];
+    snprintf(host, sizeof host, "%.*s", hl, listen);
+    int wildcard = !host[0] || !strcmp(host, "0.0.0.0") || !strcmp(host, "::") || !strcmp(host, "[::]");
+    if (wildcard && gethostname(host, sizeof host)) snprintf(host, sizeof host, "127.0.0.1");
+    host[sizeof host - 1] = '\0';
+    snprintf(s->swarm_addr, sizeof s->swarm_addr, "%s:%d", host, port);
+    snprintf(s->local_join, sizeof s->local_join, "%s:%d", wildcard ? "127.0.0.1" : host, port);
+}
+
 /* Starts the gateway and waits for its membership service's port. */
 static int fz_serve_gateway(fz_serve *s, const fz_serve_args *a) {
     char listen[300], port_file[4200], swarm_file[4200];
@@ -164,8 +177,9 @@ static int fz_serve_gateway(fz_serve *s, const fz_serve_args *a) {
     snprintf(port_file, sizeof port_file, "%s/gateway.port", s->work);
     snprintf(swarm_file, sizeof swarm_file, "%s/swarm.port", s->work);
     char *argv[24] = {"fusion-gateway", "--model", s->model, "--listen", listen, "--port-file", port_file,
-                      "--swarm-listen", a->swarm_listen, "--swarm-port-file", swarm_file, "--insecure"};
-    int n = 12, port = 0;
+                      "--swarm-listen", a->swarm_listen, "--swarm-port-file", swarm_file};
+    int n = 11, port = 0;
+    if (!a->swarm_cert) argv[n++] = "--insecure"; /* plaintext on loopback only */
     if (a->swarm_cert) argv[n++] = "--swarm-tls-cert", argv[n++] = a->swarm_cert;
     if (a->swarm_key) argv[n++] = "--swarm-tls-key", argv[n++] = a->swarm_key;
     if (a->tls_ca) argv[n++] = "--tls-ca", argv[n++] = a->tls_ca;
@@ -175,9 +189,7 @@ static int fz_serve_gateway(fz_serve *s, const fz_serve_args *a) {
     snprintf(gw->log, sizeof gw->log, "%s/gateway.log", s->work);
     int rc = fz_child_start(gw, argv, env, &s->pgid);
     if (!rc) rc = fz_wait_port_file(swarm_file, gw, 60000, &port);
-    const char *host = a->swarm_listen, *colon = strrchr(host, ':');
-    int hl = colon ? (int)(colon - host) : (int)strlen(host);
-    snprintf(s->swarm_addr, sizeof s->swarm_addr, "%.*s:%d", hl, host, port);
+    fz_serve_swarm_addr(s, a->swarm_listen, port);
     snprintf(s->url, sizeof s->url, "http://%s:%d", a->host, a->port);
     return rc;
 }
@@ -189,11 +201,14 @@ static int fz_serve_shard(fz_serve *s, const fz_serve_args *a, int i) {
     snprintf(blocks, sizeof blocks, "%d:%d", first, last);
     snprintf(threads, sizeof threads, "%d", s->threads);
     snprintf(port_file, sizeof port_file, "%s/shard-%d.port", s->work, i);
-    char *argv[24] = {"fusion-shard", "--model", s->model, "--blocks", blocks, "--join", s->swarm_addr,
-                      "--listen", "127.0.0.1:0", "--port-file", port_file, "--insecure", "--threads", threads,
+    char *argv[24] = {"fusion-shard", "--model", s->model, "--blocks", blocks, "--join", s->local_join,
+                      "--listen", "127.0.0.1:0", "--port-file", port_file, "--threads", threads,
                       "--device", (char *)fz_device_pick(a->device)};
-    int n = 16;
-    if (a->swarm_cert) argv[n++] = "--tls-ca", argv[n++] = a->swarm_cert;
+    int n = 15;
+    if (!a->swarm_cert) argv[n++] = "--insecure";
+    if (a->swarm_cert) /* TLS everywhere: the swarm's pair serves the local shards too */
+        argv[n++] = "--tls-cert", argv[n++] = a->swarm_cert, argv[n++] = "--tls-key", argv[n++] = a->swarm_key,
+        argv[n++] = "--tls-ca", argv[n++] = a->tls_ca ? a->tls_ca : a->swarm_cert;
     char *env[] = {s->env_secret, NULL};
     fz_child *c = &s->ch[1 + i];
     snprintf(c->name, sizeof c->name, "shard %d (blocks %s)", i, blocks);
