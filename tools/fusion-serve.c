@@ -80,7 +80,7 @@ static const fu_opt_spec fz_serve_spec = {
     fz_serve_options,
     "\nExit status: 0 stopped by Ctrl-C or SIGTERM; 1 it could not start (one line says\n"
     "why: a port in use, a missing model, a shard that failed); 2 a usage error; 3 a\n"
-    "gateway or shard died while serving.\n"
+    "gateway or shard died while serving; 130 interrupted while starting.\n"
     "Environment: FUSION_API_KEY, FUSION_SECRET, FUSION_CACHE.\n"};
 
 /* ---- fusion serve: the run ------------------------------------------------------------------- */
@@ -379,7 +379,7 @@ static const fu_opt_spec fz_join_spec = {
     "It stays up until Ctrl-C, which leaves the swarm (sessions drain first).\n",
     fz_join_options,
     "\nExit status: 0 left after Ctrl-C or SIGTERM; 1 it could not start; 2 a usage error;\n"
-    "3 the shard died.\n"
+    "3 the shard died; 130 interrupted while the model was fetched.\n"
     "Environment: FUSION_SECRET, FUSION_CACHE.\n"};
 
 /* Runs the shard in the foreground (its output on ours) until a signal or its end. */
