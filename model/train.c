@@ -55,7 +55,19 @@ struct trn_span {
     void **bufs;                        /* every backend buffer, for trn_free */
     int n_bufs, cap_bufs;
     uint64_t bytes;
+    trn_yield_fn yield;                 /* NULL: none */
+    void *yield_arg;
 };
+
+/* Lets the yield hook hold the trainer back before its next pass (a no-op without one). */
+static void trn_yield(const trn_span *s) {
+    if (s->yield) s->yield(s->yield_arg);
+}
+
+void trn_set_yield(trn_span *s, trn_yield_fn fn, void *arg) {
+    s->yield = fn;
+    s->yield_arg = arg;
+}
 
 /* ---- memory --------------------------------------------------------------------- */
 
@@ -515,6 +527,7 @@ static int trn_head(trn_span *s, trn_slot *sl, float loss_scale, trn_loss *loss)
     if (rc) return rc;
     for (int r0 = 0; r0 < n; r0 += TRN_HEAD_ROWS) {
         int k = n - r0 < TRN_HEAD_ROWS ? n - r0 : TRN_HEAD_ROWS;
+        trn_yield(s);
         if ((rc = trn_head_chunk(s, sl, r0, k, loss_scale, loss))) return rc;
     }
     return FU_OK;
@@ -528,7 +541,10 @@ int trn_forward(trn_span *s, int slot, const trn_batch *b, float *out, trn_loss 
     if (rc || (rc = trn_input(s, sl, b))) return rc;
     for (int l = 0; l < s->n_span && !rc; l++) {
         trn_stash *st = trn_stash_of(s, sl, l);
-        if (!(rc = trn_attn_fwd(s, sl, l, st, trn_xin(s, sl, l)))) rc = trn_mlp_fwd(s, sl, l, st, trn_xin(s, sl, l + 1));
+        trn_yield(s);
+        if ((rc = trn_attn_fwd(s, sl, l, st, trn_xin(s, sl, l)))) break;
+        trn_yield(s);
+        rc = trn_mlp_fwd(s, sl, l, st, trn_xin(s, sl, l + 1));
     }
     trn_loss lz;
     if (!rc && s->m->has_head) rc = trn_head(s, sl, b->loss_scale, loss ? loss : &lz);
@@ -625,13 +641,16 @@ static int trn_block_back(trn_span *s, trn_slot *sl, int l) {
     trn_stash *st = trn_stash_of(s, sl, l);
     const float *x = trn_xin(s, sl, l);
     int rc;
+    trn_yield(s);
     if (s->opts.memory != TRN_KEEP) {
         if ((rc = trn_attn_fwd(s, sl, l, st, x)) || (rc = trn_mlp_fwd(s, sl, l, st, NULL))) return rc;
     } else {
         op_tensor gate = trn_t2(st->gate, s->F, sl->T), up = trn_t2(st->up, s->F, sl->T), act = trn_t2(s->act, s->F, sl->T);
         if ((rc = op_swiglu(s->be, &gate, &up, &act))) return rc;
     }
+    trn_yield(s);
     if ((rc = trn_mlp_back(s, sl, l, st))) return rc;
+    trn_yield(s);
     return trn_attn_back(s, sl, l, st, x);
 }
 

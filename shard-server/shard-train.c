@@ -162,6 +162,9 @@ static int state_put(train_job *j, const train_svc_state *s, rpc_status *st) {
     return rc;
 }
 
+/* A trainer's yield hook under SHARD_TRAIN_PRIORITY_INFERENCE: waits for the core's batcher to be idle. */
+static void job_yield(void *core) { shard_core_wait_idle(core, (int64_t)SHARD_TRAIN_YIELD_MAX_MS * 1000); }
+
 /* A new job over `core` (its adapter fresh or from req->state), not yet in the table. */
 static int job_make(const shard_train *t, shard_core *core, const train_svc_open *req, const lora_config *lc,
                     uint64_t budget, train_job **out, rpc_status *st) {
@@ -175,6 +178,7 @@ static int job_make(const shard_train *t, shard_core *core, const train_svc_open
     trn_options to = {req->max_tokens, req->slots, req->keep_activations ? TRN_KEEP : TRN_RECOMPUTE, budget};
     int rc = lora_new(lc, &m->cfg, m->first, m->last, req->lora->init_seed, &j->ad);
     if (!rc) rc = trn_new(shard_core_engine(core), j->ad, &to, &j->tr);
+    if (!rc && t->cfg.priority == SHARD_TRAIN_PRIORITY_INFERENCE) trn_set_yield(j->tr, job_yield, core);
     if (rc) rc = rpc_status_setf(st, rpc_code_from_fu(rc), "%s", fu_last_error());
     if (!rc && req->state) rc = state_put(j, req->state, st);
     if (rc) {
