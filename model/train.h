@@ -35,10 +35,9 @@
  * as one process running every block, and the backward pass recomputes them.
  *
  * Yielding: a trainer may be given a yield hook (trn_set_yield), which it
- * calls on its own thread before each half of a block in a forward
- * (attention, MLP), before each pass of a block's backward (rebuilding, MLP,
- * attention) and before each chunk of the head's rows.
- * The hook may block (a server that shares the backend with inference makes
+ * calls on its own thread before each matmul through the frozen weights
+ * (the projections and the LM head, forward and backward: the ops that take
+ * the time, a dozen and more per block). The hook may block (a server that shares the backend with inference makes
  * training wait there while inference has work); it only delays the next
  * ops, so the results are the same, bit for bit, with or without one.
  *
@@ -76,8 +75,8 @@ typedef struct trn_options {
 int trn_new(eng_engine *e, lora_adapter *ad, const trn_options *opts, trn_span **out);
 void trn_free(trn_span *s); /* NULL is a no-op */
 
-/* Called between passes of trn_forward and trn_backward on the trainer's
- * thread, with `arg`; it may block, and it cannot fail. */
+/* Called before each long op of trn_forward and trn_backward on the
+ * trainer's thread, with `arg`; it may block, and it cannot fail. */
 typedef void (*trn_yield_fn)(void *arg);
 
 /* Sets the trainer's yield hook (fn NULL: none, the default); arg is

@@ -114,7 +114,7 @@ static const fu_opt shard_options[] = {
      .def = "4", .lo = 1, .hi = 1024},
     {"train-priority", 0, FU_OPT_CHOICE, FU_OPT_TO(args.train_priority),
      .help = "inference: fine-tuning jobs wait while inference steps are\n"
-             "queued or running (a bounded wait before each half block);\n"
+             "queued or running (a bounded wait before each long op);\n"
              "fair: training and inference take turns op by op", .def = "inference", .choices = train_priority_choices},
     {"max-lora-rank", 0, FU_OPT_INT, FU_OPT_TO(args.max_lora_rank), .help = "largest LoRA rank accepted",
      .def = "256", .lo = 1, .hi = 4096},

@@ -73,9 +73,9 @@ double shard_core_measure(shard_core *c, int batch, double seconds);
 /* ---- training beside inference ------------------------------------------------------
  * Trainers over the core's engine (shard-train.c) share its backend with the batcher, whose
  * lock interleaves their ops op by op. To keep inference's latency, a trainer may call
- * shard_core_wait_idle between its passes (its yield hook, model/train.h): it waits there while
- * the batcher has work, so that a training pass (half a block) starts only while no step is
- * queued or computing, and training runs in the gaps between batches. The wait is bounded, so that training
+ * shard_core_wait_idle before each of its long ops (its yield hook, model/train.h): it waits there
+ * while the batcher has work, so that a training op starts only while no step is queued or
+ * computing, and training runs in the gaps between batches. The wait is bounded, so that training
  * still advances under a batcher that is never idle. It only delays: a trainer computes the
  * same results whether it waits or not. */
 

@@ -11,10 +11,11 @@
  * changes.
  *
  * Priority: with SHARD_TRAIN_PRIORITY_INFERENCE (the default) a job's trainer
- * yields to inference between its passes (half a block, or a chunk of the
- * head's rows): it waits while the core's batcher has steps queued or
+ * yields to inference before each of its matmuls through the base weights
+ * (trn_set_yield): it waits while the core's batcher has steps queued or
  * running (shard_core_wait_idle), at most SHARD_TRAIN_YIELD_MAX_MS each time,
- * so that training still advances under a batcher that never rests. With
+ * so that training still advances under a batcher that never rests, and a
+ * step that arrives meanwhile waits for one training op at most. With
  * SHARD_TRAIN_PRIORITY_FAIR it does not wait, and its ops and the batcher's
  * take turns on the backend's lock. Either way a call computes the same
  * results, bit for bit: the rule only moves training in time.
@@ -41,7 +42,7 @@ typedef enum shard_train_priority {
     SHARD_TRAIN_PRIORITY_FAIR,          /* training and inference take turns op by op */
 } shard_train_priority;
 
-/* The longest a trainer waits for an idle batcher before one pass. */
+/* The longest a trainer waits for an idle batcher before one op. */
 #define SHARD_TRAIN_YIELD_MAX_MS 100
 
 typedef struct shard_train_config {
