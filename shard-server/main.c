@@ -115,7 +115,8 @@ static const fu_opt shard_options[] = {
     {"train-priority", 0, FU_OPT_CHOICE, FU_OPT_TO(args.train_priority),
      .help = "inference: fine-tuning jobs wait while inference steps are\n"
              "queued or running (a bounded wait before each long op);\n"
-             "fair: training and inference take turns op by op", .def = "inference", .choices = train_priority_choices},
+             "fair: training and inference take turns op by op",
+     .def = "inference", .choices = train_priority_choices},
     {"max-lora-rank", 0, FU_OPT_INT, FU_OPT_TO(args.max_lora_rank), .help = "largest LoRA rank accepted",
      .def = "256", .lo = 1, .hi = 4096},
     {"lora", 0, FU_OPT_LIST, FU_OPT_TO(args.loras), "NAME=DIR",

@@ -5,10 +5,9 @@
  * through these calls. Thread-safe: any number of threads may open, step and
  * close sessions, load and unload adapters and wait for the batcher to be
  * idle (trainers) at once; one session is stepped (and closed) by one thread
- * at a time. Ownership: the core borrows its model
- * and backend and owns its sessions (closing one frees its KV cache and
- * output buffers) and its adapters; step outputs point into buffers of the
- * session.
+ * at a time. Ownership: the core borrows its model and backend and owns its
+ * sessions (closing one frees its KV cache and output buffers) and its
+ * adapters; step outputs point into buffers of the session.
  */
 #ifndef FU_SHARD_CORE_H
 #define FU_SHARD_CORE_H
@@ -72,12 +71,12 @@ double shard_core_measure(shard_core *c, int batch, double seconds);
 
 /* ---- training beside inference ------------------------------------------------------
  * Trainers over the core's engine (shard-train.c) share its backend with the batcher, whose
- * lock interleaves their ops op by op. To keep inference's latency, a trainer may call
- * shard_core_wait_idle before each of its long ops (its yield hook, model/train.h): it waits there
- * while the batcher has work, so that a training op starts only while no step is queued or
- * computing, and training runs in the gaps between batches. The wait is bounded, so that training
- * still advances under a batcher that is never idle. It only delays: a trainer computes the
- * same results whether it waits or not. */
+ * lock interleaves their ops one by one. To keep inference's latency, a trainer may call
+ * shard_core_wait_idle before each of its long ops (its yield hook, model/train.h): it waits
+ * there while the batcher has work, so that a training op starts only while no step is queued
+ * or computing, and training runs in the gaps between batches. The wait is bounded, so that
+ * training still advances under a batcher that is never idle. It only delays: a trainer
+ * computes the same results whether it waits or not. */
 
 /* Waits, on the caller's thread, while the batcher has steps queued or a batch running, for at
  * most max_wait_us (returning at once when it has none, or when the core stops). Returns the
