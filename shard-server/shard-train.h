@@ -13,9 +13,12 @@
  * Priority: with SHARD_TRAIN_PRIORITY_INFERENCE (the default) a job's trainer
  * yields to inference before each of its matmuls through the base weights
  * (trn_set_yield): it waits while the core's batcher has steps queued or
- * running (shard_core_wait_idle), at most SHARD_TRAIN_YIELD_MAX_MS each time,
- * so that training still advances under a batcher that never rests, and a
- * step that arrives meanwhile waits for one training op at most. With
+ * running (shard_core_wait_idle), so that a step that arrives meanwhile
+ * waits for one training op at most. So that training still advances under
+ * a batcher that never rests, a wait lasts SHARD_TRAIN_YIELD_MAX_MS at most,
+ * and one that runs that long gives the job a turn of SHARD_TRAIN_TURN_MS
+ * without waits (its ops and the batcher's then alternate): training keeps
+ * about a sixth of a saturated shard. With
  * SHARD_TRAIN_PRIORITY_FAIR it does not wait, and its ops and the batcher's
  * take turns on the backend's lock. Either way a call computes the same
  * results, bit for bit: the rule only moves training in time.
@@ -42,8 +45,9 @@ typedef enum shard_train_priority {
     SHARD_TRAIN_PRIORITY_FAIR,          /* training and inference take turns op by op */
 } shard_train_priority;
 
-/* The longest a trainer waits for an idle batcher before one op. */
+/* The longest a trainer waits for an idle batcher before one op, and the turn it then takes. */
 #define SHARD_TRAIN_YIELD_MAX_MS 100
+#define SHARD_TRAIN_TURN_MS 20
 
 typedef struct shard_train_config {
     uint64_t budget_bytes; /* memory of all jobs together (0: 2 GiB) */

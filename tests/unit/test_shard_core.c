@@ -456,7 +456,7 @@ static void test_wait_idle(void **state) {
     fixture_open(&f, OP_TYPE_F32, 43, 1, &one);
     assert_int_equal(shard_core_wait_idle(f.core, 1000000), 0);
     int waited = 0;
-    for (int round = 0; round < 20 && !waited; round++) {
+    for (int round = 0; round < 200 && !waited; round++) { /* a busy machine may run all 120 chunks first */
         long_step l;
         pthread_t t;
         long_step_start(&l, f.core, "long", false, &t);
