@@ -17,7 +17,5 @@ int js_regex_gbnf(const char *pattern, fu_buf *out);
 /* Appends code point c as GBNF literal text (without quotes) or, with in_class, as a class member. */
 int js_gbnf_char(fu_buf *out, uint32_t c, int in_class);
 
-/* Appends s[0..n) (UTF-8) as a quoted GBNF literal. */
-int js_gbnf_literal(fu_buf *out, const char *s, size_t n);
 
 #endif

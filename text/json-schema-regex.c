@@ -5,6 +5,7 @@
 #include "grammar-impl.h"
 #include "grow.h"
 #include "json-schema-impl.h"
+#include "json-schema.h"
 #include "status.h"
 
 typedef struct rx {

@@ -39,11 +39,12 @@ typedef struct js_gen {
     js_refent *refs;
     size_t n_refs;
     int depth;
+    const char *prefix;    /* of every rule name */
 } js_gen;
 
-/* A rule name "rN" written into name (16 bytes). */
-static const char *js_name(char *name, int id) {
-    snprintf(name, 16, "r%d", id);
+/* A rule name "<prefix>rN" written into name (32 bytes). */
+static const char *js_name(const js_gen *g, char *name, int id) {
+    snprintf(name, 32, "%.12sr%d", g->prefix, id);
     return name;
 }
 
@@ -74,7 +75,7 @@ static int js_emit(js_gen *g, const char *name, const fu_buf *body) {
 }
 
 /* Reserves a new rule; its name into name. */
-static const char *js_new_rule(js_gen *g, char *name) { return js_name(name, g->n_rules++); }
+static const char *js_new_rule(js_gen *g, char *name) { return js_name(g, name, g->n_rules++); }
 
 /* A child path "<path>/<key>" (truncated to fit). */
 static void js_child(char *dst, size_t cap, const char *path, const char *key) {
@@ -108,7 +109,7 @@ static int js_any_of(js_gen *g, const json_t *list, const char *kw, const char *
     if (!json_is_array(list) || !json_array_size(list))
         return fu_errorf(FU_ERR_INVALID, "json_schema: '%s' at '%s' must be a non-empty array", kw, path);
     for (size_t i = 0; i < json_array_size(list); i++) {
-        char sub[300], idx[24], name[16];
+        char sub[300], idx[24], name[32];
         snprintf(idx, sizeof idx, "%s/%zu", kw, i);
         js_child(sub, sizeof sub, path, idx);
         int rc = js_node(g, json_array_get(list, i), sub, name);
@@ -164,7 +165,7 @@ static int js_ref(js_gen *g, const json_t *r, const char *path, char *name) {
     if (!json_is_string(r)) return fu_errorf(FU_ERR_INVALID, "json_schema: '$ref' at '%s' must be a string", path);
     const char *ref = json_string_value(r);
     for (size_t i = 0; i < g->n_refs; i++)
-        if (!strcmp(g->refs[i].ref, ref)) return js_name(name, g->refs[i].rule), FU_OK;
+        if (!strcmp(g->refs[i].ref, ref)) return js_name(g, name, g->refs[i].rule), FU_OK;
     const json_t *t;
     int rc = js_ref_chain(g, ref, &t);
     if (rc) return rc;
@@ -175,9 +176,9 @@ static int js_ref(js_gen *g, const json_t *r, const char *path, char *name) {
     if (!nr || !copy) return free(copy), fu_errorf(FU_ERR_NOMEM, "json_schema: out of memory");
     int id = g->n_rules++;
     g->refs[g->n_refs++] = (js_refent){copy, id};
-    char sub[16];
+    char sub[32];
     if ((rc = js_node(g, t, ref, sub))) return rc;
-    js_name(name, id);
+    js_name(g, name, id);
     fu_buf body = {0};
     rc = fu_buf_appendf(&body, "%s", sub) ? fu_errorf(FU_ERR_NOMEM, "json_schema") : js_emit(g, name, &body);
     fu_buf_free(&body);
@@ -188,7 +189,7 @@ static int js_ref(js_gen *g, const json_t *r, const char *path, char *name) {
 
 typedef struct js_prop {
     const char *key;
-    char rule[16];
+    char rule[32];
     int required;
 } js_prop;
 
@@ -240,7 +241,7 @@ static int js_kv(fu_buf *b, const js_prop *p) {
 /* Emits the tail rules of props[i..n) (something already written) and the head rules (nothing
  * written yet); *head: the rule of head 0. extra: the rule of other keys' member, or NULL. */
 static int js_object_rules(js_gen *g, const js_prop *p, size_t n, const char *extra, char *head) {
-    char next_t[16] = "", next_h[16] = "", t[16], h[16];
+    char next_t[32] = "", next_h[32] = "", t[32], h[32];
     int rc = FU_OK;
     for (size_t k = n + 1; k-- > 0 && !rc;) {
         fu_buf tb = {0}, hb = {0};
@@ -258,9 +259,9 @@ static int js_object_rules(js_gen *g, const js_prop *p, size_t n, const char *ex
         if (!rc) rc = js_emit(g, t, &tb);
         if (!rc) rc = js_emit(g, h, &hb);
         fu_buf_free(&tb), fu_buf_free(&hb);
-        memcpy(next_t, t, 16), memcpy(next_h, h, 16);
+        memcpy(next_t, t, 32), memcpy(next_h, h, 32);
     }
-    memcpy(head, next_h, 16);
+    memcpy(head, next_h, 32);
     return rc;
 }
 
@@ -288,7 +289,7 @@ static int js_not_keys(js_gen *g, const char **keys, size_t lo, size_t hi, size_
         }
         size_t cl = js_char_len(keys[i] + d), j = i;
         while (j < hi && !strncmp(keys[j] + d, keys[i] + d, cl)) j++;
-        char child[16];
+        char child[32];
         rc = js_not_keys(g, keys, i, j, d + cl, child);
         if (!rc) rc = fu_buf_append(&cls, keys[i] + d, cl) || fu_buf_append(&b, " | ", 3) ||
                       js_gbnf_literal(&b, keys[i] + d, cl) || fu_buf_appendf(&b, " %s", child);
@@ -325,7 +326,7 @@ static int js_extra(js_gen *g, const json_t *node, const js_prop *p, size_t n, c
     const json_t *ap = json_object_get(node, "additionalProperties");
     extra[0] = 0;
     if (json_is_false(ap)) return FU_OK;
-    char sub[300], vr[16] = "value", name[16], keyr[16] = "";
+    char sub[300], vr[32] = "value", name[32], keyr[32] = "";
     js_child(sub, sizeof sub, path, "additionalProperties");
     int rc = ap && !json_is_true(ap) ? js_node(g, ap, sub, vr) : FU_OK;
     if (rc) return rc;
@@ -343,14 +344,14 @@ static int js_extra(js_gen *g, const json_t *node, const js_prop *p, size_t n, c
     rc = fu_buf_appendf(&b, "\"\\\"\" %s \"\\\"\" ws \":\" ws %s ws", keyr, vr) ? fu_errorf(FU_ERR_NOMEM, "json_schema")
                                                                           : js_emit(g, name, &b);
     fu_buf_free(&b);
-    memcpy(extra, name, 16);
+    memcpy(extra, name, 32);
     return rc;
 }
 
 static int js_object(js_gen *g, const json_t *node, const char *path, fu_buf *body) {
     js_prop *p = NULL;
     size_t n = 0;
-    char extra[16], head[16];
+    char extra[32], head[32];
     int rc = js_props(g, node, path, &p, &n);
     if (!rc) rc = js_extra(g, node, p, n, path, extra);
     if (!rc) rc = js_object_rules(g, p, n, extra[0] ? extra : NULL, head);
@@ -378,7 +379,7 @@ static int js_array(js_gen *g, const json_t *node, const char *path, fu_buf *bod
     if (!rc) rc = js_count(node, "maxItems", path, -1, &hi);
     if (rc) return rc;
     if (hi >= 0 && hi < lo) return fu_errorf(FU_ERR_INVALID, "json_schema: maxItems < minItems at '%s'", path);
-    char item[16] = "value", sub[300];
+    char item[32] = "value", sub[300];
     const json_t *items = json_object_get(node, "items");
     js_child(sub, sizeof sub, path, "items");
     if (items && (rc = js_node(g, items, sub, item))) return rc;
@@ -490,9 +491,9 @@ static int js_body(js_gen *g, const json_t *node, const char *path, fu_buf *body
     return js_types(g, node, path, body);
 }
 
-/* Writes the rule of schema node (at JSON pointer path); its name into name (16 bytes). */
+/* Writes the rule of schema node (at JSON pointer path); its name into name (32 bytes). */
 static int js_node(js_gen *g, const json_t *node, const char *path, char *name) {
-    if (json_is_true(node) || (json_is_object(node) && !json_object_size(node))) return snprintf(name, 16, "value"), FU_OK;
+    if (json_is_true(node) || (json_is_object(node) && !json_object_size(node))) return snprintf(name, 32, "value"), FU_OK;
     if (!json_is_object(node)) return fu_errorf(FU_ERR_INVALID, "json_schema: the schema at '%s' must be an object", path);
     int rc = js_check_keywords(node, path);
     if (rc) return rc;
@@ -510,26 +511,36 @@ static int js_node(js_gen *g, const json_t *node, const char *path, char *name) 
     return rc;
 }
 
-int js_schema_gbnf(const json_t *schema, char **text, size_t *len) {
-    *text = NULL;
+int js_schema_rules(const json_t *schema, const char *prefix, fu_buf *out) {
     size_t size = json_dumpb(schema, NULL, 0, JSON_COMPACT | JSON_ENCODE_ANY);
     if (size > JS_MAX_SCHEMA_BYTES)
         return fu_errorf(FU_ERR_EXHAUSTED, "json_schema: the schema is over %u bytes", JS_MAX_SCHEMA_BYTES);
     js_gen g;
     memset(&g, 0, sizeof g);
     g.root = schema;
-    char name[16];
+    g.prefix = prefix;
+    g.out = *out;
+    char name[32];
     int rc = js_node(&g, schema, "#", name);
-    if (!rc && (fu_buf_appendf(&g.out, "root ::= %s\n%s", name, js_base) || g.out.len > GM_MAX_TEXT))
+    if (!rc && (fu_buf_appendf(&g.out, "%.12sroot ::= %s\n", prefix, name) || g.out.len > GM_MAX_TEXT))
         rc = fu_errorf(FU_ERR_EXHAUSTED, "json_schema: the grammar is too large");
     for (size_t i = 0; i < g.n_refs; i++) free(g.refs[i].ref);
     free(g.refs);
+    *out = g.out;
+    return rc;
+}
+
+int js_schema_gbnf(const json_t *schema, char **text, size_t *len) {
+    fu_buf b = {0};
+    *text = NULL;
+    int rc = js_schema_rules(schema, "", &b);
+    if (!rc && fu_buf_append(&b, js_base, strlen(js_base))) rc = fu_errorf(FU_ERR_NOMEM, "json_schema: out of memory");
     if (rc) {
-        fu_buf_free(&g.out);
+        fu_buf_free(&b);
         return rc;
     }
-    *text = g.out.data;
-    if (len) *len = g.out.len;
+    *text = b.data;
+    if (len) *len = b.len;
     return FU_OK;
 }
 

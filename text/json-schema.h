@@ -20,6 +20,7 @@
 #include <jansson.h>
 #include <stddef.h>
 
+#include "buf.h"
 #include "grammar.h"
 
 #define JS_MAX_SCHEMA_BYTES (1u << 20) /* the schema's compact JSON text */
@@ -31,12 +32,21 @@
  * for a schema over JS_MAX_SCHEMA_BYTES or nested deeper than JS_MAX_DEPTH. */
 int js_schema_gbnf(const json_t *schema, char **text, size_t *len);
 
+/* Appends the rules of `schema` to out (the caller's), every name starting with `prefix`
+ * (at most 12 letters, digits or '-'), the start rule named "<prefix>root"; the shared rules
+ * (js_base_rules) are left out, for grammars that hold several schemas. Errors as js_schema_gbnf;
+ * on failure out may hold a partial text. */
+int js_schema_rules(const json_t *schema, const char *prefix, fu_buf *out);
+
 /* js_schema_gbnf, then gm_grammar_parse: also FU_ERR_INVALID when the schema admits no finite
  * value. On success *out is the caller's. */
 int js_schema_grammar(const json_t *schema, gm_grammar **out);
 
 /* Parses schema text[0..len) (JSON) and compiles it as js_schema_grammar. */
 int js_schema_grammar_text(const char *text, size_t len, gm_grammar **out);
+
+/* Appends s[0..n) (UTF-8) as a quoted GBNF literal; FU_OK or FU_ERR_NOMEM. */
+int js_gbnf_literal(fu_buf *out, const char *s, size_t n);
 
 /* The grammar of any JSON object (response_format "json_object"). */
 int js_object_grammar(gm_grammar **out);
