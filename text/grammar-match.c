@@ -173,11 +173,11 @@ static void gm_set_free(gm_set *s) { free(s->buf); }
 
 static int gm_set_add(gm_set *s, const uint32_t *st, uint32_t n) {
     for (size_t i = 0; i < s->len; i += 1 + s->buf[i])
-        if (s->buf[i] == n && !memcmp(s->buf + i + 1, st, n * sizeof *st)) return FU_OK;
+        if (s->buf[i] == n && (!n || !memcmp(s->buf + i + 1, st, n * sizeof *st))) return FU_OK;
     if (s->n >= GM_MAX_STACKS) return fu_errorf(FU_ERR_EXHAUSTED, "grammar: over %d ambiguous parses", GM_MAX_STACKS);
     if (fu_grow((void **)&s->buf, &s->cap, s->len + 1 + n, sizeof *s->buf)) return fu_errorf(FU_ERR_NOMEM, "grammar");
     s->buf[s->len] = n;
-    memcpy(s->buf + s->len + 1, st, n * sizeof *st);
+    if (n) memcpy(s->buf + s->len + 1, st, n * sizeof *st);
     s->len += 1 + n;
     s->n++;
     return FU_OK;

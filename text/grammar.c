@@ -215,7 +215,7 @@ static int gb_add_set(gb *b, const uint32_t *r, size_t n) {
     memset(s, 0, sizeof *s);
     s->off = (uint32_t)b->n_ranges;
     s->n = (uint32_t)n;
-    memcpy(b->ranges + 2 * b->n_ranges, r, 2 * n * sizeof *r);
+    if (n) memcpy(b->ranges + 2 * b->n_ranges, r, 2 * n * sizeof *r);
     b->n_ranges += n;
     for (size_t i = 0; i < n; i++) {
         for (uint32_t c = r[2 * i]; c <= r[2 * i + 1] && c < 128; c++) s->ascii[c >> 5] |= 1u << (c & 31);
@@ -257,7 +257,7 @@ static int gb_flatten(gb *b, gm_grammar *g) {
         g->rule_alt[i] = k;
         for (size_t a = 0; a < b->rules[i].n_alts; a++) {
             g->alts[k++] = e;
-            memcpy(g->elems + e, b->rules[i].alts[a].e, b->rules[i].alts[a].n * sizeof *g->elems);
+            if (b->rules[i].alts[a].n) memcpy(g->elems + e, b->rules[i].alts[a].e, b->rules[i].alts[a].n * sizeof *g->elems);
             e += (uint32_t)b->rules[i].alts[a].n;
             g->elems[e++] = (gm_elem){GM_END, 0};
         }
