@@ -10,6 +10,9 @@
 
 #define GM_MAX_NEST 256   /* rule references expanded in one go before a stack is dropped */
 #define GM_CACHE 16       /* masks of recent states a matcher keeps */
+#define GM_DFA_STATES 4096 /* automaton states a matcher keeps before starting over */
+#define GM_UNKNOWN (-1)
+#define GM_DEAD (-2)
 
 /* ---- the vocabulary ------------------------------------------------------------------------ */
 
@@ -145,13 +148,27 @@ typedef struct gm_set {
     int n;
 } gm_set;
 
-typedef struct gm_cache_entry {
-    uint32_t *key;
-    size_t key_len, key_cap;
+/* A state of the lazily built automaton: an interned set, and its transitions as computed. */
+typedef struct gm_dstate {
+    size_t off, len;       /* its stack records: dfa_buf[off .. off + len) */
+    int n;                 /* stacks */
     uint64_t hash;
-    uint8_t *mask;
+    int wide, accepting;   /* some top set holds a code point >= 0x80; the empty stack is there */
+    int32_t next[128];     /* by ASCII code point: GM_UNKNOWN, GM_DEAD or a state */
+} gm_dstate;
+
+/* A computed transition by a code point >= 0x80. */
+typedef struct gm_wide_edge {
+    uint64_t key;          /* (state << 21 | code point) + 1; 0: empty slot */
+    int32_t to;
+} gm_wide_edge;
+
+typedef struct gm_cache_entry {
+    int32_t state;         /* -1: unused */
+    uint32_t cp;
+    int need;
     int count;
-    int used;
+    uint8_t *mask;
 } gm_cache_entry;
 
 struct gm_matcher {
@@ -162,9 +179,19 @@ struct gm_matcher {
     int need;                 /* ... and the continuation bytes it still needs */
     int finished;
     gm_set tmp[2];            /* accept_bytes' scratch */
-    gm_set lv[GM_MAX_TOKEN_BYTES + 1]; /* the mask walk's state at each depth */
     uint32_t *scr;            /* expansion frames */
     size_t cap_scr;
+    /* the automaton: sets met by the mask walks, interned, with their transitions; cleared when it
+     * grows past GM_DFA_STATES */
+    gm_dstate *ds;
+    size_t n_ds, cap_ds;
+    uint32_t *dfa_buf;
+    size_t dfa_len, dfa_cap;
+    int32_t *dhash;           /* (cap_dhash) state ids + 1 by hash; 0: empty */
+    size_t cap_dhash;
+    gm_wide_edge *wide;       /* (cap_wide) open addressing */
+    size_t n_wide, cap_wide;
+    gm_set work;              /* an advance's result before it is interned */
     gm_cache_entry cache[GM_CACHE];
     int next_slot;
 };
@@ -285,6 +312,7 @@ int gm_matcher_new(const gm_grammar *g, const gm_vocab *v, gm_matcher **out) {
     if (!m) return fu_errorf(FU_ERR_NOMEM, "grammar: matcher");
     m->g = g;
     m->v = v;
+    for (int i = 0; i < GM_CACHE; i++) m->cache[i].state = -1;
     uint32_t root = 0;
     int rc = fu_grow((void **)&m->scr, &m->cap_scr, 64, sizeof *m->scr) ? fu_errorf(FU_ERR_NOMEM, "grammar") : FU_OK;
     for (uint32_t a = g->rule_alt[g->root]; !rc && a < g->rule_alt[g->root + 1]; a++) {
@@ -305,8 +333,12 @@ void gm_matcher_free(gm_matcher *m) {
     gm_set_free(&m->cur);
     gm_set_free(&m->tmp[0]);
     gm_set_free(&m->tmp[1]);
-    for (int i = 0; i <= GM_MAX_TOKEN_BYTES; i++) gm_set_free(&m->lv[i]);
-    for (int i = 0; i < GM_CACHE; i++) free(m->cache[i].key), free(m->cache[i].mask);
+    gm_set_free(&m->work);
+    for (int i = 0; i < GM_CACHE; i++) free(m->cache[i].mask);
+    free(m->ds);
+    free(m->dfa_buf);
+    free(m->dhash);
+    free(m->wide);
     free(m->scr);
     free(m);
 }
@@ -328,7 +360,7 @@ int gm_matcher_accept_bytes(gm_matcher *m, const char *s, size_t n) {
     gm_set t = m->cur;
     m->cur = m->tmp[at];
     m->tmp[at] = t;
-    m->cp = cp;
+    m->cp = need ? cp : 0; /* only a partial character's bits are state */
     m->need = need;
     return FU_OK;
 }
@@ -351,65 +383,174 @@ int gm_matcher_accept_token(gm_matcher *m, int32_t id) {
     return gm_matcher_accept_bytes(m, v->bytes + v->off[id], len);
 }
 
+/* ---- the automaton -------------------------------------------------------------------------- */
+
+static uint64_t gm_hash_words(const uint32_t *w, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ w[i]) * 1099511628211ull;
+    return h ^ (h >> 29);
+}
+
+/* Forgets every state and transition (and the masks cached by state). */
+static void gm_dfa_clear(gm_matcher *m) {
+    m->n_ds = m->dfa_len = m->n_wide = 0;
+    if (m->dhash) memset(m->dhash, 0, m->cap_dhash * sizeof *m->dhash);
+    if (m->wide) memset(m->wide, 0, m->cap_wide * sizeof *m->wide);
+    for (int i = 0; i < GM_CACHE; i++) m->cache[i].state = -1;
+}
+
+/* Puts state id into the hash table (rebuilt twice as large when half full). */
+static int gm_dhash_put(gm_matcher *m, int32_t id) {
+    if (2 * (m->n_ds + 1) > m->cap_dhash) {
+        size_t cap = m->cap_dhash ? 2 * m->cap_dhash : 1024;
+        int32_t *h = calloc(cap, sizeof *h);
+        if (!h) return fu_errorf(FU_ERR_NOMEM, "grammar");
+        free(m->dhash);
+        m->dhash = h;
+        m->cap_dhash = cap;
+        for (size_t i = 0; i < m->n_ds; i++)
+            if ((int32_t)i != id) gm_dhash_put(m, (int32_t)i);
+    }
+    size_t i = m->ds[id].hash & (m->cap_dhash - 1);
+    while (m->dhash[i]) i = (i + 1) & (m->cap_dhash - 1);
+    m->dhash[i] = id + 1;
+    return FU_OK;
+}
+
+/* The id of the state holding set s (added when new), or a negative status. */
+static int32_t gm_intern(gm_matcher *m, const gm_set *s) {
+    uint64_t h = gm_hash_words(s->buf, s->len);
+    for (size_t i = m->cap_dhash ? h & (m->cap_dhash - 1) : 0; m->cap_dhash && m->dhash[i]; i = (i + 1) & (m->cap_dhash - 1)) {
+        const gm_dstate *d = &m->ds[m->dhash[i] - 1];
+        if (d->hash == h && d->len == s->len && !memcmp(m->dfa_buf + d->off, s->buf, s->len * sizeof *s->buf))
+            return m->dhash[i] - 1;
+    }
+    if (fu_grow((void **)&m->ds, &m->cap_ds, m->n_ds + 1, sizeof *m->ds) ||
+        fu_grow((void **)&m->dfa_buf, &m->dfa_cap, m->dfa_len + s->len, sizeof *m->dfa_buf))
+        return fu_errorf(FU_ERR_NOMEM, "grammar");
+    gm_dstate *d = &m->ds[m->n_ds];
+    d->off = m->dfa_len;
+    d->len = s->len;
+    d->n = s->n;
+    d->hash = h;
+    d->wide = gm_set_wide(m->g, s);
+    d->accepting = gm_set_has_empty(s);
+    for (int c = 0; c < 128; c++) d->next[c] = GM_UNKNOWN;
+    if (s->len) memcpy(m->dfa_buf + m->dfa_len, s->buf, s->len * sizeof *s->buf);
+    m->dfa_len += s->len;
+    int32_t id = (int32_t)m->n_ds++;
+    int rc = gm_dhash_put(m, id);
+    return rc ? rc : id;
+}
+
+/* The set of state id (pointing into the automaton's buffer: valid until the next intern). */
+static gm_set gm_dstate_set(const gm_matcher *m, int32_t id) {
+    const gm_dstate *d = &m->ds[id];
+    return (gm_set){m->dfa_buf + d->off, d->len, d->len, d->n};
+}
+
+/* The slot of the wide edge `key` (found or empty). */
+static gm_wide_edge *gm_wide_slot(gm_matcher *m, uint64_t key) {
+    size_t i = (size_t)(key * 0x9E3779B97F4A7C15ull >> 20) & (m->cap_wide - 1);
+    while (m->wide[i].key && m->wide[i].key != key) i = (i + 1) & (m->cap_wide - 1);
+    return &m->wide[i];
+}
+
+static int gm_wide_put(gm_matcher *m, uint64_t key, int32_t to) {
+    if (2 * (m->n_wide + 1) > m->cap_wide) {
+        size_t cap = m->cap_wide ? 2 * m->cap_wide : 1024;
+        gm_wide_edge *old = m->wide, *w = calloc(cap, sizeof *w);
+        if (!w) return fu_errorf(FU_ERR_NOMEM, "grammar");
+        size_t old_cap = m->cap_wide;
+        m->wide = w;
+        m->cap_wide = cap;
+        for (size_t i = 0; i < old_cap; i++)
+            if (old[i].key) *gm_wide_slot(m, old[i].key) = old[i];
+        free(old);
+    }
+    gm_wide_edge *e = gm_wide_slot(m, key);
+    if (!e->key) m->n_wide++;
+    *e = (gm_wide_edge){key, to};
+    return FU_OK;
+}
+
+/* The state after code point c from state id: computed once, then looked up. GM_DEAD when no
+ * stack goes on; a status < GM_DEAD on failure. */
+static int32_t gm_next(gm_matcher *m, int32_t id, uint32_t c) {
+    uint64_t key = (((uint64_t)id << 21) | c) + 1;
+    if (c < 128 && m->ds[id].next[c] != GM_UNKNOWN) return m->ds[id].next[c];
+    if (c >= 128 && m->cap_wide) {
+        gm_wide_edge *e = gm_wide_slot(m, key);
+        if (e->key) return e->to;
+    }
+    gm_set in = gm_dstate_set(m, id);
+    int rc = gm_advance(m, &in, c, &m->work);
+    if (rc) return rc < GM_DEAD ? rc : FU_ERR_INTERNAL;
+    int32_t to = m->work.n ? gm_intern(m, &m->work) : GM_DEAD;
+    if (to < GM_DEAD) return to;
+    if (c < 128) m->ds[id].next[c] = to;
+    else if ((rc = gm_wide_put(m, key, to))) return rc;
+    return to;
+}
+
 /* ---- the mask ------------------------------------------------------------------------------ */
 
-/* Walks node's children from state (set, cp, need) at depth d, marking the tokens whose bytes
+/* The state after byte b from (id, *cp, *need), as gm_step_byte but over the automaton. */
+static int32_t gm_next_byte(gm_matcher *m, int32_t id, uint32_t *cp, int *need, uint8_t b) {
+    if (*need > 0) {
+        if ((b & 0xC0) != 0x80) return GM_DEAD;
+        *cp = (*cp << 6) | (b & 0x3Fu);
+        return --*need > 0 ? id : gm_next(m, id, *cp);
+    }
+    if (b < 0x80) return gm_next(m, id, *cp = b);
+    int n = (b >> 5) == 6 ? 1 : (b >> 4) == 14 ? 2 : (b >> 3) == 30 ? 3 : 0;
+    if (!n || !m->ds[id].wide) return GM_DEAD;
+    *cp = b & (0x3Fu >> n);
+    *need = n;
+    return id;
+}
+
+/* Walks node's children from state (id, cp, need) at depth d, marking the tokens whose bytes
  * stay alive; dead subtrees are skipped. */
-static int gm_walk(gm_matcher *m, const gm_node *node, int d, const gm_set *set, uint32_t cp, int need,
-                   uint8_t *mask, int *count) {
+static int gm_walk(gm_matcher *m, const gm_node *node, int d, int32_t id, uint32_t cp, int need, uint8_t *mask,
+                   int *count) {
     const gm_vocab *v = m->v;
     for (uint32_t k = 0; k < node->n; k++) {
         const gm_node *c = &v->nodes[node->first + k];
         uint32_t cp2 = cp;
-        int need2 = need, same;
-        int alive = gm_step_byte(m, set, &cp2, &need2, c->byte, &m->lv[d + 1], &same);
-        if (alive < 0) return alive;
-        if (!alive) continue;
+        int need2 = need;
+        int32_t to = gm_next_byte(m, id, &cp2, &need2, c->byte);
+        if (to == GM_DEAD) continue;
+        if (to < GM_DEAD) return to;
         for (uint32_t t = 0; t < c->n_tok; t++) {
-            int32_t id = v->ids[c->tok_off + t];
-            mask[id >> 3] |= (uint8_t)(1u << (id & 7));
+            int32_t tok = v->ids[c->tok_off + t];
+            mask[tok >> 3] |= (uint8_t)(1u << (tok & 7));
         }
         *count += (int)c->n_tok;
         if (c->n && d + 1 < GM_MAX_TOKEN_BYTES) {
-            int rc = gm_walk(m, c, d + 1, same ? set : &m->lv[d + 1], cp2, need2, mask, count);
+            int rc = gm_walk(m, c, d + 1, to, cp2, need2, mask, count);
             if (rc) return rc;
         }
     }
     return FU_OK;
 }
 
-/* The cache key of the current state: [cp, need, the set's stacks]. */
-static uint64_t gm_key_hash(const gm_matcher *m) {
-    uint64_t h = 1469598103934665603ull ^ ((uint64_t)m->cp << 8) ^ (uint64_t)m->need;
-    for (size_t i = 0; i < m->cur.len; i++) h = (h ^ m->cur.buf[i]) * 1099511628211ull;
-    return h;
-}
-
-static gm_cache_entry *gm_cache_find(gm_matcher *m, uint64_t h) {
+static gm_cache_entry *gm_cache_find(gm_matcher *m, int32_t id) {
     for (int i = 0; i < GM_CACHE; i++) {
         gm_cache_entry *e = &m->cache[i];
-        if (e->used && e->hash == h && e->key_len == m->cur.len + 2 && e->key[0] == m->cp &&
-            e->key[1] == (uint32_t)m->need && !memcmp(e->key + 2, m->cur.buf, m->cur.len * sizeof *e->key))
-            return e;
+        if (e->state == id && e->cp == m->cp && e->need == m->need) return e;
     }
     return NULL;
 }
 
-/* Stores mask under the current state (best effort: a failed allocation just skips it). */
-static void gm_cache_put(gm_matcher *m, uint64_t h, const uint8_t *mask, size_t mask_bytes, int count) {
+/* Stores mask under state (id, cp, need) (best effort: a failed allocation just skips it). */
+static void gm_cache_put(gm_matcher *m, int32_t id, const uint8_t *mask, size_t mask_bytes, int count) {
     gm_cache_entry *e = &m->cache[m->next_slot];
     m->next_slot = (m->next_slot + 1) % GM_CACHE;
-    e->used = 0;
-    if (fu_grow((void **)&e->key, &e->key_cap, m->cur.len + 2, sizeof *e->key)) return;
+    e->state = -1;
     if (!e->mask && !(e->mask = malloc(mask_bytes))) return;
-    e->key[0] = m->cp;
-    e->key[1] = (uint32_t)m->need;
-    memcpy(e->key + 2, m->cur.buf, m->cur.len * sizeof *e->key);
-    e->key_len = m->cur.len + 2;
-    e->hash = h;
     memcpy(e->mask, mask, mask_bytes);
-    e->count = count;
-    e->used = 1;
+    *e = (gm_cache_entry){id, m->cp, m->need, count, e->mask};
 }
 
 /* The end-of-generation ids, allowed when the grammar accepts here. */
@@ -426,16 +567,18 @@ int gm_matcher_mask(gm_matcher *m, uint8_t *mask, size_t mask_bytes) {
         return fu_errorf(FU_ERR_INVALID, "grammar: mask of %zu bytes for %d tokens", mask_bytes, m->v->n);
     memset(mask, 0, mask_bytes);
     if (m->finished) return 0;
-    uint64_t h = gm_key_hash(m);
-    gm_cache_entry *e = gm_cache_find(m, h);
+    if (m->n_ds > GM_DFA_STATES) gm_dfa_clear(m);
+    int32_t id = gm_intern(m, &m->cur);
+    if (id < 0) return id;
+    gm_cache_entry *e = gm_cache_find(m, id);
     if (e) {
         memcpy(mask, e->mask, mask_bytes);
         return e->count;
     }
     int count = 0;
-    int rc = gm_walk(m, &m->v->nodes[0], 0, &m->cur, m->cp, m->need, mask, &count);
+    int rc = gm_walk(m, &m->v->nodes[0], 0, id, m->cp, m->need, mask, &count);
     if (rc) return rc;
     count += gm_mask_eog(m, mask);
-    gm_cache_put(m, h, mask, mask_bytes, count);
+    gm_cache_put(m, id, mask, mask_bytes, count);
     return count;
 }
