@@ -177,10 +177,10 @@ static void smp_apply_mask(const smp_params *p, float *logits, int n) {
         if (!((p->allowed[i >> 3] >> (i & 7)) & 1)) logits[i] = -INFINITY;
 }
 
-int32_t smp_sample(smp_sampler *s, float *logits) {
+/* Penalties, logit_bias and the allowed mask applied to logits (n_vocab) in place. */
+static void smp_adjust(const smp_sampler *s, float *logits) {
     const int n = s->n_vocab;
     const smp_params *p = &s->p;
-    /* penalties */
     if (p->presence_penalty != 0 || p->frequency_penalty != 0 || p->repetition_penalty != 1) {
         for (int i = 0; i < n; i++) {
             if (!s->counts[i]) continue;
@@ -195,6 +195,12 @@ int32_t smp_sample(smp_sampler *s, float *logits) {
         else logits[p->bias[i].token] += p->bias[i].bias;
     }
     if (p->allowed) smp_apply_mask(p, logits, n);
+}
+
+int32_t smp_sample(smp_sampler *s, float *logits) {
+    const int n = s->n_vocab;
+    const smp_params *p = &s->p;
+    smp_adjust(s, logits);
     if (p->temperature <= 0) return smp_argmax(logits, n);
 
     /* softmax with temperature over all tokens */
