@@ -27,6 +27,8 @@ struct gm_vocab {
     char *bytes;          /* every token's bytes back to back */
     size_t *off;          /* (n + 1) token i: bytes[off[i] .. off[i + 1]) */
     uint8_t *eog;         /* (n) end-of-generation ids */
+    int32_t *eog_ids;     /* (n_eog) the same, listed */
+    int n_eog;
     gm_node *nodes;       /* (n_nodes) nodes[0] is the root */
     uint32_t n_nodes, cap_nodes;
     int32_t *ids;         /* (n) token ids in trie order */
@@ -84,8 +86,10 @@ static int gm_vocab_fill(gm_vocab *v, const char *const *tokens, const size_t *l
     v->eog = calloc((size_t)v->n, 1);
     v->ids = malloc((size_t)v->n * sizeof *v->ids);
     if (!v->bytes || !v->off || !v->eog || !v->ids) return FU_ERR_NOMEM;
+    v->eog_ids = malloc(((size_t)n_eog + 1) * sizeof *v->eog_ids);
+    if (!v->eog_ids) return FU_ERR_NOMEM;
     for (int i = 0; i < n_eog; i++)
-        if (eog[i] >= 0 && eog[i] < v->n) v->eog[eog[i]] = 1;
+        if (eog[i] >= 0 && eog[i] < v->n && !v->eog[eog[i]]) v->eog[eog[i]] = 1, v->eog_ids[v->n_eog++] = eog[i];
     size_t at = 0;
     for (int i = 0; i < v->n; i++) {
         v->off[i] = at;
@@ -131,6 +135,7 @@ void gm_vocab_free(gm_vocab *v) {
     free(v->bytes);
     free(v->off);
     free(v->eog);
+    free(v->eog_ids);
     free(v->nodes);
     free(v->ids);
     free(v);
@@ -556,10 +561,8 @@ static void gm_cache_put(gm_matcher *m, int32_t id, const uint8_t *mask, size_t 
 /* The end-of-generation ids, allowed when the grammar accepts here. */
 static int gm_mask_eog(const gm_matcher *m, uint8_t *mask) {
     if (!gm_matcher_accepting(m)) return 0;
-    int count = 0;
-    for (int id = 0; id < m->v->n; id++)
-        if (m->v->eog[id]) mask[id >> 3] |= (uint8_t)(1u << (id & 7)), count++;
-    return count;
+    for (int i = 0; i < m->v->n_eog; i++) mask[m->v->eog_ids[i] >> 3] |= (uint8_t)(1u << (m->v->eog_ids[i] & 7));
+    return m->v->n_eog;
 }
 
 int gm_matcher_mask(gm_matcher *m, uint8_t *mask, size_t mask_bytes) {
