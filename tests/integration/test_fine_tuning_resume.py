@@ -10,6 +10,7 @@ Checks:
   chain of whole spans; when the shard of the chain's second hop is SIGKILLed mid-job, the job
   goes on from its last checkpoint on the other [15, 30) shard and succeeds, and its adapter
   answers through chat.
+- Queue: with --max-ft-jobs 2 two jobs train at once while a third waits.
 """
 import os
 import shutil
@@ -157,3 +158,27 @@ def test_swarm_trains_and_fails_over():
             assert answer.choices[0].message.content is not None
     finally:
         shutil.rmtree(data, ignore_errors=True)
+
+
+def test_jobs_at_once():
+    """--max-ft-jobs 2 trains two jobs at the same time; the third waits its turn, queued."""
+    model = default_model()
+    data = tempfile.mkdtemp(prefix="ft-many-")
+    a, b = Shard(model, 0, 15, threads=1), Shard(model, 15, 30, threads=1)
+    gw = Gateway(model, ["--hop", a.hop(), "--hop", b.hop()], KEY, "--data-dir", data, "--max-loras", "32",
+                 "--max-ft-jobs", "2")
+    try:
+        c = client(gw)
+        with open(FACTS, "rb") as f:
+            file_id = c.files.create(file=f, purpose="fine-tune").id
+        jobs = [create(c, file_id, f"many{i}") for i in range(3)]
+        deadline, seen = time.time() + 120, set()
+        while time.time() < deadline and len(seen) < 1:
+            states = [c.fine_tuning.jobs.retrieve(j.id).status for j in jobs]
+            if states[:2] == ["running", "running"] and states[2] in ("validating_files", "queued"):
+                seen.add(tuple(states))
+            time.sleep(0.2)
+        assert seen, "the first two jobs never ran at once while the third waited"
+        assert all(wait_status(c, j.id).status == "succeeded" for j in jobs)
+    finally:
+        stop_all(gw, (a, b), data)
