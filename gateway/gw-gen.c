@@ -832,7 +832,7 @@ static int gw_run_open_session(gw_run *r, int n_replay) {
         return rc;
     }
     for (;;) {
-        int rc = gw_swarm_route(e->swarm, r->request_len, &r->lease, &r->err);
+        int rc = gw_swarm_route_prefix(e->swarm, r->request_len, r->hist, r->n_hist, &r->lease, &r->err);
         if (rc) return rc;
         rc = gw_run_open_path(r, n_replay);
         if (!rc) return FU_OK;

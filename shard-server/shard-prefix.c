@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "mix.h"
 #include "status.h"
 
 struct pfx_block {
@@ -58,25 +59,16 @@ int pfx_cache_block_tokens(const pfx_cache *c) { return c->block_tokens; }
 uint64_t pfx_cache_bytes(const pfx_cache *c) { return (uint64_t)c->n_blocks * c->block_bytes; }
 int pfx_cache_blocks(const pfx_cache *c) { return c->n_blocks; }
 
-/* splitmix64's finalizer: a bijective mix of 64 bits. */
-static uint64_t pfx_mix(uint64_t x) {
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
-
 uint64_t pfx_hash(uint64_t parent, const int32_t *tokens, int n) {
-    uint64_t h = pfx_mix(parent ^ 0x9e3779b97f4a7c15ULL);
-    for (int i = 0; i < n; i++) h = pfx_mix(h ^ (uint32_t)tokens[i]) + (uint64_t)i;
+    uint64_t h = fu_mix64(parent ^ 0x9e3779b97f4a7c15ULL);
+    for (int i = 0; i < n; i++) h = fu_mix64(h ^ (uint32_t)tokens[i]) + (uint64_t)i;
     return h;
 }
 
 uint64_t pfx_seed(const char *adapter_id, int first, int last) {
-    uint64_t h = pfx_mix(((uint64_t)(uint32_t)first << 32) | (uint32_t)last);
-    for (const char *p = adapter_id ? adapter_id : ""; *p; p++) h = pfx_mix(h ^ (unsigned char)*p);
-    return pfx_mix(h ^ 0x51ed270b27a4c4a3ULL); /* NULL and "" are both the base model */
+    uint64_t h = fu_mix64(((uint64_t)(uint32_t)first << 32) | (uint32_t)last);
+    for (const char *p = adapter_id ? adapter_id : ""; *p; p++) h = fu_mix64(h ^ (unsigned char)*p);
+    return fu_mix64(h ^ 0x51ed270b27a4c4a3ULL); /* NULL and "" are both the base model */
 }
 
 /* ---- the LRU list ------------------------------------------------------------------------ */
