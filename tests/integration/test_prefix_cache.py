@@ -1,6 +1,7 @@
 """Prefix caching across requests on a two-shard chain: the same prompt twice gives the same tokens
-(greedy and seeded) with the second request's prefix taken from the cache on both shards; a
-chain with --prefix-cache off gives the same tokens too."""
+(greedy and seeded) with the second request's prefix taken from the cache on both shards, with
+the gateway driving each hop and with server-to-server forwarding; a chain with --prefix-cache
+off gives the same tokens too."""
 import json
 import os
 import sys
@@ -47,10 +48,10 @@ def hit_tokens(shard):
     return shard_info(shard).get(22, 0)  # InfoReply.prefix_hit_tokens
 
 
-def run_cluster(model, *shard_flags):
+def run_cluster(model, *shard_flags, gateway_flags=()):
     shards = [Shard(model, 0, 15, shard_flags), Shard(model, 15, 30, shard_flags)]
     route = [f for s in shards for f in ("--hop", s.hop())]
-    return shards, Gateway(model, route, KEY)
+    return shards, Gateway(model, route, KEY, *gateway_flags)
 
 
 def stop(gw, shards):
@@ -93,5 +94,16 @@ def test_prefix_cache_same_tokens_and_hits_on_every_shard():
         assert chat(gw, question="What is the capital of France?")[0] == other
         assert [hit_tokens(s) for s in shards] == [0, 0]
         assert metric(gw, "fusion_prefix_hit_tokens_total") == 0
+    finally:
+        stop(gw, shards)
+
+    # server-to-server forwarding: the first shard opens the second with the prompt and answers
+    # the least of the two cached prefixes
+    shards, gw = run_cluster(model, gateway_flags=("--forward",))
+    try:
+        assert chat(gw)[0] == greedy1
+        assert chat(gw)[0] == greedy1
+        hits = [hit_tokens(s) for s in shards]
+        assert hits[0] == hits[1] > 0, hits
     finally:
         stop(gw, shards)
