@@ -345,12 +345,16 @@ int gw_config_load(gw_config *c, const char *path) {
     return fu_opt_load(options(c).t, path);
 }
 
-/* The environment: FUSION_SECRET where no secret is given, FUSION_API_KEY_FILE and
- * FUSION_API_KEY (comma-separated) add keys. */
+/* The environment: FUSION_SECRET where no secret is given (a different one given by --secret,
+ * --secret-file or the config file is an error naming both: neither silently wins),
+ * FUSION_API_KEY_FILE and FUSION_API_KEY (comma-separated) add keys. */
 static int config_env(gw_config *c) {
-    const char *env;
+    const char *env = getenv("FUSION_SECRET");
     int rc = FU_OK;
-    if (!c->secret && (env = getenv("FUSION_SECRET")) && (rc = gw_config_set(c, "secret", env))) return rc;
+    if (env && c->secret && strcmp(env, c->secret))
+        return fu_errorf(FU_ERR_INVALID, "the swarm secret in FUSION_SECRET differs from the one given by --secret, "
+                                         "--secret-file or the config file: keep one of them");
+    if (env && !c->secret && (rc = gw_config_set(c, "secret", env))) return rc;
     if ((env = getenv("FUSION_API_KEY_FILE")) && (rc = load_keys(c, env))) return rc;
     char *copy = (env = getenv("FUSION_API_KEY")) ? strdup(env) : NULL;
     if (env && !copy) return fu_errorf(FU_ERR_NOMEM, "FUSION_API_KEY");

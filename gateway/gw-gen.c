@@ -91,11 +91,19 @@ struct gw_job {
     gw_wake_fn wake;
     void *wake_arg;
     int64_t prompt_tokens, completion_tokens;
+    double t_first;             /* monotonic seconds of the first token of any choice; 0: none yet */
 };
 
 /* ---- job bookkeeping ---------------------------------------------------------------------- */
 
 void gw_job_lock(gw_job *j) { pthread_mutex_lock(&j->mu); }
+
+void gw_job_summarize(gw_job *j, gw_job_summary *out) {
+    pthread_mutex_lock(&j->mu);
+    *out = (gw_job_summary){j->id, j->req.model ? j->req.model : "", j->prompt_tokens, j->completion_tokens,
+                            j->t_first > 0 ? j->t_first - j->t_arrival : -1};
+    pthread_mutex_unlock(&j->mu);
+}
 void gw_job_unlock(gw_job *j) { pthread_mutex_unlock(&j->mu); }
 void gw_job_set_wake(gw_job *j, gw_wake_fn fn, void *arg) {
     j->wake = fn;
@@ -990,7 +998,12 @@ static int gw_run_emit_token(gw_run *r, int32_t tok) {
 /* Step latency: the time to the first token from the request's arrival, then between tokens. */
 static void gw_run_step_metrics(gw_run *r) {
     double t = fu_now_s();
-    if (r->step == 0) gw_metrics_ttft(r->j->e->metrics, t - r->j->t_arrival);
+    if (r->step == 0) {
+        gw_metrics_ttft(r->j->e->metrics, t - r->j->t_arrival);
+        pthread_mutex_lock(&r->j->mu);
+        if (r->j->t_first == 0) r->j->t_first = t;
+        pthread_mutex_unlock(&r->j->mu);
+    }
     else gw_metrics_itl(r->j->e->metrics, t - r->t_prev);
     r->t_prev = t;
 }
@@ -1171,6 +1184,7 @@ static void *gw_worker(void *arg) {
         e->q_head = (e->q_head + 1) % e->q_cap;
         e->q_len--;
         pthread_mutex_unlock(&e->mu);
+        gw_metrics_queue_wait(e->metrics, fu_now_s() - t.job->t_arrival);
         gw_run_choice(t.job, t.choice);
         gw_job_release(t.job);
         pthread_mutex_lock(&e->mu);

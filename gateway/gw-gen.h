@@ -83,6 +83,14 @@ chain_client *gw_engine_chain(gw_engine *e);
  * (nothing is queued then). */
 int gw_job_submit(gw_job *j);
 void gw_job_release(gw_job *j); /* drops a reference; NULL is a no-op */
+/* What the access log tells of a job (thread-safe): its id and model (owned by the job), the
+ * tokens counted so far, and the seconds from its arrival to its first token (-1: none yet). */
+typedef struct gw_job_summary {
+    const char *id, *model;
+    int64_t prompt_tokens, completion_tokens;
+    double ttft_s;
+} gw_job_summary;
+void gw_job_summarize(gw_job *j, gw_job_summary *out);
 /* Asks the job's choices to stop and close their sessions (thread-safe). */
 void gw_job_cancel(gw_job *j);
 

@@ -27,6 +27,7 @@
 #include "chat-template.h"
 #include "clock.h"
 #include "gw-files.h"
+#include "gw-embed.h"
 #include "gw-health.h"
 #include "gw-jobs.h"
 #include "gw-swarm.h"
@@ -83,6 +84,7 @@ struct gw_server {
     gw_files *files; /* /v1/files: the data directory and its database */
     gw_jobs *jobs;   /* /v1/fine_tuning/jobs and their runner */
     gw_health *health; /* /health's readiness and /metrics' per-shard figures */
+    gw_embed *embed;   /* /v1/embeddings */
     struct MHD_Daemon *d;
     struct MHD_Daemon *scrape_d; /* --metrics-listen: /metrics without a key; NULL: none */
     int scrape_port;
@@ -137,6 +139,9 @@ struct gw_conn {
     char owner[GW_OWNER_MAX]; /* who the API key names (gw_files_owner) */
     bool admin;       /* an --admin-key: sees every owner's files */
     gw_upload *upload; /* POST /v1/files: the body streams here instead of into `body` */
+    int status;        /* the answer's HTTP status; 0: none yet */
+    double t0;         /* monotonic seconds the request arrived */
+    char path[96];     /* its URL's path, for the access log */
 };
 
 /* ---- responses --------------------------------------------------------------------------- */
@@ -166,11 +171,17 @@ static enum MHD_Result gw_queue(gw_conn *c, int status, const char *ctype, char 
     return ret;
 }
 
+/* Counts an answer of `status` to c (the access log tells it). */
+static void gw_count(gw_conn *c, int status) {
+    c->status = status;
+    gw_metrics_request(c->srv->metrics, c->route, status);
+}
+
 /* Queues response r (made by the caller, released here) with the common headers, counted. */
 static enum MHD_Result gw_queue_made(gw_conn *c, int status, struct MHD_Response *r) {
     gw_add_headers(c, r);
     c->responded = true;
-    gw_metrics_request(c->srv->metrics, c->route, status);
+    gw_count(c, status);
     enum MHD_Result ret = MHD_queue_response(c->mc, (unsigned)status, r);
     MHD_destroy_response(r);
     return ret;
@@ -183,11 +194,11 @@ static enum MHD_Result gw_respond(gw_conn *c, int status, const char *ctype, cha
         free(c->reply.body);
         c->reply = (gw_reply){true, status, ctype, body, len};
         c->responded = true;
-        gw_metrics_request(c->srv->metrics, c->route, status);
+        gw_count(c, status);
         return MHD_YES;
     }
     c->responded = true;
-    gw_metrics_request(c->srv->metrics, c->route, status);
+    gw_count(c, status);
     return gw_queue(c, status, ctype, body, len);
 }
 
@@ -232,7 +243,8 @@ static gw_route gw_route_of(const char *url, bool *post_expected) {
         {"/v1/models", GW_ROUTE_MODELS, false},         {"/tokenize", GW_ROUTE_TOKENIZE, true},
         {"/detokenize", GW_ROUTE_DETOKENIZE, true},     {"/apply-template", GW_ROUTE_APPLY_TEMPLATE, true},
         {"/health", GW_ROUTE_HEALTH, false},            {"/metrics", GW_ROUTE_METRICS, false},
-        {"/livez", GW_ROUTE_HEALTH, false},
+        {"/livez", GW_ROUTE_HEALTH, false},             {"/v1/embeddings", GW_ROUTE_EMBEDDINGS, true},
+        {"/embeddings", GW_ROUTE_EMBEDDINGS, true},
         {"/chat/completions", GW_ROUTE_CHAT, true},     {"/completions", GW_ROUTE_COMPLETIONS, true},
         {"/v1/health", GW_ROUTE_HEALTH, false},         {"/v1/swarm", GW_ROUTE_SWARM, false},
         {"/v1/load_lora_adapter", GW_ROUTE_LOAD_LORA, true}, {"/v1/unload_lora_adapter", GW_ROUTE_UNLOAD_LORA, true},
@@ -592,6 +604,14 @@ static bool gw_opt_bool(const json_t *o, const char *key, bool dflt) {
     return json_is_boolean(v) ? json_is_true(v) : dflt;
 }
 
+/* POST /v1/embeddings (on a body thread: the chain's Forward calls). */
+static enum MHD_Result gw_route_embeddings(gw_conn *c, const json_t *body) {
+    json_t *out = NULL;
+    gw_error err;
+    if (gw_embed_run(c->srv->embed, body, &out, &err)) return gw_respond_error(c, &err);
+    return gw_respond_json(c, 200, out);
+}
+
 static enum MHD_Result gw_route_tokenize(gw_conn *c, const json_t *body) {
     const gw_model *m = c->srv->model;
     const json_t *content = json_object_get(body, "content");
@@ -732,7 +752,7 @@ static enum MHD_Result gw_job_progress(gw_conn *c) {
     enum MHD_Result ret = MHD_queue_response(c->mc, 200, r);
     MHD_destroy_response(r);
     c->responded = true;
-    gw_metrics_request(c->srv->metrics, c->route, 200);
+    gw_count(c, 200);
     return ret;
 }
 
@@ -945,6 +965,7 @@ static void gw_body_run(gw_conn *c) {
     else if (c->route == GW_ROUTE_LOAD_LORA) ret = gw_route_load_lora(c, body);
     else if (c->route == GW_ROUTE_UNLOAD_LORA) ret = gw_route_unload_lora(c, body);
     else if (c->route == GW_ROUTE_FINE_TUNING) ret = gw_route_jobs_post(c, body);
+    else if (c->route == GW_ROUTE_EMBEDDINGS) ret = gw_route_embeddings(c, body);
     else ret = gw_route_generate(c, body);
     json_decref(body);
     fu_buf_free(&c->body);
@@ -976,6 +997,7 @@ static gw_conn *gw_conn_new(gw_server *s, struct MHD_Connection *mc) {
     if (!c) return NULL;
     c->srv = s;
     c->mc = mc;
+    c->t0 = fu_now_s();
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(mc, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
     c->sock = ci ? ci->socket_context : NULL;
     gw_sock_phase(c, GW_PHASE_BODY); /* the headers are in; a body may follow */
@@ -992,6 +1014,7 @@ static enum MHD_Result gw_begin(gw_conn *c, const char *url, const char *method,
     gw_server *s = c->srv;
     bool want_post = false;
     c->route = gw_route_of(url, &want_post);
+    snprintf(c->path, sizeof c->path, "%s", url);
     c->is_post = !strcmp(method, "POST");
     c->is_delete = !strcmp(method, "DELETE");
     gw_error e;
@@ -1231,11 +1254,28 @@ static enum MHD_Result gw_handle(void *cls, struct MHD_Connection *mc, const cha
     return gw_dispatch(c, url);
 }
 
+/* One line per request: method, path, status, the key's fingerprint (never the key), and for a
+ * generation its id, model, tokens and time to the first token. Info level; /health, /livez and
+ * /metrics at debug, as probes poll them. */
+static void gw_access_log(const gw_conn *c) {
+    gw_job_summary js = {"-", "-", 0, 0, -1};
+    if (c->job) gw_job_summarize(c->job, &js);
+    const int level = c->route == GW_ROUTE_HEALTH || c->route == GW_ROUTE_METRICS ? FU_LOG_LEVEL_DEBUG : FU_LOG_LEVEL_INFO;
+    FU_LOG(level, js.id,
+           "access: %s %s %d key=%.8s model=%.128s prompt_tokens=%lld completion_tokens=%lld ttft_ms=%.0f "
+           "ms=%.0f",
+           c->is_post ? "POST" : c->is_delete ? "DELETE" : "GET", c->path[0] ? c->path : "-",
+           c->responded ? c->status : 499, c->owner[0] ? c->owner : "-", js.model[0] ? js.model : "-",
+           (long long)js.prompt_tokens, (long long)js.completion_tokens, js.ttft_s >= 0 ? js.ttft_s * 1e3 : -1.0,
+           (fu_now_s() - c->t0) * 1e3);
+}
+
 static void gw_completed(void *cls, struct MHD_Connection *mc, void **con_cls, enum MHD_RequestTerminationCode toe) {
     gw_server *s = cls;
     gw_conn *c = *con_cls;
     if (!c) return;
     *con_cls = NULL;
+    gw_access_log(c);
     if (c->job) {
         gw_job_lock(c->job);
         gw_job_set_wake(c->job, NULL, NULL);
@@ -1419,6 +1459,7 @@ static void gw_server_destroy(gw_server *s, bool close_listen) {
     free(s->https_cert);
     free(s->https_key);
     gw_health_free(s->health);
+    gw_embed_free(s->embed);
     gw_jobs_close(s->jobs);
     gw_files_close(s->files);
     pthread_cond_destroy(&s->watch_cv);
@@ -1571,7 +1612,7 @@ int gw_server_start(const gw_config *cfg, const gw_model *model, gw_engine *engi
     s->port = *port;
     gw_swarm *swarm = engine ? gw_engine_swarm(engine) : NULL;
     if ((rc = gw_files_open(cfg, model, &s->files)) || (rc = gw_jobs_open(cfg, model, s->files, swarm, &s->jobs)) ||
-        (rc = gw_health_new(cfg, swarm, &s->health))) {
+        (rc = gw_health_new(cfg, swarm, &s->health)) || (rc = gw_embed_new(cfg, model, swarm, &s->embed))) {
         gw_server_destroy(s, true);
         return rc;
     }

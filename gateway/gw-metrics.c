@@ -27,7 +27,7 @@ struct gw_metrics {
     uint64_t prompt_tokens, completion_tokens;
     uint64_t prefix_prompt, prefix_hits; /* chain sessions' first steps: positions, and those from caches */
     int sessions, running;
-    gw_hist ttft, itl, e2e;
+    gw_hist ttft, itl, e2e, queue;
 };
 
 static void gw_hist_init(gw_hist *h, const char *name, const char *help, const double *le, int n) {
@@ -75,6 +75,9 @@ int gw_metrics_new(gw_metrics **out) {
                  itl, (int)(sizeof itl / sizeof *itl));
     gw_hist_init(&m->e2e, "fusion_gateway_request_duration_seconds",
                  "Time from arrival to the end of a generation request.", e2e, (int)(sizeof e2e / sizeof *e2e));
+    gw_hist_init(&m->queue, "fusion_gateway_queue_wait_seconds",
+                 "Time a choice waited from its request's arrival until a generation worker took it.", ttft,
+                 (int)(sizeof ttft / sizeof *ttft));
     *out = m;
     return FU_OK;
 }
@@ -89,7 +92,8 @@ const char *gw_route_name(gw_route r) {
     static const char *names[GW_ROUTE_COUNT] = {"/v1/chat/completions", "/v1/completions", "/v1/models",
                                                 "/tokenize", "/detokenize", "/apply-template",
                                                 "/health", "/metrics", "/v1/swarm", "/v1/load_lora_adapter",
-                                                "/v1/unload_lora_adapter", "/v1/files", "/v1/fine_tuning/jobs", "other"};
+                                                "/v1/unload_lora_adapter", "/v1/files", "/v1/fine_tuning/jobs",
+                                                "/v1/embeddings", "other"};
     return (unsigned)r < GW_ROUTE_COUNT ? names[r] : "other";
 }
 
@@ -140,6 +144,7 @@ static int gw_metrics_render_prefix(const gw_metrics *m, fu_buf *out) {
 GW_OBSERVE(gw_metrics_ttft, ttft)
 GW_OBSERVE(gw_metrics_itl, itl)
 GW_OBSERVE(gw_metrics_e2e, e2e)
+GW_OBSERVE(gw_metrics_queue_wait, queue)
 
 void gw_metrics_sessions(gw_metrics *m, int delta) {
     pthread_mutex_lock(&m->mu);
@@ -185,6 +190,7 @@ int gw_metrics_render(gw_metrics *m, int queue_depth, fu_buf *out) {
     if (!rc) rc = gw_hist_render(&m->ttft, out);
     if (!rc) rc = gw_hist_render(&m->itl, out);
     if (!rc) rc = gw_hist_render(&m->e2e, out);
+    if (!rc) rc = gw_hist_render(&m->queue, out);
     pthread_mutex_unlock(&m->mu);
     return rc;
 }

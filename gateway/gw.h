@@ -312,6 +312,7 @@ typedef enum gw_route {
     GW_ROUTE_UNLOAD_LORA, /* POST /v1/unload_lora_adapter */
     GW_ROUTE_FILES,       /* /v1/files, /v1/files/{id}, /v1/files/{id}/content */
     GW_ROUTE_FINE_TUNING, /* /v1/fine_tuning/jobs and below */
+    GW_ROUTE_EMBEDDINGS,  /* POST /v1/embeddings */
     GW_ROUTE_OTHER,
     GW_ROUTE_COUNT
 } gw_route;
@@ -329,6 +330,8 @@ void gw_metrics_tokens(gw_metrics *m, int64_t prompt, int64_t completion);
 void gw_metrics_prefix(gw_metrics *m, int64_t prompt, int64_t reused);
 /* Latency observations: time to first token, between tokens, request end to end. */
 void gw_metrics_ttft(gw_metrics *m, double seconds);
+/* A choice waited this long from its request's arrival until a worker took it. */
+void gw_metrics_queue_wait(gw_metrics *m, double seconds);
 void gw_metrics_itl(gw_metrics *m, double seconds);
 void gw_metrics_e2e(gw_metrics *m, double seconds);
 void gw_metrics_sessions(gw_metrics *m, int delta);  /* chain sessions open */

@@ -447,7 +447,7 @@ static int eng_mlp(eng_engine *e, int l, eng_views *w) {
 /* One chunk of at most max_batch_tokens tokens. Sequence lengths were checked
  * and base positions assigned by the caller. */
 static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const float *embd,
-                             eng_seq *const *seqs, const uint8_t *want, float *out, int *n_out) {
+                             eng_seq *const *seqs, const uint8_t *want, bool final_hidden, float *out, int *n_out) {
     const mdl_model *m = e->m;
     const mdl_config *c = &m->cfg;
     op_backend *be = e->be;
@@ -489,14 +489,15 @@ static int eng_forward_chunk(eng_engine *e, int T, const int32_t *tokens, const 
     op_tensor h = op_tensor_2d(OP_TYPE_F32, e->xn, D, n);
     if (n < T && (rc = op_get_rows(be, &x, e->rows, &h))) return rc;
     if (!m->has_head) return op_buffer_get(be, out, n < T ? e->xn : e->x, (size_t)n * row);
+    if ((rc = op_rmsnorm(be, n < T ? &h : &x, &e->out_norm, c->norm_eps, &h))) return rc;
+    if (final_hidden) return op_buffer_get(be, out, e->xn, (size_t)n * row);
     op_tensor logits = op_tensor_2d(OP_TYPE_F32, e->logits, c->vocab_size, n);
-    if ((rc = op_rmsnorm(be, n < T ? &h : &x, &e->out_norm, c->norm_eps, &h)) ||
-        (rc = op_matmul(be, &e->head, &h, &logits)))
-        return rc;
+    if ((rc = op_matmul(be, &e->head, &h, &logits))) return rc;
     return op_buffer_get(be, out, e->logits, (size_t)n * (size_t)c->vocab_size * sizeof(float));
 }
 
-int eng_forward(eng_engine *e, const eng_batch *b, float *out) {
+/* eng_forward, with final_hidden: eng_forward_final_hidden. */
+static int eng_forward_out(eng_engine *e, const eng_batch *b, bool final_hidden, float *out) {
     const mdl_model *m = e->m;
     const int T = b->n_tokens;
     if (T <= 0) return fu_errorf(FU_ERR_INVALID, "forward: empty batch");
@@ -517,13 +518,13 @@ int eng_forward(eng_engine *e, const eng_batch *b, float *out) {
                              m->cfg.vocab_size);
     }
     const int chunk = e->opts.max_batch_tokens;
-    const size_t out_row = (size_t)(m->has_head ? m->cfg.vocab_size : m->cfg.dim);
+    const size_t out_row = (size_t)(m->has_head && !final_hidden ? m->cfg.vocab_size : m->cfg.dim);
     for (int t0 = 0; t0 < T; t0 += chunk) {
         int n = T - t0 < chunk ? T - t0 : chunk;
         int n_out = 0;
         int rc = eng_forward_chunk(e, n, b->tokens ? b->tokens + t0 : NULL,
                                    b->embd ? b->embd + (size_t)t0 * m->cfg.dim : NULL, b->seqs + t0,
-                                   b->want ? b->want + t0 : NULL, out, &n_out);
+                                   b->want ? b->want + t0 : NULL, final_hidden, out, &n_out);
         if (rc) {
             for (int t = 0; t < t0; t++) b->seqs[t]->len--; /* undo the chunks done */
             return rc;
@@ -533,4 +534,11 @@ int eng_forward(eng_engine *e, const eng_batch *b, float *out) {
         for (int t = t0; t < t0 + n; t++) b->seqs[t]->len++;
     }
     return FU_OK;
+}
+
+int eng_forward(eng_engine *e, const eng_batch *b, float *out) { return eng_forward_out(e, b, false, out); }
+
+int eng_forward_final_hidden(eng_engine *e, const eng_batch *b, float *out) {
+    if (!e->m->has_head) return fu_errorf(FU_ERR_UNSUPPORTED, "forward: the span does not hold the head");
+    return eng_forward_out(e, b, true, out);
 }

@@ -19,6 +19,7 @@
 #ifndef FU_ENGINE_H
 #define FU_ENGINE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "lora.h"
@@ -96,5 +97,10 @@ typedef struct eng_batch {
  * On error no sequence's length changes (its cache contents past that length
  * are unspecified). */
 int eng_forward(eng_engine *e, const eng_batch *b, float *out);
+
+/* eng_forward for a model with its head, writing instead of logits the
+ * hidden states after the output norm (n_want, D): the rows the LM head
+ * would read (embeddings). FU_ERR_UNSUPPORTED without the head. */
+int eng_forward_final_hidden(eng_engine *e, const eng_batch *b, float *out);
 
 #endif

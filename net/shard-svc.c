@@ -62,6 +62,7 @@ static int spec_pack(const shard_svc_output_spec *v, Fusion__OutputSpec *m, Fusi
     m->want_logits = v->want_logits;
     m->all_positions = v->all_positions;
     m->score_inputs = v->score_inputs;
+    m->want_hidden = v->want_hidden;
     m->top_logprobs = v->top_logprobs;
     const shard_svc_sampling *w = v->sampling;
     if (!w) return 0;
@@ -281,6 +282,7 @@ static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shar
     v->want_logits = m->want_logits;
     v->all_positions = m->all_positions;
     v->score_inputs = m->score_inputs;
+    v->want_hidden = m->want_hidden;
     v->sampling = NULL;
     const Fusion__Sampling *w = m->sampling;
     int32_t top_k = 0;
@@ -986,6 +988,45 @@ void shard_svc_info_free(shard_svc_info *info) {
     info_held *h = (info_held *)info;
     rpc_msg_free(h->msg);
     free(h);
+}
+
+struct shard_svc_forward_held {
+    ProtobufCMessage *msg;
+    shard_svc_output out;
+    wire_tensor hidden, logits;
+    svc_scratch sc;
+};
+
+void shard_svc_forward_free(shard_svc_forward_held *h) {
+    if (!h) return;
+    rpc_msg_free(h->msg);
+    scratch_free(&h->sc);
+    free(h);
+}
+
+int shard_svc_forward_one(rpc_channel *ch, const shard_svc_input *in, const shard_svc_output_spec *spec, int32_t first,
+                          int32_t last, int wire_dtype, int timeout_ms, shard_svc_forward_held **held,
+                          const shard_svc_output **out, rpc_status *st) {
+    *held = NULL, *out = NULL;
+    shard_svc_forward_held *h = calloc(1, sizeof *h);
+    Fusion__ForwardRequest m = FUSION__FORWARD_REQUEST__INIT;
+    Fusion__Input fin, *seqs[1] = {&fin};
+    Fusion__Tensor ft;
+    Fusion__OutputSpec os;
+    Fusion__Sampling samp;
+    int rc = !h || input_pack(in, &fin, &ft, &h->sc) || spec_pack(spec, &os, &samp, &h->sc) ? svc_no_memory(st) : RPC_OK;
+    m.n_sequences = 1, m.sequences = seqs, m.output = &os;
+    m.first_block = first, m.last_block = last, m.wire_dtype = (Fusion__Dtype)wire_dtype;
+    if (!rc) rc = rpc_call_unary(ch, RPC_SHARD_FORWARD, &m.base, &fusion__forward_reply__descriptor, &h->msg, timeout_ms, st);
+    const Fusion__ForwardReply *r = rc ? NULL : (const Fusion__ForwardReply *)h->msg;
+    if (r && r->n_outputs != 1) rc = rpc_status_setf(st, RPC_UNEXPECTED_REPLY, "Forward: %zu outputs for one sequence", r->n_outputs);
+    if (r && !rc) rc = output_view(r->outputs[0], &h->out, &h->hidden, &h->logits, &h->sc, st);
+    if (rc) {
+        shard_svc_forward_free(h);
+        return rc;
+    }
+    *held = h, *out = &h->out;
+    return RPC_OK;
 }
 
 int shard_svc_echo(rpc_channel *ch, int reply_bytes, int timeout_ms, rpc_status *st) {

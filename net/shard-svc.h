@@ -85,6 +85,7 @@ typedef struct shard_svc_output_spec {
     const shard_svc_sampling *sampling; /* NULL: do not sample */
     int32_t top_logprobs;
     bool score_inputs;                  /* rows but the last: the next input token's log-prob */
+    bool want_hidden;                   /* Forward at the head: the final normed hidden states */
 } shard_svc_output_spec;
 
 /* TopLogprobs of one output position: n alternatives, most likely first. */
@@ -403,6 +404,20 @@ int shard_svc_adapter_load(rpc_channel *ch, const char *id, const shard_svc_stat
                            int64_t *bytes, rpc_status *st);
 /* Calls UnloadAdapter for adapter `id`: RPC_OK, or a code (RPC_NOT_FOUND: the server holds none). */
 int shard_svc_adapter_unload(rpc_channel *ch, const char *id, int timeout_ms, rpc_status *st);
+
+/* A Forward call's reply, held for the views into it. */
+typedef struct shard_svc_forward_held shard_svc_forward_held;
+
+/* Calls Forward with one sequence `in`, output spec `spec` (want_hidden at the head gives the
+ * final normed hidden states), no adapter, the span [first, last) the caller expects and the
+ * returned hidden states in wire dtype `wire_dtype`: RPC_OK with *out viewing the sequence's
+ * output (valid until shard_svc_forward_free(*held)), else the transport's or the server's code
+ * (UNEXPECTED_REPLY for a reply without exactly one output). */
+int shard_svc_forward_one(rpc_channel *ch, const shard_svc_input *in, const shard_svc_output_spec *spec, int32_t first,
+                          int32_t last, int wire_dtype, int timeout_ms, shard_svc_forward_held **held,
+                          const shard_svc_output **out, rpc_status *st);
+/* Frees a held Forward reply. NULL is a no-op. */
+void shard_svc_forward_free(shard_svc_forward_held *h);
 
 /* Calls Echo asking reply_bytes back; RPC_OK or a code. */
 int shard_svc_echo(rpc_channel *ch, int reply_bytes, int timeout_ms, rpc_status *st);

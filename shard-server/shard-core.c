@@ -976,3 +976,21 @@ done:
     free(out);
     return tps;
 }
+
+int shard_session_final_hidden(shard_core *c, shard_session *s, const int32_t *tokens, const float *hidden, int n,
+                               float *out) {
+    const mdl_model *m = c->m;
+    if (!m->has_head) return fu_errorf(FU_ERR_UNSUPPORTED, "embeddings: this server does not hold the head");
+    if (n < 1 || eng_seq_len(s->seq) != 0 || (m->has_embed ? !tokens : !hidden))
+        return fu_errorf(FU_ERR_INVALID, "embeddings: %d positions on a session of %d, %s", n, eng_seq_len(s->seq),
+                         m->has_embed ? "token ids needed" : "hidden states needed");
+    eng_seq **seqs = malloc((size_t)n * sizeof *seqs);
+    if (!seqs) return fu_errorf(FU_ERR_NOMEM, "embeddings");
+    for (int t = 0; t < n; t++) seqs[t] = s->seq;
+    eng_batch b = {n, m->has_embed ? tokens : NULL, m->has_embed ? NULL : hidden, seqs, NULL};
+    pthread_mutex_lock(&c->fwd_mu);
+    int rc = eng_forward_final_hidden(c->e, &b, out);
+    pthread_mutex_unlock(&c->fwd_mu);
+    free(seqs);
+    return rc;
+}

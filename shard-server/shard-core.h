@@ -181,4 +181,12 @@ typedef struct shard_step {
  * chunk ran; a failed or cancelled step leaves the session as it was before it. */
 int shard_session_step(shard_core *c, shard_session *s, shard_step *step);
 
+/* Embeddings (servers with the head): runs n positions (tokens with embeddings, else hidden
+ * (n, D)) on an empty session outside the batcher -- one engine forward, serialized with the
+ * batcher's -- and writes the final hidden states after the output norm, (n, D), into out. The
+ * session's cache holds them afterwards. FU_ERR_UNSUPPORTED without the head; FU_ERR_INVALID
+ * for a session that is not empty or inputs of the wrong kind; the engine's errors. */
+int shard_session_final_hidden(shard_core *c, shard_session *s, const int32_t *tokens, const float *hidden, int n,
+                               float *out);
+
 #endif

@@ -477,15 +477,24 @@ static int forward_one(fwd_state *f, const shard_svc_forward *req, size_t i, uin
     shard_step step;
     int rc = step_from_req(f->core, in, req->output, 0, &step, hbuf, st);
     if (rc) return rc;
-    char id[64];
-    snprintf(id, sizeof id, "forward-%llu-%zu", (unsigned long long)fid, i);
-    int frc = shard_session_open(f->core, id, step.n, req->adapter_id, &f->sess[i]);
-    if (!frc) frc = shard_session_step(f->core, f->sess[i], &step);
     int dt = req->wire_dtype != 0 ? req->wire_dtype : in->hidden ? in->hidden->dtype : WIRE_BF16;
     if (!wire_dtype_valid(dt)) return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "wire_dtype: unknown");
     int block = in->hidden && in->hidden->block_size > 0 ? in->hidden->block_size : WIRE_DEFAULT_BLOCK;
     if (dt == WIRE_INT8_BLOCK && m->cfg.dim % block) block = m->cfg.dim;
+    char id[64];
+    snprintf(id, sizeof id, "forward-%llu-%zu", (unsigned long long)fid, i);
+    int frc = shard_session_open(f->core, id, step.n, req->adapter_id, &f->sess[i]);
+    float *final = NULL; /* embeddings: the head's normed hidden states */
+    if (!frc && req->output && req->output->want_hidden && m->has_head) {
+        if (!(final = malloc((size_t)step.n * (size_t)m->cfg.dim * sizeof *final + 1)))
+            frc = fu_errorf(FU_ERR_NOMEM, "embeddings");
+        if (!frc) frc = shard_session_final_hidden(f->core, f->sess[i], step.tokens, step.hidden, step.n, final);
+        step.out_hidden = final, step.out_logits = NULL, step.out_tokens = NULL;
+    } else if (!frc) {
+        frc = shard_session_step(f->core, f->sess[i], &step);
+    }
     if (!frc) frc = output_from_step(f->core, &step, dt, block, &f->store[i]);
+    free(final);
     if (frc) {
         rc = rpc_status_from_fu(st, frc);
         char m2[256];

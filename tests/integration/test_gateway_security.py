@@ -166,6 +166,18 @@ def test_short_secrets_are_refused(model, tmp_path):
     assert not os.path.exists(tmp_path / "shard-port")
 
 
+def test_secret_conflicts_are_refused(model, tmp_path):
+    """A secret from the config file (or a flag) never silently wins over FUSION_SECRET."""
+    config = tmp_path / "gateway.json"
+    config.write_text(json.dumps({"secret": "the-secret-of-the-config-file"}))
+    cmd = [program("gateway"), "--model", model, "--config", str(config), "--hop", "127.0.0.1:1:0:30", "--insecure",
+           "--port-file", str(tmp_path / "port")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, FUSION_SECRET="another-secret-from-the-environment"))
+    assert res.returncode != 0 and "FUSION_SECRET differs" in res.stderr, res.stderr
+    assert not os.path.exists(tmp_path / "port")
+
+
 # ---- Host (DNS rebinding) ----------------------------------------------------------------------------------
 
 

@@ -8,6 +8,8 @@ Checks:
 - A shard that refuses the gateway's swarm secret makes /health 503 saying so.
 - Routed swarm (--shard): killing the only member of a span makes /health 503 (blocks uncovered).
 - --metrics-listen serves /metrics, /health and /livez without an API key, and nothing else.
+- Each request leaves one access-log line: method, path, status, the key's fingerprint, and for a
+  generation its id, model, tokens and time to the first token.
 """
 import os
 import signal
@@ -47,8 +49,18 @@ def test_static_chain_health():
                  "--metrics-port-file", port_file)
     try:
         assert wait_health(gw, 200) == {"status": "ok"}
+        st, models = api_request(gw, "GET", "/v1/models", key=KEY)
+        st, reply = api_request(gw, "POST", "/v1/chat/completions", key=KEY,
+                                body={"model": models["data"][0]["id"], "max_tokens": 3,
+                                      "messages": [{"role": "user", "content": "Hi"}]})
+        assert st == 200, reply
+        line = [ln for ln in gw.output().splitlines() if "access: POST /v1/chat/completions 200" in ln][0]
+        assert reply["id"] in line and "completion_tokens=3" in line and "ttft_ms=" in line, line
+        assert KEY not in gw.output()  # a fingerprint of the key, never the key
         st, page = api_request(gw, "GET", "/metrics", key=KEY)
         assert st == 200 and metric_lines(page, "fusion_gateway_ready") == ["fusion_gateway_ready 1"], page
+        assert metric_lines(page, "fusion_gateway_queue_wait_seconds_count") == [
+            "fusion_gateway_queue_wait_seconds_count 1"], page
         up = metric_lines(page, "fusion_shard_up")
         assert len(up) == 2 and all(ln.endswith(" 1") for ln in up), up
         assert f'shard="{b.address}",first="15",last="30",state="serving"' in up[1], up

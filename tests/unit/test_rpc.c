@@ -893,7 +893,7 @@ static void ts_step1(shard_svc_step *step, shard_svc_input *in, wire_tensor *hid
     p.bias = ts_bias;
     p.n_bias = 2;
     *samp = shard_svc_sampling_from_params(&p, 1);
-    *spec = (shard_svc_output_spec){true, true, samp, 2, false};
+    *spec = (shard_svc_output_spec){true, true, samp, 2, false, false};
     *step = (shard_svc_step){9, 4, in, spec, true, 3, 2};
 }
 
