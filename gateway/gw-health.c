@@ -234,6 +234,12 @@ int gw_health_render(gw_health *h, fu_buf *out) {
             if (!rc) rc = gw_server_gauge(out, g[k].name, o, x);
         }
     }
+    double blocks = 0;
+    size_t i;
+    json_array_foreach(servers, i, o) blocks += json_number_value(json_object_get(o, "prefix_cached_blocks"));
+    if (!rc)
+        rc = fu_buf_appendf(out, "# HELP fusion_prefix_cached_blocks KV blocks in the servers' prefix caches.\n"
+                                 "# TYPE fusion_prefix_cached_blocks gauge\nfusion_prefix_cached_blocks %.0f\n", blocks);
     json_decref(servers);
     return rc ? fu_errorf(FU_ERR_NOMEM, "metrics") : FU_OK;
 }

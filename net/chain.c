@@ -176,10 +176,8 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
 
 int64_t chain_session_cached(const chain_session *s) { return s->cached; }
 
-int chain_session_open_prefix(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
-                              int max_length, const char *adapter_id, const int32_t *prefix, int n_prefix,
-                              chain_session **out) {
-    *out = NULL;
+/* Checks that hops[0..n) tile the model from block 0 (FU_ERR_INVALID naming the hop). */
+static int chain_hops_check(const chain_hop *hops, int n_hops) {
     if (n_hops <= 0 || n_hops > CHAIN_MAX_HOPS)
         return fu_errorf(FU_ERR_INVALID, "chain: 1..%d hops required", CHAIN_MAX_HOPS);
     if (hops[0].first_block != 0) return fu_errorf(FU_ERR_INVALID, "chain: the first hop must start at block 0");
@@ -190,8 +188,15 @@ int chain_session_open_prefix(chain_client *c, const chain_hop *hops, int n_hops
             return fu_errorf(FU_ERR_INVALID, "chain: hop %d starts at block %d, the previous ends at %d", i,
                              hops[i].first_block, hops[i - 1].last_block);
     }
+    return FU_OK;
+}
+
+/* A session not yet open on any hop: its id, a copy of the prefix and of each hop (NULL when out
+ * of memory; free it with chain_session_close). */
+static chain_session *chain_session_alloc(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
+                                          const int32_t *prefix, int n_prefix) {
     chain_session *s = calloc(1, sizeof *s);
-    if (!s) return fu_errorf(FU_ERR_NOMEM, "chain session");
+    if (!s) return NULL;
     s->c = c;
     s->n_hops = n_hops;
     s->n_links = c->o.forward ? 1 : n_hops;
@@ -199,29 +204,31 @@ int chain_session_open_prefix(chain_client *c, const chain_hop *hops, int n_hops
     s->links = calloc((size_t)n_hops, sizeof *s->links);
     s->n_prefix = n_prefix > 0 ? n_prefix : 0;
     s->prefix = s->n_prefix ? malloc((size_t)s->n_prefix * sizeof *s->prefix) : NULL;
+    bool ok = s->id && s->links && (!s->n_prefix || s->prefix);
     if (s->prefix) memcpy(s->prefix, prefix, (size_t)s->n_prefix * sizeof *s->prefix);
-    if (!s->id || !s->links || (s->n_prefix && !s->prefix)) {
-        chain_session_close(s);
-        return fu_errorf(FU_ERR_NOMEM, "chain session");
-    }
-    int rc = FU_OK;
-    for (int i = 0; i < n_hops; i++) {
+    for (int i = 0; ok && i < n_hops; i++) {
         chain_link *l = &s->links[i];
         l->address = strdup(hops[i].address);
         l->tls_name = hops[i].tls_server_name ? strdup(hops[i].tls_server_name) : NULL;
-        if (!l->address || (hops[i].tls_server_name && !l->tls_name)) {
-            chain_session_close(s);
-            return fu_errorf(FU_ERR_NOMEM, "chain session");
-        }
+        ok = l->address && (!hops[i].tls_server_name || l->tls_name);
         l->hop = hops[i];
         l->hop.address = l->address;
         l->hop.tls_server_name = l->tls_name;
     }
-    /* forwarding: hop 0 gets the rest of the chain */
+    if (ok) return s;
+    chain_session_close(s);
+    return NULL;
+}
+
+/* Opens the session's streams: one per hop, or with forwarding one on hop 0 that gets the rest
+ * of the chain; s->cached is the least prefix the hops pinned. */
+static int chain_open_links(chain_session *s, int max_length, const char *adapter_id) {
+    chain_client *c = s->c;
     shard_svc_hop rest[CHAIN_MAX_HOPS];
-    for (int i = 1; i < n_hops; i++)
-        rest[i - 1] = (shard_svc_hop){s->links[i].address, hops[i].first_block, hops[i].last_block,
+    for (int i = 1; i < s->n_hops; i++)
+        rest[i - 1] = (shard_svc_hop){s->links[i].address, s->links[i].hop.first_block, s->links[i].hop.last_block,
                                       s->links[i].tls_name};
+    int rc = FU_OK;
     for (int i = 0; i < s->n_links && !rc; i++) {
         chain_link *l = &s->links[i];
         rpc_channel *ch = NULL;
@@ -235,7 +242,7 @@ int chain_session_open_prefix(chain_client *c, const chain_hop *hops, int n_hops
                                .first_block = l->hop.first_block,
                                .last_block = l->hop.last_block,
                                .chain = rest,
-                               .n_chain = c->o.forward ? (size_t)(n_hops - 1) : 0,
+                               .n_chain = c->o.forward ? (size_t)(s->n_hops - 1) : 0,
                                .prefix_tokens = s->prefix,
                                .n_prefix_tokens = (size_t)s->n_prefix};
         int code = shard_svc_session_open(ch, &open, c->o.timeout_ms, &l->sess, &st);
@@ -243,7 +250,18 @@ int chain_session_open_prefix(chain_client *c, const chain_hop *hops, int n_hops
         else if (code) rc = chain_fail(l->address, code, &st);
         else if (i == 0 || shard_svc_session_cached(l->sess) < s->cached) s->cached = shard_svc_session_cached(l->sess);
     }
-    if (rc) {
+    return rc;
+}
+
+int chain_session_open_prefix(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
+                              int max_length, const char *adapter_id, const int32_t *prefix, int n_prefix,
+                              chain_session **out) {
+    *out = NULL;
+    int rc = chain_hops_check(hops, n_hops);
+    if (rc) return rc;
+    chain_session *s = chain_session_alloc(c, hops, n_hops, session_id, prefix, n_prefix);
+    if (!s) return fu_errorf(FU_ERR_NOMEM, "chain session");
+    if ((rc = chain_open_links(s, max_length, adapter_id))) {
         chain_session_close(s);
         return rc;
     }

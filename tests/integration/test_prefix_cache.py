@@ -10,6 +10,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+import shard_cluster  # noqa: E402
 from shard_cluster import Gateway, Shard, default_model, shard_info  # noqa: E402
 
 KEY = "sk-test-prefix-key"
@@ -77,6 +78,8 @@ def test_prefix_cache_same_tokens_and_hits_on_every_shard():
         assert metric(gw, "fusion_prefix_hit_tokens_total") == hits[0]
         assert metric(gw, "fusion_prefix_prompt_tokens_total") == 2 * n_prompt
         assert shard_info(shards[0]).get(21, 0) > 0  # InfoReply.prefix_cached_blocks
+        shard_cluster.wait_for(lambda: metric(gw, "fusion_prefix_cached_blocks") > 0,
+                               "the health probe to see the cached blocks")
         seeded1, _ = chat(gw, seed=1234, temperature=0.9)
         seeded2, _ = chat(gw, seed=1234, temperature=0.9)
         assert seeded2 == seeded1
