@@ -685,7 +685,7 @@ int shard_session_reuse_prefix(shard_core *c, shard_session *s, int n) {
     }
     pthread_mutex_unlock(&c->fwd_mu);
     if (rc) eng_seq_truncate(s->seq, 0);
-    else shard_prefix_known(s, n / B);
+    else if (B) shard_prefix_known(s, n / B); /* B is 0 (the cache off) only when n is */
     pthread_mutex_lock(&c->mu);
     if (!rc) c->stats.prefix_hit_tokens += (uint64_t)n;
     shard_prefix_unpin(c, s);
