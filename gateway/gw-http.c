@@ -31,6 +31,7 @@
 #include "gw-health.h"
 #include "gw-jobs.h"
 #include "gw-swarm.h"
+#include "gw-web.h"
 #include "log.h"
 #include "mapped-file.h"
 #include "status.h"
@@ -593,6 +594,18 @@ static enum MHD_Result gw_route_health(gw_conn *c, const char *url) {
     return gw_respond_json(c, status, o);
 }
 
+/* GET or HEAD of one of the swarm page's files: served without a key (they carry no data; the
+ * page asks for the key and sends it to the API itself), 304 when the client's copy is current. */
+static enum MHD_Result gw_route_web(gw_conn *c, const gw_web_file *f, const char *method) {
+    if (strcmp(method, "GET") && strcmp(method, "HEAD"))
+        return gw_fail(c, 405, NULL, "method_not_allowed", "%s is not allowed on %.200s", method, f->url);
+    size_t len;
+    const char *inm = gw_header(c, MHD_HTTP_HEADER_IF_NONE_MATCH, &len);
+    bool fresh = inm && gw_web_fresh(f, inm, len);
+    struct MHD_Response *r = gw_web_response(f, fresh);
+    return r ? gw_queue_made(c, fresh ? 304 : 200, r) : MHD_NO;
+}
+
 static enum MHD_Result gw_route_swarm(gw_conn *c) {
     json_t *o = gw_engine_swarm_json(c->srv->engine);
     if (!o) return gw_fail(c, 500, NULL, NULL, "out of memory");
@@ -1019,6 +1032,8 @@ static enum MHD_Result gw_begin(gw_conn *c, const char *url, const char *method,
     c->is_delete = !strcmp(method, "DELETE");
     gw_error e;
     if (gw_check_request(c, method, version, &e)) return gw_respond_error(c, &e);
+    const gw_web_file *page = c->route == GW_ROUTE_OTHER ? gw_web_find(url) : NULL;
+    if (page) return gw_route_web(c, page, method);
     if (c->route == GW_ROUTE_OTHER)
         return gw_fail(c, 404, NULL, "unknown_url", "Unknown request URL: %s %.200s", method, url);
     if (c->route == GW_ROUTE_FILES) return gw_begin_files(c, url, method);

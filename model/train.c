@@ -55,6 +55,8 @@ struct trn_span {
     void **bufs;                        /* every backend buffer, for trn_free */
     int n_bufs, cap_bufs;
     uint64_t bytes;
+    trn_yield_fn yield;                 /* NULL: none */
+    void *yield_arg;
 };
 
 /* ---- memory --------------------------------------------------------------------- */
@@ -283,6 +285,36 @@ static uint64_t trn_drop_seed(uint64_t seed, int block, lora_target t) {
     return z ^ (z >> 27);
 }
 
+/* ---- the ops through the base weights, each after the yield hook ---------------------- */
+
+void trn_set_yield(trn_span *s, trn_yield_fn fn, void *arg) {
+    s->yield = fn;
+    s->yield_arg = arg;
+}
+
+/* Lets the yield hook hold the trainer back before its next long op (a no-op without one). */
+static void trn_yield(const trn_span *s) {
+    if (s->yield) s->yield(s->yield_arg);
+}
+
+/* y = W x through a base weight (op_matmul), after the yield hook. */
+static int trn_mm(trn_span *s, const op_tensor *w, const op_tensor *x, op_tensor *y) {
+    trn_yield(s);
+    return op_matmul(s->be, w, x, y);
+}
+
+/* y[i] = W[i] x for n base weights (op_matmul_n), after the yield hook. */
+static int trn_mm_n(trn_span *s, int n, const op_tensor *const *w, const op_tensor *x, op_tensor *const *y) {
+    trn_yield(s);
+    return op_matmul_n(s->be, n, w, x, y);
+}
+
+/* dx = W^T dy + beta dx through a base weight (op_matmul_back), after the yield hook. */
+static int trn_mm_back(trn_span *s, const op_tensor *w, const op_tensor *dy, op_tensor *dx, float beta) {
+    trn_yield(s);
+    return op_matmul_back(s->be, w, dy, dx, beta);
+}
+
 /* ---- LoRA ---------------------------------------------------------------------------- */
 
 /* x as the adapter's A reads it: dropout(x) in lx when the adapter has
@@ -362,7 +394,7 @@ static int trn_qkv(trn_span *s, const trn_slot *sl, int l, trn_stash *st) {
     op_tensor xn = trn_t2(st->xn_a, s->D, T), v = trn_t2(st->v, s->kd, T);
     op_tensor q = trn_t2(c->qk_norm ? st->qp : st->q, s->qd, T), k = trn_t2(c->qk_norm ? st->kp : st->k, s->kd, T);
     int rc;
-    if ((rc = op_matmul_n(s->be, 3, (const op_tensor *[]){&L->wq, &L->wk, &L->wv}, &xn,
+    if ((rc = trn_mm_n(s, 3, (const op_tensor *[]){&L->wq, &L->wk, &L->wv}, &xn,
                           (op_tensor *[]){&q, &k, &v})) ||
         (rc = trn_lora_fwd(s, sl, l, LORA_TARGET_Q, &xn, st->u[LORA_TARGET_Q], &q)) ||
         (rc = trn_lora_fwd(s, sl, l, LORA_TARGET_K, &xn, st->u[LORA_TARGET_K], &k)) ||
@@ -393,7 +425,7 @@ static int trn_attn_fwd(trn_span *s, const trn_slot *sl, int l, trn_stash *st, c
     op_tensor att = trn_t2(st->att, s->qd, T), xmid = trn_t2(st->xmid, s->D, T);
     int rc;
     if ((rc = op_rmsnorm(s->be, &xt, &L->attn_norm, s->m->cfg.norm_eps, &xn)) || (rc = trn_qkv(s, sl, l, st)) ||
-        (rc = trn_attention(s, sl, st)) || (rc = op_matmul(s->be, &L->wo, &att, &xmid)) ||
+        (rc = trn_attention(s, sl, st)) || (rc = trn_mm(s, &L->wo, &att, &xmid)) ||
         (rc = trn_lora_fwd(s, sl, l, LORA_TARGET_O, &att, st->u[LORA_TARGET_O], &xmid)))
         return rc;
     return op_add(s->be, &xmid, &xt);
@@ -410,14 +442,14 @@ static int trn_mlp_fwd(trn_span *s, const trn_slot *sl, int l, trn_stash *st, fl
     op_tensor y = trn_t2(out, s->D, T);
     int rc;
     if ((rc = op_rmsnorm(s->be, &xmid, &L->ffn_norm, s->m->cfg.norm_eps, &xn)) ||
-        (rc = op_matmul_n(s->be, 2, (const op_tensor *[]){&L->w_gate, &L->w_up}, &xn,
+        (rc = trn_mm_n(s, 2, (const op_tensor *[]){&L->w_gate, &L->w_up}, &xn,
                           (op_tensor *[]){&gate, &up})) ||
         (rc = trn_lora_fwd(s, sl, l, LORA_TARGET_GATE, &xn, st->u[LORA_TARGET_GATE], &gate)) ||
         (rc = trn_lora_fwd(s, sl, l, LORA_TARGET_UP, &xn, st->u[LORA_TARGET_UP], &up)) ||
         (rc = op_swiglu(s->be, &gate, &up, &act)))
         return rc;
     if (!out) return trn_lora_fwd(s, sl, l, LORA_TARGET_DOWN, &act, st->u[LORA_TARGET_DOWN], NULL);
-    if ((rc = op_matmul(s->be, &L->w_down, &act, &y)) ||
+    if ((rc = trn_mm(s, &L->w_down, &act, &y)) ||
         (rc = trn_lora_fwd(s, sl, l, LORA_TARGET_DOWN, &act, st->u[LORA_TARGET_DOWN], &y)))
         return rc;
     return op_add(s->be, &y, &xmid);
@@ -489,9 +521,9 @@ static int trn_head_chunk(trn_span *s, trn_slot *sl, int r0, int n, float loss_s
     int rc;
     if ((rc = op_get_rows(s->be, &h, s->rows + r0, &hr)) ||
         (rc = op_rmsnorm(s->be, &hr, &s->e->out_norm, c->norm_eps, &hn)) ||
-        (rc = op_matmul(s->be, &s->e->head, &hn, &lg)) ||
+        (rc = trn_mm(s, &s->e->head, &hn, &lg)) ||
         (rc = op_cross_entropy(s->be, &lg, tg, loss_scale, s->hloss, s->hcorrect)) ||
-        (rc = op_matmul_back(s->be, &s->e->head, &lg, &dhn, 0.0f)) ||
+        (rc = trn_mm_back(s, &s->e->head, &lg, &dhn, 0.0f)) ||
         (rc = op_rmsnorm_back(s->be, &hr, &s->e->out_norm, c->norm_eps, &dhn, &dhr, 0.0f)) ||
         (rc = op_add_rows(s->be, &dh, s->rows + r0, &dhr, 1.0f)))
         return rc;
@@ -553,11 +585,11 @@ static int trn_mlp_back(trn_span *s, const trn_slot *sl, int l, const trn_stash 
     op_tensor gate = trn_t2(st->gate, s->F, T), up = trn_t2(st->up, s->F, T), dup = trn_t2(s->dup, s->F, T);
     op_tensor xn = trn_t2(st->xn_m, s->D, T), dxn = trn_t2(s->dxn, s->D, T), xmid = trn_t2(st->xmid, s->D, T);
     int rc;
-    if ((rc = op_matmul_back(s->be, &L->w_down, &g, &dact, 0.0f)) ||
+    if ((rc = trn_mm_back(s, &L->w_down, &g, &dact, 0.0f)) ||
         (rc = trn_lora_back(s, sl, l, LORA_TARGET_DOWN, &act, st->u[LORA_TARGET_DOWN], &g, &dact)) ||
         (rc = op_swiglu_back(s->be, &gate, &up, &dact, &dact, &dup)) ||
-        (rc = op_matmul_back(s->be, &L->w_gate, &dact, &dxn, 0.0f)) ||
-        (rc = op_matmul_back(s->be, &L->w_up, &dup, &dxn, 1.0f)) ||
+        (rc = trn_mm_back(s, &L->w_gate, &dact, &dxn, 0.0f)) ||
+        (rc = trn_mm_back(s, &L->w_up, &dup, &dxn, 1.0f)) ||
         (rc = trn_lora_back(s, sl, l, LORA_TARGET_GATE, &xn, st->u[LORA_TARGET_GATE], &dact, &dxn)) ||
         (rc = trn_lora_back(s, sl, l, LORA_TARGET_UP, &xn, st->u[LORA_TARGET_UP], &dup, &dxn)))
         return rc;
@@ -603,15 +635,15 @@ static int trn_attn_back(trn_span *s, const trn_slot *sl, int l, const trn_stash
     op_tensor dk3 = op_tensor_3d(OP_TYPE_F32, s->dk, hd, c->n_kv_heads, T), dv3 = op_tensor_3d(OP_TYPE_F32, s->dv, hd, c->n_kv_heads, T);
     float *dqp, *dkp;
     int rc;
-    if ((rc = op_matmul_back(s->be, &L->wo, &g, &datt, 0.0f)) ||
+    if ((rc = trn_mm_back(s, &L->wo, &g, &datt, 0.0f)) ||
         (rc = trn_lora_back(s, sl, l, LORA_TARGET_O, &att, st->u[LORA_TARGET_O], &g, &datt)) ||
         (rc = op_attention_back(s->be, &at, &q3, &k3, &v3, &o3, &do3, &dq3, &dk3, &dv3)) ||
         (rc = trn_qk_back(s, sl, l, st, &dqp, &dkp)))
         return rc;
     op_tensor dq = trn_t2(dqp, s->qd, T), dk = trn_t2(dkp, s->kd, T), dv = trn_t2(s->dv, s->kd, T);
     op_tensor xn = trn_t2(st->xn_a, s->D, T), dxn = trn_t2(s->dxn, s->D, T), xt = trn_t2((float *)x, s->D, T);
-    if ((rc = op_matmul_back(s->be, &L->wq, &dq, &dxn, 0.0f)) || (rc = op_matmul_back(s->be, &L->wk, &dk, &dxn, 1.0f)) ||
-        (rc = op_matmul_back(s->be, &L->wv, &dv, &dxn, 1.0f)) ||
+    if ((rc = trn_mm_back(s, &L->wq, &dq, &dxn, 0.0f)) || (rc = trn_mm_back(s, &L->wk, &dk, &dxn, 1.0f)) ||
+        (rc = trn_mm_back(s, &L->wv, &dv, &dxn, 1.0f)) ||
         (rc = trn_lora_back(s, sl, l, LORA_TARGET_Q, &xn, st->u[LORA_TARGET_Q], &dq, &dxn)) ||
         (rc = trn_lora_back(s, sl, l, LORA_TARGET_K, &xn, st->u[LORA_TARGET_K], &dk, &dxn)) ||
         (rc = trn_lora_back(s, sl, l, LORA_TARGET_V, &xn, st->u[LORA_TARGET_V], &dv, &dxn)))

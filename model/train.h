@@ -34,6 +34,14 @@
  * block and the target only (op_dropout), so a span computes the same masks
  * as one process running every block, and the backward pass recomputes them.
  *
+ * Yielding: a trainer may be given a yield hook (trn_set_yield), which it
+ * calls on its own thread before each matmul through the frozen weights
+ * (the projections and the LM head: the ops that take the time, 4 per block
+ * forward, 11 backward with recomputation). The hook may block (a server
+ * that shares the backend with inference makes training wait there while
+ * inference has work); it only delays the next ops, so the results are the
+ * same, bit for bit, with or without one.
+ *
  * Threading: a trainer is used by one thread at a time. Ownership: it borrows
  * its engine and adapter (both must outlive it; the adapter's weights change
  * at each trn_step) and frees its own buffers in trn_free().
@@ -67,6 +75,14 @@ typedef struct trn_options {
  * memory it needs is over the budget, FU_ERR_NOMEM. */
 int trn_new(eng_engine *e, lora_adapter *ad, const trn_options *opts, trn_span **out);
 void trn_free(trn_span *s); /* NULL is a no-op */
+
+/* Called before each long op of trn_forward and trn_backward on the
+ * trainer's thread, with `arg`; it may block, and it cannot fail. */
+typedef void (*trn_yield_fn)(void *arg);
+
+/* Sets the trainer's yield hook (fn NULL: none, the default); arg is
+ * borrowed and must outlive the hook's use. */
+void trn_set_yield(trn_span *s, trn_yield_fn fn, void *arg);
 
 /* The adapter it trains (borrowed). */
 const lora_adapter *trn_adapter(const trn_span *s);

@@ -14,7 +14,8 @@ pkgs=(build-essential cmake pkg-config git curl ca-certificates openssl
       libjansson-dev libpcre2-dev libutf8proc-dev libcurl4-openssl-dev libssl-dev
       libcmocka-dev libopenblas-dev libopenblas0-pthread libmicrohttpd-dev libsqlite3-dev
       libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
-      python3 python3-venv python3-pip python3-torch clang libclang-rt-14-dev)
+      python3 python3-venv python3-pip python3-torch clang libclang-rt-14-dev
+      chromium chromium-driver) # the browser for tests/integration/test_swarm_page.py
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

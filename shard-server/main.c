@@ -46,12 +46,15 @@ typedef struct shard_args {
     int max_blocks;      /* most blocks to load when the gateway places it (0: all) */
     int max_sessions, max_forward_tokens, max_step_tokens; /* caps per caller (shard_server_config) */
     int train_budget_mib, max_train_jobs, max_lora_rank;    /* fine-tuning (shard_server_config) */
+    int train_priority;  /* shard_train_priority */
     fu_opt_list loras;   /* NAME=DIR: PEFT adapters loaded into every span served */
 } shard_args;
 
 static shard_args args = {.span = {-1, -1}, .embed = -1, .head = -1};
 
 static const fu_opt_choice shard_on_off[] = {{"on", 1}, {"off", 0}, {NULL, 0}};
+static const fu_opt_choice train_priority_choices[] = {
+    {"inference", SHARD_TRAIN_PRIORITY_INFERENCE}, {"fair", SHARD_TRAIN_PRIORITY_FAIR}, {NULL, 0}};
 
 static const fu_opt shard_options[] = {
     {"config", 0, FU_OPT_CONFIG, .help = "JSON config (keys as the long options, e.g. \"kv_budget_mib\";\n"
@@ -117,6 +120,11 @@ static const fu_opt shard_options[] = {
      .help = "memory all fine-tuning jobs may hold together", .def = "2048", .lo = 1, .hi = 1 << 24},
     {"max-train-jobs", 0, FU_OPT_INT, FU_OPT_TO(args.max_train_jobs), .help = "fine-tuning jobs at once",
      .def = "4", .lo = 1, .hi = 1024},
+    {"train-priority", 0, FU_OPT_CHOICE, FU_OPT_TO(args.train_priority),
+     .help = "inference: fine-tuning jobs wait while inference steps are\n"
+             "queued or running (a bounded wait before each long op);\n"
+             "fair: training and inference take turns op by op",
+     .def = "inference", .choices = train_priority_choices},
     {"max-lora-rank", 0, FU_OPT_INT, FU_OPT_TO(args.max_lora_rank), .help = "largest LoRA rank accepted",
      .def = "256", .lo = 1, .hi = 4096},
     {"lora", 0, FU_OPT_LIST, FU_OPT_TO(args.loras), "NAME=DIR",
@@ -386,6 +394,9 @@ static void shard_span_log_stats(shard_span *sp) {
         FU_INFO("served %llu batched forwards carrying %llu steps (%.1f a forward), %llu positions",
                 (unsigned long long)cs.batches, (unsigned long long)cs.batched_steps,
                 cs.batches ? (double)cs.batched_steps / (double)cs.batches : 0.0, (unsigned long long)cs.tokens);
+        if (cs.train_waits)
+            FU_INFO("training yielded to inference %llu times, %.1f s in all", (unsigned long long)cs.train_waits,
+                    (double)cs.train_wait_us * 1e-6);
     }
     pthread_mutex_unlock(&sp->mu);
 }
@@ -399,7 +410,8 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
                                a->secret, 0, a->idle_timeout_ms, 4, sp->name, sp->device, sp->tps,
                                a->tls_client_ca, client_cert, client_key,
                                a->max_sessions, a->max_forward_tokens, a->max_step_tokens,
-                               (uint64_t)a->train_budget_mib << 20, a->max_train_jobs, a->max_lora_rank};
+                               (uint64_t)a->train_budget_mib << 20, a->max_train_jobs, a->max_lora_rank,
+                               (shard_train_priority)a->train_priority};
     int rc = shard_server_new(sp->core, &cfg, &sp->srv);
     if (rc || (rc = shard_server_start(sp->srv))) return rc;
     int port = shard_server_port(sp->srv);

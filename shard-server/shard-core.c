@@ -76,8 +76,10 @@ struct shard_core {
     pthread_mutex_t mu;
     pthread_cond_t cv_work;  /* the batcher waits for steps */
     pthread_cond_t cv_done;  /* submitters wait for their steps */
+    pthread_cond_t cv_idle;  /* trainers wait for the batcher to have no work (shard_core_wait_idle) */
     pthread_t thread;
     bool running, stop;
+    bool in_batch;           /* the batcher is computing a batch (outside mu) */
     shard_session *pend_head, *pend_tail;
     int n_pending;
     shard_session *sessions;
@@ -375,11 +377,15 @@ static void *shard_batcher(void *arg) {
             if (c->pend_head) shard_complete(c, shard_dequeue(c), FU_ERR_NOMEM, "batch");
             continue;
         }
+        c->in_batch = true;
         pthread_mutex_unlock(&c->mu);
         shard_run_batch(c, n);
         pthread_mutex_lock(&c->mu);
+        c->in_batch = false;
+        if (!c->pend_head) pthread_cond_broadcast(&c->cv_idle);
     }
     while (c->pend_head) shard_complete(c, shard_dequeue(c), FU_ERR_CANCELLED, "the server is shutting down");
+    pthread_cond_broadcast(&c->cv_idle);
     pthread_mutex_unlock(&c->mu);
     return NULL;
 }
@@ -413,6 +419,7 @@ int shard_core_new(const mdl_model *m, op_backend *be, const shard_core_options 
     pthread_mutex_init(&c->fwd_mu, NULL);
     pthread_cond_init(&c->cv_work, NULL);
     pthread_cond_init(&c->cv_done, NULL);
+    pthread_cond_init(&c->cv_idle, NULL);
     if (pthread_create(&c->thread, NULL, shard_batcher, c)) {
         shard_core_free(c);
         return fu_errorf(FU_ERR_INTERNAL, "cannot start the batcher thread");
@@ -437,6 +444,7 @@ void shard_core_free(shard_core *c) {
     pthread_mutex_destroy(&c->fwd_mu);
     pthread_cond_destroy(&c->cv_work);
     pthread_cond_destroy(&c->cv_done);
+    pthread_cond_destroy(&c->cv_idle);
     pfx_cache_free(c->pfx);
     eng_free(c->e);
     free(c->b_sess);
@@ -466,6 +474,28 @@ void shard_core_get_stats(shard_core *c, shard_core_stats *st) {
     for (shard_session *s = c->sessions; s; s = s->next) n++;
     st->active_sessions = n;
     pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- training beside inference ------------------------------------------------------------ */
+
+/* True while inference has work (mu held): steps queued (or being gathered) or a batch computing. */
+static bool shard_busy(const shard_core *c) { return c->pend_head || c->in_batch; }
+
+int64_t shard_core_wait_idle(shard_core *c, int64_t max_wait_us) {
+    pthread_mutex_lock(&c->mu);
+    if (!shard_busy(c) || max_wait_us <= 0) {
+        pthread_mutex_unlock(&c->mu);
+        return 0;
+    }
+    const int64_t t0 = fu_now_us();
+    struct timespec dl = fu_deadline_us(CLOCK_REALTIME, max_wait_us);
+    while (!c->stop && shard_busy(c) && pthread_cond_timedwait(&c->cv_idle, &c->mu, &dl) == 0) {
+    }
+    const int64_t waited = fu_now_us() - t0;
+    c->stats.train_waits++;
+    c->stats.train_wait_us += (uint64_t)waited;
+    pthread_mutex_unlock(&c->mu);
+    return waited;
 }
 
 /* ---- adapters ---------------------------------------------------------------------------- */

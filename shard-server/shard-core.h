@@ -3,11 +3,11 @@
  *
  * Transport-free: the RPC handlers (shard-rpc.c) and the tests drive it
  * through these calls. Thread-safe: any number of threads may open, step and
- * close sessions and load and unload adapters at once; one session is stepped
- * (and closed) by one thread at a time. Ownership: the core borrows its model
- * and backend and owns its sessions (closing one frees its KV cache and
- * output buffers) and its adapters; step outputs point into buffers of the
- * session.
+ * close sessions, load and unload adapters and wait for the batcher to be
+ * idle (trainers) at once; one session is stepped (and closed) by one thread
+ * at a time. Ownership: the core borrows its model and backend and owns its
+ * sessions (closing one frees its KV cache and output buffers) and its
+ * adapters; step outputs point into buffers of the session.
  */
 #ifndef FU_SHARD_CORE_H
 #define FU_SHARD_CORE_H
@@ -64,6 +64,8 @@ typedef struct shard_core_stats {
     uint64_t prefix_cached_bytes;
     uint64_t prefix_hit_tokens;   /* sessions' first-step positions taken from the cache */
     uint64_t prefix_prompt_tokens; /* sessions' first-step positions in all */
+    uint64_t train_waits;    /* times a trainer waited in shard_core_wait_idle */
+    uint64_t train_wait_us;  /* and for how long in all */
 } shard_core_stats;
 
 /* A consistent snapshot of the core's counters and KV budget (thread-safe). */
@@ -73,6 +75,20 @@ void shard_core_get_stats(shard_core *c, shard_core_stats *st);
  * `batch` sequences for about `seconds` seconds. Returns tokens/s (> 0) or a
  * negative status. Call before serving (it uses the engine). */
 double shard_core_measure(shard_core *c, int batch, double seconds);
+
+/* ---- training beside inference ------------------------------------------------------
+ * Trainers over the core's engine (shard-train.c) share its backend with the batcher, whose
+ * lock interleaves their ops one by one. To keep inference's latency, a trainer may call
+ * shard_core_wait_idle before each of its long ops (its yield hook, model/train.h): it waits
+ * there while the batcher has work, so that a training op starts only while no step is queued
+ * or computing, and training runs in the gaps between batches. The wait is bounded, so that
+ * training still advances under a batcher that is never idle. It only delays: a trainer
+ * computes the same results whether it waits or not. */
+
+/* Waits, on the caller's thread, while the batcher has steps queued or a batch running, for at
+ * most max_wait_us (returning at once when it has none, or when the core stops). Returns the
+ * microseconds waited (0: it was idle). Thread-safe; any number of threads may wait at once. */
+int64_t shard_core_wait_idle(shard_core *c, int64_t max_wait_us);
 
 /* ---- LoRA adapters ------------------------------------------------------------------
  * The core holds adapters by id (1..SHARD_ADAPTER_MAX_ID bytes, no control characters), each of

@@ -668,7 +668,8 @@ int shard_server_new(shard_core *core, const shard_server_config *cfg, shard_ser
         if (!(s->advertise = strdup(name))) rc = fu_errorf(FU_ERR_NOMEM, "server");
     }
     if (!rc) rc = shard_svc_serve(s->rpc, &s->handlers);
-    shard_train_config tc = {cfg->train_budget_bytes, cfg->max_train_jobs, cfg->max_lora_rank, 0, 0};
+    shard_train_config tc = {cfg->train_budget_bytes, cfg->max_train_jobs, cfg->max_lora_rank, 0, 0,
+                             cfg->train_priority};
     if (!rc) rc = shard_train_new(&tc, &s->train);
     if (!rc) {
         shard_train_set_core(s->train, core);

@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "shard-core.h"
+#include "shard-train.h"
 
 typedef struct shard_server shard_server;
 
@@ -56,6 +57,7 @@ typedef struct shard_server_config {
     uint64_t train_budget_bytes;
     int max_train_jobs;
     int max_lora_rank;
+    shard_train_priority train_priority; /* whether training yields to inference (default: it does) */
 } shard_server_config;
 
 /* Largest LoRA rank accepted when max_lora_rank is 0 (LoadAdapter, fusion.Train). */

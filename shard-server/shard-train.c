@@ -23,6 +23,7 @@ typedef struct train_job {
     int refs;           /* calls holding the job (under the service's lock) */
     bool closed;
     int64_t last_us, idle_us;
+    int64_t turn_until_us; /* after a wait for the batcher ran out: the trainer's turn, no waits till then */
     shard_core *core;
     lora_adapter *ad;
     trn_span *tr;
@@ -162,6 +163,16 @@ static int state_put(train_job *j, const train_svc_state *s, rpc_status *st) {
     return rc;
 }
 
+/* A trainer's yield hook under SHARD_TRAIN_PRIORITY_INFERENCE (on the job's call, under its mu): waits for
+ * the core's batcher to be idle; a wait that runs its full bound starts the job's turn. */
+static void job_yield(void *arg) {
+    train_job *j = arg;
+    const int64_t max_us = (int64_t)SHARD_TRAIN_YIELD_MAX_MS * 1000;
+    if (fu_now_us() < j->turn_until_us) return;
+    if (shard_core_wait_idle(j->core, max_us) >= max_us)
+        j->turn_until_us = fu_now_us() + (int64_t)SHARD_TRAIN_TURN_MS * 1000;
+}
+
 /* A new job over `core` (its adapter fresh or from req->state), not yet in the table. */
 static int job_make(const shard_train *t, shard_core *core, const train_svc_open *req, const lora_config *lc,
                     uint64_t budget, train_job **out, rpc_status *st) {
@@ -175,6 +186,7 @@ static int job_make(const shard_train *t, shard_core *core, const train_svc_open
     trn_options to = {req->max_tokens, req->slots, req->keep_activations ? TRN_KEEP : TRN_RECOMPUTE, budget};
     int rc = lora_new(lc, &m->cfg, m->first, m->last, req->lora->init_seed, &j->ad);
     if (!rc) rc = trn_new(shard_core_engine(core), j->ad, &to, &j->tr);
+    if (!rc && t->cfg.priority == SHARD_TRAIN_PRIORITY_INFERENCE) trn_set_yield(j->tr, job_yield, j);
     if (rc) rc = rpc_status_setf(st, rpc_code_from_fu(rc), "%s", fu_last_error());
     if (!rc && req->state) rc = state_put(j, req->state, st);
     if (rc) {

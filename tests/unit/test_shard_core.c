@@ -1,5 +1,6 @@
 /* test_shard_core.c -- the shard core: concurrent sessions batched together compute what
- * each computes alone; chained spans equal the whole model; admission control; bad steps. */
+ * each computes alone; chained spans equal the whole model; admission control; bad steps;
+ * waiting for an idle batcher (what training yields to). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -446,6 +447,36 @@ static void test_prefill_interleaves_and_cancels(void **state) {
     fixture_close(&f);
 }
 
+/* shard_core_wait_idle returns at once on an idle core; on a busy one it returns only once the
+ * batcher has no step queued or computing (a long prefill's chunks keep it busy to the last). */
+static void test_wait_idle(void **state) {
+    (void)state;
+    fixture f;
+    shard_core_options one = {.kv_budget_bytes = 0, .max_batch_tokens = 1, .kv_type = OP_TYPE_F32};
+    fixture_open(&f, OP_TYPE_F32, 43, 1, &one);
+    assert_int_equal(shard_core_wait_idle(f.core, 1000000), 0);
+    int waited = 0;
+    for (int round = 0; round < 200 && !waited; round++) { /* a busy machine may run all 120 chunks first */
+        long_step l;
+        pthread_t t;
+        long_step_start(&l, f.core, "long", false, &t);
+        int64_t us = shard_core_wait_idle(f.core, 10000000);
+        assert_true(us >= 0 && us < 10000000);
+        if (us > 0) {
+            waited++;
+            assert_int_equal(shard_session_len(l.s), 120); /* every chunk ran first */
+        }
+        pthread_join(t, NULL);
+        assert_int_equal(l.rc, FU_OK);
+        shard_session_close(f.core, l.s);
+    }
+    assert_true(waited > 0);
+    shard_core_stats st;
+    shard_core_get_stats(f.core, &st);
+    assert_int_equal(st.train_waits, (uint64_t)waited);
+    fixture_close(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_concurrent_sessions_batch_and_match),
@@ -455,6 +486,7 @@ int main(void) {
         cmocka_unit_test(test_chunked_step_equals_whole),
         cmocka_unit_test(test_score_inputs),
         cmocka_unit_test(test_prefill_interleaves_and_cancels),
+        cmocka_unit_test(test_wait_idle),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
