@@ -34,7 +34,7 @@ QUESTIONS = ["Which of our rules matter most for a new member?", "How should a l
 def system_prompt(n_tokens, place="public library"):
     """Numbered rules of `place`, about n_tokens tokens of SmolLM2's tokenizer."""
     rules = [f"Rule {i}: members return item {i} within {7 + i % 21} days and keep it dry."
-             for i in range(n_tokens // 17)]
+             for i in range(n_tokens // 22)]
     return f"You are the assistant of a {place}. Its rules follow.\n" + "\n".join(rules)
 
 
