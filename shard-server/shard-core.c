@@ -24,6 +24,7 @@ typedef struct shard_adapter {
     char id[SHARD_ADAPTER_MAX_ID + 1];
     lora_adapter *ad;           /* owned */
     int refs;                   /* the registry's (while loaded) + one per session (guarded by mu) */
+    uint64_t version;           /* the core's count of loads when it was loaded: keys its prefix-cache blocks */
     struct shard_adapter *next; /* the core's list of loaded adapters */
 } shard_adapter;
 
@@ -86,6 +87,7 @@ struct shard_core {
     uint64_t kv_used;
     shard_core_stats stats;
     shard_adapter *adapters;   /* loaded ones, by id */
+    uint64_t adapter_loads;    /* adapters loaded since start (their versions) */
     pfx_cache *pfx;            /* NULL: prefix cache off; its blocks' bytes count against the budget */
     int n_adapters;
     pthread_mutex_t fwd_mu;    /* held around the engine's forwards and a sequence's adapter setting,
@@ -575,6 +577,7 @@ int shard_core_adapter_load(shard_core *c, const char *id, lora_adapter *ad) {
                          c->o.max_adapters);
     }
     if (old) shard_adapter_unlink(c, pp);
+    a->version = ++c->adapter_loads;
     a->next = c->adapters;
     c->adapters = a;
     c->n_adapters++;
@@ -790,7 +793,7 @@ static int shard_session_alloc(shard_core *c, const char *id, int max_len, shard
     if (!s) return fu_errorf(FU_ERR_NOMEM, "session");
     snprintf(s->id, sizeof s->id, "%s", id);
     s->pfx_tokens = c->pfx ? c->o.kv_block_tokens : 0;
-    s->pfx_seed = s->pfx_parent = pfx_seed(a ? a->id : NULL, c->m->first, c->m->last);
+    s->pfx_seed = s->pfx_parent = pfx_seed(a ? a->id : NULL, a ? a->version : 0, c->m->first, c->m->last);
     s->history = malloc((size_t)max_len * sizeof *s->history);
     int rc = s->history ? eng_seq_new(c->e, max_len, &s->seq) : fu_errorf(FU_ERR_NOMEM, "session");
     if (!rc && a) {

@@ -65,8 +65,8 @@ uint64_t pfx_hash(uint64_t parent, const int32_t *tokens, int n) {
     return h;
 }
 
-uint64_t pfx_seed(const char *adapter_id, int first, int last) {
-    uint64_t h = fu_mix64(((uint64_t)(uint32_t)first << 32) | (uint32_t)last);
+uint64_t pfx_seed(const char *adapter_id, uint64_t version, int first, int last) {
+    uint64_t h = fu_mix64(fu_mix64(((uint64_t)(uint32_t)first << 32) | (uint32_t)last) ^ version);
     for (const char *p = adapter_id ? adapter_id : ""; *p; p++) h = fu_mix64(h ^ (unsigned char)*p);
     return fu_mix64(h ^ 0x51ed270b27a4c4a3ULL); /* NULL and "" are both the base model */
 }

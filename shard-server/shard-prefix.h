@@ -39,9 +39,10 @@ int pfx_cache_block_tokens(const pfx_cache *c);
 uint64_t pfx_cache_bytes(const pfx_cache *c);
 int pfx_cache_blocks(const pfx_cache *c);
 
-/* The first block's parent for sessions with adapter `adapter_id` (NULL or "": none) over
- * blocks [first, last) of a model: the identity of a span's input beside the tokens. */
-uint64_t pfx_seed(const char *adapter_id, int first, int last);
+/* The first block's parent for sessions with adapter `adapter_id` (NULL or "": none) in its
+ * load `version` (an adapter replaced under the same id is another adapter) over blocks
+ * [first, last) of a model: the identity of a span's input beside the tokens. */
+uint64_t pfx_seed(const char *adapter_id, uint64_t version, int first, int last);
 /* The hash of a block of tokens[0..n) whose parent hash is `parent`. */
 uint64_t pfx_hash(uint64_t parent, const int32_t *tokens, int n);
 

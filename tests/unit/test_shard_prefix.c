@@ -11,10 +11,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lora.h"
 #include "model.h"
 #include "shard-core.h"
 #include "shard-prefix.h"
 #include "status.h"
+#include "test-lora.h"
 #include "test-model.h"
 
 #define B 4
@@ -31,9 +33,10 @@ static uint64_t put_block(pfx_cache *c, uint64_t parent, const int32_t *tokens, 
 static void test_hash_chains_and_covers_tokens(void **state) {
     (void)state;
     const int32_t a[B] = {1, 2, 3, 4}, b[B] = {1, 2, 3, 5};
-    uint64_t s0 = pfx_seed(NULL, 0, 2), s1 = pfx_seed("ad", 0, 2), s2 = pfx_seed(NULL, 2, 4);
-    assert_true(s0 == pfx_seed("", 0, 2));
+    uint64_t s0 = pfx_seed(NULL, 0, 0, 2), s1 = pfx_seed("ad", 0, 0, 2), s2 = pfx_seed(NULL, 0, 2, 4);
+    assert_true(s0 == pfx_seed("", 0, 0, 2));
     assert_true(s0 != s1 && s0 != s2 && s1 != s2);
+    assert_true(s1 != pfx_seed("ad", 1, 0, 2)); /* the same id loaded again: another adapter */
     assert_true(pfx_hash(s0, a, B) == pfx_hash(s0, a, B));
     assert_true(pfx_hash(s0, a, B) != pfx_hash(s0, b, B));
     assert_true(pfx_hash(s0, a, B) != pfx_hash(s1, a, B));
@@ -46,7 +49,7 @@ static void test_acquire_longest_prefix_and_pins(void **state) {
     pfx_cache *c;
     assert_int_equal(pfx_cache_new(B, 16, &c), FU_OK);
     const int32_t t[3 * B] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
-    uint64_t seed = pfx_seed(NULL, 0, 1);
+    uint64_t seed = pfx_seed(NULL, 0, 0, 1);
     uint64_t h0 = put_block(c, seed, t, 0xA0);
     put_block(c, h0, t + B, 0xA1);
     assert_null(pfx_cache_reserve(c, seed, t)); /* already there */
@@ -69,7 +72,7 @@ static void test_acquire_longest_prefix_and_pins(void **state) {
     const int32_t u[2 * B] = {0, 2, 3, 4, 5, 6, 7, 8};
     assert_int_equal(pfx_cache_acquire(c, seed, u, 2 * B, 2, got), 0);
     /* another adapter: nothing */
-    assert_int_equal(pfx_cache_acquire(c, pfx_seed("x", 0, 1), t, 2 * B, 2, got), 0);
+    assert_int_equal(pfx_cache_acquire(c, pfx_seed("x", 0, 0, 1), t, 2 * B, 2, got), 0);
     /* a reserved block is invisible until published, and abandoning it frees it */
     pfx_block *r = pfx_cache_reserve(c, pfx_hash(h0, t + B, B), t + 2 * B);
     assert_non_null(r);
@@ -85,7 +88,7 @@ static void test_lru_eviction(void **state) {
     pfx_cache *c;
     assert_int_equal(pfx_cache_new(B, 16, &c), FU_OK);
     const int32_t p[B] = {1, 1, 1, 1}, q[B] = {2, 2, 2, 2}, r[B] = {3, 3, 3, 3};
-    uint64_t seed = pfx_seed(NULL, 0, 1);
+    uint64_t seed = pfx_seed(NULL, 0, 0, 1);
     put_block(c, seed, p, 1);
     put_block(c, seed, q, 2);
     put_block(c, seed, r, 3);
@@ -129,9 +132,10 @@ static void core_close(core_fixture *f) {
 
 /* Runs prompt[0..n) on a new session (reusing what the cache holds when `reuse`) and returns the
  * last position's logits in out (V) and how many positions came from the cache. */
-static int run_prompt(core_fixture *f, const char *id, const int32_t *prompt, int n, bool reuse, float *out) {
+static int run_prompt_with(core_fixture *f, const char *id, const char *adapter, const int32_t *prompt, int n,
+                           bool reuse, float *out) {
     shard_session *s;
-    assert_int_equal(shard_session_open(f->core, id, 64, NULL, &s), FU_OK);
+    assert_int_equal(shard_session_open(f->core, id, 64, adapter, &s), FU_OK);
     int cached = reuse ? shard_session_pin_prefix(f->core, s, prompt, n) : 0;
     assert_true(cached % B == 0 && cached < n);
     assert_int_equal(shard_session_reuse_prefix(f->core, s, cached), FU_OK);
@@ -141,6 +145,10 @@ static int run_prompt(core_fixture *f, const char *id, const int32_t *prompt, in
     memcpy(out, st.out_logits, (size_t)f->m->cfg.vocab_size * sizeof *out);
     shard_session_close(f->core, s);
     return cached;
+}
+
+static int run_prompt(core_fixture *f, const char *id, const int32_t *prompt, int n, bool reuse, float *out) {
+    return run_prompt_with(f, id, NULL, prompt, n, reuse, out);
 }
 
 /* A session from cached blocks gives the logits of one from scratch: bit-identical when its
@@ -210,9 +218,7 @@ static void test_no_write_into_shared_block(void **state) {
     core_close(&f);
 }
 
-/* The adapter is part of the key: a session with an adapter does not get the base model's
- * blocks (checked on the seeds above); here: a session that pins nothing can still reuse 0, and
- * reusing more than it pinned is refused. */
+/* A session that pins nothing can still reuse 0, and reusing more than it pinned is refused. */
 static void test_reuse_limits(void **state) {
     (void)state;
     core_fixture f;
@@ -223,6 +229,29 @@ static void test_reuse_limits(void **state) {
     assert_int_equal(shard_session_pin_prefix(f.core, s, t, 9), 0);
     assert_int_equal(shard_session_reuse_prefix(f.core, s, 4), FU_ERR_RANGE);
     shard_session_close(f.core, s);
+    core_close(&f);
+}
+
+/* The adapter is part of the key: a session with an adapter gets none of the base model's
+ * blocks, its own blocks serve its next session, and the same id loaded again is another
+ * adapter. */
+static void test_adapter_in_key(void **state) {
+    (void)state;
+    core_fixture f;
+    core_open(&f, OP_TYPE_F32, 64u << 20, false);
+    const mdl_config *c = &f.m->cfg;
+    assert_int_equal(shard_core_adapter_load(f.core, "ad", test_random_adapter(c, 0, c->n_layers, LORA_TARGETS_ALL, 4, 3)), FU_OK);
+    const int V = c->vocab_size, n = 13;
+    int32_t prompt[13];
+    for (int i = 0; i < n; i++) prompt[i] = (i * 5 + 2) % V;
+    float *a = malloc((size_t)V * sizeof *a), *b = malloc((size_t)V * sizeof *b);
+    assert_int_equal(run_prompt_with(&f, "base", NULL, prompt, n, true, a), 0);
+    assert_int_equal(run_prompt_with(&f, "lora1", "ad", prompt, n, true, a), 0); /* not the base's blocks */
+    assert_int_equal(run_prompt_with(&f, "lora2", "ad", prompt, n, true, b), 12);
+    assert_memory_equal(a, b, (size_t)V * sizeof *a);
+    assert_int_equal(shard_core_adapter_load(f.core, "ad", test_random_adapter(c, 0, c->n_layers, LORA_TARGETS_ALL, 4, 9)), FU_OK);
+    assert_int_equal(run_prompt_with(&f, "lora3", "ad", prompt, n, true, b), 0); /* replaced: another adapter */
+    free(a), free(b);
     core_close(&f);
 }
 
@@ -265,6 +294,7 @@ int main(void) {
         cmocka_unit_test(test_reuse_bit_identical_f16),
         cmocka_unit_test(test_no_write_into_shared_block),
         cmocka_unit_test(test_reuse_limits),
+        cmocka_unit_test(test_adapter_in_key),
         cmocka_unit_test(test_cached_blocks_evicted_for_admission),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
