@@ -56,6 +56,8 @@ struct gw_engine {
     int idle;
     bool stopping;
     atomic_uint_fast64_t next_id;
+    pthread_mutex_t gm_mu;      /* builds gm_vocab once */
+    gm_vocab *gm_vocab;         /* the model's tokens for grammar masks; NULL until a grammar is used */
 };
 
 struct gw_job {
@@ -310,6 +312,8 @@ static int gw_job_prepare_locked(gw_job *j, gw_error *err) {
                             (long long)max_tokens, what);
     }
     j->max_tokens = (int)max_tokens;
+    if (j->tools_on && !r->grammar && gw_tools_grammar(r->tools, r->tool_choice, m->tool_format, &r->grammar, err))
+        return err->http;
     int64_t total = 0;
     for (int p = 0; p < n_prompts; p++) total += (int64_t)j->pn[p];
     if (gw_job_check_budget(j, total, n_prompts, err)) return err->http;
@@ -693,6 +697,9 @@ typedef struct gw_run {
     gw_stop stop;
     fu_buf piece;           /* text released for the current token */
     json_t *lp_chunk;       /* streaming: logprobs not yet sent */
+    gm_matcher *gm;         /* constrained output: the grammar's state after the tokens so far */
+    uint8_t *mask;          /* (mask_bytes) the tokens allowed at the next step */
+    size_t mask_bytes;
     gw_error err;
 } gw_run;
 
@@ -1008,6 +1015,50 @@ static void gw_run_step_metrics(gw_run *r) {
     r->t_prev = t;
 }
 
+/* ---- constrained output ----------------------------------------------------------------------- */
+
+/* The grammar vocabulary of the engine's model, built on first use: every token's bytes
+ * (special tokens never allowed: their text is not output), the end-of-generation ids allowed
+ * where the grammar accepts. NULL (error set) when it cannot be built. */
+static const gm_vocab *gw_engine_gm_vocab(gw_engine *e) {
+    pthread_mutex_lock(&e->gm_mu);
+    const gw_model *m = e->model;
+    int n = m->vocab, nt = tok_vocab_size(m->tok);
+    const char **toks = e->gm_vocab ? NULL : calloc((size_t)n, sizeof *toks);
+    size_t *lens = e->gm_vocab ? NULL : calloc((size_t)n, sizeof *lens);
+    for (int i = 0; toks && lens && i < n && i < nt; i++)
+        if (tok_is_special(m->tok, i) || tok_token_piece(m->tok, i, &toks[i], &lens[i])) toks[i] = NULL;
+    const int32_t *eog;
+    int n_eog = (int)tok_eog_ids(m->tok, &eog);
+    if (!e->gm_vocab && (!toks || !lens || gm_vocab_new(toks, lens, n, eog, n_eog, &e->gm_vocab)))
+        fu_errorf(FU_ERR_NOMEM, "grammar vocabulary");
+    free(toks);
+    free(lens);
+    const gm_vocab *v = e->gm_vocab;
+    pthread_mutex_unlock(&e->gm_mu);
+    return v;
+}
+
+/* Starts the choice's matcher at the grammar's start, with its mask buffer. */
+static int gw_run_grammar_init(gw_run *r) {
+    const gm_vocab *v = gw_engine_gm_vocab(r->j->e);
+    int rc = v ? gm_matcher_new(r->j->req.grammar, v, &r->gm) : FU_ERR_NOMEM;
+    r->mask_bytes = v ? gm_vocab_mask_bytes(v) : 0;
+    if (!rc && !(r->mask = malloc(r->mask_bytes))) rc = FU_ERR_NOMEM;
+    return rc ? gw_run_fail(r, rc, "grammar") : FU_OK;
+}
+
+/* Sets the next step's allowed tokens from the grammar's state. A state that allows nothing
+ * (the grammar is complete and the model has no end-of-generation token) ends the choice. */
+static int gw_run_grammar_mask(gw_run *r) {
+    int n = gm_matcher_mask(r->gm, r->mask, r->mask_bytes);
+    if (n < 0) return gw_run_fail(r, n, "grammar");
+    if (n == 0) return gw_run_end(r, "stop");
+    r->spec.sampling.allowed = r->mask;
+    r->spec.sampling.n_allowed = r->mask_bytes;
+    return FU_OK;
+}
+
 /* Stage 1: prepares the job (the first of its workers does) and the choice: its prompt,
  * session id, history and step spec. Ends the choice quietly when the job is cancelled
  * or failed to prepare (that failed the job), with "length" when there is nothing to
@@ -1020,7 +1071,8 @@ static int gw_run_prepare(gw_run *r) {
     if (j->max_tokens == 0 && !j->req.echo) return gw_run_end(r, "length");
     snprintf(r->sid, sizeof r->sid, "%s-%d", j->id, r->ci);
     r->request_len = (int)r->n_prompt + j->max_tokens;
-    r->max_length = r->request_len + 1;
+    /* hist holds the prompt and every sampled token; the sessions hold all but the last one */
+    r->max_length = r->request_len;
     r->hist = malloc((size_t)r->max_length * sizeof *r->hist);
     if (!r->hist) return gw_run_fail(r, fu_errorf(FU_ERR_NOMEM, "token history"), "out of memory");
     memcpy(r->hist, r->prompt, r->n_prompt * sizeof *r->hist);
@@ -1028,7 +1080,7 @@ static int gw_run_prepare(gw_run *r) {
     r->echo_lp = j->req.kind != GW_KIND_CHAT && j->req.echo && j->req.logprobs;
     r->spec = (chain_spec){.sample = true, .sampling = j->req.sampling, .penalty_start = (int64_t)r->n_prompt,
                            .top_logprobs = j->req.logprobs ? j->req.top_logprobs : 0};
-    return FU_OK;
+    return j->req.grammar ? gw_run_grammar_init(r) : FU_OK;
 }
 
 /* Stage 2: opens the chain session (counted in the metrics), moves a streaming job to its
@@ -1088,6 +1140,10 @@ static int gw_run_step(gw_run *r) {
     gw_job *j = r->j;
     if (atomic_load(&j->cancelled)) return gw_run_end(r, NULL);
     if (gw_job_over_time(j)) return gw_run_over_time(r);
+    if (r->gm) {
+        int rc = gw_run_grammar_mask(r);
+        if (rc || !r->live) return rc;
+    }
     bool prompt_lp = r->echo_lp && r->step == 0;
     r->spec.all_positions = r->spec.score_inputs = prompt_lp;
     /* the seed of the step's last position, the one whose token is sampled (fusion.proto) */
@@ -1099,6 +1155,7 @@ static int gw_run_step(gw_run *r) {
     gw_run_step_metrics(r);
     int o = res->n_out - 1;
     int32_t tok = res->tokens[o];
+    if (r->gm && gm_matcher_accept_token(r->gm, tok)) return gw_run_fail(r, FU_ERR_INTERNAL, "grammar");
     r->c->n_gen++;
     r->step++;
     r->hist[r->n_hist++] = tok;
@@ -1157,6 +1214,8 @@ static void gw_run_close(gw_run *r, int rc) {
     if (r->counted) gw_metrics_sessions(j->e->metrics, -1);
     if (j->e->swarm) gw_swarm_release(j->e->swarm, &r->lease);
     free(r->hist);
+    gm_matcher_free(r->gm);
+    free(r->mask);
     gw_choice_done(j, r->c);
 }
 
@@ -1230,6 +1289,7 @@ int gw_engine_new(const gw_config *cfg, const gw_model *model, gw_metrics *metri
     e->model = model;
     e->metrics = metrics;
     pthread_mutex_init(&e->mu, NULL);
+    pthread_mutex_init(&e->gm_mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     e->n_hops = cfg->n_hops;
     for (int i = 0; i < cfg->n_hops; i++)
@@ -1275,6 +1335,8 @@ void gw_engine_free(gw_engine *e) {
     chain_client_free(e->chain);
     free(e->threads);
     free(e->q);
+    gm_vocab_free(e->gm_vocab);
+    pthread_mutex_destroy(&e->gm_mu);
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
     free(e);

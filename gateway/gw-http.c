@@ -687,7 +687,7 @@ static enum MHD_Result gw_route_apply_template(gw_conn *c, const json_t *body) {
     const gw_model *m = c->srv->model;
     gw_request r;
     gw_error err;
-    if (gw_request_parse(body, GW_KIND_CHAT, &c->srv->cfg->limits, m->vocab, &r, &err)) return gw_respond_error(c, &err);
+    if (gw_request_parse(body, GW_KIND_TEMPLATE, &c->srv->cfg->limits, m->vocab, &r, &err)) return gw_respond_error(c, &err);
     char *text = NULL;
     int rc = gw_render_chat(m, &r, &text, &err);
     gw_request_free(&r);

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "gw.h"
+#include "json-schema.h"
 #include "status.h"
 
 void gw_limits_default(gw_limits *l) {
@@ -34,6 +35,7 @@ void gw_request_free(gw_request *r) {
     free(r->stop);
     free(r->bias);
     free(r->user);
+    gm_grammar_free(r->grammar);
     memset(r, 0, sizeof *r);
 }
 
@@ -187,6 +189,14 @@ static int parse_tools(const json_t *body, gw_request *r, gw_error *err) {
     return r->tool_choice ? 0 : gw_error_set(err, 500, NULL, NULL, "out of memory");
 }
 
+/* Whether a chat message may have this role (OpenAI's, with the deprecated "function"). */
+static bool known_role(const char *role) {
+    static const char *roles[] = {"system", "developer", "user", "assistant", "tool", "function"};
+    for (size_t i = 0; i < sizeof roles / sizeof *roles; i++)
+        if (!strcmp(role, roles[i])) return true;
+    return false;
+}
+
 static int parse_messages(const json_t *body, const gw_limits *lim, gw_request *r, gw_error *err) {
     const json_t *m = json_object_get(body, "messages");
     if (!m) return gw_error_set(err, 400, "messages", "missing_required_parameter",
@@ -205,9 +215,11 @@ static int parse_messages(const json_t *body, const gw_limits *lim, gw_request *
         snprintf(param, sizeof param, "messages[%zu]", i);
         if (!json_is_object(msg)) return gw_error_set(err, 400, param, "invalid_type", "'%s' must be an object", param);
         const json_t *role = json_object_get(msg, "role");
-        if (!json_is_string(role) || json_string_length(role) == 0) {
+        if (!json_is_string(role) || !known_role(json_string_value(role))) {
             snprintf(param, sizeof param, "messages[%zu].role", i);
-            return gw_error_set(err, 400, param, "invalid_value", "'%s' must be a non-empty string", param);
+            return gw_error_set(err, 400, param, json_is_string(role) ? "invalid_value" : "invalid_type",
+                                "'%s' must be one of 'system', 'developer', 'user', 'assistant', 'tool' or 'function'",
+                                param);
         }
         if (normalize_content(msg, (int)i, err)) return err->http;
     }
@@ -446,10 +458,110 @@ static int parse_stream(const json_t *body, gw_request *r, gw_error *err) {
     return 0;
 }
 
+/* ---- structured output ------------------------------------------------------------------ */
+
+/* A 400 naming `param` for a grammar or schema that did not compile (500 when out of memory). */
+static int grammar_error(gw_error *err, const char *param, int rc) {
+    if (rc == FU_ERR_NOMEM) return gw_error_set(err, 500, NULL, NULL, "out of memory");
+    return gw_error_set(err, 400, param, "invalid_value", "Invalid '%s': %s", param, fu_last_error());
+}
+
+/* response_format {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}. */
+static int parse_json_schema_format(const json_t *rf, gw_request *r, gw_error *err) {
+    const json_t *js = json_object_get(rf, "json_schema");
+    if (!json_is_object(js))
+        return gw_error_set(err, 400, "response_format", "invalid_value",
+                            "'response_format.json_schema' must be an object with 'name' and 'schema'");
+    const json_t *name = json_object_get(js, "name"), *strict = json_object_get(js, "strict");
+    const json_t *schema = json_object_get(js, "schema");
+    if ((name && !json_is_string(name)) || (strict && !json_is_boolean(strict) && !json_is_null(strict)))
+        return gw_error_set(err, 400, "response_format", "invalid_type",
+                            "'response_format.json_schema': 'name' must be a string and 'strict' a boolean");
+    if (!schema) return gw_error_set(err, 400, "response_format", "invalid_value", "'response_format.json_schema.schema' is required");
+    int rc = js_schema_grammar(schema, &r->grammar);
+    return rc ? grammar_error(err, "response_format", rc) : 0;
+}
+
+/* response_format: {"type": "text" | "json_object" | "json_schema", ...}. */
+static int parse_response_format(const json_t *body, gw_request *r, gw_error *err) {
+    const json_t *rf = json_object_get(body, "response_format");
+    if (!rf || json_is_null(rf)) return 0;
+    const json_t *type = json_object_get(rf, "type");
+    if (!json_is_object(rf) || !json_is_string(type))
+        return gw_error_set(err, 400, "response_format", "invalid_type",
+                            "'response_format' must be an object with a string 'type'");
+    const char *t = json_string_value(type);
+    if (!strcmp(t, "text")) return 0;
+    if (!strcmp(t, "json_schema")) return parse_json_schema_format(rf, r, err);
+    if (strcmp(t, "json_object"))
+        return gw_error_set(err, 400, "response_format", "invalid_value",
+                            "Invalid value: '%.100s'. Supported values are: 'text', 'json_object', and 'json_schema'.", t);
+    int rc = js_object_grammar(&r->grammar);
+    return rc ? grammar_error(err, "response_format", rc) : 0;
+}
+
+/* llama.cpp's `grammar` (GBNF text) and `json_schema` (a schema), each exclusive with response_format. */
+static int parse_grammar(const json_t *body, gw_request *r, gw_error *err) {
+    const char *keys[] = {"grammar", "json_schema"};
+    for (int k = 0; k < 2; k++) {
+        const json_t *v = json_object_get(body, keys[k]);
+        if (!v || json_is_null(v)) continue;
+        if (r->grammar)
+            return gw_error_set(err, 400, keys[k], "invalid_value",
+                                "'%s' cannot be combined with 'response_format' or another grammar", keys[k]);
+        if (k == 0 && !json_is_string(v))
+            return gw_error_set(err, 400, "grammar", "invalid_type", "'grammar' must be a string (GBNF)");
+        int rc = k == 0 ? gm_grammar_parse(json_string_value(v), json_string_length(v), "root", &r->grammar)
+                        : js_schema_grammar(v, &r->grammar);
+        if (rc) return grammar_error(err, keys[k], rc);
+    }
+    return 0;
+}
+
+/* ---- strictness ------------------------------------------------------------------------------ */
+
+/* The top-level keys a request may hold: what this file reads, plus OpenAI's bookkeeping
+ * fields that do not change the output (accepted and ignored). */
+static bool known_key(const char *key, gw_kind kind) {
+    static const char *common[] = {
+        "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "seed", "n", "stop", "logit_bias", "logprobs", "stream", "stream_options", "ignore_eos",
+        "return_tokens_as_token_ids", "user", "grammar", "json_schema", "response_format", "metadata", "store", "service_tier"};
+    static const char *chat[] = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                 "parallel_tool_calls"};
+    static const char *completion[] = {"prompt", "echo"};
+    for (size_t i = 0; i < sizeof common / sizeof *common; i++)
+        if (!strcmp(key, common[i])) return true;
+    const char **extra = kind == GW_KIND_COMPLETION ? completion : chat;
+    size_t n = kind == GW_KIND_COMPLETION ? sizeof completion / sizeof *completion : sizeof chat / sizeof *chat;
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(key, extra[i])) return true;
+    return false;
+}
+
+/* OpenAI's refusal of unknown arguments, and its missing `model`. Returns 0 or the HTTP status. */
+static int check_strict(const json_t *body, gw_kind kind, const gw_request *r, gw_error *err) {
+    const char *key;
+    json_t *v;
+    json_object_foreach((json_t *)body, key, v) {
+        if (!known_key(key, kind))
+            return gw_error_set(err, 400, key, "unrecognized_argument", "Unrecognized request argument supplied: %.100s", key);
+    }
+    const json_t *tc = r->tool_choice;
+    if (r->grammar && tc && !(json_is_string(tc) && (!strcmp(json_string_value(tc), "auto") || !strcmp(json_string_value(tc), "none"))))
+        return gw_error_set(err, 400, "tool_choice", "invalid_value",
+                            "a forced 'tool_choice' cannot be combined with 'response_format' or a grammar");
+    if (kind != GW_KIND_TEMPLATE && (!r->model || !*r->model))
+        return gw_error_set(err, 400, "model", "missing_required_parameter", "you must provide a model parameter");
+    return 0;
+}
+
 int gw_request_parse(const json_t *body, gw_kind kind, const gw_limits *lim, int vocab, gw_request *r,
                      gw_error *err) {
     memset(r, 0, sizeof *r);
     memset(err, 0, sizeof *err);
+    gw_kind strict_kind = kind;
+    if (kind == GW_KIND_TEMPLATE) kind = GW_KIND_CHAT;
     r->kind = kind;
     r->max_tokens = -1;
     r->n = 1;
@@ -469,6 +581,9 @@ int gw_request_parse(const json_t *body, gw_kind kind, const gw_limits *lim, int
         get_bool(body, "ignore_eos", &r->ignore_eos, err) < 0 ||
         get_bool(body, "return_tokens_as_token_ids", &r->tokens_as_ids, err) < 0 ||
         get_string(body, "user", &r->user, err) < 0)
+        goto fail;
+    if (parse_response_format(body, r, err) || parse_grammar(body, r, err) ||
+        check_strict(body, strict_kind, r, err))
         goto fail;
     return 0;
 fail:

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "json-schema.h"
 #include "status.h"
 
 #define HERMES_OPEN "<tool_call>"
@@ -410,4 +411,77 @@ int gw_tools_prepare_chat(json_t *messages, const json_t *tools, gw_tool_format 
     else if (json_array_insert_new(messages, 0, json_pack("{s:s, s:o}", "role", "system", "content", text)))
         return gw_error_set(err, 500, NULL, NULL, "out of memory");
     return 0;
+}
+
+/* ---- forced calls: the grammar ----------------------------------------------------------------- */
+
+/* Appends rule "t<i>-call": one call of tools[i] with its parameters' rules. */
+static int tool_call_rules(fu_buf *b, size_t i, const json_t *tool, gw_tool_format format, gw_error *err) {
+    const json_t *fn = json_object_get(tool, "function"), *params = json_object_get(fn, "parameters");
+    char prefix[24], param[32];
+    snprintf(prefix, sizeof prefix, "t%zu-", i);
+    snprintf(param, sizeof param, "tools[%zu]", i);
+    json_t *any = params ? NULL : json_pack("{s:s}", "type", "object");
+    int rc = js_schema_rules(params ? params : any, prefix, b);
+    json_decref(any);
+    if (rc) return rc == FU_ERR_NOMEM ? gw_error_set(err, 500, NULL, NULL, "out of memory")
+                                      : gw_error_set(err, 400, param, "invalid_value", "Invalid '%s' parameters: %s", param,
+                                                     fu_last_error());
+    json_t *name = json_object_get(fn, "name");
+    char *nq = json_dumps(name, JSON_ENCODE_ANY);
+    fu_buf head = {0};
+    rc = !nq || fu_buf_appendf(&head, "{\"name\": %s, \"%s\": ", nq, format == GW_TOOL_FORMAT_HERMES ? "arguments" : "parameters") ||
+         fu_buf_appendf(b, "t%zu-call ::= ", i) || js_gbnf_literal(b, head.data, head.len) ||
+         fu_buf_appendf(b, " t%zu-root \"}\"\n", i);
+    free(nq);
+    fu_buf_free(&head);
+    return rc ? gw_error_set(err, 500, NULL, NULL, "out of memory") : 0;
+}
+
+/* The index of the tool tool_choice names, -1 when it is "required", -2 when not among them. */
+static long forced_tool(const json_t *tools, const json_t *tool_choice) {
+    if (json_is_string(tool_choice)) return -1;
+    const char *want = json_string_value(json_object_get(json_object_get(tool_choice, "function"), "name"));
+    for (size_t i = 0; want && i < json_array_size(tools); i++) {
+        const json_t *n = json_object_get(json_object_get(json_array_get(tools, i), "function"), "name");
+        if (json_is_string(n) && !strcmp(json_string_value(n), want)) return (long)i;
+    }
+    return -2;
+}
+
+/* The rules of the calls allowed (one tool, or all) and the root over them. */
+static int tools_gbnf(const json_t *tools, long only, gw_tool_format format, fu_buf *b, gw_error *err) {
+    fu_buf alts = {0};
+    int rc = 0;
+    for (size_t i = 0; !rc && i < json_array_size(tools); i++) {
+        if (only >= 0 && (long)i != only) continue;
+        rc = tool_call_rules(b, i, json_array_get(tools, i), format, err);
+        if (!rc && fu_buf_appendf(&alts, "%st%zu-call", alts.len ? " | " : "", i)) rc = gw_error_set(err, 500, NULL, NULL, "out of memory");
+    }
+    const char *sep = format == GW_TOOL_FORMAT_HERMES ? "\"\\n\"" : "\"; \"";
+    if (!rc && (format == GW_TOOL_FORMAT_HERMES
+                    ? fu_buf_appendf(b, "call ::= \"<tool_call>\\n\" (%s) \"\\n</tool_call>\"\n", alts.data)
+                    : fu_buf_appendf(b, "call ::= %s\n", alts.data)))
+        rc = gw_error_set(err, 500, NULL, NULL, "out of memory");
+    if (!rc && fu_buf_appendf(b, "root ::= call%s%s%s\n%s", only >= 0 ? "" : " (", only >= 0 ? "" : sep,
+                              only >= 0 ? "" : " call){0,3}", js_base_rules()))
+        rc = gw_error_set(err, 500, NULL, NULL, "out of memory");
+    fu_buf_free(&alts);
+    return rc;
+}
+
+int gw_tools_grammar(const json_t *tools, const json_t *tool_choice, gw_tool_format format, gm_grammar **out,
+                     gw_error *err) {
+    *out = NULL;
+    if (!json_is_array(tools) || !json_array_size(tools) || !tool_choice ||
+        (json_is_string(tool_choice) && strcmp(json_string_value(tool_choice), "required")))
+        return 0;
+    long only = forced_tool(tools, tool_choice);
+    if (only == -2) return gw_error_set(err, 400, "tool_choice", "invalid_value", "'tool_choice' names a function not among 'tools'");
+    fu_buf b = {0};
+    int rc = tools_gbnf(tools, only, format, &b, err);
+    if (!rc && gm_grammar_parse(b.data, b.len, "root", out))
+        rc = gw_error_set(err, 400, "tools", "invalid_value", "the tools' call grammar: %s", fu_last_error());
+    fu_buf_free(&b);
+    return rc;
 }

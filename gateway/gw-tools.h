@@ -21,6 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "grammar.h"
 #include "gw.h"
 
 typedef enum gw_tool_format {
@@ -70,6 +71,17 @@ int gw_tool_stream_flush(gw_tool_stream *t, fu_buf *content, json_t *deltas);
  * -1 on allocation failure. */
 int gw_tool_parse(gw_tool_format format, uint64_t id_salt, const char *text, size_t len, json_t **calls,
                   json_t **content);
+
+/* The grammar that forces tool calls, for tool_choice "required" (one to four calls of any of
+ * the tools) or {"type": "function", "function": {"name"}} (one call of that function), in the
+ * model's format: Hermes <tool_call>\n{"name": "f", "arguments": ARGS}\n</tool_call> (calls
+ * separated by a newline), Llama 3 {"name": "f", "parameters": ARGS} (separated by "; "), ARGS
+ * following the tool's `parameters` schema (json-schema.h; absent: any object). *out stays NULL
+ * for any other tool_choice. Returns 0 (*out the caller's), or the HTTP status with *err filled:
+ * 400 naming "tool_choice" for a function not among the tools, "tools[i]" for parameters that
+ * do not compile. */
+int gw_tools_grammar(const json_t *tools, const json_t *tool_choice, gw_tool_format format, gm_grammar **out,
+                     gw_error *err);
 
 /* Prepares a chat for the template (messages: the request's normalized array,
  * changed in place; template_src: the template's text). An assistant

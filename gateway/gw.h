@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "buf.h"
+#include "grammar.h"
 #include "options.h"
 #include "sampler.h"
 
@@ -70,6 +71,7 @@ void gw_error_public(gw_error *e, const char *id);
 typedef enum gw_kind {
     GW_KIND_CHAT = 0,   /* /v1/chat/completions */
     GW_KIND_COMPLETION, /* /v1/completions */
+    GW_KIND_TEMPLATE,   /* /apply-template: a chat whose `model` may be left out (parsed as GW_KIND_CHAT) */
 } gw_kind;
 
 /* Bounds on what one request may ask for. */
@@ -121,11 +123,19 @@ typedef struct gw_request {
     bool ignore_eos;         /* extension: keep going past end-of-generation tokens */
     bool tokens_as_ids;      /* extension (vLLM): logprob tokens as "token_id:N" */
     char *user;
+    gm_grammar *grammar;     /* the output's grammar: response_format json_object / json_schema,
+                              * llama.cpp's `grammar` or `json_schema`; NULL: free text */
 } gw_request;
 
 /* Parses and validates a request body against limits; `vocab` bounds token ids
- * (0: unchecked). On success fills *r (release with gw_request_free) and returns
- * 0; on failure returns the HTTP status (400) with *err naming the parameter. */
+ * (0: unchecked). Strict like OpenAI: `model` is required (except for
+ * GW_KIND_TEMPLATE), roles must be known, and a top-level key that is neither
+ * OpenAI's nor one of the extensions this gateway implements is refused
+ * ("Unrecognized request argument supplied: X"). response_format, `grammar` and
+ * `json_schema` are compiled into r->grammar here (a bad schema or grammar is a 400
+ * naming the parameter and, for an unsupported keyword, the keyword). On success
+ * fills *r (release with gw_request_free) and returns 0; on failure returns the
+ * HTTP status (400) with *err naming the parameter. */
 int gw_request_parse(const json_t *body, gw_kind kind, const gw_limits *lim, int vocab, gw_request *r,
                      gw_error *err);
 void gw_request_free(gw_request *r); /* zeroes *r; safe on a zeroed request */

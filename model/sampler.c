@@ -72,6 +72,14 @@ static int smp_params_check(const smp_params *p, int n_vocab) {
     if (p->n_bias < 0 || (p->n_bias && !p->bias)) return fu_errorf(FU_ERR_INVALID, "logit_bias");
     if (p->n_bias > SMP_MAX_LOGIT_BIAS)
         return fu_errorf(FU_ERR_INVALID, "logit_bias: at most %d entries", SMP_MAX_LOGIT_BIAS);
+    if (p->allowed) {
+        size_t want = ((size_t)n_vocab + 7) / 8, any = 0;
+        if (p->n_allowed != want)
+            return fu_errorf(FU_ERR_INVALID, "allowed_tokens: %zu bytes for a vocabulary of %d tokens (want %zu)",
+                             p->n_allowed, n_vocab, want);
+        for (size_t i = 0; i < want && !any; i++) any = p->allowed[i];
+        if (!any) return fu_errorf(FU_ERR_INVALID, "allowed_tokens: no token is allowed");
+    }
     for (int i = 0; i < p->n_bias; i++) {
         if (p->bias[i].token < 0 || p->bias[i].token >= n_vocab)
             return fu_errorf(FU_ERR_INVALID, "logit_bias: token %d outside the vocabulary [0, %d)",
@@ -163,10 +171,16 @@ static void smp_partial_sort(smp_cand *c, int n, int k) {
     qsort(c, (size_t)n, sizeof *c, smp_cand_cmp);
 }
 
-int32_t smp_sample(smp_sampler *s, float *logits) {
+/* Sets the logits of the tokens outside p->allowed to -inf. */
+static void smp_apply_mask(const smp_params *p, float *logits, int n) {
+    for (int i = 0; i < n; i++)
+        if (!((p->allowed[i >> 3] >> (i & 7)) & 1)) logits[i] = -INFINITY;
+}
+
+/* Penalties, logit_bias and the allowed mask applied to logits (n_vocab) in place. */
+static void smp_adjust(const smp_sampler *s, float *logits) {
     const int n = s->n_vocab;
     const smp_params *p = &s->p;
-    /* penalties */
     if (p->presence_penalty != 0 || p->frequency_penalty != 0 || p->repetition_penalty != 1) {
         for (int i = 0; i < n; i++) {
             if (!s->counts[i]) continue;
@@ -180,6 +194,13 @@ int32_t smp_sample(smp_sampler *s, float *logits) {
         if (p->bias[i].bias <= -100) logits[p->bias[i].token] = -INFINITY;
         else logits[p->bias[i].token] += p->bias[i].bias;
     }
+    if (p->allowed) smp_apply_mask(p, logits, n);
+}
+
+int32_t smp_sample(smp_sampler *s, float *logits) {
+    const int n = s->n_vocab;
+    const smp_params *p = &s->p;
+    smp_adjust(s, logits);
     if (p->temperature <= 0) return smp_argmax(logits, n);
 
     /* softmax with temperature over all tokens */

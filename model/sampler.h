@@ -4,11 +4,14 @@
  * tokens) and is used by one thread at a time; the free functions
  * (smp_argmax, smp_top_logprobs) are pure. Ownership: a sampler owns all its
  * scratch (allocated by smp_new) and a copy of the logit_bias entries; the
- * caller keeps ownership of smp_params and of the logits it passes in.
+ * caller keeps ownership of smp_params and of the logits it passes in. The
+ * allowed-token mask is borrowed: it must stay valid while the sampler samples
+ * with those parameters (until its next smp_reset).
  */
 #ifndef FU_SAMPLER_H
 #define FU_SAMPLER_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* The most logit_bias entries one set of parameters may hold (OpenAI's limit): the
@@ -32,6 +35,10 @@ typedef struct smp_params {
     uint64_t seed;           /* same seed, same choices */
     const smp_bias *bias;    /* logit_bias entries, copied at smp_new */
     int n_bias;              /* 0..SMP_MAX_LOGIT_BIAS */
+    const uint8_t *allowed;  /* NULL: every token; else a packed mask of the tokens that may be
+                              * sampled (bit i & 7 of byte i / 8 is token i; constrained decoding),
+                              * borrowed */
+    size_t n_allowed;        /* its bytes: (n_vocab + 7) / 8, with at least one token allowed */
 } smp_params;
 
 typedef struct smp_sampler smp_sampler;
@@ -40,7 +47,7 @@ typedef struct smp_sampler smp_sampler;
 smp_params smp_params_default(void);
 
 /* Creates a sampler for a vocabulary of n_vocab; validates the parameters
- * (ranges, bias token ids). All scratch is allocated here. Free with smp_free. */
+ * (ranges, bias token ids, the allowed mask's size: FU_ERR_INVALID). All scratch is allocated here. Free with smp_free. */
 int smp_new(const smp_params *p, int n_vocab, smp_sampler **out);
 void smp_free(smp_sampler *s); /* NULL is a no-op */
 
@@ -53,7 +60,9 @@ int smp_reset(smp_sampler *s, const smp_params *p);
 void smp_accept(smp_sampler *s, int32_t token);
 
 /* Picks the next token from logits (n_vocab), which it modifies in place
- * (penalties and bias applied); draws from the RNG unless greedy. Never allocates. */
+ * (penalties and bias applied, tokens outside the allowed mask set to -inf, so
+ * that greedy and seeded sampling both pick only allowed tokens); draws from the
+ * RNG unless greedy. Never allocates. */
 int32_t smp_sample(smp_sampler *s, float *logits);
 
 /* Index of the largest value (lowest index on ties). */

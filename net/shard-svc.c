@@ -88,6 +88,7 @@ static int spec_pack(const shard_svc_output_spec *v, Fusion__OutputSpec *m, Fusi
     }
     samp->n_logit_bias = n;
     samp->logit_bias = n ? ptrs : NULL;
+    samp->allowed_tokens = (ProtobufCBinaryData){w->n_allowed_tokens, (uint8_t *)w->allowed_tokens};
     m->sampling = samp;
     return 0;
 }
@@ -302,7 +303,8 @@ static int spec_view(const Fusion__OutputSpec *m, shard_svc_output_spec *v, shar
     }
     *samp = (shard_svc_sampling){w->temperature, w->top_p, top_k, w->min_p, w->seed, w->presence_penalty,
                                  w->frequency_penalty, w->repetition_penalty, bias, w->n_logit_bias,
-                                 w->penalty_start};
+                                 w->penalty_start, w->allowed_tokens.len ? w->allowed_tokens.data : NULL,
+                                 w->allowed_tokens.len};
     v->sampling = samp;
     return RPC_OK;
 }
@@ -458,7 +460,8 @@ static int req_view_set(req_view *rv, ProtobufCMessage *msg, rpc_status *st) {
 shard_svc_sampling shard_svc_sampling_from_params(const smp_params *p, int64_t penalty_start) {
     return (shard_svc_sampling){p->temperature, p->top_p, p->top_k, p->min_p, p->seed, p->presence_penalty,
                                 p->frequency_penalty, p->repetition_penalty, p->bias,
-                                p->n_bias > 0 ? (size_t)p->n_bias : 0, penalty_start};
+                                p->n_bias > 0 ? (size_t)p->n_bias : 0, penalty_start, p->allowed,
+                                p->allowed ? p->n_allowed : 0};
 }
 
 smp_params shard_svc_sampling_to_params(const shard_svc_sampling *w) {
@@ -473,6 +476,8 @@ smp_params shard_svc_sampling_to_params(const shard_svc_sampling *w) {
     p.repetition_penalty = w->repetition_penalty == 0 ? 1.0f : w->repetition_penalty;
     p.bias = w->logit_bias;
     p.n_bias = (int)w->n_logit_bias;
+    p.allowed = w->allowed_tokens;
+    p.n_allowed = w->n_allowed_tokens;
     return p;
 }
 

@@ -77,6 +77,8 @@ typedef struct shard_svc_sampling {
     const smp_bias *logit_bias; /* (n_logit_bias) */
     size_t n_logit_bias;
     int64_t penalty_start;
+    const uint8_t *allowed_tokens; /* (n_allowed_tokens) packed mask; NULL: every token */
+    size_t n_allowed_tokens;
 } shard_svc_sampling;
 
 /* OutputSpec: what the server holding the LM head returns. */
@@ -255,12 +257,12 @@ typedef struct shard_svc_health {
 
 /* ---- sampling ------------------------------------------------------------------------- */
 
-/* The wire form of sampler parameters p (logit_bias borrowed from p). */
+/* The wire form of sampler parameters p (logit_bias and the allowed mask borrowed from p). */
 shard_svc_sampling shard_svc_sampling_from_params(const smp_params *p, int64_t penalty_start);
 
 /* The sampler's parameters for wire sampling w: smp_params_default() with w's
  * values, top_p and repetition_penalty 0 read as 1 (off); p->bias borrows
- * w->logit_bias. */
+ * w->logit_bias, p->allowed w->allowed_tokens. */
 smp_params shard_svc_sampling_to_params(const shard_svc_sampling *w);
 
 /* The LoraSpec of adapter config `cfg` (r, alpha, dropout, rslora; init_seed 0), its targets'

@@ -446,6 +446,9 @@ static int shard_args_parse(shard_args *a, int argc, char **argv) {
     int status = fu_opt_main(&shard_spec, argc, argv, NULL);
     if (status >= 0) return status;
     const char *env = getenv("FUSION_SECRET");
+    if (env && a->secret && strcmp(env, a->secret))
+        return fu_opt_fail(&shard_spec, "the swarm secret in FUSION_SECRET differs from the one given by --secret, "
+                                        "--secret-file or the config file: keep one of them");
     if (!a->secret && env && !(a->secret = strdup(env))) return 1;
     if (a->join && check_announced(a->advertise ? a->advertise : a->listen, a->advertise != NULL)) {
         fprintf(stderr, "fusion-shard: %s\n", fu_last_error());

@@ -61,8 +61,9 @@ static int step_budget_check(const shard_server_config *cfg, const shard_svc_inp
     return RPC_OK;
 }
 
-/* Reads an OutputSpec into step's output options and sampling (logit_bias borrowed from spec). */
-static int step_spec(const shard_svc_output_spec *spec, shard_step *step, rpc_status *st) {
+/* Reads an OutputSpec into step's output options and sampling (logit_bias and the allowed-token
+ * mask borrowed from spec; a mask not of (vocab + 7) / 8 bytes is refused). */
+static int step_spec(const shard_svc_output_spec *spec, int vocab, shard_step *step, rpc_status *st) {
     step->want_logits = spec->want_logits;
     step->all_positions = spec->all_positions;
     step->score_inputs = spec->score_inputs;
@@ -72,6 +73,9 @@ static int step_spec(const shard_svc_output_spec *spec, shard_step *step, rpc_st
     if (sp->n_logit_bias > SMP_MAX_LOGIT_BIAS)
         return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "sampling.logit_bias: at most %d entries",
                                SMP_MAX_LOGIT_BIAS);
+    if (sp->allowed_tokens && sp->n_allowed_tokens != ((size_t)vocab + 7) / 8)
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "sampling.allowed_tokens: %zu bytes for a vocabulary of %d tokens (want %zu)",
+                               sp->n_allowed_tokens, vocab, ((size_t)vocab + 7) / 8);
     step->sample = true;
     step->sampling = shard_svc_sampling_to_params(sp);
     step->penalty_start = sp->penalty_start;
@@ -100,7 +104,7 @@ static int step_from_req(shard_core *core, const shard_svc_input *in, const shar
     }
     step->n = n;
     step->tokens = in->n_tokens ? in->tokens : NULL;
-    return spec ? step_spec(spec, step, st) : RPC_OK;
+    return spec ? step_spec(spec, m->cfg.vocab_size, step, st) : RPC_OK;
 }
 
 /* The outputs of a finished step as the service sends them; the tensors' bytes live in hbuf /

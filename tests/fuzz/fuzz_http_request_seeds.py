@@ -15,12 +15,19 @@ CHAT = [
     {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                         "function": {"name": "get", "arguments": "{}"}}]},
                   {"role": "tool", "tool_call_id": "c", "content": "sunny"}]},
+    {"model": "m", "messages": [{"role": "user", "content": "json"}],
+     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+         "type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]+$"}}, "required": ["a"]}}}},
+    {"model": "m", "messages": [{"role": "user", "content": "json"}], "response_format": {"type": "json_object"}},
+    {"model": "m", "messages": [{"role": "user", "content": "?"}], "grammar": "root ::= \"yes\" | \"no\"\n"},
+    {"model": "m", "messages": [{"role": "wizard", "content": "?"}], "frobnicate": 1},
 ]
 COMPLETIONS = [
     {"model": "m", "prompt": "Once upon", "max_tokens": 4},
     {"prompt": [[1, 2, 3], "text", [4]], "echo": True, "logprobs": 2, "n": 1, "best_of": 1, "ignore_eos": True,
      "return_tokens_as_token_ids": True, "stop": "x", "presence_penalty": 0.5, "frequency_penalty": -0.5},
     {"prompt": [1, 2, 3], "max_tokens": 0, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "user": "u"},
+    {"model": "m", "prompt": "x", "json_schema": {"enum": ["a", "b"]}},
 ]
 HEADERS = ["localhost", "localhost:8080", "127.0.0.1:65535", "[::1]:8080", "[::1]", "example.com:99999",
            "http://localhost:8080", "https://app.example.test", "null", "application/json",

@@ -59,6 +59,11 @@ def model_id(client):
     return client.models.list().data[0].id
 
 
+def served(cluster):
+    """The served model's id (requests must name it, as OpenAI's do)."""
+    return http(cluster, "GET", "/v1/models")[1]["data"][0]["id"]
+
+
 def http(cluster, method, path, body=None, key=KEY, raw=None, headers=None, timeout=60):
     """(status, parsed JSON or text) of one request, via urllib."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
@@ -198,7 +203,8 @@ def test_chat_greedy_equals_engine_and_stream(cluster, client):
     assert finals == [ref["finish_reason"]]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     raw = curl(cluster, cluster["gw"].url + "/v1/chat/completions", "-d",
-               json.dumps({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "stream": True}))
+               json.dumps({"model": served(cluster), "messages": [{"role": "user", "content": QUESTION}],
+                           "max_tokens": 4, "stream": True}))
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
 
@@ -379,7 +385,8 @@ def test_hostile_requests(cluster):
     assert_error(*post(json.dumps({"messages": [{"role": "user", "content": "hi"}],
                                    "logit_bias": {str(i): 1 for i in range(1000)}}).encode()), 400, param="logit_bias")
     # a megabyte string: within the body limit it is tokenized and rejected for the context length
-    big = json.dumps({"messages": [{"role": "user", "content": "word " * 200000}], "max_tokens": 10}).encode()
+    big = json.dumps({"model": served(cluster), "messages": [{"role": "user", "content": "word " * 200000}],
+                      "max_tokens": 10}).encode()
     assert_error(*post(big), 400, code="context_length_exceeded")
     # beyond the body limit: 413, at once when Content-Length says so, at the end of a chunked upload
     assert raw_request(cluster, f"POST /v1/completions HTTP/1.1\r\n{HEAD}Authorization: Bearer {KEY}\r\n"
@@ -417,8 +424,8 @@ def test_slow_client_times_out(cluster):
 
 
 def test_disconnect_frees_sessions(cluster):
-    body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "stream": True, "ignore_eos": True,
-                       "temperature": 0})
+    body = json.dumps({"model": served(cluster), "prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "stream": True,
+                       "ignore_eos": True, "temperature": 0})
     s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
     s.sendall((f"POST /v1/completions HTTP/1.1\r\n{HEAD}Authorization: Bearer {KEY}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
@@ -456,7 +463,8 @@ def wait_sessions_freed(cluster, seconds=10):
 def test_disconnect_non_streaming_frees_sessions(cluster, client):
     """A client that closes its socket while a non-streaming generation runs cancels it at once."""
     tokens_before = metric(cluster, "fusion_gateway_generation_tokens_total")
-    body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "ignore_eos": True, "temperature": 0})
+    body = json.dumps({"model": served(cluster), "prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "ignore_eos": True,
+                       "temperature": 0})
     s = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
     s.sendall((f"POST /v1/completions HTTP/1.1\r\n{HEAD}Authorization: Bearer {KEY}\r\n"
                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())

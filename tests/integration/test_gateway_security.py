@@ -167,7 +167,7 @@ def test_short_secrets_are_refused(model, tmp_path):
 
 
 def test_secret_conflicts_are_refused(model, tmp_path):
-    """A secret from the config file (or a flag) never silently wins over FUSION_SECRET."""
+    """A secret from the config file (or a flag) never silently wins over FUSION_SECRET, on the gateway or a shard."""
     config = tmp_path / "gateway.json"
     config.write_text(json.dumps({"secret": "the-secret-of-the-config-file"}))
     cmd = [program("gateway"), "--model", model, "--config", str(config), "--hop", "127.0.0.1:1:0:30", "--insecure",
@@ -176,6 +176,10 @@ def test_secret_conflicts_are_refused(model, tmp_path):
                          env=dict(os.environ, FUSION_SECRET="another-secret-from-the-environment"))
     assert res.returncode != 0 and "FUSION_SECRET differs" in res.stderr, res.stderr
     assert not os.path.exists(tmp_path / "port")
+    res = subprocess.run([program("shard"), "--model", model, "--blocks", "0:15", "--listen", "127.0.0.1:0",
+                          "--insecure", "--secret", "the-secret-of-the-command-line"], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, FUSION_SECRET="another-secret-from-the-environment"))
+    assert res.returncode != 0 and "FUSION_SECRET differs" in res.stderr, res.stderr
 
 
 # ---- Host (DNS rebinding) ----------------------------------------------------------------------------------

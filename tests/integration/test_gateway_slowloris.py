@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from shard_cluster import Gateway, default_model  # noqa: E402
 
 KEY = "sk-test-slowloris-key"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model's served id (its file name without .gguf)
 DEAD_HOP = "127.0.0.1:1:0:30"  # nothing listens on port 1
 DEADLINE_S = 2
 LIMITS = ["--max-connections", "64", "--max-connections-per-ip", "16", "--connection-reserve", "8",
@@ -72,7 +73,7 @@ def pending_chat(gw):
         try:
             r = requests.post(gw.url + "/v1/completions", timeout=60,
                               headers={"Authorization": "Bearer " + KEY, "Content-Type": "application/json"},
-                              data=json.dumps({"prompt": "hi", "max_tokens": 2}))
+                              data=json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}))
             out["status"], out["body"] = r.status_code, r.text
         except requests.RequestException as e:
             out["status"], out["body"] = None, repr(e)

@@ -24,6 +24,7 @@ httpx = pytest.importorskip("httpx")
 
 KEY = "sk-test-gateway-tls"
 QUESTION = "What is the capital of France?"
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model's served id (its file name without .gguf)
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +64,10 @@ def curl(cluster, path, *args):
 def test_curl_over_https(cluster):
     assert json.loads(curl(cluster, "/health")) == {"status": "ok"}
     body = json.loads(curl(cluster, "/v1/chat/completions", "-d", json.dumps(
-        {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0})))
+        {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0})))
     assert "Paris" in body["choices"][0]["message"]["content"]
     raw = curl(cluster, "/v1/chat/completions", "-d", json.dumps(
-        {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0, "stream": True}))
+        {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0, "stream": True}))
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
@@ -123,7 +124,8 @@ def test_plain_http_to_https_port(cluster, client):
 def test_disconnect_over_https_frees_session(cluster, client):
     """A TLS client that closes its socket during a non-streaming generation cancels it."""
     ctx = ssl.create_default_context(cafile=cluster["ca"])
-    body = json.dumps({"prompt": "Count: 1, 2, 3,", "max_tokens": 4000, "ignore_eos": True, "temperature": 0})
+    body = json.dumps({"model": client.models.list().data[0].id, "prompt": "Count: 1, 2, 3,", "max_tokens": 4000,
+                       "ignore_eos": True, "temperature": 0})
     raw = socket.create_connection(("127.0.0.1", cluster["gw"].port), timeout=30)
     s = ctx.wrap_socket(raw, server_hostname="localhost")
     s.sendall((f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {KEY}\r\n"

@@ -17,10 +17,13 @@
 
 /* ---- helpers ---------------------------------------------------------------------------- */
 
+/* Parses text as a request body; a body without "model" gets one (test_strict_requests checks
+ * the missing model). */
 static int parse(const char *text, gw_kind kind, int vocab, gw_request *r, gw_error *e) {
     json_error_t je;
     json_t *body = json_loads(text, 0, &je);
     assert_non_null(body);
+    if (json_is_object(body) && !json_object_get(body, "model")) json_object_set_new(body, "model", json_string("m"));
     gw_limits lim;
     gw_limits_default(&lim);
     int rc = gw_request_parse(body, kind, &lim, vocab, r, e);
@@ -722,6 +725,102 @@ static void test_tool_stream(void **state) {
     json_decref(d);
 }
 
+/* OpenAI's strictness: a missing model, an unknown role, unknown arguments, and structured output
+ * parameters (response_format, grammar, json_schema) compiled or refused naming the parameter. */
+static void test_strict_requests(void **state) {
+    (void)state;
+    gw_request r;
+    gw_error e;
+    gw_limits lim;
+    gw_limits_default(&lim);
+    json_t *b = json_loads("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", 0, NULL);
+    assert_int_equal(gw_request_parse(b, GW_KIND_CHAT, &lim, 1000, &r, &e), 400);
+    assert_string_equal(e.param, "model");
+    assert_int_equal(gw_request_parse(b, GW_KIND_TEMPLATE, &lim, 1000, &r, &e), 0); /* /apply-template */
+    assert_int_equal(r.kind, GW_KIND_CHAT);
+    gw_request_free(&r);
+    json_decref(b);
+    const char *msgs = "\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]";
+    char buf[1024];
+    struct { const char *extra, *param, *msg; } bad[] = {
+        {"\"foo\":1", "foo", "Unrecognized request argument supplied: foo"},
+        {"\"echo\":true", "echo", "Unrecognized"}, /* a completions argument */
+        {"\"response_format\":{\"type\":\"bogus\"}", "response_format", "bogus"},
+        {"\"response_format\":\"json\"", "response_format", "type"},
+        {"\"response_format\":{\"type\":\"json_schema\"}", "response_format", "json_schema"},
+        {"\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"x\",\"schema\":"
+         "{\"type\":\"integer\",\"minimum\":1}}}", "response_format", "'minimum'"},
+        {"\"grammar\":\"root ::= foo\"", "grammar", "not defined"},
+        {"\"grammar\":5", "grammar", "string"},
+        {"\"json_schema\":{\"type\":\"bogus\"}", "json_schema", "bogus"},
+        {"\"response_format\":{\"type\":\"json_object\"},\"grammar\":\"root ::= \\\"a\\\"\"", "grammar", "combined"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        snprintf(buf, sizeof buf, "{%s,%s}", msgs, bad[i].extra);
+        if (parse(buf, GW_KIND_CHAT, 1000, &r, &e) != 400 || strcmp(e.param, bad[i].param) || !strstr(e.message, bad[i].msg))
+            fail_msg("%s: param '%s' message '%s'", buf, e.param, e.message);
+    }
+    expect_bad("{\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}", GW_KIND_CHAT, "messages[0].role");
+    expect_bad("{\"messages\":[{\"role\":5,\"content\":\"x\"}]}", GW_KIND_CHAT, "messages[0].role");
+    const char *good[] = {"\"response_format\":{\"type\":\"json_object\"}", "\"response_format\":{\"type\":\"text\"}",
+                          "\"grammar\":\"root ::= [a-z]+\"", "\"parallel_tool_calls\":false,\"metadata\":{}",
+                          "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\",\"strict\":true,"
+                          "\"schema\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}}}}}"};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+        snprintf(buf, sizeof buf, "{%s,%s}", msgs, good[i]);
+        if (parse(buf, GW_KIND_CHAT, 1000, &r, &e)) fail_msg("%s: %s", buf, e.message);
+        assert_true(i == 1 || i == 3 ? !r.grammar : r.grammar != NULL);
+        gw_request_free(&r);
+    }
+}
+
+/* Whether grammar g accepts s whole (a vocabulary of the 256 single bytes). */
+static bool grammar_accepts(const gm_grammar *g, const char *s) {
+    static char bytes[256];
+    const char *toks[257];
+    size_t lens[257];
+    for (int i = 0; i < 256; i++) bytes[i] = (char)i, toks[i] = &bytes[i], lens[i] = 1;
+    toks[256] = NULL, lens[256] = 0;
+    int32_t eog = 256;
+    gm_vocab *v;
+    gm_matcher *m;
+    assert_int_equal(gm_vocab_new(toks, lens, 257, &eog, 1, &v), FU_OK);
+    assert_int_equal(gm_matcher_new(g, v, &m), FU_OK);
+    bool ok = gm_matcher_accept_bytes(m, s, strlen(s)) == FU_OK && gm_matcher_accepting(m);
+    gm_matcher_free(m);
+    gm_vocab_free(v);
+    return ok;
+}
+
+/* tool_choice "required" / a named function: the call grammar, in each format, parses back. */
+static void test_tool_grammar(void **state) {
+    (void)state;
+    json_t *tools = json_loads("[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":"
+                               "{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"}},\"required\":[\"city\"]}}},"
+                               "{\"type\":\"function\",\"function\":{\"name\":\"now\"}}]", 0, NULL);
+    json_t *req = json_string("required"), *named = json_loads("{\"type\":\"function\",\"function\":{\"name\":\"now\"}}", 0, NULL);
+    gm_grammar *g;
+    gw_error e;
+    assert_int_equal(gw_tools_grammar(tools, req, GW_TOOL_FORMAT_HERMES, &g, &e), 0);
+    const char *call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    assert_true(grammar_accepts(g, call));
+    assert_false(grammar_accepts(g, "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>"));
+    assert_false(grammar_accepts(g, "Sure!"));
+    json_t *calls, *content;
+    assert_int_equal(gw_tool_parse(GW_TOOL_FORMAT_HERMES, 1, call, strlen(call), &calls, &content), 1);
+    json_decref(calls), json_decref(content), gm_grammar_free(g);
+    assert_int_equal(gw_tools_grammar(tools, named, GW_TOOL_FORMAT_LLAMA3, &g, &e), 0);
+    assert_true(grammar_accepts(g, "{\"name\": \"now\", \"parameters\": {}}"));
+    assert_false(grammar_accepts(g, "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"x\"}}"));
+    gm_grammar_free(g);
+    json_t *auto_ = json_string("auto"), *missing = json_loads("{\"type\":\"function\",\"function\":{\"name\":\"x\"}}", 0, NULL);
+    assert_int_equal(gw_tools_grammar(tools, auto_, GW_TOOL_FORMAT_HERMES, &g, &e), 0);
+    assert_null(g);
+    assert_int_equal(gw_tools_grammar(tools, missing, GW_TOOL_FORMAT_HERMES, &g, &e), 400);
+    assert_string_equal(e.param, "tool_choice");
+    json_decref(tools), json_decref(req), json_decref(named), json_decref(auto_), json_decref(missing);
+}
+
 static void test_tool_requests(void **state) {
     (void)state;
     gw_request r;
@@ -828,6 +927,8 @@ int main(void) {
         cmocka_unit_test(test_tool_parse_whole),
         cmocka_unit_test(test_tool_stream),
         cmocka_unit_test(test_tool_requests),
+        cmocka_unit_test(test_strict_requests),
+        cmocka_unit_test(test_tool_grammar),
         cmocka_unit_test(test_tool_history_qwen3_template),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -159,6 +159,34 @@ static void test_bad_parameters(void **state) {
     assert_int_equal(smp_new(&p, 0, &s), FU_ERR_INVALID);
 }
 
+/* The allowed-token mask: greedy and seeded sampling pick only allowed tokens; a mask of the
+ * wrong size or with nothing allowed is refused. */
+static void test_allowed_mask(void **state) {
+    (void)state;
+    uint8_t mask[1] = {(1u << 3) | (1u << 6)}; /* tokens 3 and 6, the two least likely */
+    smp_params p = smp_params_default();
+    p.allowed = mask;
+    p.n_allowed = 1;
+    p.temperature = 0;
+    smp_sampler *s;
+    assert_int_equal(smp_new(&p, V, &s), FU_OK);
+    assert_int_equal(sample_once(s), 3);
+    p.temperature = 1.5f;
+    for (uint64_t seed = 0; seed < 50; seed++) {
+        p.seed = seed;
+        assert_int_equal(smp_reset(s, &p), FU_OK);
+        int32_t t = sample_once(s);
+        assert_true(t == 3 || t == 6);
+    }
+    p.n_allowed = 2;
+    assert_int_equal(smp_reset(s, &p), FU_ERR_INVALID);
+    assert_non_null(strstr(fu_last_error(), "allowed_tokens"));
+    mask[0] = 0;
+    p.n_allowed = 1;
+    assert_int_equal(smp_reset(s, &p), FU_ERR_INVALID);
+    smp_free(s);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_greedy_and_argmax),
@@ -167,6 +195,7 @@ int main(void) {
         cmocka_unit_test(test_penalties_and_bias),
         cmocka_unit_test(test_top_logprobs),
         cmocka_unit_test(test_bad_parameters),
+        cmocka_unit_test(test_allowed_mask),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

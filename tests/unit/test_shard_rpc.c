@@ -218,6 +218,11 @@ static void test_bad_steps(void **state) {
     samp.temperature = 0;
     os.top_logprobs = 50;
     expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "top_logprobs");
+    os.top_logprobs = 0;
+    uint8_t mask[3] = {1, 1, 1}; /* wrong size for the model's vocabulary */
+    samp.allowed_tokens.data = mask;
+    samp.allowed_tokens.len = sizeof mask;
+    expect_step_refused(&f, &sr, RPC_INVALID_ARGUMENT, "allowed_tokens");
     stop(&f);
 }
 
