@@ -787,8 +787,10 @@ static int gw_run_timed_step(gw_run *r, const int32_t *in, int n, const chain_sp
     r->hop_retired = r->capped = false;
     chain_spec sp = *spec;
     sp.timeout_ms = (int)(r->cap_ms + GW_PROBE_MS * (int64_t)GW_MAX_HOPS);
+    const bool first = chain_session_len(r->s) == 0;
     int rc = chain_session_step(r->s, in, n, -1, &sp, res);
     if (!rc && pace) gw_pace_record(pace, r->lease.hops, r->lease.n_hops, n, *res);
+    if (!rc && first) gw_metrics_prefix(r->j->e->metrics, n, (*res)->prefix_reused);
     const char *silent = rc && r->silent_hop >= 0 && r->silent_hop < r->lease.n_hops
                              ? r->lease.hops[r->silent_hop].address : NULL;
     if (silent && r->hop_retired)
@@ -809,9 +811,11 @@ static int gw_open_chain(gw_run *r, const chain_hop *hops, int n, const char *id
     gw_engine *e = r->j->e;
     gw_lora *l = r->j->lora;
     int rc = l ? gw_lora_ensure(e->model->loras, e->chain, l, hops, n, false) : FU_OK;
-    if (!rc) rc = chain_session_open(e->chain, hops, n, id, r->max_length, l ? l->shard_id : NULL, out);
+    if (!rc)
+        rc = chain_session_open_prefix(e->chain, hops, n, id, r->max_length, l ? l->shard_id : NULL, r->hist,
+                                       r->n_hist, out);
     if (rc == FU_ERR_NOT_FOUND && l && !(rc = gw_lora_ensure(e->model->loras, e->chain, l, hops, n, true)))
-        rc = chain_session_open(e->chain, hops, n, id, r->max_length, l->shard_id, out);
+        rc = chain_session_open_prefix(e->chain, hops, n, id, r->max_length, l->shard_id, r->hist, r->n_hist, out);
     return rc;
 }
 
@@ -843,7 +847,7 @@ static int gw_run_open_session(gw_run *r, int n_replay) {
         return rc;
     }
     for (;;) {
-        int rc = gw_swarm_route(e->swarm, r->request_len, &r->lease, &r->err);
+        int rc = gw_swarm_route_prefix(e->swarm, r->request_len, r->hist, r->n_hist, &r->lease, &r->err);
         if (rc) return rc;
         rc = gw_run_open_path(r, n_replay);
         if (!rc) return FU_OK;

@@ -20,6 +20,7 @@ typedef struct gw_hop_health {
     int64_t free_kv, total_kv;
     int sessions;
     double tps;
+    int64_t pfx_blocks, pfx_hits, pfx_prompt; /* its prefix cache (InfoReply.prefix_*) */
 } gw_hop_health;
 
 struct gw_health {
@@ -48,6 +49,8 @@ static void gw_health_probe(gw_health *h, int i) {
     o->state = state;
     o->free_kv = info ? info->free_kv_bytes : 0, o->total_kv = info ? info->total_kv_bytes : 0;
     o->sessions = info ? info->active_sessions : 0, o->tps = info ? info->tokens_per_s : 0;
+    o->pfx_blocks = info ? info->prefix_cached_blocks : 0, o->pfx_hits = info ? info->prefix_hit_tokens : 0;
+    o->pfx_prompt = info ? info->prefix_prompt_tokens : 0;
     pthread_mutex_unlock(&h->mu);
     shard_svc_info_free(info);
 }
@@ -161,11 +164,16 @@ json_t *gw_health_servers(gw_health *h) {
     pthread_mutex_lock(&h->mu);
     for (int i = 0; i < h->cfg->n_hops && out; i++) {
         const gw_hop_health *o = &h->hops[i];
-        json_array_append_new(out, json_pack("{s:s, s:i, s:i, s:s, s:I, s:I, s:i, s:f}", "address",
-                                             h->cfg->hops[i].address, "first", h->cfg->hops[i].first, "last",
-                                             h->cfg->hops[i].last, "state", o->state, "free_kv_bytes",
-                                             (json_int_t)o->free_kv, "total_kv_bytes", (json_int_t)o->total_kv,
-                                             "sessions", o->sessions, "tokens_per_s", o->tps));
+        json_t *srv = json_pack("{s:s, s:i, s:i, s:s, s:I, s:I, s:i, s:f}", "address", h->cfg->hops[i].address,
+                                "first", h->cfg->hops[i].first, "last", h->cfg->hops[i].last, "state", o->state,
+                                "free_kv_bytes", (json_int_t)o->free_kv, "total_kv_bytes", (json_int_t)o->total_kv,
+                                "sessions", o->sessions, "tokens_per_s", o->tps);
+        if (srv && json_object_update_new(srv, json_pack("{s:I, s:I, s:I}", "prefix_cached_blocks",
+                                                         (json_int_t)o->pfx_blocks, "prefix_hit_tokens",
+                                                         (json_int_t)o->pfx_hits, "prefix_prompt_tokens",
+                                                         (json_int_t)o->pfx_prompt)))
+            json_object_clear(srv);
+        json_array_append_new(out, srv);
     }
     pthread_mutex_unlock(&h->mu);
     return out;
@@ -205,6 +213,11 @@ int gw_health_render(gw_health *h, fu_buf *out) {
         {"fusion_shard_kv_total_bytes", "KV-cache bytes of the server's budget.", "total_kv_bytes"},
         {"fusion_shard_sessions", "Sessions open on the server.", "sessions"},
         {"fusion_shard_tokens_per_second", "The server's measured tokens/s for its span.", "tokens_per_s"},
+        {"fusion_shard_prefix_cached_blocks", "KV blocks in the server's prefix cache.", "prefix_cached_blocks"},
+        {"fusion_shard_prefix_hit_tokens", "Prompt positions the server took from its prefix cache since it started.",
+         "prefix_hit_tokens"},
+        {"fusion_shard_prefix_prompt_tokens", "Prompt positions of the server's sessions since it started.",
+         "prefix_prompt_tokens"},
     };
     char reason[256];
     json_t *servers = gw_health_servers(h), *o;
@@ -221,6 +234,12 @@ int gw_health_render(gw_health *h, fu_buf *out) {
             if (!rc) rc = gw_server_gauge(out, g[k].name, o, x);
         }
     }
+    double blocks = 0;
+    size_t i;
+    json_array_foreach(servers, i, o) blocks += json_number_value(json_object_get(o, "prefix_cached_blocks"));
+    if (!rc)
+        rc = fu_buf_appendf(out, "# HELP fusion_prefix_cached_blocks KV blocks in the servers' prefix caches.\n"
+                                 "# TYPE fusion_prefix_cached_blocks gauge\nfusion_prefix_cached_blocks %.0f\n", blocks);
     json_decref(servers);
     return rc ? fu_errorf(FU_ERR_NOMEM, "metrics") : FU_OK;
 }

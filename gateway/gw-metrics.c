@@ -25,6 +25,7 @@ struct gw_metrics {
     pthread_mutex_t mu;
     uint64_t requests[GW_ROUTE_COUNT][GW_N_CODES + 1]; /* last: other codes */
     uint64_t prompt_tokens, completion_tokens;
+    uint64_t prefix_prompt, prefix_hits; /* chain sessions' first steps: positions, and those from caches */
     int sessions, running;
     gw_hist ttft, itl, e2e, queue;
 };
@@ -113,6 +114,27 @@ void gw_metrics_tokens(gw_metrics *m, int64_t prompt, int64_t completion) {
     pthread_mutex_unlock(&m->mu);
 }
 
+void gw_metrics_prefix(gw_metrics *m, int64_t prompt, int64_t reused) {
+    pthread_mutex_lock(&m->mu);
+    m->prefix_prompt += (uint64_t)prompt;
+    m->prefix_hits += (uint64_t)reused;
+    pthread_mutex_unlock(&m->mu);
+}
+
+/* The prefix caches' counters and hit rate (mu held). */
+static int gw_metrics_render_prefix(const gw_metrics *m, fu_buf *out) {
+    double rate = m->prefix_prompt ? (double)m->prefix_hits / (double)m->prefix_prompt : 0.0;
+    return fu_buf_appendf(
+        out,
+        "# HELP fusion_prefix_prompt_tokens_total Positions of chain sessions' first steps (prompts, replays).\n"
+        "# TYPE fusion_prefix_prompt_tokens_total counter\nfusion_prefix_prompt_tokens_total %llu\n"
+        "# HELP fusion_prefix_hit_tokens_total Of those, positions every shard took from its prefix cache.\n"
+        "# TYPE fusion_prefix_hit_tokens_total counter\nfusion_prefix_hit_tokens_total %llu\n"
+        "# HELP fusion_prefix_hit_rate Prefix-cache hit tokens / prompt tokens since start.\n"
+        "# TYPE fusion_prefix_hit_rate gauge\nfusion_prefix_hit_rate %.6f\n",
+        (unsigned long long)m->prefix_prompt, (unsigned long long)m->prefix_hits, rate);
+}
+
 #define GW_OBSERVE(fn, field)                   \
     void fn(gw_metrics *m, double seconds) {    \
         pthread_mutex_lock(&m->mu);             \
@@ -164,6 +186,7 @@ int gw_metrics_render(gw_metrics *m, int queue_depth, fu_buf *out) {
             "# TYPE fusion_gateway_queue_depth gauge\nfusion_gateway_queue_depth %d\n",
             (unsigned long long)m->prompt_tokens, (unsigned long long)m->completion_tokens, m->sessions, m->running,
             queue_depth);
+    if (!rc) rc = gw_metrics_render_prefix(m, out);
     if (!rc) rc = gw_hist_render(&m->ttft, out);
     if (!rc) rc = gw_hist_render(&m->itl, out);
     if (!rc) rc = gw_hist_render(&m->e2e, out);

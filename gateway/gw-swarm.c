@@ -12,6 +12,7 @@
 
 #include "clock.h"
 #include "grow.h"
+#include "gw-affinity.h"
 #include "log.h"
 #include "router.h"
 #include "rpc-base.h"
@@ -29,6 +30,8 @@
 #define GW_MAX_LOAD_FAILURES 3   /* a member whose loads failed this often is not asked again */
 #define GW_LOADED_S 10.0         /* a refusal for want of KV room counts as load this long */
 #define GW_MOVE_CHECK_S 1.0      /* least time between two searches for a move */
+#define GW_AFFINITY_PER_SERVER 1024 /* prompt-prefix hashes remembered per server */
+#define GW_AFFINITY_MAX_SERVERS 1024 /* beyond this many servers routing leans on no cache */
 #define GW_MAX_GONE 64           /* departed joined members kept for /v1/swarm; beyond, the oldest is reused */
 
 typedef struct gw_member {
@@ -78,6 +81,7 @@ struct gw_swarm {
     bool stopping;
     rt_swarm sw;
     rt_router *router;
+    gw_affinity *aff;        /* which servers recently got which prompt prefixes (cache-aware routing) */
     gw_member **m;           /* members never move or go away before gw_swarm_free; a departed joined one
                                 may be reused for a new member (never while busy) */
     size_t n, cap;
@@ -1022,7 +1026,7 @@ static int gw_swarm_create(const gw_config *cfg, int n_layers, bool manual, gw_s
         return rc;
     }
     rt_route_opts ro = {0};
-    if ((rc = rt_router_init(&s->router, &s->sw, &ro))) {
+    if ((rc = rt_router_init(&s->router, &s->sw, &ro)) || (rc = gw_affinity_new(GW_AFFINITY_PER_SERVER, &s->aff))) {
         gw_swarm_free(s);
         return rc;
     }
@@ -1077,6 +1081,7 @@ void gw_swarm_free(gw_swarm *s) {
         pthread_join(s->thread, NULL);
     }
     rt_router_free(s->router);
+    gw_affinity_free(s->aff);
     rt_swarm_free(&s->sw);
     for (size_t i = 0; i < s->n; i++) {
         rpc_channel_free(s->m[i]->ch);
@@ -1112,14 +1117,31 @@ static void gw_swarm_route_error(gw_swarm *s, int rc, gw_error *err) {
     }
 }
 
+/* The tokens of the prompt with hashes h[0..n) that each router server likely holds cached,
+ * into cached[0..n_servers) (mu held); NULL when the prompt has no whole block. */
+static const int *gw_swarm_cached_locked(gw_swarm *s, const uint64_t *h, int n, int *cached) {
+    if (n <= 0 || s->sw.n_servers > GW_AFFINITY_MAX_SERVERS) return NULL;
+    for (int v = 0; v < s->sw.n_servers; v++) cached[v] = gw_affinity_cached(s->aff, v, h, n);
+    return cached;
+}
+
 int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err) {
+    return gw_swarm_route_prefix(s, request_len, NULL, 0, l, err);
+}
+
+int gw_swarm_route_prefix(gw_swarm *s, int request_len, const int32_t *prompt, int n_prompt, gw_lease *l,
+                          gw_error *err) {
     memset(l, 0, sizeof *l);
+    uint64_t ph[GW_AFFINITY_MAX_BLOCKS];
+    int cached[GW_AFFINITY_MAX_SERVERS];
+    const int n_ph = prompt ? gw_affinity_hashes(prompt, n_prompt, ph) : 0;
     double deadline = fu_now_s() + s->cfg->route_wait_ms / 1000.0;
     pthread_mutex_lock(&s->mu);
     rt_path *p = NULL;
     int rc;
     for (;;) {
-        rc = rt_route(s->router, request_len > 0 ? request_len : 1, &p);
+        rc = rt_route_cached(s->router, request_len > 0 ? request_len : 1, gw_swarm_cached_locked(s, ph, n_ph, cached),
+                             &p);
         if (!rc && p->n_hops > GW_MAX_HOPS) {
             rt_release(p);
             p = NULL;
@@ -1150,6 +1172,7 @@ int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err) {
         l->hops[h] = (chain_hop){l->addr[h], p->first[h], p->last[h], NULL};
         l->ids[h] = p->servers[h];
     }
+    for (int k = 0; k < p->n_hops; k++) gw_affinity_note(s->aff, p->servers[k], ph, n_ph); /* a hint: best effort */
     pthread_mutex_unlock(&s->mu);
     return FU_OK;
 }

@@ -100,6 +100,12 @@ void gw_swarm_free(gw_swarm *s);
  * KV room) with *err set to a 503 ("no server covers blocks [a, b)" when a span
  * is uncovered) and *l empty. */
 int gw_swarm_route(gw_swarm *s, int request_len, gw_lease *l, gw_error *err);
+/* As gw_swarm_route, cache-aware: among the chains the router's max flow allows, it leans
+ * towards servers that recently got the same leading blocks of prompt[0..n_prompt) (their
+ * prefix caches likely hold them; rt_route_cached bounds the lean), and remembers the chain's
+ * servers for this prompt (gw-affinity.h). */
+int gw_swarm_route_prefix(gw_swarm *s, int request_len, const int32_t *prompt, int n_prompt, gw_lease *l,
+                          gw_error *err);
 /* A chain for a training run (rt_train_chain): members whose whole spans tile the model, none of
  * router ids avoid[0..n_avoid), into *l -- addresses, spans and ids, no reservation (l->path
  * stays NULL; gw_swarm_report_failure takes it). On failure *err is a 503 saying which blocks

@@ -336,6 +336,8 @@ void gw_metrics_free(gw_metrics *m); /* NULL is a no-op */
 void gw_metrics_request(gw_metrics *m, gw_route route, int http_status);
 /* Adds one finished generation request's token counts. */
 void gw_metrics_tokens(gw_metrics *m, int64_t prompt, int64_t completion);
+/* A chain session's first step: `prompt` positions, `reused` of them from the shards' prefix caches. */
+void gw_metrics_prefix(gw_metrics *m, int64_t prompt, int64_t reused);
 /* Latency observations: time to first token, between tokens, request end to end. */
 void gw_metrics_ttft(gw_metrics *m, double seconds);
 /* A choice waited this long from its request's arrival until a worker took it. */

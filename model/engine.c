@@ -212,6 +212,43 @@ int eng_seq_truncate(eng_seq *s, int len) {
     return FU_OK;
 }
 
+/* Copies positions [pos, pos + n) between s's cache and host bytes laid out
+ * (n_span, {K, V}, KVH, ld, hd), ld >= n: out of the cache into `out`, else
+ * into it from `in`. */
+static int eng_seq_kv_copy(eng_seq *s, int pos, int n, int ld, uint8_t *out, const uint8_t *in) {
+    const eng_engine *e = s->e;
+    const mdl_config *c = &e->m->cfg;
+    const size_t run = (size_t)n * (size_t)c->head_dim * e->kv_elem; /* one head's n positions */
+    const size_t step = (size_t)ld * (size_t)c->head_dim * e->kv_elem;
+    for (int l = 0; l < e->n_span; l++)
+        for (int kv = 0; kv < 2; kv++) {
+            const op_tensor *t = kv ? &s->v3[l] : &s->k3[l];
+            for (int h = 0; h < c->n_kv_heads; h++) {
+                uint8_t *p = (uint8_t *)t->data + (size_t)h * t->nb[1] + (size_t)pos * t->nb[2];
+                int rc = out ? op_buffer_get(e->be, out, p, run) : op_buffer_set(e->be, p, in, run);
+                if (rc) return rc;
+                if (out) out += step;
+                else in += step;
+            }
+        }
+    return FU_OK;
+}
+
+int eng_seq_kv_export(eng_seq *s, int pos, int n, void *dst) {
+    if (pos < 0 || n < 0 || pos + n > s->len)
+        return fu_errorf(FU_ERR_RANGE, "KV export of [%d, %d): the sequence holds %d positions", pos, pos + n, s->len);
+    return n ? eng_seq_kv_copy(s, pos, n, n, dst, NULL) : FU_OK;
+}
+
+int eng_seq_kv_import(eng_seq *s, int pos, int n, const void *src, int src_n) {
+    if (pos != s->len || n < 0 || n > src_n || pos + n > s->max_len)
+        return fu_errorf(FU_ERR_RANGE, "KV import of [%d, %d) into a sequence of %d positions (max %d)", pos,
+                         pos + n, s->len, s->max_len);
+    int rc = n ? eng_seq_kv_copy(s, pos, n, src_n, NULL, src) : FU_OK;
+    if (!rc) s->len += n;
+    return rc;
+}
+
 /* ---- LoRA ------------------------------------------------------------------------ */
 
 /* FU_OK when adapter a holds the engine's span and has its model's shape. */

@@ -55,6 +55,22 @@ int eng_seq_max_len(const eng_seq *s);
 /* Rolls the sequence back to its first `len` positions (len <= current). */
 int eng_seq_truncate(eng_seq *s, int len);
 
+/* ---- KV export and import (prefix caching) --------------------------------------------
+ * A run of positions' KV as host bytes in the engine's KV type, laid out
+ * (n_span, {K, V}, KVH, n, hd): eng_kv_bytes_per_pos(e) * n bytes. What one
+ * sequence exports, another of the same engine imports at the same positions,
+ * after which its forwards give exactly what they would had it computed them. */
+
+/* Copies positions [pos, pos + n) of s's cache (pos + n <= its length) into
+ * dst (host, caller's; eng_kv_bytes_per_pos * n bytes). FU_ERR_RANGE outside
+ * the held positions; a backend copy's status otherwise. */
+int eng_seq_kv_export(eng_seq *s, int pos, int n, void *dst);
+
+/* Appends the first n positions of src (host; an export of src_n >= n
+ * positions) at s's current length `pos`, which then grows by n. FU_ERR_RANGE
+ * when pos is not the length, n > src_n or the positions do not fit max_len. */
+int eng_seq_kv_import(eng_seq *s, int pos, int n, const void *src, int src_n);
+
 /* Sets the LoRA adapter of sequence s (borrowed: it must outlive its use by
  * the sequence; NULL: none) for the forwards that follow; the cache already
  * held is kept as it is. The adapter must hold exactly the engine's span

@@ -43,6 +43,9 @@ struct chain_session {
     int n_links;       /* streams opened: 1 with forwarding, else the hops */
     int n_hops;
     int64_t len;
+    int32_t *prefix;              /* (n_prefix) the open's prefix, until the first step */
+    int n_prefix;
+    int64_t cached;               /* positions of it every hop pinned */
     uint64_t next_request;
     chain_watch_fn watch;         /* chain_session_set_watch */
     void *watch_arg;
@@ -156,6 +159,7 @@ void chain_session_close(chain_session *s) {
         free(s->links[i].tls_name);
     }
     free(s->links);
+    free(s->prefix);
     free(s->id);
     free(s->logits);
     free(s->tokens);
@@ -167,7 +171,13 @@ void chain_session_close(chain_session *s) {
 
 int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
                        int max_length, const char *adapter_id, chain_session **out) {
-    *out = NULL;
+    return chain_session_open_prefix(c, hops, n_hops, session_id, max_length, adapter_id, NULL, 0, out);
+}
+
+int64_t chain_session_cached(const chain_session *s) { return s->cached; }
+
+/* Checks that hops[0..n) tile the model from block 0 (FU_ERR_INVALID naming the hop). */
+static int chain_hops_check(const chain_hop *hops, int n_hops) {
     if (n_hops <= 0 || n_hops > CHAIN_MAX_HOPS)
         return fu_errorf(FU_ERR_INVALID, "chain: 1..%d hops required", CHAIN_MAX_HOPS);
     if (hops[0].first_block != 0) return fu_errorf(FU_ERR_INVALID, "chain: the first hop must start at block 0");
@@ -178,35 +188,47 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
             return fu_errorf(FU_ERR_INVALID, "chain: hop %d starts at block %d, the previous ends at %d", i,
                              hops[i].first_block, hops[i - 1].last_block);
     }
+    return FU_OK;
+}
+
+/* A session not yet open on any hop: its id, a copy of the prefix and of each hop (NULL when out
+ * of memory; free it with chain_session_close). */
+static chain_session *chain_session_alloc(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
+                                          const int32_t *prefix, int n_prefix) {
     chain_session *s = calloc(1, sizeof *s);
-    if (!s) return fu_errorf(FU_ERR_NOMEM, "chain session");
+    if (!s) return NULL;
     s->c = c;
     s->n_hops = n_hops;
     s->n_links = c->o.forward ? 1 : n_hops;
     s->id = strdup(session_id);
     s->links = calloc((size_t)n_hops, sizeof *s->links);
-    if (!s->id || !s->links) {
-        chain_session_close(s);
-        return fu_errorf(FU_ERR_NOMEM, "chain session");
-    }
-    int rc = FU_OK;
-    for (int i = 0; i < n_hops; i++) {
+    s->n_prefix = n_prefix > 0 ? n_prefix : 0;
+    s->prefix = s->n_prefix ? malloc((size_t)s->n_prefix * sizeof *s->prefix) : NULL;
+    bool ok = s->id && s->links && (!s->n_prefix || s->prefix);
+    if (s->prefix) memcpy(s->prefix, prefix, (size_t)s->n_prefix * sizeof *s->prefix);
+    for (int i = 0; ok && i < n_hops; i++) {
         chain_link *l = &s->links[i];
         l->address = strdup(hops[i].address);
         l->tls_name = hops[i].tls_server_name ? strdup(hops[i].tls_server_name) : NULL;
-        if (!l->address || (hops[i].tls_server_name && !l->tls_name)) {
-            chain_session_close(s);
-            return fu_errorf(FU_ERR_NOMEM, "chain session");
-        }
+        ok = l->address && (!hops[i].tls_server_name || l->tls_name);
         l->hop = hops[i];
         l->hop.address = l->address;
         l->hop.tls_server_name = l->tls_name;
     }
-    /* forwarding: hop 0 gets the rest of the chain */
+    if (ok) return s;
+    chain_session_close(s);
+    return NULL;
+}
+
+/* Opens the session's streams: one per hop, or with forwarding one on hop 0 that gets the rest
+ * of the chain; s->cached is the least prefix the hops pinned. */
+static int chain_open_links(chain_session *s, int max_length, const char *adapter_id) {
+    chain_client *c = s->c;
     shard_svc_hop rest[CHAIN_MAX_HOPS];
-    for (int i = 1; i < n_hops; i++)
-        rest[i - 1] = (shard_svc_hop){s->links[i].address, hops[i].first_block, hops[i].last_block,
+    for (int i = 1; i < s->n_hops; i++)
+        rest[i - 1] = (shard_svc_hop){s->links[i].address, s->links[i].hop.first_block, s->links[i].hop.last_block,
                                       s->links[i].tls_name};
+    int rc = FU_OK;
     for (int i = 0; i < s->n_links && !rc; i++) {
         chain_link *l = &s->links[i];
         rpc_channel *ch = NULL;
@@ -220,12 +242,26 @@ int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const
                                .first_block = l->hop.first_block,
                                .last_block = l->hop.last_block,
                                .chain = rest,
-                               .n_chain = c->o.forward ? (size_t)(n_hops - 1) : 0};
+                               .n_chain = c->o.forward ? (size_t)(s->n_hops - 1) : 0,
+                               .prefix_tokens = s->prefix,
+                               .n_prefix_tokens = (size_t)s->n_prefix};
         int code = shard_svc_session_open(ch, &open, c->o.timeout_ms, &l->sess, &st);
         if (code == RPC_UNEXPECTED_REPLY) rc = fu_errorf(FU_ERR_FORMAT, "shard %s: expected an open reply", l->address);
         else if (code) rc = chain_fail(l->address, code, &st);
+        else if (i == 0 || shard_svc_session_cached(l->sess) < s->cached) s->cached = shard_svc_session_cached(l->sess);
     }
-    if (rc) {
+    return rc;
+}
+
+int chain_session_open_prefix(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
+                              int max_length, const char *adapter_id, const int32_t *prefix, int n_prefix,
+                              chain_session **out) {
+    *out = NULL;
+    int rc = chain_hops_check(hops, n_hops);
+    if (rc) return rc;
+    chain_session *s = chain_session_alloc(c, hops, n_hops, session_id, prefix, n_prefix);
+    if (!s) return fu_errorf(FU_ERR_NOMEM, "chain session");
+    if ((rc = chain_open_links(s, max_length, adapter_id))) {
         chain_session_close(s);
         return rc;
     }
@@ -376,6 +412,7 @@ static void chain_add_timing(chain_session *s, const shard_svc_step_reply *rep) 
         d->queue_us = t->queue_us;
         d->compute_us = t->compute_us;
         d->total_us = t->total_us;
+        d->prefix_hit_tokens = t->prefix_hit_tokens;
     }
     s->res.timing = s->timing;
 }
@@ -402,6 +439,20 @@ static int chain_run_links(chain_session *s, shard_svc_step *step, shard_svc_inp
     return rc;
 }
 
+/* The leading positions of a step that the hops take from their prefix caches: on the first
+ * step only, when it starts with the open's prefix and wants no output for every position; at
+ * least one position is computed. The pins go with the first step either way. */
+static int64_t chain_prefix_reuse(chain_session *s, const int32_t *tokens, int n, int64_t rollback_to,
+                                  const chain_spec *spec) {
+    int64_t reuse = s->cached;
+    s->cached = 0;
+    if (reuse >= n) reuse = n - 1; /* a hop may take part of a pinned block */
+    if (s->len || rollback_to >= 0 || spec->all_positions || reuse <= 0 || reuse > s->n_prefix ||
+        memcmp(tokens, s->prefix, (size_t)reuse * sizeof *tokens))
+        return 0;
+    return reuse;
+}
+
 int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t rollback_to,
                        const chain_spec *spec, const chain_result **out) {
     *out = NULL;
@@ -425,8 +476,10 @@ int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t r
         samp = shard_svc_sampling_from_params(p, spec->penalty_start);
         os.sampling = &samp;
     }
-    shard_svc_input in = {tokens, (size_t)n, NULL};
-    shard_svc_step step = {++s->next_request, start, &in, &os, rollback_to >= 0, rollback_to};
+    int64_t reuse = chain_prefix_reuse(s, tokens, n, rollback_to, spec);
+    start += reuse;
+    shard_svc_input in = {tokens + reuse, (size_t)(n - reuse), NULL};
+    shard_svc_step step = {++s->next_request, start, &in, &os, rollback_to >= 0, rollback_to, reuse};
     const shard_svc_step_reply *rep = NULL;
     int rc = chain_run_links(s, &step, &in, &rep);
     if (!rc) {
@@ -437,8 +490,9 @@ int chain_session_step(chain_session *s, const int32_t *tokens, int n, int64_t r
     }
     for (int i = 0; i < s->n_links; i++) shard_svc_session_drop_reply(s->links[i].sess);
     if (rc) return rc;
-    s->len = start + n;
+    s->len = start + n - reuse;
     s->res.total_us = fu_now_us() - t0;
+    s->res.prefix_reused = reuse;
     *out = &s->res;
     return FU_OK;
 }

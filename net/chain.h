@@ -61,6 +61,18 @@ void chain_client_free(chain_client *c);
 int chain_session_open(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
                        int max_length, const char *adapter_id, chain_session **out);
 
+/* As chain_session_open, naming the tokens its first step will send, prefix[0..n_prefix)
+ * (copied): every hop pins the blocks of the longest prefix of them in its prefix cache, and a
+ * first step that sends them, without a rollback and without outputs for every position, takes
+ * as many leading positions as every hop holds from the caches instead of computing them
+ * (chain_result.prefix_reused). The results are the same either way. */
+int chain_session_open_prefix(chain_client *c, const chain_hop *hops, int n_hops, const char *session_id,
+                              int max_length, const char *adapter_id, const int32_t *prefix, int n_prefix,
+                              chain_session **out);
+
+/* Positions of the open's prefix that every hop holds in its prefix cache (0 after the first step). */
+int64_t chain_session_cached(const chain_session *s);
+
 /* Loads LoRA adapter `whole` (every block of the model, in PEFT's row order:
  * qk_interleaved false) into the server of `hop` as `adapter_id`: the blocks of
  * the hop's span, which the server checks against its own. FU_OK, or the
@@ -93,6 +105,7 @@ typedef struct chain_timing {
     char server[64];
     int first_block, last_block;
     int64_t queue_us, compute_us, total_us;
+    int64_t prefix_hit_tokens;    /* positions it took from its prefix cache */
 } chain_timing;
 
 typedef struct chain_result {
@@ -108,6 +121,7 @@ typedef struct chain_result {
     int n_timing;
     const chain_timing *timing; /* per hop */
     int64_t total_us;           /* client-side wall time of the step */
+    int64_t prefix_reused;      /* leading positions every hop took from its prefix cache */
 } chain_result;
 
 /* Runs one step of n positions (token ids). If rollback_to >= 0 the session

@@ -18,10 +18,10 @@
  * (so a warm one packs and unpacks without allocating). Packing and views
  * use different kinds: a reply may be packed while request views live. */
 enum {
-    SC_BIAS, SC_BIAS_PTRS, SC_HOPS, SC_HOP_PTRS, SC_TOKENS,      /* packing requests */
+    SC_BIAS, SC_BIAS_PTRS, SC_HOPS, SC_HOP_PTRS, SC_TOKENS, SC_PREFIX, /* packing requests */
     SC_OUTS, SC_OUT_PTRS, SC_TENSORS, SC_TOPS, SC_TOP_PTRS,      /* packing outputs */
     SC_ENTRIES, SC_ENTRY_PTRS, SC_TIMING, SC_TIMING_PTRS, SC_OUT_TOKENS,
-    SC_V_BIAS, SC_V_HOPS, SC_V_INPUTS, SC_V_TENSORS, SC_V_TOKENS, SC_V_ID, /* views of requests */
+    SC_V_BIAS, SC_V_HOPS, SC_V_INPUTS, SC_V_TENSORS, SC_V_TOKENS, SC_V_ID, SC_V_PREFIX, /* views of requests */
     SC_V_TOP, SC_V_TOP_TOKENS, SC_V_TOP_LP, SC_V_TIMING, SC_V_OUT_TOKENS, /* views of replies */
     SC_KINDS
 };
@@ -120,6 +120,7 @@ static int step_pack(const shard_svc_step *v, step_msg *m, svc_scratch *sc) {
         m->sr.rollback_case = FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO;
         m->sr.rollback_to = v->rollback_to;
     }
+    m->sr.prefix_reuse = v->prefix_reuse;
     return 0;
 }
 
@@ -135,6 +136,11 @@ static int open_pack(const shard_svc_open *v, Fusion__OpenSession *m, svc_scratc
     m->first_block = v->first_block;
     m->last_block = v->last_block;
     m->idle_timeout_ms = v->idle_timeout_ms;
+    int64_t *prefix = scratch(sc, SC_PREFIX, v->n_prefix_tokens, sizeof *prefix); /* widened to int64 */
+    if (!prefix) return -1;
+    for (size_t i = 0; i < v->n_prefix_tokens; i++) prefix[i] = v->prefix_tokens[i];
+    m->n_prefix_tokens = v->n_prefix_tokens;
+    m->prefix_tokens = v->n_prefix_tokens ? prefix : NULL;
     size_t n = v->n_chain;
     Fusion__Hop *hops = scratch(sc, SC_HOPS, n, sizeof *hops);
     Fusion__Hop **ptrs = scratch(sc, SC_HOP_PTRS, n, sizeof *ptrs);
@@ -227,6 +233,7 @@ static int timing_pack(const shard_svc_timing *v, size_t n, Fusion__ServerTiming
         t[i].queue_us = v[i].queue_us;
         t[i].compute_us = v[i].compute_us;
         t[i].total_us = v[i].total_us;
+        t[i].prefix_hit_tokens = v[i].prefix_hit_tokens;
         ptrs[i] = &t[i];
     }
     *out = n ? ptrs : NULL;
@@ -329,11 +336,13 @@ static int open_view(const Fusion__OpenSession *m, shard_svc_open *v, svc_scratc
         return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "open.session_id: embedded NUL byte");
     char *id = scratch(sc, SC_V_ID, sid->len + 1, 1);
     shard_svc_hop *hops = scratch(sc, SC_V_HOPS, m->n_chain, sizeof *hops);
-    if (!id || !hops) return svc_no_memory(st);
+    int32_t *prefix = scratch(sc, SC_V_PREFIX, m->n_prefix_tokens, sizeof *prefix);
+    if (!id || !hops || !prefix) return svc_no_memory(st);
     if (sid->len) memcpy(id, sid->data, sid->len);
     id[sid->len] = '\0';
     *v = (shard_svc_open){.session_id = id, .wire_dtype = (int)m->wire_dtype, .adapter_id = svc_str(m->adapter_id),
-                          .chain = hops, .n_chain = m->n_chain};
+                          .chain = hops, .n_chain = m->n_chain, .prefix_tokens = prefix,
+                          .n_prefix_tokens = m->n_prefix_tokens};
     svc_i32 f[] = {{"open.max_length", m->max_length, &v->max_length},
                    {"open.int8_block_size", m->int8_block_size, &v->int8_block_size},
                    {"open.first_block", m->first_block, &v->first_block},
@@ -342,6 +351,7 @@ static int open_view(const Fusion__OpenSession *m, shard_svc_open *v, svc_scratc
     int rc = svc_name_check(id, SHARD_SVC_MAX_ID, "open.session_id", st);
     if (!rc) rc = svc_name_check(v->adapter_id, SHARD_SVC_MAX_NAME, "open.adapter_id", st);
     if (!rc) rc = svc_narrow(f, sizeof f / sizeof f[0], "", st);
+    if (!rc) rc = svc_ids_view(m->prefix_tokens, m->n_prefix_tokens, prefix, "open.prefix_tokens", st);
     return rc ? rc : hops_view(m->chain, m->n_chain, hops, st);
 }
 
@@ -426,7 +436,7 @@ static int req_view_set(req_view *rv, ProtobufCMessage *msg, rpc_status *st) {
         const Fusion__StepRequest *s = m->step;
         rv->step = (shard_svc_step){s->request_id, s->start_position, NULL, NULL,
                                     s->rollback_case == FUSION__STEP_REQUEST__ROLLBACK_ROLLBACK_TO,
-                                    s->rollback_to};
+                                    s->rollback_to, s->prefix_reuse};
         int rc;
         if (s->input) {
             if ((rc = inputs_view(&s->input, 1, &rv->in, &rv->hidden, "input", false, &rv->sc, st))) return rc;
@@ -513,6 +523,7 @@ int shard_svc_stream_send_opened(shard_svc_stream *s, const shard_svc_opened *o,
     orep.max_length = o->max_length;
     orep.wire_dtype = (Fusion__Dtype)o->wire_dtype;
     orep.kv_bytes = o->kv_bytes;
+    orep.cached_tokens = o->cached_tokens;
     Fusion__SessionReply rep = FUSION__SESSION_REPLY__INIT;
     rep.kind_case = FUSION__SESSION_REPLY__KIND_OPENED;
     rep.opened = &orep;
@@ -685,6 +696,9 @@ static void info_pack(const shard_svc_info *v, Fusion__InfoReply *r, Fusion__Dty
     r->adapters = (char **)v->adapters;
     r->max_message_bytes = v->max_message_bytes;
     r->kv_bytes_per_position = v->kv_bytes_per_position;
+    r->prefix_cached_blocks = v->prefix_cached_blocks;
+    r->prefix_hit_tokens = v->prefix_hit_tokens;
+    r->prefix_prompt_tokens = v->prefix_prompt_tokens;
 }
 
 /* Info: the handler's figures packed (released by info_free). */
@@ -783,6 +797,7 @@ struct shard_svc_session {
     shard_svc_output out;
     wire_tensor hidden, logits;
     svc_scratch sc;            /* packing requests, views of replies */
+    int64_t cached_tokens;     /* the open reply's */
 };
 
 /* Sends one SessionRequest of the given kind. */
@@ -846,6 +861,7 @@ int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int time
     if (!rc && open_pack(open, &m, &s->sc)) rc = svc_no_memory(st);
     if (!rc) rc = session_send(s, FUSION__SESSION_REQUEST__KIND_OPEN, &m, st);
     if (!rc) rc = session_recv(s, FUSION__SESSION_REPLY__KIND_OPENED, &msg, st);
+    if (!rc) s->cached_tokens = ((const Fusion__SessionReply *)msg)->opened->cached_tokens;
     rpc_msg_free(msg);
     if (rc) {
         shard_svc_session_close(s, NULL);
@@ -854,6 +870,8 @@ int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int time
     *out = s;
     return RPC_OK;
 }
+
+int64_t shard_svc_session_cached(const shard_svc_session *s) { return s->cached_tokens; }
 
 void shard_svc_session_set_wait(shard_svc_session *s, int timeout_ms, shard_svc_watch_fn fn, void *arg) {
     s->timeout_ms = timeout_ms;
@@ -870,7 +888,8 @@ void shard_svc_session_drop_reply(shard_svc_session *s) {
 static int timing_view(Fusion__ServerTiming *const *m, size_t n, shard_svc_timing *v, rpc_status *st) {
     for (size_t i = 0; i < n; i++) {
         v[i] = (shard_svc_timing){.server = svc_str(m[i]->server), .queue_us = m[i]->queue_us,
-                                  .compute_us = m[i]->compute_us, .total_us = m[i]->total_us};
+                                  .compute_us = m[i]->compute_us, .total_us = m[i]->total_us,
+                                  .prefix_hit_tokens = m[i]->prefix_hit_tokens};
         svc_i32 f[] = {{"first_block", m[i]->first_block, &v[i].first_block},
                        {"last_block", m[i]->last_block, &v[i].last_block}};
         int rc = svc_narrow(f, 2, "timing.", st);
@@ -932,7 +951,10 @@ static int info_view(const Fusion__InfoReply *r, shard_svc_info *v, rpc_status *
                           .total_kv_bytes = r->total_kv_bytes, .version = svc_str(r->version),
                           .n_wire_dtypes = r->n_wire_dtypes, .adapters = (const char *const *)r->adapters,
                           .n_adapters = r->n_adapters, .max_message_bytes = r->max_message_bytes,
-                          .kv_bytes_per_position = r->kv_bytes_per_position};
+                          .kv_bytes_per_position = r->kv_bytes_per_position,
+                          .prefix_cached_blocks = r->prefix_cached_blocks,
+                          .prefix_hit_tokens = r->prefix_hit_tokens,
+                          .prefix_prompt_tokens = r->prefix_prompt_tokens};
     svc_i32 f[] = {{"n_layers", r->n_layers, &v->n_layers},
                    {"first_block", r->first_block, &v->first_block},
                    {"last_block", r->last_block, &v->last_block},

@@ -114,6 +114,7 @@ typedef struct shard_svc_timing {
     const char *server;
     int32_t first_block, last_block;
     int64_t queue_us, compute_us, total_us;
+    int64_t prefix_hit_tokens;
 } shard_svc_timing;
 
 /* Hop: one server of a chain, for server-to-server forwarding. */
@@ -134,6 +135,8 @@ typedef struct shard_svc_open {
     const shard_svc_hop *chain;  /* (n_chain) the rest of the chain after this server */
     size_t n_chain;
     int32_t idle_timeout_ms;
+    const int32_t *prefix_tokens; /* (n_prefix_tokens) the first step's prompt, for the prefix cache */
+    size_t n_prefix_tokens;
 } shard_svc_open;
 
 /* OpenReply. */
@@ -142,6 +145,7 @@ typedef struct shard_svc_opened {
     int32_t first_block, last_block, max_length;
     int wire_dtype;
     int64_t kv_bytes;
+    int64_t cached_tokens;       /* positions of the prefix pinned in the prefix cache(s) */
 } shard_svc_opened;
 
 /* StepRequest. */
@@ -152,6 +156,7 @@ typedef struct shard_svc_step {
     const shard_svc_output_spec *output; /* NULL: none */
     bool has_rollback;
     int64_t rollback_to;                 /* with has_rollback */
+    int64_t prefix_reuse;                /* first step: positions taken from the prefix cache */
 } shard_svc_step;
 
 /* StepReply. */
@@ -214,6 +219,7 @@ typedef struct shard_svc_info {
     const char *const *adapters;     /* (n_adapters) */
     size_t n_adapters;
     int64_t max_message_bytes, kv_bytes_per_position;
+    int64_t prefix_cached_blocks, prefix_hit_tokens, prefix_prompt_tokens;
 } shard_svc_info;
 
 /* LoraSpec (fusion.Train's, also LoadAdapter's). */
@@ -355,6 +361,9 @@ typedef struct shard_svc_session shard_svc_session;
  * something other than an open reply, and *out NULL. */
 int shard_svc_session_open(rpc_channel *ch, const shard_svc_open *open, int timeout_ms, shard_svc_session **out,
                            rpc_status *st);
+
+/* OpenReply.cached_tokens of s's open: the prefix positions the server(s) pinned. */
+int64_t shard_svc_session_cached(const shard_svc_session *s);
 
 /* Sends one step and waits for its reply: RPC_OK with *reply a view valid until the next step,
  * shard_svc_session_drop_reply or close on s; else a code as for open (RPC_UNEXPECTED_REPLY:

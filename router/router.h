@@ -292,6 +292,13 @@ int rt_router_update(rt_router *r);
 /* The current flow (valid until the next rt_router_update). */
 const rt_flow *rt_router_flow(const rt_router *r);
 
+/* As rt_route, with cache affinity: cached[v] (by server id; NULL: none) is how many of the
+ * request's leading tokens server v likely holds in its prefix cache, work it will not redo. A
+ * hop's score becomes (load + request_len - min(cached[v], request_len)) / flow, so a server
+ * holding the prefix wins ties and near-ties among the hops the flow allows, and a hit offsets
+ * at most one request's work: the balance IWRR keeps is off by at most one request per server. */
+int rt_route_cached(rt_router *r, int request_len, const int *cached, rt_path **path);
+
 /* Chooses a chain for a request of `request_len` tokens (prompt + max new tokens): from the
  * source, at each hop among next servers whose hop carries >= min_share of the flow out of the
  * current node and whose KV cache can admit request_len more tokens, the one minimising

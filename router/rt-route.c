@@ -21,6 +21,7 @@ struct rt_router {
     double *kv_used;    /* [n] KV tokens reserved on each server */
     uint64_t next_id;
     long live_paths;
+    const int *cached;  /* during rt_route_cached: tokens each server likely holds cached */
     /* scratch for the search */
     int *stack_srv, *cand;
     double *cand_score;
@@ -138,7 +139,8 @@ static int dfs(rt_router *r, int u, int depth, int len, int *budget, int *saw_fu
             *saw_full = 1;
             continue;
         }
-        double sc = (*hop_load(r, u, v) + len) / f;
+        double saved = r->cached && r->cached[v] > 0 ? (r->cached[v] < len ? r->cached[v] : len) : 0;
+        double sc = (*hop_load(r, u, v) + len - saved) / f;
         int b = nc++;
         while (b > 0 && r->cand_score[b - 1] > sc) {
             cand[b] = cand[b - 1];
@@ -155,6 +157,13 @@ static int dfs(rt_router *r, int u, int depth, int len, int *budget, int *saw_fu
         if (got != 0) return got;
     }
     return 0;
+}
+
+int rt_route_cached(rt_router *r, int request_len, const int *cached, rt_path **path) {
+    if (r) r->cached = cached;
+    int rc = rt_route(r, request_len, path);
+    if (r) r->cached = NULL;
+    return rc;
 }
 
 int rt_route(rt_router *r, int request_len, rt_path **path) {

@@ -34,6 +34,8 @@ typedef struct shard_args {
     bool insecure;
     long kv_budget_mib;
     int kv_type;     /* op_type: OP_TYPE_F32 or OP_TYPE_F16 */
+    int prefix_cache; /* 1: on, 0: off */
+    int kv_block_tokens;
     int max_batch;
     int threads;
     int idle_timeout_ms;
@@ -50,6 +52,7 @@ typedef struct shard_args {
 
 static shard_args args = {.span = {-1, -1}, .embed = -1, .head = -1};
 
+static const fu_opt_choice shard_on_off[] = {{"on", 1}, {"off", 0}, {NULL, 0}};
 static const fu_opt_choice train_priority_choices[] = {
     {"inference", SHARD_TRAIN_PRIORITY_INFERENCE}, {"fair", SHARD_TRAIN_PRIORITY_FAIR}, {NULL, 0}};
 
@@ -87,6 +90,11 @@ static const fu_opt shard_options[] = {
      .def = "1024", .lo = 1, .hi = 1L << 24},
     {"kv", 0, FU_OPT_CHOICE, FU_OPT_TO(args.kv_type), .help = "KV cache type", .def = "f32",
      .choices = op_kv_type_choices},
+    {"prefix-cache", 0, FU_OPT_CHOICE, FU_OPT_TO(args.prefix_cache),
+     .help = "keep the KV of prompts' blocks for later sessions with the same prefix", .def = "on",
+     .choices = shard_on_off},
+    {"kv-block-tokens", 0, FU_OPT_INT, FU_OPT_TO(args.kv_block_tokens),
+     .help = "positions per prefix-cache block", .def = "32", .lo = 1, .hi = 4096},
     {"max-batch", 0, FU_OPT_INT, FU_OPT_TO(args.max_batch), .help = "tokens per batched forward", .def = "512",
      .lo = 1, .hi = 1 << 16},
     {"device", 0, FU_OPT_STRING, FU_OPT_TO(args.device), "cpu|cuda|cuda:N", "where the span runs", .def = "cpu"},
@@ -149,6 +157,8 @@ typedef struct shard_span {
     uint64_t kv_budget;
     int max_batch;
     op_type kv_type;     /* OP_TYPE_F32 or OP_TYPE_F16 */
+    bool prefix_cache;
+    int kv_block_tokens;
     double block_tps;    /* measured with one block */
     mdl_model *m;        /* NULL while a spare */
     shard_core *core;
@@ -192,7 +202,8 @@ static int shard_span_open(shard_span *sp, int first, int last, int embed, int h
     shard_core *core = NULL;
     int rc = mdl_open(sp->path, &mo, &m);
     shard_core_options so = {.kv_budget_bytes = sp->kv_budget, .max_batch_tokens = sp->max_batch,
-                             .kv_type = sp->kv_type, .max_lora_rank = sp->max_lora_rank};
+                             .kv_type = sp->kv_type, .max_lora_rank = sp->max_lora_rank,
+                             .prefix_cache_off = !sp->prefix_cache, .kv_block_tokens = sp->kv_block_tokens};
     if (!rc) rc = shard_core_new(m, sp->be, &so, &core);
     if (!rc) rc = shard_span_load_loras(sp, m, core);
     if (rc) {
@@ -343,6 +354,8 @@ static int shard_span_init(shard_span *sp, const shard_args *a) {
     sp->kv_budget = (uint64_t)a->kv_budget_mib << 20;
     sp->max_batch = a->max_batch;
     sp->kv_type = (op_type)a->kv_type;
+    sp->prefix_cache = a->prefix_cache;
+    sp->kv_block_tokens = a->kv_block_tokens;
     sp->drain_ms = a->drain_ms;
     sp->max_lora_rank = a->max_lora_rank;
     sp->loras = &a->loras;

@@ -12,6 +12,7 @@
 #include "engine.h"
 #include "grow.h"
 #include "log.h"
+#include "shard-prefix.h"
 #include "status.h"
 
 #define SHARD_MAX_TOP_LOGPROBS 20
@@ -23,6 +24,7 @@ typedef struct shard_adapter {
     char id[SHARD_ADAPTER_MAX_ID + 1];
     lora_adapter *ad;           /* owned */
     int refs;                   /* the registry's (while loaded) + one per session (guarded by mu) */
+    uint64_t version;           /* the core's count of loads when it was loaded: keys its prefix-cache blocks */
     struct shard_adapter *next; /* the core's list of loaded adapters */
 } shard_adapter;
 
@@ -34,6 +36,15 @@ struct shard_session {
     smp_sampler *smp;          /* created on the first sampling step */
     shard_adapter *ad;         /* NULL: the base model; a reference held until close */
     shard_session *next;       /* the core's list of sessions */
+
+    /* prefix cache (the session's thread; pins under the core's mutex) */
+    int pfx_tokens;            /* positions per block; 0: the cache is off */
+    uint64_t pfx_seed;         /* the first block's parent: adapter and span */
+    uint64_t pfx_parent;       /* hash of block pfx_done - 1 (pfx_seed when 0) */
+    int pfx_done;              /* leading blocks known to be in the cache (imported or put there) */
+    pfx_block **pins;          /* (n_pins) pinned at open for the first step */
+    int n_pins;
+    bool pfx_counted;          /* the first step's positions were counted */
 
     /* output buffers, grown on demand, owned by the session */
     float *out_f;              /* hidden (n, D) or logits (n_out, V) */
@@ -76,6 +87,8 @@ struct shard_core {
     uint64_t kv_used;
     shard_core_stats stats;
     shard_adapter *adapters;   /* loaded ones, by id */
+    uint64_t adapter_loads;    /* adapters loaded since start (their versions) */
+    pfx_cache *pfx;            /* NULL: prefix cache off; its blocks' bytes count against the budget */
     int n_adapters;
     pthread_mutex_t fwd_mu;    /* held around the engine's forwards and a sequence's adapter setting,
                                 * which sizes the engine's scratch */
@@ -394,9 +407,13 @@ int shard_core_new(const mdl_model *m, op_backend *be, const shard_core_options 
     if (!c->o.max_logits_bytes) c->o.max_logits_bytes = (uint64_t)64 << 20;
     if (c->o.max_adapters <= 0) c->o.max_adapters = 8;
     if (c->o.max_lora_rank <= 0) c->o.max_lora_rank = 256;
+    if (c->o.kv_block_tokens <= 0) c->o.kv_block_tokens = 32;
     eng_options eo = {c->o.max_batch_tokens, c->o.kv_type};
     int rc = eng_new(m, be, &eo, &c->e);
+    if (!rc && !c->o.prefix_cache_off)
+        rc = pfx_cache_new(c->o.kv_block_tokens, eng_kv_bytes_per_pos(c->e) * (uint64_t)c->o.kv_block_tokens, &c->pfx);
     if (rc) {
+        eng_free(c->e);
         free(c);
         return rc;
     }
@@ -430,6 +447,7 @@ void shard_core_free(shard_core *c) {
     pthread_cond_destroy(&c->cv_work);
     pthread_cond_destroy(&c->cv_done);
     pthread_cond_destroy(&c->cv_idle);
+    pfx_cache_free(c->pfx);
     eng_free(c->e);
     free(c->b_sess);
     free(c->b_off);
@@ -452,6 +470,8 @@ void shard_core_get_stats(shard_core *c, shard_core_stats *st) {
     st->kv_total_bytes = c->o.kv_budget_bytes;
     st->kv_free_bytes = c->o.kv_budget_bytes - c->kv_used;
     st->kv_bytes_per_pos = eng_kv_bytes_per_pos(c->e);
+    st->prefix_cached_blocks = c->pfx ? pfx_cache_blocks(c->pfx) : 0;
+    st->prefix_cached_bytes = c->pfx ? pfx_cache_bytes(c->pfx) : 0;
     int n = 0;
     for (shard_session *s = c->sessions; s; s = s->next) n++;
     st->active_sessions = n;
@@ -557,6 +577,7 @@ int shard_core_adapter_load(shard_core *c, const char *id, lora_adapter *ad) {
                          c->o.max_adapters);
     }
     if (old) shard_adapter_unlink(c, pp);
+    a->version = ++c->adapter_loads;
     a->next = c->adapters;
     c->adapters = a;
     c->n_adapters++;
@@ -600,6 +621,111 @@ int shard_core_adapter_ids(shard_core *c, char ***ids, int *n) {
     return FU_OK;
 }
 
+/* ---- prefix cache ------------------------------------------------------------------------ */
+
+/* Gives back the blocks s pinned at open (mu held). */
+static void shard_prefix_unpin(shard_core *c, shard_session *s) {
+    if (s->n_pins) pfx_cache_release(c->pfx, s->pins, s->n_pins);
+    s->n_pins = 0;
+}
+
+/* Marks the session's first k blocks (their tokens in history) as known cached. */
+static void shard_prefix_known(shard_session *s, int k) {
+    const int B = s->pfx_tokens;
+    s->pfx_done = k;
+    s->pfx_parent = s->pfx_seed;
+    for (int i = 0; i < k; i++) s->pfx_parent = pfx_hash(s->pfx_parent, s->history + (size_t)i * B, B);
+}
+
+/* After a rollback to len positions: the blocks known cached are those wholly before len. */
+static void shard_prefix_rewind(shard_session *s, int len) {
+    if (s->pfx_tokens && s->pfx_done * s->pfx_tokens > len) shard_prefix_known(s, len / s->pfx_tokens);
+}
+
+/* On the session's first step (mu held): its pins go (reuse_prefix took what it needed) and its
+ * positions count as a prompt. */
+static void shard_prefix_first_step(shard_core *c, shard_session *s, const shard_step *st) {
+    shard_prefix_unpin(c, s);
+    if (s->pfx_counted) return;
+    s->pfx_counted = true;
+    c->stats.prefix_prompt_tokens += (uint64_t)(st->start_pos + st->n);
+}
+
+/* Makes room for one more block within the KV budget (mu held): false when even evicting every
+ * unpinned block would not. */
+static bool shard_prefix_room(shard_core *c) {
+    const uint64_t block = eng_kv_bytes_per_pos(c->e) * (uint64_t)c->o.kv_block_tokens;
+    uint64_t used = c->kv_used + pfx_cache_bytes(c->pfx);
+    if (used + block > c->o.kv_budget_bytes) pfx_cache_evict(c->pfx, used + block - c->o.kv_budget_bytes);
+    return c->kv_used + pfx_cache_bytes(c->pfx) + block <= c->o.kv_budget_bytes;
+}
+
+/* Copies block k of s (wholly computed) into a reserved cache block and publishes it. */
+static void shard_prefix_put(shard_core *c, shard_session *s, pfx_block *b, int k) {
+    pthread_mutex_lock(&c->fwd_mu);
+    int rc = eng_seq_kv_export(s->seq, k * s->pfx_tokens, s->pfx_tokens, pfx_block_fill(b));
+    pthread_mutex_unlock(&c->fwd_mu);
+    pthread_mutex_lock(&c->mu);
+    if (rc) pfx_cache_abandon(c->pfx, b);
+    else pfx_cache_publish(c->pfx, b);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* After a step: puts the session's full blocks not yet known cached into the cache, while their
+ * token ids are known and the budget has room (the session's thread; the session is idle). */
+static void shard_prefix_capture(shard_core *c, shard_session *s) {
+    const int B = s->pfx_tokens, len = eng_seq_len(s->seq);
+    while (B && (s->pfx_done + 1) * B <= len) {
+        const int32_t *t = s->history + (size_t)s->pfx_done * B;
+        for (int i = 0; i < B; i++)
+            if (t[i] < 0) return; /* no token ids came with these positions */
+        pthread_mutex_lock(&c->mu);
+        bool room = shard_prefix_room(c);
+        pfx_block *b = room ? pfx_cache_reserve(c->pfx, s->pfx_parent, t) : NULL;
+        pthread_mutex_unlock(&c->mu);
+        if (!room) return;
+        if (b) shard_prefix_put(c, s, b, s->pfx_done);
+        s->pfx_parent = pfx_hash(s->pfx_parent, t, B);
+        s->pfx_done++;
+    }
+}
+
+int shard_session_pin_prefix(shard_core *c, shard_session *s, const int32_t *tokens, int n) {
+    const int B = s->pfx_tokens;
+    int limit = n < eng_seq_max_len(s->seq) ? n : eng_seq_max_len(s->seq);
+    int max_blocks = B && limit > 0 ? (limit - 1) / B : 0;
+    if (!max_blocks || eng_seq_len(s->seq) || s->n_pins) return 0;
+    pfx_block **pins = realloc(s->pins, (size_t)max_blocks * sizeof *pins);
+    if (!pins) return 0;
+    s->pins = pins;
+    pthread_mutex_lock(&c->mu);
+    s->n_pins = pfx_cache_acquire(c->pfx, s->pfx_seed, tokens, n, max_blocks, s->pins);
+    pthread_mutex_unlock(&c->mu);
+    return s->n_pins * B;
+}
+
+int shard_session_reuse_prefix(shard_core *c, shard_session *s, int n) {
+    const int B = s->pfx_tokens;
+    if (n < 0 || n > s->n_pins * B || eng_seq_len(s->seq))
+        return fu_errorf(FU_ERR_RANGE, "prefix of %d positions: session '%s' has %d cached positions pinned and holds %d",
+                         n, s->id, s->n_pins * B, eng_seq_len(s->seq));
+    int rc = FU_OK;
+    pthread_mutex_lock(&c->fwd_mu);
+    for (int k = 0; k * B < n && !rc; k++) {
+        int m = n - k * B < B ? n - k * B : B;
+        rc = eng_seq_kv_import(s->seq, k * B, m, pfx_block_data(s->pins[k]), B);
+        if (!rc) memcpy(s->history + (size_t)k * B, pfx_block_tokens(s->pins[k]), (size_t)m * sizeof *s->history);
+    }
+    pthread_mutex_unlock(&c->fwd_mu);
+    if (rc) eng_seq_truncate(s->seq, 0);
+    else if (B) shard_prefix_known(s, n / B); /* B is 0 (the cache off) only when n is */
+    pthread_mutex_lock(&c->mu);
+    if (!rc) c->stats.prefix_hit_tokens += (uint64_t)n;
+    shard_prefix_unpin(c, s);
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
 /* ---- sessions ------------------------------------------------------------------------- */
 
 /* Checks a new session's id and length against the core (caller's thread). */
@@ -626,7 +752,10 @@ static int shard_session_admit(shard_core *c, const char *id, int max_len, const
     shard_adapter *a = adapter_id && adapter_id[0] ? shard_adapter_find(c, adapter_id, NULL) : NULL;
     if (adapter_id && adapter_id[0] && !a)
         return fu_errorf(FU_ERR_NOT_FOUND, "adapter '%.64s' is not loaded on this server", adapter_id);
-    if (need > c->o.kv_budget_bytes - c->kv_used) {
+    uint64_t cached = c->pfx ? pfx_cache_bytes(c->pfx) : 0;
+    if (cached && need > c->o.kv_budget_bytes - c->kv_used - cached) /* cached blocks give way first */
+        pfx_cache_evict(c->pfx, need - (c->o.kv_budget_bytes - c->kv_used - cached));
+    if (need > c->o.kv_budget_bytes - c->kv_used - (c->pfx ? pfx_cache_bytes(c->pfx) : 0)) {
         uint64_t free_b = c->o.kv_budget_bytes - c->kv_used, per_pos = eng_kv_bytes_per_pos(c->e);
         return fu_errorf(FU_ERR_EXHAUSTED,
                          "KV cache full: a session of %d positions needs %.1f MiB, %.1f MiB of %.1f MiB "
@@ -646,6 +775,7 @@ static void shard_session_free(shard_core *c, shard_session *s) {
     if (!s) return;
     eng_seq_free(c->e, s->seq);
     smp_free(s->smp);
+    free(s->pins);
     free(s->history);
     free(s->out_f);
     free(s->out_tok);
@@ -662,6 +792,8 @@ static int shard_session_alloc(shard_core *c, const char *id, int max_len, shard
     *out = s;
     if (!s) return fu_errorf(FU_ERR_NOMEM, "session");
     snprintf(s->id, sizeof s->id, "%s", id);
+    s->pfx_tokens = c->pfx ? c->o.kv_block_tokens : 0;
+    s->pfx_seed = s->pfx_parent = pfx_seed(a ? a->id : NULL, a ? a->version : 0, c->m->first, c->m->last);
     s->history = malloc((size_t)max_len * sizeof *s->history);
     int rc = s->history ? eng_seq_new(c->e, max_len, &s->seq) : fu_errorf(FU_ERR_NOMEM, "session");
     if (!rc && a) {
@@ -709,6 +841,7 @@ void shard_session_close(shard_core *c, shard_session *s) {
             break;
         }
     c->kv_used -= s->kv_bytes;
+    shard_prefix_unpin(c, s);
     shard_adapter_put(s->ad); /* its steps are over: no batch uses the adapter through it */
     pthread_mutex_unlock(&c->mu);
     shard_session_free(c, s);
@@ -718,7 +851,11 @@ int shard_session_len(const shard_session *s) { return eng_seq_len(s->seq); }
 int shard_session_max_len(const shard_session *s) { return eng_seq_max_len(s->seq); }
 const char *shard_session_id(const shard_session *s) { return s->id; }
 
-int shard_session_rollback(shard_session *s, int len) { return eng_seq_truncate(s->seq, len); }
+int shard_session_rollback(shard_session *s, int len) {
+    int rc = eng_seq_truncate(s->seq, len);
+    if (!rc) shard_prefix_rewind(s, len);
+    return rc;
+}
 
 /* Checks a step's inputs against the session: positions, token ids, hidden states. */
 static int shard_step_check_inputs(shard_core *c, shard_session *s, const shard_step *st) {
@@ -808,6 +945,7 @@ int shard_session_step(shard_core *c, shard_session *s, shard_step *st) {
     int rc = shard_step_prepare(c, s, st);
     if (rc) return rc;
     pthread_mutex_lock(&c->mu);
+    shard_prefix_first_step(c, s, st);
     if (c->stop) {
         pthread_mutex_unlock(&c->mu);
         return fu_errorf(FU_ERR_CANCELLED, "the server is shutting down");
@@ -824,6 +962,7 @@ int shard_session_step(shard_core *c, shard_session *s, shard_step *st) {
     s->step = NULL;
     pthread_mutex_unlock(&c->mu);
     if (rc) return fu_errorf(rc, "%s", s->err);
+    shard_prefix_capture(c, s);
     return FU_OK;
 }
 

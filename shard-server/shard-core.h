@@ -31,6 +31,8 @@ typedef struct shard_core_options {
     uint64_t max_logits_bytes; /* the logits one step may return (0: 64 MiB, an RPC message) */
     int max_adapters;         /* LoRA adapters loaded at once (0: 8) */
     int max_lora_rank;        /* the largest rank of one (0: 256) */
+    bool prefix_cache_off;    /* true: no prefix cache (shard-prefix.h) */
+    int kv_block_tokens;      /* positions per prefix-cache block (0: 32) */
 } shard_core_options;
 
 /* Creates the core over `m` (borrowed, must outlive the core) on `be`
@@ -57,6 +59,11 @@ typedef struct shard_core_stats {
     uint64_t batches;        /* forwards run */
     uint64_t batched_steps;  /* steps they carried */
     uint64_t tokens;         /* positions computed */
+    int prefix_cached_blocks;     /* blocks in the prefix cache (their bytes count as free:
+                                   * admission evicts them before refusing) */
+    uint64_t prefix_cached_bytes;
+    uint64_t prefix_hit_tokens;   /* sessions' first-step positions taken from the cache */
+    uint64_t prefix_prompt_tokens; /* sessions' first-step positions in all */
     uint64_t train_waits;    /* times a trainer waited in shard_core_wait_idle */
     uint64_t train_wait_us;  /* and for how long in all */
 } shard_core_stats;
@@ -117,6 +124,23 @@ int shard_core_adapter_ids(shard_core *c, char ***ids, int *n);
 int shard_session_open(shard_core *c, const char *id, int max_len, const char *adapter_id, shard_session **out);
 /* Frees the session's KV cache at once (and its reference to its adapter). NULL is a no-op. */
 void shard_session_close(shard_core *c, shard_session *s);
+
+/* ---- prefix cache --------------------------------------------------------------------
+ * With the cache on, each session's full blocks of known token ids go into the core's prefix
+ * cache after each step (their KV copied, within the KV budget), and a new session may start
+ * from cached blocks instead of computing them: pin them at open, import them before the first
+ * step. The imported KV is bit for bit what the session would have computed. */
+
+/* Pins the cached blocks that begin tokens[0..n) (the prompt the session's first step will
+ * send) for session s, which holds no position yet, and returns how many leading positions
+ * they cover: a multiple of the block size, at most n - 1 and max_len - 1 (0: none, or the
+ * cache is off). The pins last until shard_session_reuse_prefix, the first step or close. */
+int shard_session_pin_prefix(shard_core *c, shard_session *s, const int32_t *tokens, int n);
+
+/* Imports the first n positions (n <= what shard_session_pin_prefix returned) from the pinned
+ * blocks into s, which holds none yet, and unpins them; the first step then starts at n.
+ * FU_ERR_RANGE when n exceeds the pinned positions or s holds positions. */
+int shard_session_reuse_prefix(shard_core *c, shard_session *s, int n);
 
 /* Positions held, the most it may hold, and its id (owned by the session). */
 int shard_session_len(const shard_session *s);

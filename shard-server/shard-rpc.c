@@ -328,14 +328,16 @@ static int session_start(session *c, const shard_svc_open *open, rpc_status *st)
     if (open->idle_timeout_ms > 0) c->idle_ms = open->idle_timeout_ms;
     if ((rc = shard_session_open(c->core, open->session_id, open->max_length, open->adapter_id, &c->sess)))
         return rpc_status_from_fu(st, rc);
+    int64_t cached = shard_session_pin_prefix(c->core, c->sess, open->prefix_tokens, (int)open->n_prefix_tokens);
     if (open->n_chain && (rc = downstream_open(srv, open, &c->ds, st))) return rc;
+    if (c->ds.sess && shard_svc_session_cached(c->ds.sess) < cached) cached = shard_svc_session_cached(c->ds.sess);
     if (c->ds.sess) shard_svc_session_set_wait(c->ds.sess, -1, session_watch, c);
     FU_LOG(FU_LOG_LEVEL_DEBUG, open->session_id, "opened: max_length %d, wire %s%s", open->max_length,
            wire_dtype_name(c->wire), open->n_chain ? ", forwarding" : "");
     shard_core_stats stats;
     shard_core_get_stats(c->core, &stats);
     shard_svc_opened o = {open->session_id, c->m->first, c->m->last, open->max_length, c->wire,
-                          (int64_t)(stats.kv_bytes_per_pos * (uint64_t)open->max_length)};
+                          (int64_t)(stats.kv_bytes_per_pos * (uint64_t)open->max_length), cached};
     return shard_svc_stream_send_opened(c->s, &o, st);
 }
 
@@ -348,12 +350,15 @@ static int session_step(session *c, const shard_svc_step *sr, rpc_status *st) {
     int budget = step_budget_check(&c->srv->cfg, sr->input, st);
     if (budget) return budget;
     int64_t t_start = fu_now_us();
+    int rc_reuse;
     if (sr->has_rollback) {
         if (sr->rollback_to < 0 || sr->rollback_to > shard_session_len(c->sess))
             return rpc_status_setf(st, RPC_OUT_OF_RANGE, "step.rollback_to %lld outside [0, %d]",
                                    (long long)sr->rollback_to, shard_session_len(c->sess));
         shard_session_rollback(c->sess, (int)sr->rollback_to);
     }
+    if (sr->prefix_reuse && (rc_reuse = shard_session_reuse_prefix(c->core, c->sess, (int)sr->prefix_reuse)))
+        return rpc_status_from_fu(st, rc_reuse);
     shard_step step;
     int rc = step_from_req(c->core, sr->input, sr->output, sr->start_position, &step, &c->hbuf, st);
     if (rc) return rc;
@@ -363,7 +368,8 @@ static int session_step(session *c, const shard_svc_step *sr, rpc_status *st) {
         (rc = output_from_step(c->core, &step, c->wire, c->block, &c->os)))
         return rpc_status_from_fu(st, rc);
     shard_svc_timing timings[SHARD_MAX_CHAIN + 1];
-    timings[0] = (shard_svc_timing){c->srv->advertise, c->m->first, c->m->last, step.queue_us, step.compute_us, 0};
+    timings[0] = (shard_svc_timing){c->srv->advertise, c->m->first, c->m->last, step.queue_us, step.compute_us, 0,
+                                    sr->prefix_reuse};
     shard_svc_step_reply rep = {sr->request_id, shard_session_len(c->sess), &c->os.out, timings, 1};
     if (c->ds.sess) {
         const shard_svc_step_reply *down;
@@ -533,7 +539,7 @@ static int forward_handler(void *ctx, const shard_svc_forward *req, shard_svc_fo
         forward_done(srv, f);
         return rc;
     }
-    f->timing = (shard_svc_timing){srv->advertise, m->first, m->last, queue, compute, fu_now_us() - t0};
+    f->timing = (shard_svc_timing){srv->advertise, m->first, m->last, queue, compute, fu_now_us() - t0, 0};
     *reply = (shard_svc_forward_reply){req->request_id, f->outs, f->n, &f->timing, 1};
     *hold = f;
     return RPC_OK;
@@ -573,6 +579,9 @@ static int info_handler(void *ctx, shard_svc_info *r, rpc_status *st) {
     r->max_message_bytes = (int64_t)(srv->cfg.max_message_bytes ? srv->cfg.max_message_bytes
                                                                 : RPC_DEFAULT_MAX_MESSAGE);
     r->kv_bytes_per_position = (int64_t)stats.kv_bytes_per_pos;
+    r->prefix_cached_blocks = stats.prefix_cached_blocks;
+    r->prefix_hit_tokens = (int64_t)stats.prefix_hit_tokens;
+    r->prefix_prompt_tokens = (int64_t)stats.prefix_prompt_tokens;
     char **ids = NULL;
     int n_ids = 0, rc = shard_core_adapter_ids(core, &ids, &n_ids);
     core_release(srv, core);

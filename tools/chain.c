@@ -150,7 +150,7 @@ static int run_chain(const chain_args *a, const int32_t *prompt, int n_prompt) {
         memset(j, 0, sizeof *j);
         *j = (job){client, hops, n_hops, i, malloc((size_t)n_prompt * sizeof(int32_t)), n_prompt, max_tokens, sp,
                    logits_prefix, 0, "", calloc((size_t)max_tokens, sizeof(int32_t)), 0,
-                   calloc((size_t)max_tokens, sizeof(double)), {{{0}, 0, 0, 0, 0, 0}}, 0};
+                   calloc((size_t)max_tokens, sizeof(double)), {{{0}, 0, 0, 0, 0, 0, 0}}, 0};
         /* session i sees the prompt rotated by i, so concurrent sessions differ */
         for (int k = 0; k < n_prompt; k++) j->prompt[k] = prompt[(k + i) % n_prompt];
         j->sp.seed = sp.seed + (uint64_t)i;

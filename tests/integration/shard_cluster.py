@@ -72,6 +72,40 @@ class Shard:
         return stop_process(self.proc, sig, timeout)
 
 
+def shard_info(shard, secret=SECRET):
+    """The varint fields of a shard's InfoReply by number (fusion.proto), read with grpcio."""
+    import grpc
+    with grpc.insecure_channel(shard.address) as ch:
+        info = ch.unary_unary("/fusion.Shard/Info", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+        buf = info(b"", metadata=(("x-fusion-secret", secret),), timeout=10)
+    i, fields = 0, {}
+    while i < len(buf):  # protobuf wire format: skip all but varints
+        key, i = read_varint(buf, i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            fields[num], i = read_varint(buf, i)
+        elif wt == 2:
+            n, i = read_varint(buf, i)
+            i += n
+        elif wt in (1, 5):
+            i += 8 if wt == 1 else 4
+        else:
+            raise ValueError(wt)
+    return fields
+
+
+def read_varint(buf, i):
+    """A protobuf varint at buf[i]: (value, the index after it)."""
+    n = 0
+    for k in range(10):
+        b = buf[i + k]
+        n |= (b & 0x7F) << (7 * k)
+        if b < 0x80:
+            return n, i + k + 1
+    raise ValueError("varint longer than 10 bytes")
+
+
 def default_model():
     """The default model's path (fetched into the cache if needed); skips the test if unavailable."""
     import pytest

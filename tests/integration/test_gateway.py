@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import SECRET, Gateway, Shard, default_model, program  # noqa: E402
+from shard_cluster import Gateway, Shard, default_model, program, shard_info  # noqa: E402
 
 openai = pytest.importorskip("openai")
 
@@ -130,40 +130,8 @@ def assert_error(status, body, want_status, param=None, code=None):
 
 
 def shard_sessions(shard):
-    """active_sessions from a shard's Info RPC (field 12 of InfoReply), read with grpcio."""
-    import grpc
-    with grpc.insecure_channel(shard.address) as ch:
-        info = ch.unary_unary("/fusion.Shard/Info", request_serializer=lambda b: b,
-                              response_deserializer=lambda b: b)
-        buf = info(b"", metadata=(("x-fusion-secret", SECRET),), timeout=10)
-    i, fields = 0, {}
-    while i < len(buf):  # protobuf wire format: varints and length-delimited fields only here
-        key, i = _varint(buf, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = _varint(buf, i)
-        elif wt == 1:
-            v, i = None, i + 8
-        elif wt == 2:
-            n, i = _varint(buf, i)
-            v, i = None, i + n
-        elif wt == 5:
-            v, i = None, i + 4
-        else:
-            raise ValueError(wt)
-        fields[num] = v
-    return fields.get(12, 0)
-
-
-def _varint(buf, i):
-    shift = n = 0
-    while True:
-        b = buf[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return n, i
+    """active_sessions from a shard's Info RPC (field 12 of InfoReply)."""
+    return shard_info(shard).get(12, 0)
 
 
 def metric(cluster, name):

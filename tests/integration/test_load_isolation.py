@@ -44,9 +44,10 @@ WORDS = ("the", "a", "of", "and", "to", "in", "is", "it", "that", "was", "for", 
          "be", "this", "have", "from", "or", "one", "had", "by", "word", "but", "not", "what", "all", "were")
 
 
-def long_prompt(words):
-    """About `words` tokens: common words, one token each."""
-    return " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(words))
+def long_prompt(words, topic="news"):
+    """About `words` tokens: common words, one token each, after a topic of its own: prompts of
+    other topics share no prefix, so that the shards' prefix caches do not shorten their prefill."""
+    return f"{topic}: " + " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(words))
 
 
 def completion(cluster, prompt, **extra):
@@ -74,7 +75,7 @@ def test_long_prefill_does_not_hold_up_a_short_request(cluster):
 
 
 def test_a_client_that_leaves_stops_its_prefill(cluster):
-    body = json.dumps({"model": cluster["model"], "prompt": long_prompt(LONG_WORDS), "max_tokens": 1,
+    body = json.dumps({"model": cluster["model"], "prompt": long_prompt(LONG_WORDS, "sport"), "max_tokens": 1,
                        "stream": True}).encode()
     gw = cluster["gw"]
     s = socket.create_connection(("127.0.0.1", gw.port))
@@ -125,7 +126,8 @@ def test_request_budgets(cluster):
         try:
             t0 = time.monotonic()
             st, doc = api_request(gw2, "POST", "/v1/completions",
-                                  {"model": cluster["model"], "prompt": long_prompt(LONG_WORDS), "max_tokens": 1},
+                                  {"model": cluster["model"], "prompt": long_prompt(LONG_WORDS, "travel"),
+                                   "max_tokens": 1},
                                   key=KEY)
             assert st == 408 and doc["error"]["code"] == "request_timeout", doc
             assert time.monotonic() - t0 < 5

@@ -417,6 +417,75 @@ static void test_random_config_values_checked(void **state) {
     assert_null(m);
 }
 
+/* Runs ids[0..n) on a new sequence of f's engine, first importing kv's first k positions when
+ * kv is not NULL; returns the last position's logits in out. */
+static void run_from(fixture *f, const int32_t *ids, int n, const void *kv, int k, float *out) {
+    eng_seq *s, *seqs[32];
+    assert_int_equal(eng_seq_new(f->e, 32, &s), FU_OK);
+    if (kv) assert_int_equal(eng_seq_kv_import(s, 0, k, kv, 20), FU_OK);
+    else k = 0;
+    for (int i = 0; i < 32; i++) seqs[i] = s;
+    uint8_t want[32] = {0};
+    want[n - k - 1] = 1;
+    eng_batch b = {n - k, ids + k, NULL, seqs, want};
+    assert_int_equal(eng_forward(f->e, &b, out), FU_OK);
+    eng_seq_free(f->e, s);
+}
+
+/* Prefix caching's premise: a sequence that imports another's exported KV for its first k
+ * positions and computes the rest gives bit-identical logits to one that computed them all,
+ * when the computed positions run in the same chunks (k a multiple of the chunk size). The
+ * CPU kernels are not batch-invariant, so a suffix cut elsewhere (as when batched with other
+ * sessions) differs in the last bits only. */
+static void check_kv_import_bit_identical(op_type kv) {
+    fixture f;
+    mdl_config c = test_small_config(MDL_ARCH_LLAMA);
+    mdl_open_options o = mdl_open_options_all();
+    assert_int_equal(mdl_random(&c, OP_TYPE_F32, 7, &o, &f.m), FU_OK);
+    op_cpu_options co = {.n_threads = 2, .isa = OP_CPU_ISA_AUTO};
+    f.be = op_backend_cpu_new(&co);
+    eng_options eo = {8, kv};
+    assert_int_equal(eng_new(f.m, f.be, &eo, &f.e), FU_OK);
+    const int V = f.m->cfg.vocab_size, n = 23;
+    int32_t ids[23];
+    for (int i = 0; i < n; i++) ids[i] = (i * 29 + 5) % V;
+    eng_seq *a, *seqs[23];
+    assert_int_equal(eng_seq_new(f.e, 32, &a), FU_OK);
+    for (int i = 0; i < n; i++) seqs[i] = a;
+    uint8_t want[23] = {0};
+    want[n - 1] = 1;
+    eng_batch ba = {n, ids, NULL, seqs, want};
+    float *la = malloc((size_t)V * sizeof *la), *lb = malloc((size_t)V * sizeof *lb);
+    assert_int_equal(eng_forward(f.e, &ba, la), FU_OK);
+    const size_t pp = eng_kv_bytes_per_pos(f.e);
+    uint8_t *kva = malloc(pp * 20), *kvb = malloc(pp * 20);
+    assert_int_equal(eng_seq_kv_export(a, 0, 20, kva), FU_OK);
+    assert_int_equal(eng_seq_kv_export(a, 10, n, kva), FU_ERR_RANGE);
+    /* the imported KV is the exported one, bit for bit */
+    eng_seq *b;
+    assert_int_equal(eng_seq_new(f.e, 32, &b), FU_OK);
+    assert_int_equal(eng_seq_kv_import(b, 1, 16, kva, 20), FU_ERR_RANGE); /* only at its length */
+    assert_int_equal(eng_seq_kv_import(b, 0, 21, kva, 20), FU_ERR_RANGE); /* not beyond the export */
+    assert_int_equal(eng_seq_kv_import(b, 0, 20, kva, 20), FU_OK);
+    assert_int_equal(eng_seq_len(b), 20);
+    assert_int_equal(eng_seq_kv_export(b, 0, 20, kvb), FU_OK);
+    assert_memory_equal(kva, kvb, pp * 20);
+    eng_seq_free(f.e, b);
+    run_from(&f, ids, n, kva, 16, lb);
+    assert_memory_equal(la, lb, (size_t)V * sizeof *lb);
+    run_from(&f, ids, n, kva, 20, lb);
+    assert_true(max_abs_diff(la, lb, (size_t)V) < 1e-4f);
+    free(kva);
+    free(kvb);
+    free(la);
+    free(lb);
+    eng_seq_free(f.e, a);
+    fixture_close(&f);
+}
+
+static void test_kv_import_bit_identical_f32(void **state) { (void)state, check_kv_import_bit_identical(OP_TYPE_F32); }
+static void test_kv_import_bit_identical_f16(void **state) { (void)state, check_kv_import_bit_identical(OP_TYPE_F16); }
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_batched_llama_f32),
@@ -424,6 +493,8 @@ int main(void) {
         cmocka_unit_test(test_batched_qwen3_q8),
         cmocka_unit_test(test_batched_llama_q4_1),
         cmocka_unit_test(test_chunked_prefill_equals_single_pass),
+        cmocka_unit_test(test_kv_import_bit_identical_f32),
+        cmocka_unit_test(test_kv_import_bit_identical_f16),
         cmocka_unit_test(test_weights_prepared_for_the_backend),
         cmocka_unit_test(test_span_without_embeddings_takes_hidden_states),
         cmocka_unit_test(test_bad_input),

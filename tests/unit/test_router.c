@@ -601,12 +601,45 @@ static void test_train_chain(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* Cache affinity: among two equal servers of the first span, one that holds the request's prefix
+ * gets it while the load is even, and the other takes over once the first is a request ahead:
+ * a hit never offsets more than one request's work. */
+static void test_iwrr_cache_affinity(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double t[] = {400, 200}, tc[] = {2000, 1000};
+    int a = add(&sw, "A", 2, t, 0, 2), b = add(&sw, "B", 2, t, 0, 2), c = add(&sw, "C", 2, tc, 2, 4);
+    link_all(&sw, 1e9);
+    rt_router *r;
+    rt_route_opts ro = {{RT_CONV_RUNTIME, 0}, 0};
+    assert_int_equal(rt_router_init(&r, &sw, &ro), FU_OK);
+    int cached[3] = {0, 0, 0};
+    cached[b] = 60;
+    rt_path *p[4];
+    assert_int_equal(rt_route_cached(r, 100, cached, &p[0]), FU_OK);
+    assert_int_equal(p[0]->servers[0], b); /* even load: the server with the prefix */
+    assert_int_equal(rt_route_cached(r, 100, cached, &p[1]), FU_OK);
+    assert_int_equal(p[1]->servers[0], a); /* b is a request ahead: 60 cached tokens do not outweigh it */
+    cached[b] = 100000;                    /* however much is cached, at most one request's work */
+    assert_int_equal(rt_route_cached(r, 100, cached, &p[2]), FU_OK);
+    assert_int_equal(p[2]->servers[0], b);
+    assert_int_equal(rt_route_cached(r, 100, cached, &p[3]), FU_OK);
+    assert_int_equal(p[3]->servers[0], a);
+    assert_int_equal(p[3]->servers[1], c);
+    for (int i = 0; i < 4; i++) rt_release(p[i]);
+    rt_router_free(r);
+    rt_swarm_free(&sw);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_maxflow_greedy_trap), cmocka_unit_test(test_maxflow_clrs),
         cmocka_unit_test(test_flow_network_tiny),   cmocka_unit_test(test_vram_limit),
         cmocka_unit_test(test_placements),          cmocka_unit_test(test_join_leave),
         cmocka_unit_test(test_iwrr),                cmocka_unit_test(test_sim),
+        cmocka_unit_test(test_iwrr_cache_affinity),
         cmocka_unit_test(test_ini_and_exprs),       cmocka_unit_test(test_json_format),
         cmocka_unit_test(test_helix_files),         cmocka_unit_test(test_slot_reuse),
         cmocka_unit_test(test_train_chain),

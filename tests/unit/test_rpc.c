@@ -894,12 +894,13 @@ static void ts_step1(shard_svc_step *step, shard_svc_input *in, wire_tensor *hid
     p.n_bias = 2;
     *samp = shard_svc_sampling_from_params(&p, 1);
     *spec = (shard_svc_output_spec){true, true, samp, 2, false, false};
-    *step = (shard_svc_step){9, 4, in, spec, true, 3};
+    *step = (shard_svc_step){9, 4, in, spec, true, 3, 2};
 }
 
 /* Checks a received step against ts_step1. */
 static int ts_check_step1(const shard_svc_step *s, rpc_status *st) {
-    TS_CHECK(s->request_id == 9 && s->start_position == 4 && s->has_rollback && s->rollback_to == 3);
+    TS_CHECK(s->request_id == 9 && s->start_position == 4 && s->has_rollback && s->rollback_to == 3 &&
+             s->prefix_reuse == 2);
     TS_CHECK(s->input && s->input->n_tokens == 2 && s->input->tokens[1] == 6);
     const wire_tensor *h = s->input->hidden;
     TS_CHECK(h && h->dtype == WIRE_BF16 && h->n_shape == 2 && h->shape[0] == 2 && h->shape[1] == 4);
@@ -925,7 +926,7 @@ static int ts_reply_step1(shard_svc_stream *s, const shard_svc_step *req, rpc_st
                       .data_len = sizeof logits};
     shard_svc_top top = {alt, alt_lp, 2};
     shard_svc_output out = {req->input->hidden, &lt, tok, 1, lp, 1, &top, 1};
-    shard_svc_timing t[2] = {{"a:1", 0, 1, 10, 20, 30}, {"b:2", 1, 2, 11, 21, 31}};
+    shard_svc_timing t[2] = {{"a:1", 0, 1, 10, 20, 30, 0}, {"b:2", 1, 2, 11, 21, 31, 5}};
     shard_svc_step_reply rep = {req->request_id, 6, &out, t, 2};
     return shard_svc_stream_send_step(s, &rep, st);
 }
@@ -948,10 +949,11 @@ static int ts_session_loop(shard_svc_stream *s, rpc_status *st) {
     }
     TS_CHECK(!strcmp(o->session_id, "typed") && o->max_length == 9 && o->wire_dtype == WIRE_INT8_BLOCK);
     TS_CHECK(o->int8_block_size == 32 && !strcmp(o->adapter_id, "") && o->idle_timeout_ms == 77);
+    TS_CHECK(o->n_prefix_tokens == 3 && o->prefix_tokens[2] == 42);
     TS_CHECK(o->first_block == 0 && o->last_block == 2 && o->n_chain == 2);
     TS_CHECK(!strcmp(o->chain[1].address, "b:2") && o->chain[1].first_block == 3 && o->chain[1].last_block == 4);
     TS_CHECK(!strcmp(o->chain[0].tls_server_name, "name") && !strcmp(o->chain[1].tls_server_name, ""));
-    shard_svc_opened op = {o->session_id, 0, 2, 9, WIRE_INT8_BLOCK, 123};
+    shard_svc_opened op = {o->session_id, 0, 2, 9, WIRE_INT8_BLOCK, 123, o->n_prefix_tokens == 3 ? 2 : -1};
     if ((rc = shard_svc_stream_send_opened(s, &op, st))) return rc;
     for (int n = 0;; n++) {
         if ((rc = shard_svc_stream_recv(s, &req, 5000, st))) return rc == RPC_END_OF_STREAM ? RPC_OK : rc;
@@ -1010,11 +1012,13 @@ static void test_shard_svc_session(void **state) {
     rpc_server *srv = typed_server_start();
     rpc_channel *ch = plain_channel(srv);
     shard_svc_hop hops[2] = {{"a:1", 2, 3, "name"}, {"b:2", 3, 4, NULL}};
-    shard_svc_open open = {"typed", 9, WIRE_INT8_BLOCK, 32, NULL, 0, 2, hops, 2, 77};
+    const int32_t prefix[3] = {1, 7, 42};
+    shard_svc_open open = {"typed", 9, WIRE_INT8_BLOCK, 32, NULL, 0, 2, hops, 2, 77, prefix, 3};
     shard_svc_session *sess;
     rpc_status st;
     int rc = shard_svc_session_open(ch, &open, 5000, &sess, &st);
     if (rc) fail_msg("open: %s %s", rpc_code_str(rc), st.message);
+    assert_int_equal(shard_svc_session_cached(sess), 2);
 
     shard_svc_step step;
     shard_svc_input in;
@@ -1046,9 +1050,10 @@ static void test_shard_svc_session(void **state) {
     assert_int_equal(rep->n_timing, 2);
     assert_string_equal(rep->timing[1].server, "b:2");
     assert_int_equal(rep->timing[1].total_us, 31);
+    assert_int_equal(rep->timing[1].prefix_hit_tokens, 5);
 
     shard_svc_input in2 = {in.tokens, 1, NULL};
-    shard_svc_step step2 = {10, 6, &in2, NULL, false, 0};
+    shard_svc_step step2 = {10, 6, &in2, NULL, false, 0, 0};
     assert_int_equal(shard_svc_session_step(sess, &step2, &rep, &st), RPC_OK);
     assert_int_equal(rep->position, 7);
     assert_null(rep->output);
@@ -1171,7 +1176,7 @@ static void test_shard_svc_wire(void **state) {
     float lp = -0.5f, alt_lp[2] = {-0.5f, -1.5f};
     shard_svc_top top = {alt, alt_lp, 2};
     shard_svc_output out = {.tokens = &tok, .n_tokens = 1, .logprobs = &lp, .n_logprobs = 1, .top = &top, .n_top = 1};
-    shard_svc_timing t = {"x:1", 0, 4, 1, 2, 3};
+    shard_svc_timing t = {"x:1", 0, 4, 1, 2, 3, 0};
     shard_svc_step_reply rep = {5, 8, &out, &t, 1};
     size_t bytes = 0;
     assert_int_equal(shard_svc_step_reply_size(&rep, &bytes, &st), RPC_OK);
