@@ -303,6 +303,7 @@ static int read_long(const fu_opt *opts, int argc, char **argv, int *i, arg_read
     size_t n = eq ? (size_t)(eq - a) : strlen(a);
     snprintf(r->label, sizeof r->label, "--%.*s", (int)n, a);
     if (!strcmp(r->label, "--help")) return FU_OPT_HELP_ASKED;
+    if (!strcmp(r->label, "--print-config")) return FU_OPT_CONFIG_ASKED;
     if (!(r->opt = find_long(opts, a, n))) return fu_errorf(FU_ERR_INVALID, "unknown option '%s'", r->label);
     if (eq) r->value = eq + 1;
     else if (r->opt->kind != FU_OPT_FLAG && *i + 1 < argc) r->value = argv[++*i];
@@ -441,7 +442,51 @@ void fu_opt_help(FILE *f, const fu_opt_spec *spec) {
     for (const fu_opt *o = spec->opts; o->name; o++)
         if (o->help) help_line(f, o, col);
     fprintf(f, "%-*sthis text\n", col, "  -h, --help");
+    fprintf(f, "%-*severy option as a JSON config file with its default\n", col, "  --print-config");
     if (spec->epilog) fputs(spec->epilog, f);
+}
+
+/* An option's default as the JSON its kind takes (null: none); a new reference. */
+static json_t *config_default(const fu_opt *o) {
+    long v;
+    if (!o->def) return json_null(); /* a flag too: false would set a negated one */
+    if (o->kind == FU_OPT_INT && !fu_parse_long(o->def, LONG_MIN, LONG_MAX, &v)) return json_integer(v);
+    if (o->kind == FU_OPT_FLOAT) return json_real(strtod(o->def, NULL));
+    if (o->kind == FU_OPT_FLAG || o->kind == FU_OPT_BOOL)
+        return json_boolean(!strcmp(o->def, "true") || !strcmp(o->def, "1") || !strcmp(o->def, "yes"));
+    return json_string(o->def);
+}
+
+/* Adds option o to the config document: "_name" (its help) then "name" (its default). */
+static int config_entry(json_t *doc, const fu_opt *o) {
+    char key[96], comment[98], choices[256];
+    snprintf(key, sizeof key, "%s", o->name);
+    for (char *c = key; *c; c++) if (*c == '-') *c = '_';
+    snprintf(comment, sizeof comment, "_%s", key);
+    const char *arg = arg_name(o, choices, sizeof choices);
+    char *text = NULL;
+    const char *only = o->flags & FU_OPT_NOFILE ? "command line only, " : "";
+    size_t n = strlen(o->help ? o->help : "") + strlen(arg) + strlen(only) + 8;
+    if ((text = malloc(n))) snprintf(text, n, "%s%s%s%s", only, arg, *arg ? ": " : "", o->help ? o->help : "");
+    for (char *c = text; c && *c; c++) if (*c == '\n') *c = ' ';
+    int rc = text ? json_object_set_new(doc, comment, json_string(text)) : -1;
+    free(text);
+    if (o->flags & FU_OPT_NOFILE) return rc ? FU_ERR_NOMEM : FU_OK; /* a comment only: no key loads it */
+    return rc || json_object_set_new(doc, key, config_default(o)) ? FU_ERR_NOMEM : FU_OK;
+}
+
+int fu_opt_print_config(FILE *f, const fu_opt_spec *spec) {
+    json_t *doc = json_object();
+    char head[256];
+    snprintf(head, sizeof head, "%s --config FILE: every option, with its default (made by %s --print-config; "
+                                "keys starting with '_' are comments, null values are skipped)", spec->prog, spec->prog);
+    int rc = doc && !json_object_set_new(doc, "_comment", json_string(head)) ? FU_OK : FU_ERR_NOMEM;
+    for (const fu_opt *o = spec->opts; o->name && !rc; o++)
+        if (o->kind != FU_OPT_CONFIG && o->help) rc = config_entry(doc, o);
+    if (!rc && json_dumpf(doc, f, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(9))) rc = FU_ERR_IO;
+    if (!rc) fputc('\n', f);
+    json_decref(doc);
+    return rc ? fu_errorf(rc, "--print-config") : FU_OK;
 }
 
 int fu_opt_fail(const fu_opt_spec *spec, const char *fmt, ...) {
@@ -461,6 +506,7 @@ int fu_opt_main(const fu_opt_spec *spec, int argc, char **argv, int *n_operands)
         fu_opt_help(stdout, spec);
         return 0;
     }
+    if (rc == FU_OPT_CONFIG_ASKED) return fu_opt_print_config(stdout, spec) ? 1 : 0;
     return rc ? fu_opt_fail(spec, "%s", fu_last_error()) : -1;
 }
 

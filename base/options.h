@@ -85,6 +85,8 @@ typedef struct fu_opt {
 
 /* fu_opt_parse()'s answer when -h or --help was given. */
 #define FU_OPT_HELP_ASKED 1
+/* fu_opt_parse()'s answer when --print-config was given. */
+#define FU_OPT_CONFIG_ASKED 2
 
 /* A program's options and the text around them in its --help. */
 typedef struct fu_opt_spec {
@@ -112,8 +114,8 @@ int fu_opt_set(const fu_opt *opts, const char *name, const char *value);
 int fu_opt_load(const fu_opt *opts, const char *path);
 
 /* Parses argv[1..argc): fu_opt_defaults(), then every --config file in order, then the other
- * options in order. Returns FU_OK; FU_OPT_HELP_ASKED if -h or --help is given (nothing is
- * applied then); FU_ERR_INVALID for an unknown option, a missing value, a value given to a
+ * options in order. Returns FU_OK; FU_OPT_HELP_ASKED if -h or --help is given, and
+ * FU_OPT_CONFIG_ASKED for --print-config (nothing is applied then); FU_ERR_INVALID for an unknown option, a missing value, a value given to a
  * flag or a bad value; or the status of a config file or a callback. With n_operands NULL,
  * an argument that is no option is an error; else the operands (those and all after "--")
  * are moved, in order, to argv[1..*n_operands]. */
@@ -123,8 +125,15 @@ int fu_opt_parse(const fu_opt *opts, int argc, char **argv, int *n_operands);
  * then spec->epilog. */
 void fu_opt_help(FILE *f, const fu_opt_spec *spec);
 
+/* Writes a JSON config file naming every option a config file takes, in the table's order:
+ * for each, a "_name" key with its help text (and value name), then "name" with its default
+ * (a number, a boolean or a string as its kind takes; null -- which loading skips -- where it
+ * has none; a command-line-only option gets the comment alone). Key names use '_' for '-'. It loads back (fu_opt_load) as the defaults, so an
+ * example made by it cannot drift from the table. FU_OK or FU_ERR_NOMEM. */
+int fu_opt_print_config(FILE *f, const fu_opt_spec *spec);
+
 /* A main()'s option handling: fu_opt_parse(); on --help the help goes to stdout and 0 is
- * returned; on an error "PROG: message" and the help go to stderr and 2 is returned;
+ * returned (on --print-config, fu_opt_print_config's file); on an error "PROG: message" and the help go to stderr and 2 is returned;
  * otherwise -1: the program goes on. */
 int fu_opt_main(const fu_opt_spec *spec, int argc, char **argv, int *n_operands);
 

@@ -394,7 +394,8 @@ static void test_help_text(void **state) {
         "  --kv f32|f16          KV type (default f32)\n",
         "  --blocks A:B          span\n",
         "  --hop H               a hop\n",
-        "  -h, --help            this text\nMore words.\n",
+        "  -h, --help            this text\n"
+        "  --print-config        every option as a JSON config file with its default\nMore words.\n",
     };
     for (size_t i = 0; i < sizeof lines / sizeof lines[0]; i++)
         if (!strstr(text, lines[i])) fail_msg("no '%s' in:\n%s", lines[i], text);
@@ -408,6 +409,34 @@ static void test_help_text(void **state) {
                                FU_OPT_END};
     text = help_text(long_one, NULL);
     assert_non_null(strstr(text, "  --a-very-very-long-option-name\n              x\n  --b         y\n"));
+    free(text);
+}
+
+/* --print-config: every option a file takes, with its default, and it loads back. */
+static void test_print_config(void **state) {
+    fixture *f = *state;
+    const fu_opt *t = f->t;
+    char *argv[4];
+    assert_int_equal(parse(t, NULL, argv, "--workers", "7", "--print-config", NULL), FU_OPT_CONFIG_ASKED);
+    fu_opt_spec spec = {"prog", "usage: prog [options]", t, NULL};
+    char *text = NULL;
+    size_t n = 0;
+    FILE *mf = open_memstream(&text, &n);
+    assert_non_null(mf);
+    assert_int_equal(fu_opt_print_config(mf, &spec), FU_OK);
+    fclose(mf);
+    assert_non_null(strstr(text, "\"_workers\": \"N: threads\",\n  \"workers\": 32,"));
+    assert_non_null(strstr(text, "\"measure\": true,"));
+    assert_non_null(strstr(text, "\"kv\": \"f32\","));
+    assert_non_null(strstr(text, "\"model\": null,"));
+    assert_null(strstr(text, "\"config\""));       /* the file option itself is no key */
+    assert_null(strstr(text, "\"max_body_bytes\"")); /* no help text: left out */
+    char path[] = "/tmp/fusion-print-config-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0 && write(fd, text, n) == (ssize_t)n);
+    close(fd);
+    assert_int_equal(fu_opt_load(t, path), FU_OK); /* it loads as a config file */
+    unlink(path);
     free(text);
 }
 
@@ -440,7 +469,7 @@ static void test_main_and_fail(void **state) {
     text[fread(text, 1, sizeof text - 1, err)] = '\0';
     fclose(err);
     assert_memory_equal(text, "prog: unknown option '--nope'\nusage: prog [options]\n", 51);
-    assert_non_null(strstr(text, "this text\nprog: no model\nusage: prog [options]\n"));
+    assert_non_null(strstr(text, "with its default\nprog: no model\nusage: prog [options]\n"));
 }
 
 static void test_split_span(void **state) {
@@ -467,7 +496,8 @@ int main(void) {
 #define FIXTURE_TEST(fn) cmocka_unit_test_setup_teardown(fn, fixture_setup, fixture_teardown)
         FIXTURE_TEST(test_defaults_and_flags), FIXTURE_TEST(test_lists_paths_calls), FIXTURE_TEST(test_operands),
         FIXTURE_TEST(test_errors),             FIXTURE_TEST(test_help_asked),        FIXTURE_TEST(test_config_file),
-        FIXTURE_TEST(test_config_errors),      FIXTURE_TEST(test_help_text),         FIXTURE_TEST(test_main_and_fail),
+        FIXTURE_TEST(test_config_errors),      FIXTURE_TEST(test_help_text),         FIXTURE_TEST(test_print_config),
+        FIXTURE_TEST(test_main_and_fail),
         cmocka_unit_test(test_split_span),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
