@@ -3,7 +3,7 @@
 A gateway with small limits (64 connections, 16 per address, a reserve of 8, 2 s for a
 request's headers and 2 s for its body) faces hundreds of connections that trickle header
 lines from many loopback addresses (127.0.0.2, 127.0.0.3, ...: each its own client address):
-/health still answers (within 3 s) during the attack and after it, because a new connection past
+/livez still answers (within 3 s; /health is 503: the mute shard serves nothing) during the attack and after it, because a new connection past
 64 - 8 closes the oldest unfinished request. A connection that trickles header lines, or a
 chunked body, faster than the idle timeout is still closed at its deadline; an address past its
 cap gets its excess connections closed; a completion waiting suspended on its generation is not
@@ -98,7 +98,7 @@ def running(gw):
     raise AssertionError("fusion_gateway_running_requests not in /metrics")
 
 
-def slow_socket(port, source, request=b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"):
+def slow_socket(port, source, request=b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n"):
     """A connection from `source` that has sent the start of a request; None if it cannot connect."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -143,7 +143,7 @@ def wait_closed(s, timeout):
 
 
 def health_ok(gw, timeout=3.0):
-    r = requests.get(gw.url + "/health", timeout=timeout, headers={"Connection": "close"})
+    r = requests.get(gw.url + "/livez", timeout=timeout, headers={"Connection": "close"})
     return r.status_code == 200 and r.json() == {"status": "ok"}
 
 
