@@ -122,7 +122,9 @@ def setup():
     for name in ("tests", "config", "scripts", "deploy", "bench", "docs"):
         os.symlink(os.path.abspath(os.path.join(SOURCE, name)), os.path.join(work, name))
     port = free_port()
-    env = dict(os.environ, FUSION_API_KEY=KEY, FUSION_SECRET=SECRET, FUSION_URL=f"http://localhost:{port}")
+    # a fresh data directory: the jobs of earlier runs would be served again and fill --max-loras
+    env = dict(os.environ, FUSION_API_KEY=KEY, FUSION_SECRET=SECRET, FUSION_URL=f"http://localhost:{port}",
+               XDG_DATA_HOME=os.path.join(work, "data"))
     env.pop("OPENAI_API_KEY", None)
     log = open(os.path.join(work, "serve.log"), "w+")
     serve = subprocess.Popen([os.path.join(BUILD, "fusion"), "serve", "--shards", "2", "--threads", "1",
