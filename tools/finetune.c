@@ -30,7 +30,7 @@
 #include "status.h"
 
 #define FT_PROG "fusion-finetune"
-#define FT_DEFAULT_URL "http://127.0.0.1:8000"
+#define FT_DEFAULT_URL "http://127.0.0.1:8080" /* the gateway's default --listen */
 #define FT_POLL_MS 1000
 #define FT_MAX_RETRIES 5      /* consecutive failed polls before giving up */
 #define FT_MAX_PAGES 1000     /* event pages read in one poll, at most */
