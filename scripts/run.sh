@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# run.sh -- installs what is missing, builds, then runs fusion end to end on the default model
-# (SmolLM2-135M-Instruct): two local shards (blocks 0:15 and 15:30) and the OpenAI-compatible
-# gateway on loopback, one chat completion sent with curl, the answer printed, everything stopped.
+# run.sh -- installs what building and running need (scripts/setup.sh run), builds the programs
+# (no tests), then runs fusion end to end on the default model (SmolLM2-135M-Instruct): two
+# local shards (blocks 0:15 and 15:30) and the OpenAI-compatible gateway on loopback, one chat
+# completion sent with curl, the answer printed, everything stopped.
 #   scripts/run.sh ["your question"]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-"$root/scripts/setup.sh" >&2
+"$root/scripts/setup.sh" run >&2
 model=$("$root/scripts/fetch-default-model.sh")
 prompt=${1:-"What is the capital of France? Answer in one sentence."}
 build=${FUSION_BUILD_DIR:-$root/build}
+
+# A new build tree is made without tests (FUSION_TESTS=OFF: the libraries and every program);
+# in one that scripts/test.sh configured with tests, only the three programs used here are built.
+if [ ! -f "$build/CMakeCache.txt" ]; then
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFUSION_TESTS=OFF >/dev/null
+fi
+targets=()
+grep -qx 'FUSION_TESTS:BOOL=OFF' "$build/CMakeCache.txt" || targets=(--target fusion fusion-shard fusion-gateway)
+cmake --build "$build" -j"$(nproc)" "${targets[@]}" >&2
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/fusion-run.XXXXXX")
 pids=()
@@ -68,7 +78,7 @@ for _ in $(seq 100); do
 done
 curl -sf "$url/health" >/dev/null || { echo "run.sh: the gateway is not healthy" >&2; exit 1; }
 
-body=$(PROMPT=$prompt "$root/.venv/bin/python" - <<'EOF'
+body=$(PROMPT=$prompt python3 - <<'EOF'
 import json, os
 print(json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 64, "temperature": 0,
                   "messages": [{"role": "user", "content": os.environ["PROMPT"]}]}))
@@ -77,7 +87,7 @@ EOF
 echo "\$ curl $url/v1/chat/completions -H 'Authorization: Bearer ...' -H 'Content-Type: application/json' -d '$body'" >&2
 reply=$(curl -sS --fail-with-body "$url/v1/chat/completions" -H "Authorization: Bearer $key" \
   -H "Content-Type: application/json" -d "$body")
-REPLY_JSON=$reply "$root/.venv/bin/python" - <<'EOF'
+REPLY_JSON=$reply python3 - <<'EOF'
 import json, os, sys
 r = json.loads(os.environ["REPLY_JSON"])
 print(r["choices"][0]["message"]["content"])
