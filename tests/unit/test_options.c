@@ -416,7 +416,7 @@ static void test_help_text(void **state) {
 static void test_print_config(void **state) {
     fixture *f = *state;
     const fu_opt *t = f->t;
-    char *argv[4];
+    char *argv[8];
     assert_int_equal(parse(t, NULL, argv, "--workers", "7", "--print-config", NULL), FU_OPT_CONFIG_ASKED);
     fu_opt_spec spec = {"prog", "usage: prog [options]", t, NULL};
     char *text = NULL;
