@@ -150,7 +150,7 @@ static gw_options options(gw_config *c) {
         {"model", 0, FU_OPT_PATH, FU_OPT_TO(c->model), "PATH|REPO",
          "model for the tokenizer, chat template and context length"},
         {"model-name", 0, FU_OPT_STRING, FU_OPT_TO(c->model_name), "NAME",
-         "id served in /v1/models (default: the model file's name)", .alias = "served-model-name"},
+         "id served in /v1/models (default: the file's name without .gguf and a quantization tag)", .alias = "served-model-name"},
         {"listen", 0, FU_OPT_STRING, FU_OPT_TO(c->listen), "HOST:PORT",
          "(default 127.0.0.1:8080; port 0 picks one)"},
         {"port-file", 0, FU_OPT_PATH, FU_OPT_TO(c->port_file), "F", "write the bound port to F once serving"},

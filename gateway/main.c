@@ -1,9 +1,12 @@
 /* main.c -- fusion-gateway: the OpenAI-compatible HTTP API over a chain of fusion-shard servers. */
+#include <ctype.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
@@ -45,6 +48,27 @@ typedef struct gw_loaded {
 
 /* Loads cfg->model's metadata and tokenizer, checks that a static chain ends at its last
  * block, and names it: --model-name, else the file's name without ".gguf". Says why on stderr. */
+/* Whether tag names a GGUF quantization or float type (Q4_1, q8_0, Q4_K_M, IQ2_XS, F16, BF16). */
+static bool gw_quant_tag(const char *t) {
+    if ((t[0] == 'Q' || t[0] == 'q') && isdigit((unsigned char)t[1])) return true;
+    if ((t[0] == 'I' || t[0] == 'i') && (t[1] == 'Q' || t[1] == 'q') && isdigit((unsigned char)t[2])) return true;
+    return !strcasecmp(t, "F16") || !strcasecmp(t, "F32") || !strcasecmp(t, "BF16");
+}
+
+/* The id a model file is served as without --model-name: its name without ".gguf" and without a
+ * trailing quantization tag ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"), so that
+ * the id names the model whatever its file's precision. malloc'd; NULL when out of memory. */
+static char *gw_default_name(const char *path) {
+    const char *base = strrchr(path, '/');
+    char *name = strdup(base && base[1] ? base + 1 : path);
+    char *dot = name ? strrchr(name, '.') : NULL;
+    if (dot && !strcmp(dot, ".gguf")) *dot = '\0';
+    char *sep = name ? name + strlen(name) : NULL;
+    while (sep && sep > name && sep[-1] != '.' && sep[-1] != '-') sep--;
+    if (sep && sep - 1 > name && gw_quant_tag(sep)) sep[-1] = '\0';
+    return name;
+}
+
 static int gw_load(const gw_config *cfg, gw_loaded *l) {
     hub_options ho;
     hub_options_init(&ho);
@@ -57,11 +81,7 @@ static int gw_load(const gw_config *cfg, gw_loaded *l) {
                 cfg->hops[cfg->n_hops - 1].last, l->m->cfg.n_layers);
         return FU_ERR_INVALID;
     }
-    const char *base = strrchr(l->path, '/');
-    base = base && base[1] ? base + 1 : l->path;
-    l->name = strdup(cfg->model_name ? cfg->model_name : base);
-    char *dot = cfg->model_name || !l->name ? NULL : strrchr(l->name, '.');
-    if (dot && !strcmp(dot, ".gguf")) *dot = '\0';
+    l->name = cfg->model_name ? strdup(cfg->model_name) : gw_default_name(l->path);
     return l->name ? FU_OK : fu_errorf(FU_ERR_NOMEM, "name");
 }
 
