@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from shard_cluster import Gateway, default_model  # noqa: E402
 
 KEY = "sk-test-slowloris-key"
-MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model's served id (its file name without .gguf)
+MODEL = "SmolLM2-135M-Instruct"  # the default model's served id (its file name without .gguf and .Q4_1)
 DEAD_HOP = "127.0.0.1:1:0:30"  # nothing listens on port 1
 DEADLINE_S = 2
 LIMITS = ["--max-connections", "64", "--max-connections-per-ip", "16", "--connection-reserve", "8",

@@ -24,7 +24,7 @@ httpx = pytest.importorskip("httpx")
 
 KEY = "sk-test-gateway-tls"
 QUESTION = "What is the capital of France?"
-MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the default model's served id (its file name without .gguf)
+MODEL = "SmolLM2-135M-Instruct"  # the default model's served id (its file name without .gguf and .Q4_1)
 
 
 @pytest.fixture(scope="module")
