@@ -235,9 +235,16 @@ def test_compose_cluster_runs_locally(name):
             if not swarm:
                 return False
             st = [s.get("state") for s in swarm.get("servers", [])]
-            return st.count("active") >= 2 and st.count("spare") >= 1 and not swarm.get("uncovered")
+            # every member joined, two or more serve and every block is covered (the third waits as
+            # the spare, unless a loaded swarm promoted it meanwhile)
+            joined = st.count("active") + st.count("spare") == len(shards)
+            return joined and st.count("active") >= 2 and swarm.get("uncovered_blocks") == 0
 
-        until(formed, "the cluster did not form")
+        try:
+            until(formed, "the cluster did not form", timeout=120)
+        except BaseException:
+            print("the swarm as last seen:", json.dumps(swarm))
+            raise
         until(lambda: passes("gateway", gw_check), "the gateway's healthcheck never passed: " + json.dumps(swarm))
 
         body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
