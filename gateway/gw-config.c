@@ -11,6 +11,7 @@
 #include "mapped-file.h"
 #include "options.h"
 #include "parse.h"
+#include "rpc-base.h"
 #include "status.h"
 
 /* ---- values that are more than a field -------------------------------------------------- */
@@ -418,6 +419,12 @@ int gw_config_check(const gw_config *c) {
     if (!!c->https_cert != !!c->https_key)
         return fu_errorf(FU_ERR_INVALID, "HTTPS needs both --https-cert and --https-key");
     return FU_OK;
+}
+
+int gw_channel_new(const gw_config *c, const char *address, rpc_channel **out) {
+    rpc_channel_options co = {.tls_ca = c->tls_ca, .insecure = c->insecure, .secret = c->secret};
+    gw_client_pair(c, &co.tls_client_cert, &co.tls_client_key);
+    return rpc_channel_new(address, &co, out);
 }
 
 void gw_client_pair(const gw_config *c, const char **cert, const char **key) {

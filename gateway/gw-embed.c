@@ -62,10 +62,7 @@ static rpc_channel *gw_embed_channel_get(gw_embed *e, const char *address) {
     for (int i = 0; i < e->n_ch && !ch; i++)
         if (!strcmp(e->ch[i].address, address)) ch = e->ch[i].ch;
     if (!ch && e->n_ch < GW_EMBED_CHANNELS) {
-        const gw_config *cfg = e->cfg;
-        rpc_channel_options co = {.tls_ca = cfg->tls_ca, .insecure = cfg->insecure, .secret = cfg->secret};
-        gw_client_pair(cfg, &co.tls_client_cert, &co.tls_client_key);
-        if (!rpc_channel_new(address, &co, &ch)) {
+        if (!gw_channel_new(e->cfg, address, &ch)) {
             snprintf(e->ch[e->n_ch].address, sizeof e->ch[e->n_ch].address, "%s", address);
             e->ch[e->n_ch++].ch = ch;
         }

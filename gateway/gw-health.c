@@ -72,11 +72,9 @@ static void *gw_health_main(void *arg) {
 /* A channel to every static hop (a hop whose channel cannot be made counts as unreachable). */
 static void gw_health_channels(gw_health *h) {
     const gw_config *cfg = h->cfg;
-    rpc_channel_options co = {.tls_ca = cfg->tls_ca, .insecure = cfg->insecure, .secret = cfg->secret};
-    gw_client_pair(cfg, &co.tls_client_cert, &co.tls_client_key);
     for (int i = 0; i < cfg->n_hops; i++) {
         h->hops[i].state = "unreachable";
-        if (rpc_channel_new(cfg->hops[i].address, &co, &h->hops[i].ch)) h->hops[i].ch = NULL;
+        if (gw_channel_new(cfg, cfg->hops[i].address, &h->hops[i].ch)) h->hops[i].ch = NULL;
     }
 }
 

@@ -162,8 +162,6 @@ static int gw_run_settings(gw_run *r) {
 static int gw_run_stage(gw_run *r, int i, int max_tokens) {
     const gw_config *cfg = r->j->cfg;
     const chain_hop *h = &r->chain.hops[i];
-    rpc_channel_options co = {.tls_ca = cfg->tls_ca, .insecure = cfg->insecure, .secret = cfg->secret};
-    gw_client_pair(cfg, &co.tls_client_cert, &co.tls_client_key);
     char job[128];
     snprintf(job, sizeof job, "%s-%lld-%d", r->jb.id, (long long)time(NULL), i);
     trn_remote_options o = {.job_id = job, .first_block = h->first_block, .last_block = h->last_block,
@@ -171,7 +169,7 @@ static int gw_run_stage(gw_run *r, int i, int max_tokens) {
                             .lora = &r->lora, .init_seed = (uint64_t)r->jb.seed, .max_tokens = max_tokens,
                             .slots = 1, .dim = cfg->hidden_size, .timeout_ms = 600 * 1000};
     trn_state st = {0};
-    int rc = rpc_channel_new(h->address, &co, &r->ch[i]);
+    int rc = gw_channel_new(cfg, h->address, &r->ch[i]);
     if (!rc && r->resume_dir[0])
         rc = trn_state_load(r->resume_dir, r->j->model->mdl, h->first_block, h->last_block, 4096, &st);
     if (!rc) rc = trn_remote_open(r->ch[i], &o, r->resume_dir[0] ? &st : NULL, &r->rem[i]);

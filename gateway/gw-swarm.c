@@ -482,10 +482,7 @@ static gw_member *gw_member_reusable_locked(gw_swarm *s) {
 static int gw_member_channel(const gw_swarm *s, const char *address, rpc_channel **out) {
     *out = NULL;
     if (s->manual) return FU_OK;
-    const gw_config *c = s->cfg;
-    rpc_channel_options co = {.tls_ca = c->tls_ca, .insecure = c->insecure, .secret = c->secret};
-    gw_client_pair(c, &co.tls_client_cert, &co.tls_client_key);
-    return rpc_channel_new(address, &co, out);
+    return gw_channel_new(s->cfg, address, out);
 }
 
 /* A new member (locked). */

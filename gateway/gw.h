@@ -299,6 +299,11 @@ int gw_config_check(const gw_config *c);
  * --tls-client-key, else its own pair (--swarm-tls-cert, else --https-cert), else none (NULL,
  * NULL). Borrowed from c. */
 void gw_client_pair(const gw_config *c, const char **cert, const char **key);
+/* A channel to the shard at `address` as the gateway calls every shard: the shards' CA (or
+ * plaintext with --insecure), the swarm secret and the gateway's client pair (gw_client_pair).
+ * rpc_channel_new's statuses. */
+struct rpc_channel;
+int gw_channel_new(const gw_config *c, const char *address, struct rpc_channel **out);
 /* fusion-gateway's command line into c (after gw_config_init): the --config files, then the
  * flags over them, then the environment (FUSION_SECRET where no secret is given,
  * FUSION_API_KEY_FILE, FUSION_API_KEY), then gw_config_check(). Returns -1 to go on, else the
