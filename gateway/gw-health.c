@@ -112,14 +112,9 @@ void gw_health_free(gw_health *h) {
 
 /* The swarm's readiness: every block covered by a live member. */
 static bool gw_health_swarm_ready(gw_health *h, char *reason, size_t cap) {
-    json_t *doc = gw_swarm_json(h->swarm);
-    const json_int_t uncovered = json_integer_value(json_object_get(doc, "uncovered_blocks"));
-    const json_int_t n_layers = json_integer_value(json_object_get(doc, "n_layers"));
-    bool ready = doc && uncovered == 0 && n_layers > 0;
-    if (!doc) snprintf(reason, cap, "out of memory");
-    else if (!ready) snprintf(reason, cap, "no live server covers %lld of the model's %lld blocks",
-                              (long long)uncovered, (long long)n_layers);
-    json_decref(doc);
+    int n_layers = 0, uncovered = gw_swarm_uncovered(h->swarm, &n_layers);
+    bool ready = uncovered == 0 && n_layers > 0;
+    if (!ready) snprintf(reason, cap, "no live server covers %d of the model's %d blocks", uncovered, n_layers);
     return ready;
 }
 

@@ -1324,6 +1324,14 @@ static json_t *gw_member_json(gw_swarm *s, const gw_member *mb, const rt_flow *f
     return o;
 }
 
+int gw_swarm_uncovered(gw_swarm *s, int *n_layers) {
+    pthread_mutex_lock(&s->mu);
+    int uncovered = rt_swarm_uncovered(&s->sw, NULL);
+    *n_layers = s->n_layers;
+    pthread_mutex_unlock(&s->mu);
+    return uncovered;
+}
+
 json_t *gw_swarm_json(gw_swarm *s) {
     json_t *servers = json_array(), *hops = json_array();
     if (!servers || !hops) {

@@ -122,6 +122,8 @@ void gw_swarm_report_failure(gw_swarm *s, const gw_lease *l, int code, const cha
 /* The first hop of the lease that has been retired since it was routed (its member failed its
  * polls or heartbeats, or another call reported it), or -1 when all are still in the swarm. */
 int gw_swarm_lease_retired(gw_swarm *s, const gw_lease *l);
+/* Blocks of the model no live member covers now; *n_layers gets the model's blocks. */
+int gw_swarm_uncovered(gw_swarm *s, int *n_layers);
 /* The /v1/swarm document (new reference; NULL on allocation failure). */
 json_t *gw_swarm_json(gw_swarm *s);
 
