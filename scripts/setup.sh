@@ -27,10 +27,11 @@ run_pkgs=(build-essential cmake pkg-config ca-certificates curl
           python3 python3-pip)
 # and to test: cmocka (unit tests), clang + its sanitizer runtimes (tests/fuzz), git and openssl
 # (certificates in the TLS tests), the venv, Debian's torch and a fast BLAS for it (oracles),
-# the browser for tests/integration/test_swarm_page.py
+# the browser for tests/integration/test_swarm_page.py, tmux (test_fusion_cli drives `fusion chat`
+# in it) and jq (the README's fine-tuning blocks, run by test_readme)
 test_pkgs=(libcmocka-dev clang libclang-rt-14-dev git openssl
            python3-venv python3-torch libopenblas-dev libopenblas0-pthread
-           chromium chromium-driver)
+           chromium chromium-driver tmux jq)
 
 pkgs=("${run_pkgs[@]}")
 [ "$mode" = test ] && pkgs+=("${test_pkgs[@]}")
