@@ -325,6 +325,55 @@ int rt_router_busy(const rt_router *r, int id);
 int rt_train_chain(const rt_swarm *sw, const int *avoid, int n_avoid, int max, int *ids, int *n);
 
 /* ---------------------------------------------------------------------------------------- */
+/* Step-time profiles (the simulator's per-server cost model)                                 */
+
+/* How long one batched step takes on one kind of server, per block it runs: Helix's
+ * prompt_bs2time / decode_bs2time tables, or fusion's own measurements. Times are seconds for
+ * ONE block; a server running j blocks of a batch takes j times as long. Between table points
+ * the time is interpolated linearly, beyond the last point extrapolated from the last two. */
+typedef struct rt_step_profile {
+    char kind[32];             /* matches rt_server.kind */
+    int n_prompt, n_decode;
+    double *prompt_tokens;     /* [n_prompt] ascending prompt tokens in a batch (owned) */
+    double *prompt_s;          /* [n_prompt] seconds per block */
+    double *decode_tokens;     /* [n_decode] ascending decode tokens (= sequences) in a batch */
+    double *decode_s;          /* [n_decode] seconds per block */
+    double decode_ctx_s;       /* extra seconds per block per context token a decode batch reads */
+    double single_decode_factor; /* time factor of a one-token decode batch (Helix: 2; 0 = 1) */
+    /* Batch limits when holding k blocks: entry min(k, n_limits) - 1; 0 means no limit. */
+    int n_limits;
+    int *prompt_max_requests, *prompt_max_tokens, *decode_max_tokens; /* [n_limits] (owned) */
+    double *decode_max_context;                                        /* [n_limits] (owned) */
+} rt_step_profile;
+
+typedef struct rt_sim_profiles {
+    int n;
+    rt_step_profile *items; /* [n] (owned) */
+} rt_sim_profiles;
+
+/* Helix's per-GPU tables for `model_name` ("llama2_70b"): every <gpu>/prompt_bs2time.csv and
+ * decode_bs2time.csv under `model_dir` (simulator/model_manager/<model>), kinds named as in
+ * Helix's cluster files (a100 -> "A100", t4x2 -> "T4x2"), with the batch limits of
+ * derived/model_constants.json (`constants_json`) and Helix's one-token decode factor 2.
+ * `p` must be zeroed; free with rt_sim_profiles_free. */
+int rt_sim_profiles_load_helix(rt_sim_profiles *p, const char *model_dir, const char *constants_json,
+                               const char *model_name);
+/* The "step_profiles" object of a fusion cluster file:
+ *   {"<kind>": {"prompt": [[tokens, ms_per_block], ...], "decode": [[batch, ms_per_block], ...],
+ *               "decode_ctx_ms_per_token": x, "single_decode_factor": f,
+ *               "prompt_max_requests": n, "prompt_max_tokens": n, "decode_max_tokens": n,
+ *               "decode_max_context": n}, ...}
+ * A file without the key yields no profiles (p->n == 0). `p` must be zeroed. */
+int rt_sim_profiles_parse_json(rt_sim_profiles *p, const char *text, size_t len);
+int rt_sim_profiles_load_json(rt_sim_profiles *p, const char *path);
+void rt_sim_profiles_free(rt_sim_profiles *p);
+/* The profile of `kind`, or NULL. */
+const rt_step_profile *rt_sim_profile_find(const rt_sim_profiles *p, const char *kind);
+/* Seconds one block takes for a batch of `prompt_tokens` prompt tokens and `decode_tokens`
+ * decode sequences reading `decode_ctx` context tokens in all (one of them may be 0). */
+double rt_step_seconds(const rt_step_profile *p, int prompt_tokens, int decode_tokens, double decode_ctx);
+
+/* ---------------------------------------------------------------------------------------- */
 /* Simulator                                                                                  */
 
 typedef struct rt_sim_request {
@@ -333,16 +382,36 @@ typedef struct rt_sim_request {
     int output_len;
 } rt_sim_request;
 
+typedef enum rt_sim_feed {
+    /* Closed loop: `concurrency` requests in flight, each replaced when it finishes. */
+    RT_FEED_CLOSED = 0,
+    /* Helix's offline feeder: `initial_requests` 0.1 s apart, then one more 0.1 s after each
+     * prompt or request that finishes while the busiest block's expected KV use is at most
+     * `feed_hwm` of what the servers holding it have. */
+    RT_FEED_KV = 1,
+    /* Poisson arrivals at `arrival_rate` requests/s. */
+    RT_FEED_POISSON = 2,
+    /* The requests of `trace`. */
+    RT_FEED_TRACE = 3,
+} rt_sim_feed;
+
 typedef struct rt_sim_opts {
-    double duration_s;     /* simulated seconds (default 600) */
-    double warmup_s;       /* excluded from the throughput figures (default 60) */
-    double arrival_rate;   /* requests/s (Poisson) when > 0 and no trace */
-    int concurrency;       /* closed loop with this many requests in flight (default 256)
-                              when arrival_rate <= 0 and no trace */
+    double duration_s;     /* simulated seconds (default 660) */
+    double warmup_s;       /* excluded from the figures (default 60; < 0: none) */
+    rt_sim_feed feed;
+    int concurrency;       /* RT_FEED_CLOSED (default 256) */
+    int initial_requests;  /* RT_FEED_KV (default 20) */
+    double feed_hwm;       /* RT_FEED_KV (default 0.8) */
+    double arrival_rate;   /* RT_FEED_POISSON, requests/s */
+    const rt_sim_request *trace; /* RT_FEED_TRACE, sorted by arrival */
+    int n_trace;
     int prompt_len;        /* synthetic requests (default 750 / 240, Helix's averages) */
     int output_len;
-    const rt_sim_request *trace; /* optional, sorted by arrival */
-    int n_trace;
+    double kv_hwm;         /* a server admits requests while its KV stays within this share of
+                              its capacity (default 0.85, Helix's offline setting) */
+    double host_s_per_byte; /* host-side copy cost per activation byte entering a server
+                              (default Helix's 1/4e9 + 1/5e9 s; < 0: none) */
+    const rt_sim_profiles *profiles; /* step times by server kind (NULL: throughput tables only) */
     uint64_t seed;
     rt_route_opts route;
 } rt_sim_opts;
@@ -351,17 +420,29 @@ typedef struct rt_sim_result {
     double max_flow;          /* tokens/s of the placement */
     double decode_tps;        /* decode tokens/s in the measured window */
     double prompt_tps;        /* prompt tokens/s in the measured window */
+    double ttft_p50, ttft_p95, ttft_p99; /* seconds from arrival to the prompt's end */
+    double tpot_p50, tpot_p95, tpot_p99; /* seconds per decode step */
     double mean_prompt_latency_s;
-    double mean_decode_latency_s; /* mean time per decode step */
+    double mean_decode_latency_s;
+    double mean_hops;         /* servers per admitted request's chain */
+    double mean_in_flight;    /* admitted requests, time-averaged over the window */
     long completed;           /* requests finished in the measured window */
     long rejected;            /* routing failures (no chain at all) */
+    long events;              /* events processed */
 } rt_sim_result;
 
-/* Discrete-event simulation of requests over `sw` routed by rt_route. Model: each server is a
- * FIFO processor that runs a job of w tokens in w / tput(k) seconds; each hop costs
- * latency + w * bytes / bandwidth (tok to/from the coordinator, tok + act between servers);
- * a request runs its prompt (w = prompt_len) then output_len decode steps (w = 1) on its path;
- * requests whose KV cannot be admitted wait for a release. */
+/* Discrete-event simulation of serving over `sw`, requests routed by rt_route (the gateway's
+ * IWRR) on servers whose KV capacity is scaled by kv_hwm; a request that cannot be admitted
+ * waits (FIFO) for a release. Each request runs its prompt step, then output_len decode steps,
+ * each step going source -> its chain's servers -> sink.
+ * - Servers: continuous batching. An idle server takes, in arrival order, every queued step
+ *   within its profile's batch limits, and runs the batch in (blocks run) x rt_step_seconds
+ *   plus the host copy cost of the tokens it received; a server whose kind has no profile
+ *   runs (batch tokens) x (blocks run / blocks held) / tput(k).
+ * - Links: a transfer of w tokens (tok bytes to/from the coordinator, tok + act between
+ *   servers) occupies the link, the sender's outbound NIC and the receiver's inbound NIC for
+ *   bytes / min(bandwidths), in FIFO order, then arrives one latency later.
+ * Figures cover [warmup_s, duration_s]. Deterministic for the same inputs and seed. */
 int rt_sim_run(const rt_swarm *sw, const rt_sim_opts *opts, rt_sim_result *res);
 
 #endif

@@ -20,7 +20,7 @@ typedef struct sim_args {
     char *placement, *trace, *save;
     int place;           /* PLACE_* */
     uint64_t seed;
-    bool no_sim, quiet;
+    bool no_sim, quiet, no_profiles;
     rt_sim_opts so;
     rt_search_opts se;
 } sim_args;
@@ -50,8 +50,13 @@ static const fu_opt sim_options[] = {
     {"concurrency", 0, FU_OPT_INT, FU_OPT_TO(args.so.concurrency), .help = "closed loop with N requests in flight",
      .lo = 0, .hi = INT32_MAX},
     {"trace", 0, FU_OPT_STRING, FU_OPT_TO(args.trace), "FILE", "requests to replay"},
-    {"duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.duration_s), "S", "simulated seconds", .def = "300"},
-    {"warmup", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.warmup_s), "S", "left out of the figures", .def = "30"},
+    {"feed-hwm", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.feed_hwm), "F",
+     "without --rate/--concurrency/--trace: add requests while the busiest block's KV use is <= F (default 0.8)"},
+    {"kv-hwm", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.kv_hwm), "F", "servers admit while KV use stays <= F (default 0.85)"},
+    {"no-step-profiles", 0, FU_OPT_FLAG, FU_OPT_TO(args.no_profiles),
+     .help = "ignore step-time profiles (fluid servers from the throughput tables)"},
+    {"duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.duration_s), "S", "simulated seconds", .def = "660"},
+    {"warmup", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.warmup_s), "S", "left out of the figures", .def = "60"},
     {"prompt-len", 0, FU_OPT_INT, FU_OPT_TO(args.so.prompt_len), .help = "synthetic requests' prompt tokens",
      .lo = 0, .hi = INT32_MAX},
     {"output-len", 0, FU_OPT_INT, FU_OPT_TO(args.so.output_len), .help = "synthetic requests' output tokens",
@@ -68,12 +73,16 @@ static const fu_opt_spec sim_spec = {
     "                   [--model llama2_70b] [--profiles INI] [--capacity CSV] [--constants JSON])\n"
     "                  [--placement SOL.ini | --place petals|swarm|search] [--time S] [--seed N]\n"
     "                  [--conv runtime|ilp] [--partial] [--rate R | --concurrency N | --trace FILE]\n"
+    "                  [--feed-hwm F] [--kv-hwm F] [--no-step-profiles]\n"
     "                  [--duration S] [--warmup S] [--prompt-len N] [--output-len N] [--no-sim]\n"
     "                  [--save-json OUT.json] [--quiet]",
     sim_options,
     "Helix files default to DIR/simulator/model_manager/google_machine_profiles.ini,\n"
     "DIR/derived/node_capacity_by_layers.csv and DIR/derived/model_constants.json.\n"
     "A trace has one request per line: arrival_seconds prompt_len output_len.\n"
+    "Without --rate, --concurrency or --trace, requests are fed as Helix's offline runs do.\n"
+    "Step times come from Helix's per-GPU tables (--helix-cluster) or the file's\n"
+    "\"step_profiles\" (--json); servers without one run at their throughput table.\n"
     "Prints key = value lines: servers, max_flow_tokens_per_s (runtime and ilp\n"
     "conventions), placement, and simulated decode/prompt throughput.\n"};
 
@@ -193,24 +202,45 @@ static void sim_print_flow(const sim_args *a, const rt_swarm *sw, const rt_flow_
     rt_flow_free(&fl);
 }
 
+/* The step-time profiles: Helix's tables for a Helix cluster, the file's own for --json. */
+static int sim_profiles(const sim_args *a, rt_sim_profiles *p) {
+    if (a->no_profiles) return FU_OK;
+    if (a->json) return rt_sim_profiles_load_json(p, a->json);
+    char dir[4096], cons[4096];
+    snprintf(dir, sizeof dir, "%s/simulator/model_manager/%s", a->hdir, a->model_name);
+    snprintf(cons, sizeof cons, "%s/derived/model_constants.json", a->hdir);
+    return rt_sim_profiles_load_helix(p, dir, a->constants ? a->constants : cons, a->model_name);
+}
+
+static void sim_print(const rt_sim_result *r) {
+    printf("sim_decode_tokens_per_s = %.1f\nsim_prompt_tokens_per_s = %.1f\n", r->decode_tps, r->prompt_tps);
+    printf("sim_ttft_s = p50 %.3f p95 %.3f p99 %.3f\n", r->ttft_p50, r->ttft_p95, r->ttft_p99);
+    printf("sim_tpot_s = p50 %.4f p95 %.4f p99 %.4f\n", r->tpot_p50, r->tpot_p95, r->tpot_p99);
+    printf("sim_mean_prompt_latency_s = %.3f\nsim_mean_decode_step_s = %.4f\n", r->mean_prompt_latency_s,
+           r->mean_decode_latency_s);
+    printf("sim_mean_hops = %.2f\nsim_mean_in_flight = %.1f\n", r->mean_hops, r->mean_in_flight);
+    printf("sim_completed = %ld\nsim_rejected = %ld\nsim_events = %ld\n", r->completed, r->rejected, r->events);
+}
+
 /* Simulates IWRR routing over the placement (a --trace or synthetic requests) and prints
  * the throughput and latencies. */
 static int sim_run(const sim_args *a, const rt_swarm *sw, const rt_flow_opts *fr) {
     rt_sim_opts so = a->so;
     rt_sim_request *tr = NULL;
+    rt_sim_profiles prof = {0};
     so.seed = a->seed;
     so.route.flow = *fr;
+    so.feed = a->trace ? RT_FEED_TRACE : so.arrival_rate > 0 ? RT_FEED_POISSON : so.concurrency > 0 ? RT_FEED_CLOSED : RT_FEED_KV;
     int rc = a->trace ? load_trace(a->trace, &tr, &so.n_trace) : FU_OK;
+    if (!rc) rc = sim_profiles(a, &prof);
     so.trace = tr;
+    so.profiles = &prof;
     rt_sim_result res;
     if (!rc) rc = rt_sim_run(sw, &so, &res);
     free(tr);
-    if (rc) return rc;
-    printf("sim_decode_tokens_per_s = %.1f\nsim_prompt_tokens_per_s = %.1f\n", res.decode_tps, res.prompt_tps);
-    printf("sim_mean_prompt_latency_s = %.3f\nsim_mean_decode_step_s = %.4f\n", res.mean_prompt_latency_s,
-           res.mean_decode_latency_s);
-    printf("sim_completed = %ld\nsim_rejected = %ld\n", res.completed, res.rejected);
-    return FU_OK;
+    rt_sim_profiles_free(&prof);
+    if (!rc) sim_print(&res);
+    return rc;
 }
 
 /* Does what `a` asks; the exit status. */

@@ -386,6 +386,7 @@ static void test_sim(void **st) {
     assert_true(res.completed > 0 && res.rejected == 0);
     /* open loop at a light rate: throughput follows the arrivals */
     so.concurrency = 0;
+    so.feed = RT_FEED_POISSON;
     so.arrival_rate = 2; /* 2 requests/s x 10 decode tokens */
     assert_int_equal(rt_sim_run(&sw, &so, &res), FU_OK);
     NEAR(res.decode_tps, 20, 3);

@@ -1,0 +1,142 @@
+/* simcheck-main.c -- fusion-bench-sim: fusion-sim against Helix's published simulator results
+ * (LLaMA-2 70B, offline) on Helix's own clusters and placements, and the order of each
+ * published pair of placements. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "options.h"
+#include "router.h"
+#include "status.h"
+
+/*
+ * Usage: fusion-bench-sim [--helix-dir DIR] [--duration S] [--seed N]
+ *
+ * Each row loads a Helix cluster and placement, feeds requests as Helix's offline runs do
+ * (RT_FEED_KV, 750/240 tokens), routes them with IWRR over the max flow and prints the
+ * simulated decode tokens/s next to the figure in derived/ae_results.csv. Helix's Swarm rows
+ * used Swarm's own scheduler there; here every placement is routed by IWRR.
+ */
+
+typedef struct check_row {
+    const char *id, *label, *cluster, *placement;
+    int partial;
+    double published;
+    const char *published_note;
+    double sim, max_flow, hops;
+} check_row;
+
+static check_row rows[] = {
+    {"single-helix", "single 24, Helix MILP", "single_cluster/config/cluster24.ini",
+     "single_cluster/layout_llama70b/ilp/ilp_sol.ini", 0, 252.1, "ae line 262", 0, 0, 0},
+    {"single-swarm", "single 24, Swarm", "single_cluster/config/cluster24.ini",
+     "single_cluster/layout_llama70b/swarm/swarm_sol.ini", 0, 124.7, "ae line 275, Swarm scheduler", 0, 0, 0},
+    {"geo-helix", "3-region 24, Helix MILP", "distributed_clusters/config/3cluster24.ini",
+     "distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", 0, 98.0, "ae line 1634", 0, 0, 0},
+    {"geo-swarm", "3-region 24, Swarm", "distributed_clusters/config/3cluster24.ini",
+     "model_placement/layout_distributed/swarm/swarm_sol.ini", 0, 41.6, "ae line 2173", 0, 0, 0},
+    {"geo-petals", "3-region 24, Petals", "distributed_clusters/config/3cluster24.ini",
+     "model_placement/layout_distributed/petals/petals_sol.ini", 1, 66.6, "ae line 2186", 0, 0, 0},
+    {"geo-noprune", "3-region 24, MILP unpruned", "ablation/config/3cluster24.ini",
+     "ablation/layouts/no_prune_24/ilp_sol.ini", 0, 74.9, "ae line 2512", 0, 0, 0},
+};
+enum { N_ROWS = sizeof rows / sizeof rows[0] };
+
+/* Published pairs: the first placement beat the second in Helix's simulator. */
+static const char *pairs[][2] = {
+    {"single-helix", "single-swarm"}, {"geo-helix", "geo-swarm"}, {"geo-helix", "geo-petals"},
+    {"geo-petals", "geo-swarm"},      {"geo-helix", "geo-noprune"},
+};
+enum { N_PAIRS = sizeof pairs / sizeof pairs[0] };
+
+static struct {
+    char *hdir;
+    double duration;
+    long seed;
+} args;
+
+static const fu_opt opts[] = {
+    {"helix-dir", 0, FU_OPT_STRING, FU_OPT_TO(args.hdir), "DIR", "the Helix data", .def = FUSION_HELIX_DIR},
+    {"duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.duration), "S", "simulated seconds", .def = "660"},
+    {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "simulation seed", .lo = 0, .hi = 1L << 30},
+    FU_OPT_END,
+};
+
+static const fu_opt_spec spec = {"fusion-bench-sim", "usage: fusion-bench-sim [--helix-dir DIR] [--duration S] [--seed N]",
+                                 opts, NULL};
+
+static int load(const char *cluster, const char *placement, rt_swarm *sw) {
+    char a[4096], b[4096], c[4096], d[4096], e[4096];
+    snprintf(a, sizeof a, "%s/derived/model_constants.json", args.hdir);
+    snprintf(b, sizeof b, "%s/simulator/model_manager/google_machine_profiles.ini", args.hdir);
+    snprintf(c, sizeof c, "%s/derived/node_capacity_by_layers.csv", args.hdir);
+    snprintf(d, sizeof d, "%s/artifact_evaluation/%s", args.hdir, cluster);
+    snprintf(e, sizeof e, "%s/artifact_evaluation/%s", args.hdir, placement);
+    rt_model m;
+    int rc = rt_helix_load_model(&m, a, "llama2_70b");
+    if (!rc) rc = rt_swarm_init(sw, &m);
+    if (!rc) rc = rt_helix_load_cluster(sw, d, b, c);
+    if (!rc) rc = rt_helix_load_placement(sw, e);
+    return rc;
+}
+
+static int run_row(check_row *r, const rt_sim_profiles *prof) {
+    rt_swarm sw = {0};
+    int rc = load(r->cluster, r->placement, &sw);
+    rt_sim_opts so = {0};
+    so.duration_s = args.duration;
+    so.feed = RT_FEED_KV;
+    so.profiles = prof;
+    so.seed = (uint64_t)args.seed;
+    so.route.flow.allow_partial = r->partial;
+    rt_sim_result res;
+    if (!rc) rc = rt_sim_run(&sw, &so, &res);
+    if (!rc) r->sim = res.decode_tps, r->max_flow = res.max_flow, r->hops = res.mean_hops;
+    rt_swarm_free(&sw);
+    return rc;
+}
+
+static const check_row *find(const char *id) {
+    for (int i = 0; i < N_ROWS; i++)
+        if (!strcmp(rows[i].id, id)) return &rows[i];
+    return NULL;
+}
+
+static void print_table(void) {
+    int within = 0;
+    printf("%-28s %10s %10s %8s %7s %6s  %s\n", "placement", "max flow", "published", "fusion", "ratio", "hops", "source");
+    for (int i = 0; i < N_ROWS; i++) {
+        const check_row *r = &rows[i];
+        double ratio = r->sim / r->published;
+        within += fabs(ratio - 1) <= 0.15;
+        printf("%-28s %10.1f %10.1f %8.1f %7.2f %6.1f  %s%s\n", r->label, r->max_flow, r->published, r->sim, ratio,
+               r->hops, r->published_note, fabs(ratio - 1) <= 0.15 ? "" : "  (outside 15%)");
+    }
+    printf("within 15%%: %d of %d\n\npairs (published order):\n", within, N_ROWS);
+    int same = 0;
+    for (int i = 0; i < N_PAIRS; i++) {
+        const check_row *a = find(pairs[i][0]), *b = find(pairs[i][1]);
+        int ok = a->sim > b->sim;
+        same += ok;
+        printf("pair %-13s > %-13s published %6.1f > %6.1f  fusion %6.1f %s %6.1f  %s\n", a->id, b->id, a->published,
+               b->published, a->sim, ok ? ">" : "<=", b->sim, ok ? "same" : "REVERSED");
+    }
+    printf("pairs in the published order: %d of %d\n", same, N_PAIRS);
+}
+
+int main(int argc, char **argv) {
+    int status = fu_opt_main(&spec, argc, argv, NULL);
+    if (status >= 0) return status;
+    char dir[4096], cons[4096];
+    snprintf(dir, sizeof dir, "%s/simulator/model_manager/llama2_70b", args.hdir);
+    snprintf(cons, sizeof cons, "%s/derived/model_constants.json", args.hdir);
+    rt_sim_profiles prof = {0};
+    int rc = rt_sim_profiles_load_helix(&prof, dir, cons, "llama2_70b");
+    for (int i = 0; i < N_ROWS && !rc; i++) rc = run_row(&rows[i], &prof);
+    rt_sim_profiles_free(&prof);
+    if (!rc) print_table();
+    else fprintf(stderr, "fusion-bench-sim: %s\n", fu_last_error());
+    fu_opt_free(opts);
+    return rc ? 1 : 0;
+}

@@ -1,0 +1,43 @@
+"""test_sim_validation.py -- fusion-sim's discrete-event simulation on Helix's clusters and
+placements (LLaMA-2 70B, offline feeding, Helix's per-GPU step tables) ranks every published pair
+of placements as Helix's own simulator did (anchors/helix/derived/ae_results.csv), and stays
+within a factor of Helix's figures. The table itself is printed by fusion-bench-sim."""
+import os
+import re
+import subprocess
+
+import pytest
+
+SRC = os.environ.get("FUSION_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", ".."))
+HELIX = os.path.join(SRC, "..", "shared", "anchors", "helix")
+BUILD = os.environ.get("FUSION_BUILD_DIR", os.path.join(SRC, "build"))
+BENCH = os.path.join(BUILD, "fusion-bench-sim")
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(HELIX), reason="Helix anchors not present")
+
+
+@pytest.fixture(scope="module")
+def table():
+    out = subprocess.run([BENCH, "--helix-dir", HELIX], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    return out.stdout
+
+
+def test_published_pairs_keep_their_order(table):
+    pairs = re.findall(r"^pair .*$", table, re.M)
+    assert len(pairs) == 5
+    for line in pairs:
+        assert line.endswith("same"), line
+    assert "pairs in the published order: 5 of 5" in table
+
+
+def test_figures_are_in_range(table):
+    rows = re.findall(r"^(.{28}) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", table, re.M)
+    assert len(rows) == 6
+    for label, flow, published, sim, ratio, hops in rows:
+        flow, published, sim = float(flow), float(published), float(sim)
+        # decode tokens/s can never exceed the max flow's decode share (240 of 990 tokens),
+        # with room for batches larger than Helix's typical one
+        assert 0 < sim <= flow * 240 / 990 * 1.5, label
+        assert 0.5 <= sim / published <= 2.5, label

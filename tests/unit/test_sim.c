@@ -1,0 +1,224 @@
+/* test_sim.c -- the serving simulator: step-time profiles (interpolation, limits, JSON
+ * errors), batching on one server checked by hand, link and NIC serialisation, KV-bounded
+ * admission, Helix's KV feeder, determinism. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router.h"
+#include "status.h"
+
+#define NEAR(a, b, tol) assert_true(fabs((double)(a) - (double)(b)) <= (tol))
+
+static rt_model model(int L) {
+    rt_model m;
+    memset(&m, 0, sizeof m);
+    snprintf(m.name, sizeof m.name, "sim");
+    m.n_layers = L;
+    m.token_bytes = 2;
+    m.act_bytes = 1000;
+    m.layer_bytes = 1e9;
+    return m;
+}
+
+/* One server "G" holding all L blocks, fast links (1e12 B/s, no latency). */
+static void one_server(rt_swarm *sw, int L, double kv_tokens) {
+    rt_model m = model(L);
+    assert_int_equal(rt_swarm_init(sw, &m), FU_OK);
+    double tput[8] = {0}, kv[8] = {0};
+    for (int k = 0; k < 8; k++) tput[k] = 1000.0 / (k + 1), kv[k] = kv_tokens;
+    rt_server d;
+    memset(&d, 0, sizeof d);
+    snprintf(d.name, sizeof d.name, "g");
+    snprintf(d.kind, sizeof d.kind, "G");
+    d.state = RT_SERVER_ACTIVE;
+    d.n_tput = 8;
+    d.tput = tput;
+    d.kv_tokens = kv;
+    assert_true(rt_swarm_add_server(sw, &d) == 0);
+    assert_int_equal(rt_swarm_set_span(sw, 0, 0, L), FU_OK);
+    assert_int_equal(rt_swarm_set_link(sw, RT_SOURCE, 0, 1e12, 0), FU_OK);
+    assert_int_equal(rt_swarm_set_link(sw, 0, RT_SINK, 1e12, 0), FU_OK);
+}
+
+/* Options with the run's length and synthetic requests; no host copy cost. */
+static rt_sim_opts opts(double duration, double warmup, int prompt_len, int output_len) {
+    rt_sim_opts so;
+    memset(&so, 0, sizeof so);
+    so.duration_s = duration, so.warmup_s = warmup, so.prompt_len = prompt_len, so.output_len = output_len;
+    so.host_s_per_byte = -1;
+    return so;
+}
+
+/* Profile G: prompt 10 ms per block per 100 tokens, decode 2 ms + 0.1 ms per sequence. */
+static const char *PROFILE_JSON =
+    "{\"step_profiles\": {\"G\": {\"prompt\": [[0, 0], [100, 10]], \"decode\": [[1, 2.1], [101, 12.1]],"
+    " \"decode_max_tokens\": 8}}}";
+
+static void test_profile_interpolation(void **st) {
+    (void)st;
+    rt_sim_profiles p = {0};
+    assert_int_equal(rt_sim_profiles_parse_json(&p, PROFILE_JSON, strlen(PROFILE_JSON)), FU_OK);
+    const rt_step_profile *g = rt_sim_profile_find(&p, "G");
+    assert_non_null(g);
+    assert_null(rt_sim_profile_find(&p, "H"));
+    NEAR(rt_step_seconds(g, 50, 0, 0), 0.005, 1e-12);   /* between points */
+    NEAR(rt_step_seconds(g, 300, 0, 0), 0.030, 1e-12);  /* extrapolated */
+    NEAR(rt_step_seconds(g, 0, 11, 0), 0.0031, 1e-12);
+    NEAR(rt_step_seconds(g, 100, 1, 0), 0.0121, 1e-12); /* mixed batch: both parts */
+    assert_int_equal(g->decode_max_tokens[0], 8);
+    rt_sim_profiles_free(&p);
+    /* no section: no profiles */
+    assert_int_equal(rt_sim_profiles_parse_json(&p, "{}", 2), FU_OK);
+    assert_int_equal(p.n, 0);
+}
+
+static void test_profile_errors(void **st) {
+    (void)st;
+    const char *bad[] = {
+        "{\"step_profiles\": []}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [], \"decode\": [[1, 1]]}}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[10, 1], [5, 2]], \"decode\": [[1, 1]]}}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[1, -1]], \"decode\": [[1, 1]]}}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]], \"decode_max_tokens\": -3}}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [\"x\"]}}}",
+        "{\"step_profiles\": {\"G\": 7}}",
+        "not json",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        rt_sim_profiles p = {0};
+        assert_int_not_equal(rt_sim_profiles_parse_json(&p, bad[i], strlen(bad[i])), FU_OK);
+        assert_int_equal(p.n, 0);
+        assert_true(strlen(fu_last_error()) > 0);
+    }
+}
+
+/*
+ * One request at a time (closed loop, concurrency 1), L = 2, prompt 100, output 3, no host
+ * cost: the prompt step takes 2 blocks x 10 ms, each decode step 2 x 2.1 ms = 4.2 ms (no
+ * one-token factor in this profile). A request lasts 20 + 3 x 4.2 = 32.6 ms, so decode
+ * throughput is 3 / 0.0326 tokens/s and TTFT is 20 ms.
+ */
+static void test_single_server_by_hand(void **st) {
+    (void)st;
+    rt_swarm sw;
+    one_server(&sw, 2, 0);
+    rt_sim_profiles p = {0};
+    assert_int_equal(rt_sim_profiles_parse_json(&p, PROFILE_JSON, strlen(PROFILE_JSON)), FU_OK);
+    rt_sim_opts so = opts(100, 10, 100, 3);
+    so.concurrency = 1;
+    so.profiles = &p;
+    rt_sim_result r;
+    assert_int_equal(rt_sim_run(&sw, &so, &r), FU_OK);
+    NEAR(r.decode_tps, 3 / 0.0326, 0.5);
+    NEAR(r.ttft_p50, 0.020, 1e-9);
+    NEAR(r.tpot_p50, 0.0042, 1e-9);
+    NEAR(r.mean_hops, 1, 1e-12);
+    NEAR(r.mean_in_flight, 1, 1e-3);
+    /* with a host copy cost of 1 us per byte: + w x 1000 B x 1e-6 s per step */
+    so.host_s_per_byte = 1e-6;
+    assert_int_equal(rt_sim_run(&sw, &so, &r), FU_OK);
+    NEAR(r.ttft_p50, 0.020 + 100 * 1000 * 1e-6, 1e-9);
+    NEAR(r.tpot_p50, 0.0042 + 1000 * 1e-6, 1e-9);
+    rt_sim_profiles_free(&p);
+    rt_swarm_free(&sw);
+}
+
+/* Continuous batching: at most 8 sequences decode together (decode_max_tokens 8), so 16 in
+ * flight settle into two alternating batches of 8, each 2 blocks x 2.8 ms. */
+static void test_batching_and_limits(void **st) {
+    (void)st;
+    rt_swarm sw;
+    one_server(&sw, 2, 0);
+    rt_sim_profiles p = {0};
+    assert_int_equal(rt_sim_profiles_parse_json(&p, PROFILE_JSON, strlen(PROFILE_JSON)), FU_OK);
+    rt_sim_opts so = opts(200, 20, 1, 1000);
+    so.profiles = &p;
+    rt_sim_result one, sixteen;
+    so.concurrency = 1;
+    assert_int_equal(rt_sim_run(&sw, &so, &one), FU_OK);
+    so.concurrency = 16;
+    assert_int_equal(rt_sim_run(&sw, &so, &sixteen), FU_OK);
+    /* one sequence: 2 blocks x 2.1 ms = 4.2 ms a token */
+    NEAR(one.decode_tps, 1 / 0.0042, 3);
+    /* 16 sequences: batches of 8 take 2 x 2.8 ms = 5.6 ms; two alternate: 8 / 5.6 ms */
+    NEAR(sixteen.decode_tps, 8 / 0.0056, 15);
+    NEAR(sixteen.tpot_p50, 2 * 0.0056, 3e-4);
+    rt_sim_profiles_free(&p);
+    rt_swarm_free(&sw);
+}
+
+/* Links: 1000-token prompts over a 1e6 B/s link from the coordinator (2 B a token -> 2 ms)
+ * and a 0.5 s latency: TTFT = 2 ms + 0.5 s + compute + 0.5 s back. Fluid server (no profile):
+ * 1000 tokens at 1000 / 1 tokens/s for one block = 1 s. */
+static void test_links_and_fluid_server(void **st) {
+    (void)st;
+    rt_swarm sw;
+    one_server(&sw, 1, 0);
+    assert_int_equal(rt_swarm_set_link(&sw, RT_SOURCE, 0, 1e6, 0.5), FU_OK);
+    assert_int_equal(rt_swarm_set_link(&sw, 0, RT_SINK, 1e12, 0.5), FU_OK);
+    rt_sim_opts so = opts(100, -1, 1000, 1);
+    so.concurrency = 1;
+    rt_sim_result r;
+    assert_int_equal(rt_sim_run(&sw, &so, &r), FU_OK);
+    NEAR(r.ttft_p50, 0.002 + 0.5 + 1.0 + 0.5, 1e-6);
+    NEAR(r.tpot_p50, 2e-6 + 0.5 + 0.001 + 0.5, 1e-6);
+    rt_swarm_free(&sw);
+}
+
+/* KV: capacity 10 000 tokens, kv_hwm 0.5 -> 5000 tokens: requests of 1000 + 1000 admit two at
+ * a time, however many the closed loop offers; Helix's feeder keeps the block's expected use
+ * near feed_hwm. */
+static void test_kv_bounds(void **st) {
+    (void)st;
+    rt_swarm sw;
+    one_server(&sw, 2, 10000);
+    rt_sim_opts so = opts(300, 30, 1000, 1000);
+    so.concurrency = 50;
+    so.host_s_per_byte = 0; /* the default copy cost */
+    so.kv_hwm = 0.5;
+    rt_sim_result r;
+    assert_int_equal(rt_sim_run(&sw, &so, &r), FU_OK);
+    assert_true(r.mean_in_flight <= 2 + 1e-9 && r.mean_in_flight > 1.9);
+    so.kv_hwm = 1;
+    so.feed = RT_FEED_KV;
+    so.initial_requests = 1;
+    so.feed_hwm = 0.6; /* one more while at most 3 of the 5 requests' worth are in use */
+    assert_int_equal(rt_sim_run(&sw, &so, &r), FU_OK);
+    assert_true(r.mean_in_flight <= 4 + 1e-9 && r.mean_in_flight > 3.5);
+    rt_swarm_free(&sw);
+}
+
+static void test_deterministic_and_poisson(void **st) {
+    (void)st;
+    rt_swarm sw;
+    one_server(&sw, 2, 0);
+    rt_sim_opts so = opts(500, 50, 10, 10);
+    so.feed = RT_FEED_POISSON, so.arrival_rate = 0.5, so.seed = 7;
+    rt_sim_result a, b;
+    assert_int_equal(rt_sim_run(&sw, &so, &a), FU_OK);
+    assert_int_equal(rt_sim_run(&sw, &so, &b), FU_OK);
+    assert_memory_equal(&a, &b, sizeof a);
+    NEAR(a.decode_tps, 5, 1.2); /* light load: throughput follows arrivals, 0.5/s x 10 */
+    so.arrival_rate = 0;
+    assert_int_not_equal(rt_sim_run(&sw, &so, &a), FU_OK);
+    so.feed = RT_FEED_TRACE;
+    assert_int_not_equal(rt_sim_run(&sw, &so, &a), FU_OK);
+    rt_swarm_free(&sw);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_profile_interpolation), cmocka_unit_test(test_profile_errors),
+        cmocka_unit_test(test_single_server_by_hand), cmocka_unit_test(test_batching_and_limits),
+        cmocka_unit_test(test_links_and_fluid_server), cmocka_unit_test(test_kv_bounds),
+        cmocka_unit_test(test_deterministic_and_poisson),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
