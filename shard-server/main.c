@@ -401,6 +401,17 @@ static void shard_span_log_stats(shard_span *sp) {
     pthread_mutex_unlock(&sp->mu);
 }
 
+/* Why the gateway refused to admit this server (set once by the membership thread). */
+static char join_refused[200];
+
+/* shard_join_config.refused: records why and stops the server as SIGTERM would. */
+static void shard_join_refused(void *ctx, const char *why) {
+    (void)ctx;
+    if (join_refused[0]) return;
+    snprintf(join_refused, sizeof join_refused, "%s", why);
+    kill(getpid(), SIGTERM);
+}
+
 /* Starts the server (and the membership thread with --join), waits for SIGTERM or SIGINT,
  * then drains. */
 static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs) {
@@ -427,12 +438,13 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
     shard_join *join = NULL;
     shard_join_config jc = {a->join, a->tls_ca, a->insecure, a->secret, shard_server_address(sp->srv), sp->name,
                             sp->n_layers, sp->device, sp->block_tps, a->max_blocks, sp->m != NULL, sp->hidden_size,
-                            shard_span_load, shard_span_status, sp, client_cert, client_key};
+                            shard_span_load, shard_span_status, sp, client_cert, client_key, shard_join_refused};
     if (a->join && (rc = shard_join_start(&jc, &join))) return rc;
     int sig = 0;
     sigwait(sigs, &sig);
-    FU_INFO("%s: draining (up to %d ms)", sig == SIGTERM ? "SIGTERM" : "SIGINT", a->drain_ms);
     shard_join_stop(join);
+    if (join_refused[0]) return fu_errorf(FU_ERR_AUTH, "%s: %s", a->join, join_refused);
+    FU_INFO("%s: draining (up to %d ms)", sig == SIGTERM ? "SIGTERM" : "SIGINT", a->drain_ms);
     shard_server_drain(sp->srv, a->drain_ms);
     shard_span_log_stats(sp);
     return FU_OK;

@@ -224,6 +224,11 @@ static bool join_once(shard_join *j, const shard_join_status *st, const swarm_sv
     rpc_status rs = {0};
     swarm_svc_join_reply r;
     int code = swarm_svc_join(j->gw, ms, JOIN_CALL_TIMEOUT_MS, &r, &rs);
+    if (code == RPC_UNAUTHENTICATED && j->cfg.refused) {
+        j->cfg.refused(j->cfg.ctx, "the gateway refused this server's swarm secret: start it with the gateway's "
+                                   "secret (--secret, --secret-file or FUSION_SECRET)");
+        return false;
+    }
     if (code) {
         gateway_warn(j, "Join", code, &rs);
         return false;

@@ -58,6 +58,9 @@ typedef struct shard_join_config {
     void *ctx;
     const char *tls_client_cert; /* shown to the gateway and peers that require one (mTLS); NULL: none */
     const char *tls_client_key;  /* its key */
+    /* Called once (from the membership thread) when the gateway refuses the swarm secret, which
+     * retrying cannot mend; `why` says what to do. NULL: keep retrying. */
+    void (*refused)(void *ctx, const char *why);
 } shard_join_config;
 
 typedef struct shard_join shard_join;

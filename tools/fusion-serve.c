@@ -419,6 +419,8 @@ int fz_join_main(int argc, char **argv) {
     const char *secret = ja.secret ? ja.secret : getenv("FUSION_SECRET");
     if (status < 0 && (!secret || !secret[0]))
         status = fu_opt_fail(&fz_join_spec, "no swarm secret: give --secret or set FUSION_SECRET");
+    else if (status < 0 && strlen(secret) < 16)
+        status = fu_opt_fail(&fz_join_spec, "the swarm secret is shorter than 16 bytes: use the gateway's");
     if (status >= 0) return fu_opt_free(fz_join_options), status;
     fz_signals_catch();
     char *model = NULL;

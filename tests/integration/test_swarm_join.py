@@ -350,7 +350,8 @@ def test_wildcard_listen_needs_advertise():
 
 def test_join_over_tls_and_secret(tmp_path):
     """The membership service over TLS (no --insecure anywhere): a shard with the CA and the secret joins,
-    gets the whole model and serves; one with a wrong secret is refused and never listed."""
+    gets the whole model and serves; one with a wrong secret is refused, never listed, and exits with one line
+    that says to use the gateway's secret."""
     model = default_model()
     tls = make_tls(str(tmp_path))
     port_file, http_port_file = str(tmp_path / "swarm-port"), str(tmp_path / "http-port")
@@ -387,7 +388,12 @@ def test_join_over_tls_and_secret(tmp_path):
         body = {"model": models["data"][0]["id"], "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
         st, out = request(gw, "POST", "/v1/completions", body)
         assert st == 200, out
-        wait_for(lambda: "unauthenticated" in open(str(tmp_path / "bad.log")).read(), "the refusal in its log")
+        wait_for(lambda: procs[0].poll() is not None, "the refused shard to exit")
+        assert procs[0].returncode != 0
+        errors = [line for line in open(str(tmp_path / "bad.log")).read().splitlines()
+                  if line.startswith("fusion-shard:")]
+        assert len(errors) == 1 and "refused this server's swarm secret" in errors[0], errors
+        assert "--secret" in errors[0] and "usage" not in errors[0]
         assert len(swarm(gw)["servers"]) == 1
     finally:
         for p in procs:

@@ -768,7 +768,7 @@ static void test_join_over_rpc(void **st) {
     fake_member fm = {.first = 0, .last = 0};
     pthread_mutex_init(&fm.mu, NULL);
     shard_join_config jc = {gw_addr, NULL, true, "unit-secret", shard_server_address(srv), "m", 30, "cpu", 3000, 0,
-                            false, 0, fake_load, fake_status, &fm, NULL, NULL};
+                            false, 0, fake_load, fake_status, &fm, NULL, NULL, NULL};
     shard_join *j;
     assert_int_equal(shard_join_start(&jc, &j), FU_OK);
     /* the only member is given every block, loads them and serves */
