@@ -57,7 +57,7 @@ FUSIONAI = ("FusionAI: Decentralized Training and Deploying LLMs with Massive Co
             "(Tang et al., 2023, arXiv:2309.01172), abstract and performance analysis: \"50 RTX 3080 "
             "GPUs can achieve throughputs comparable to those of 4 H100 GPUs\"")
 DTFM = ("Decentralized Training of Foundation Models in Heterogeneous Environments (Yuan et al., "
-        "NeurIPS 2022, arXiv:2206.01288), Section 4 experimental setup, Cases 1-5 (64 V100 GPUs); "
+        "NeurIPS 2022, arXiv:2206.01288), evaluation, experimental setup, Cases 1-5 (64 V100 GPUs); "
         "matrices as in the authors' artifact DS3Lab/DT-FM, scheduler/generate_sim_com_matrices.py")
 HELIX = ("Helix: Distributed Serving of Large Language Models via Max-Flow on Heterogeneous GPUs "
          "(Mei et al., ASPLOS 2025): typical token throughput (get_typical_token_throughput), "

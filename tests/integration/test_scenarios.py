@@ -3,7 +3,8 @@
 The committed files are what scripts/gen-scenarios.py writes (regenerated into a temporary
 folder and compared byte for byte); every file loads in fusion-sim; DT-FM's matrices are square,
 symmetric, positive and carry the paper's numbers, and the swarm form's links agree with them;
-the FusionAI tables follow the stated roofline.
+the FusionAI tables follow the stated roofline; fusion-bench-scenarios prints every scenario and a
+verdict, and refuses a missing folder or a broken file with a clear error.
 """
 import json
 import os
@@ -134,3 +135,28 @@ def test_fusionai_tables_follow_the_roofline(name, kind, k_max):
     assert prof["decode_ctx_ms_per_token"] == pytest.approx(m["kv_bytes_per_token_layer"] / bw * 1e3, rel=1e-5)
     assert "FusionAI" in doc["scenario"]["source"][0]
 
+
+def bench(*args):
+    return subprocess.run([str(BUILD / "fusion-bench-scenarios"), "--time", "0.2", "--sim-duration", "30", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bench_prints_every_scenario_and_the_verdict():
+    out = bench("--dir", str(SCEN))
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^fusion-bench-scenarios: CPU .+;", out.stdout, re.M)
+    for name in NAMES:
+        assert load(name)["scenario"]["title"] in out.stdout
+    assert out.stdout.count("fusion search") == len(NAMES)
+    assert "home link sweep" in out.stdout and "RTT sweep" in out.stdout
+    assert re.search(r"FusionAI's claim (is refuted|holds)", out.stdout)
+
+
+def test_bench_refuses_bad_input(tmp_path):
+    out = bench("--dir", str(tmp_path / "absent"))
+    assert out.returncode == 1 and "cannot open the scenario folder" in out.stderr
+    out = bench("--dir", str(tmp_path))
+    assert out.returncode == 1 and "no *.json scenarios" in out.stderr
+    (tmp_path / "broken.json").write_text('{"model": ')
+    out = bench("--dir", str(tmp_path))
+    assert out.returncode == 1 and "broken.json" in out.stderr
