@@ -445,4 +445,37 @@ typedef struct rt_sim_result {
  * Figures cover [warmup_s, duration_s]. Deterministic for the same inputs and seed. */
 int rt_sim_run(const rt_swarm *sw, const rt_sim_opts *opts, rt_sim_result *res);
 
+/* ---------------------------------------------------------------------------------------- */
+/* Placement for throughput                                                                   */
+
+typedef struct rt_tplace_opts {
+    rt_search_opts search; /* the max-flow search that gives the first candidate */
+    rt_sim_opts sim;       /* how a candidate is scored (360 s with rt_sim_run's warm-up when 0) */
+    double max_tpot_s;     /* latency bound on the median time per output token (0: none) */
+    double max_hops;       /* bound on the mean servers per chain (0: none) */
+    int max_evals;         /* simulations of the local search (default 120) */
+    uint64_t seed;
+} rt_tplace_opts;
+
+typedef struct rt_tplace_stats {
+    int evals;                  /* simulations run */
+    double start_decode_tps;    /* the best seed placement's simulated decode tokens/s */
+    double decode_tps;          /* the result's */
+    double tpot_p50;            /* the result's median time per output token */
+    double mean_hops;           /* the result's servers per chain */
+    const char *start;          /* which seed won: "search", "petals", "swarm", "current" */
+} rt_tplace_stats;
+
+/* Places `sw` for simulated decode throughput under a latency bound rather than max flow: the
+ * seeds are the max-flow search's placement, Petals', Swarm's and the current one (when it
+ * covers every block); each is simulated with rt_sim_run, and the best is improved by a local
+ * search over single servers (resize, shift, start where another ends, copy another's span,
+ * become a spare, swap two) repaired to keep every block covered. A quick estimate guides the
+ * search (max flow shares, the KV bound on requests in flight, a fixed point of batch step
+ * times by Little's law and M/G/1 link waits); the simulator decides: a move is kept when the
+ * simulated decode tokens/s rise. A placement whose median TPOT exceeds max_tpot_s, or whose
+ * mean hops exceed max_hops, scores its throughput scaled down by the excess. Deterministic for the same inputs, seed and max_evals (the search's own
+ * budget is search.max_evals when set). Writes the best placement into `sw`. */
+int rt_place_throughput(rt_swarm *sw, const rt_tplace_opts *opts, rt_tplace_stats *stats);
+
 #endif

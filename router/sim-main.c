@@ -12,7 +12,7 @@
 #include "router.h"
 #include "status.h"
 
-enum { PLACE_NONE, PLACE_PETALS, PLACE_SWARM, PLACE_SEARCH };
+enum { PLACE_NONE, PLACE_PETALS, PLACE_SWARM, PLACE_SEARCH, PLACE_THROUGHPUT };
 
 /* What the command line gives. */
 typedef struct sim_args {
@@ -23,12 +23,15 @@ typedef struct sim_args {
     bool no_sim, quiet, no_profiles;
     rt_sim_opts so;
     rt_search_opts se;
+    double max_tpot, max_hops;
+    int evals;
 } sim_args;
 
 static sim_args args;
 
 static const fu_opt_choice place_choices[] = {
-    {"petals", PLACE_PETALS}, {"swarm", PLACE_SWARM}, {"search", PLACE_SEARCH}, {NULL, 0}};
+    {"petals", PLACE_PETALS}, {"swarm", PLACE_SWARM}, {"search", PLACE_SEARCH}, {"throughput", PLACE_THROUGHPUT},
+    {NULL, 0}};
 static const fu_opt_choice conv_choices[] = {{"runtime", RT_CONV_RUNTIME}, {"ilp", RT_CONV_ILP}, {NULL, 0}};
 
 static const fu_opt sim_options[] = {
@@ -42,6 +45,11 @@ static const fu_opt sim_options[] = {
     {"placement", 0, FU_OPT_STRING, FU_OPT_TO(args.placement), "SOL.ini", "a Helix placement"},
     {"place", 0, FU_OPT_CHOICE, FU_OPT_TO(args.place), .help = "place the servers", .choices = place_choices},
     {"time", 0, FU_OPT_FLOAT, FU_OPT_TO(args.se.time_limit_s), "S", "search budget (default 5)"},
+    {"max-tpot", 0, FU_OPT_FLOAT, FU_OPT_TO(args.max_tpot), "S",
+     "--place throughput: bound on the median time per output token"},
+    {"max-hops", 0, FU_OPT_FLOAT, FU_OPT_TO(args.max_hops), "H", "--place throughput: bound on the mean servers per chain"},
+    {"evals", 0, FU_OPT_INT, FU_OPT_TO(args.evals), .help = "--place throughput: simulations of its local search (default 120)",
+     .lo = 0, .hi = 1000000},
     {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "search and simulation seed", .lo = 0, .hi = LONG_MAX},
     {"conv", 0, FU_OPT_CHOICE, FU_OPT_TO(args.se.flow.conv), .help = "the flow convention of the search",
      .def = "runtime", .choices = conv_choices},
@@ -71,7 +79,8 @@ static const fu_opt_spec sim_spec = {
     "fusion-sim",
     "usage: fusion-sim (--json CLUSTER.json | --helix-cluster CLUSTER.ini [--helix-dir DIR]\n"
     "                   [--model llama2_70b] [--profiles INI] [--capacity CSV] [--constants JSON])\n"
-    "                  [--placement SOL.ini | --place petals|swarm|search] [--time S] [--seed N]\n"
+    "                  [--placement SOL.ini | --place petals|swarm|search|throughput] [--time S] [--seed N]\n"
+    "                  [--max-tpot S] [--max-hops H] [--evals N]\n"
     "                  [--conv runtime|ilp] [--partial] [--rate R | --concurrency N | --trace FILE]\n"
     "                  [--feed-hwm F] [--kv-hwm F] [--no-step-profiles]\n"
     "                  [--duration S] [--warmup S] [--prompt-len N] [--output-len N] [--no-sim]\n"
@@ -158,10 +167,36 @@ static int sim_load_helix(const sim_args *a, rt_swarm *sw) {
     return rc;
 }
 
-/* --place: Petals', Swarm's or fusion's search placement. */
-static int sim_place(const sim_args *a, rt_swarm *sw) {
+/* The simulation options of the command line: feed, seed, routing, step profiles. */
+static rt_sim_opts sim_options_of(const sim_args *a, const rt_sim_profiles *prof) {
+    rt_sim_opts so = a->so;
+    so.seed = a->seed;
+    so.route.flow.allow_partial = a->se.flow.allow_partial;
+    so.feed = a->trace ? RT_FEED_TRACE : so.arrival_rate > 0 ? RT_FEED_POISSON : so.concurrency > 0 ? RT_FEED_CLOSED : RT_FEED_KV;
+    so.profiles = prof;
+    return so;
+}
+
+/* --place throughput: the simulator scores the placements (with the command line's feed,
+ * except a trace, which the caller loads later). */
+static int sim_place_throughput(const sim_args *a, const rt_sim_profiles *prof, rt_swarm *sw) {
+    rt_tplace_opts to = {a->se, sim_options_of(a, prof), a->max_tpot, a->max_hops, a->evals, (uint64_t)a->seed};
+    to.search.seed = a->seed;
+    if (to.sim.feed == RT_FEED_TRACE) to.sim.feed = RT_FEED_KV;
+    to.sim.duration_s = to.sim.warmup_s = 0; /* candidates are scored over the default 660 s */
+    rt_tplace_stats st;
+    int rc = rt_place_throughput(sw, &to, &st);
+    if (!rc)
+        printf("placement_seed = %s\nplacement_seed_decode_tokens_per_s = %.1f\nplacement_decode_tokens_per_s = %.1f\n"
+               "placement_evaluations = %d\n", st.start, st.start_decode_tps, st.decode_tps, st.evals);
+    return rc;
+}
+
+/* --place: Petals', Swarm's, fusion's max-flow search or the throughput placement. */
+static int sim_place(const sim_args *a, const rt_sim_profiles *prof, rt_swarm *sw) {
     if (a->place == PLACE_PETALS) return rt_place_petals(sw);
     if (a->place == PLACE_SWARM) return rt_place_swarm(sw);
+    if (a->place == PLACE_THROUGHPUT) return sim_place_throughput(a, prof, sw);
     rt_search_stats st = {0};
     rt_search_opts se = a->se;
     se.seed = a->seed;
@@ -171,10 +206,10 @@ static int sim_place(const sim_args *a, rt_swarm *sw) {
 }
 
 /* The cluster (--json, or Helix's files), its placement (--placement), then --place. */
-static int sim_load(const sim_args *a, rt_swarm *sw) {
+static int sim_load(const sim_args *a, const rt_sim_profiles *prof, rt_swarm *sw) {
     int rc = a->json ? rt_swarm_load_json(sw, a->json) : sim_load_helix(a, sw);
     if (!rc && a->placement) rc = rt_helix_load_placement(sw, a->placement);
-    if (!rc && a->place != PLACE_NONE) rc = sim_place(a, sw);
+    if (!rc && a->place != PLACE_NONE) rc = sim_place(a, prof, sw);
     return rc;
 }
 
@@ -224,21 +259,14 @@ static void sim_print(const rt_sim_result *r) {
 
 /* Simulates IWRR routing over the placement (a --trace or synthetic requests) and prints
  * the throughput and latencies. */
-static int sim_run(const sim_args *a, const rt_swarm *sw, const rt_flow_opts *fr) {
-    rt_sim_opts so = a->so;
+static int sim_run(const sim_args *a, const rt_sim_profiles *prof, const rt_swarm *sw) {
+    rt_sim_opts so = sim_options_of(a, prof);
     rt_sim_request *tr = NULL;
-    rt_sim_profiles prof = {0};
-    so.seed = a->seed;
-    so.route.flow = *fr;
-    so.feed = a->trace ? RT_FEED_TRACE : so.arrival_rate > 0 ? RT_FEED_POISSON : so.concurrency > 0 ? RT_FEED_CLOSED : RT_FEED_KV;
     int rc = a->trace ? load_trace(a->trace, &tr, &so.n_trace) : FU_OK;
-    if (!rc) rc = sim_profiles(a, &prof);
     so.trace = tr;
-    so.profiles = &prof;
     rt_sim_result res;
     if (!rc) rc = rt_sim_run(sw, &so, &res);
     free(tr);
-    rt_sim_profiles_free(&prof);
     if (!rc) sim_print(&res);
     return rc;
 }
@@ -246,13 +274,16 @@ static int sim_run(const sim_args *a, const rt_swarm *sw, const rt_flow_opts *fr
 /* Does what `a` asks; the exit status. */
 static int simulate(const sim_args *a) {
     rt_swarm sw = {0};
+    rt_sim_profiles prof = {0};
     rt_flow_opts fr = {RT_CONV_RUNTIME, a->se.flow.allow_partial};
-    int rc = sim_load(a, &sw);
+    int rc = sim_profiles(a, &prof);
+    if (!rc) rc = sim_load(a, &prof, &sw);
     if (!rc) sim_print_flow(a, &sw, &fr);
     if (!rc && a->save) rc = rt_swarm_save_json(&sw, a->save);
-    if (!rc && !a->no_sim) rc = sim_run(a, &sw, &fr);
+    if (!rc && !a->no_sim) rc = sim_run(a, &prof, &sw);
     if (rc) fprintf(stderr, "fusion-sim: %s: %s\n", fu_status_str(rc), fu_last_error());
     rt_swarm_free(&sw);
+    rt_sim_profiles_free(&prof);
     return rc ? 1 : 0;
 }
 

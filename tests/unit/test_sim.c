@@ -213,12 +213,76 @@ static void test_deterministic_and_poisson(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* A swarm of fast "G" servers (up to 4 blocks) and slow "S" ones (2 blocks) over 8 blocks. */
+static void mixed_swarm(rt_swarm *sw) {
+    rt_model m = model(8);
+    assert_int_equal(rt_swarm_init(sw, &m), FU_OK);
+    for (int i = 0; i < 6; i++) {
+        int fast = i < 3, n = fast ? 4 : 2;
+        double tput[4], kv[4];
+        for (int k = 0; k < n; k++) tput[k] = (fast ? 4000.0 : 1000.0) / (k + 1), kv[k] = 40000.0 / (k + 1);
+        rt_server d;
+        memset(&d, 0, sizeof d);
+        snprintf(d.name, sizeof d.name, "s%d", i);
+        snprintf(d.kind, sizeof d.kind, "%s", fast ? "G" : "S");
+        d.state = RT_SERVER_ACTIVE;
+        d.n_tput = n, d.tput = tput, d.kv_tokens = kv;
+        assert_true(rt_swarm_add_server(sw, &d) == i);
+    }
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(rt_swarm_set_link(sw, RT_SOURCE, i, 1e9, 0.005), FU_OK);
+        assert_int_equal(rt_swarm_set_link(sw, i, RT_SINK, 1e9, 0.005), FU_OK);
+        for (int j = 0; j < 6; j++)
+            if (i != j) assert_int_equal(rt_swarm_set_link(sw, i, j, 1e9, 0.005), FU_OK);
+    }
+}
+
+static const char *MIXED_PROFILES =
+    "{\"step_profiles\": {\"G\": {\"prompt\": [[0, 0], [1000, 5]], \"decode\": [[1, 1], [100, 2]]},"
+    " \"S\": {\"prompt\": [[0, 0], [1000, 20]], \"decode\": [[1, 4], [100, 8]]}}}";
+
+/* The throughput placement covers every block, keeps to each server's limit, is at least as good
+ * as the best seed it reports, and is the same for the same seed and budget. */
+static void test_place_throughput(void **st) {
+    (void)st;
+    rt_sim_profiles p = {0};
+    assert_int_equal(rt_sim_profiles_parse_json(&p, MIXED_PROFILES, strlen(MIXED_PROFILES)), FU_OK);
+    rt_tplace_opts o;
+    memset(&o, 0, sizeof o);
+    o.search.time_limit_s = 0.2, o.search.seed = 3;
+    o.sim = opts(120, 20, 200, 50);
+    o.sim.feed = RT_FEED_KV, o.sim.profiles = &p;
+    o.max_evals = 30, o.seed = 5;
+    rt_swarm a, b;
+    mixed_swarm(&a);
+    rt_tplace_stats sa, sb;
+    assert_int_equal(rt_place_throughput(&a, &o, &sa), FU_OK);
+    assert_int_equal(rt_swarm_uncovered(&a, NULL), 0);
+    for (int i = 0; i < a.n_servers; i++)
+        assert_true(a.servers[i].last - a.servers[i].first <= rt_swarm_max_layers(&a, i));
+    assert_true(sa.decode_tps >= sa.start_decode_tps * (1 - 1e-9) && sa.decode_tps > 0);
+    assert_true(sa.evals > 4 && sa.evals <= 30 + 5);
+    assert_non_null(sa.start);
+    mixed_swarm(&b);
+    assert_int_equal(rt_place_throughput(&b, &o, &sb), FU_OK);
+    if (!strcmp(sa.start, "search")) { /* the max-flow search has a wall clock: compare only the others */
+        rt_swarm_free(&a), rt_swarm_free(&b), rt_sim_profiles_free(&p);
+        return;
+    }
+    for (int i = 0; i < a.n_servers; i++) {
+        assert_int_equal(a.servers[i].first, b.servers[i].first);
+        assert_int_equal(a.servers[i].last, b.servers[i].last);
+    }
+    NEAR(sa.decode_tps, sb.decode_tps, 1e-9);
+    rt_swarm_free(&a), rt_swarm_free(&b), rt_sim_profiles_free(&p);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_profile_interpolation), cmocka_unit_test(test_profile_errors),
         cmocka_unit_test(test_single_server_by_hand), cmocka_unit_test(test_batching_and_limits),
         cmocka_unit_test(test_links_and_fluid_server), cmocka_unit_test(test_kv_bounds),
-        cmocka_unit_test(test_deterministic_and_poisson),
+        cmocka_unit_test(test_deterministic_and_poisson), cmocka_unit_test(test_place_throughput),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,371 @@
+/* rt-tplace.c -- placement for simulated throughput: the best of the max-flow search, Petals
+ * and Swarm (and the current placement), improved one server at a time by the simulator. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "router-impl.h"
+#include "status.h"
+
+typedef struct tplace {
+    const rt_tplace_opts *o;
+    rt_sim_opts sim;
+    uint64_t rng;
+    int evals, max_evals;
+    long quick_evals, quick_moves;
+    rt_sim_result last;
+    rt_flow fl;
+    double *layer_kv; /* [n_layers] scratch */
+} tplace;
+
+typedef struct span {
+    int first, last;
+} span;
+
+/* A score under the bounds: throughput scaled down by how far the median TPOT or the mean hops
+ * exceed theirs. */
+static double bounded(const tplace *t, double tps, double tpot, double hops) {
+    double bt = t->o->max_tpot_s, bh = t->o->max_hops;
+    if (bt > 0 && tpot > bt) tps *= bt / tpot * 0.5;
+    if (bh > 0 && hops > bh + 1e-9) tps *= bh / hops * 0.5;
+    return tps;
+}
+
+/* Simulated score of `sw`: decode tokens/s, scaled down when the median TPOT breaks the bound;
+ * -1 when a block is uncovered. */
+static int score(tplace *t, const rt_swarm *sw, double *out) {
+    *out = -1;
+    if (rt_swarm_uncovered(sw, NULL) > 0) return FU_OK;
+    int rc = rt_sim_run(sw, &t->sim, &t->last);
+    t->evals++;
+    if (rc) return rc;
+    *out = bounded(t, t->last.decode_tps, t->last.tpot_p50, t->last.mean_hops);
+    return FU_OK;
+}
+
+/*
+ * The quick estimate that guides the local search (the simulator checks its result):
+ * - flow: the max flow routes a request over server i with probability share_i = flow_i / F;
+ * - concurrency N: the KV bound, as the feeder and the router keep it: every block's capacity
+ *   over the servers holding it at 0.8, and every server's at kv_hwm for its share of N;
+ * - time per output token: sum over servers of share_i x (its step for its batch N x share_i,
+ *   with the prompts amortised over the outputs), plus the share-weighted link latencies;
+ * - decode tokens/s = min(N / TPOT, the decode share of the max flow).
+ */
+static double step_time(const tplace *t, const rt_swarm *sw, int i, double batch) {
+    const rt_server *v = &sw->servers[i];
+    int k = v->last - v->first;
+    double per_req_prompt = (double)(t->sim.prompt_len > 0 ? t->sim.prompt_len : 750) /
+                            (t->sim.output_len > 0 ? t->sim.output_len : 240);
+    const rt_step_profile *p = rt_sim_profile_find(t->sim.profiles, v->kind);
+    if (!p) {
+        double tp = rt_swarm_tput(sw, i, k);
+        return tp > 0 ? batch * (1 + per_req_prompt) / tp : 1e9;
+    }
+    double prompts = batch * per_req_prompt; /* prompt tokens per decode step, amortised */
+    return k * (rt_step_seconds(p, 0, batch < 1 ? 1 : (int)ceil(batch), 0) +
+                rt_step_seconds(p, (int)ceil(prompts), 0, 0));
+}
+
+static double kv_bound(tplace *t, const rt_swarm *sw, double req_len) {
+    int L = sw->model.n_layers;
+    double hwm = t->sim.kv_hwm > 0 ? t->sim.kv_hwm : 0.85, n = 1e18, F = t->fl.value;
+    memset(t->layer_kv, 0, (size_t)L * sizeof(double));
+    for (int i = 0; i < sw->n_servers; i++) {
+        if (!rt_swarm_serving(sw, i)) continue;
+        const rt_server *v = &sw->servers[i];
+        double cap = rt_swarm_kv_tokens(sw, i, v->last - v->first);
+        if (!(cap > 0)) continue;
+        for (int l = v->first; l < v->last; l++) t->layer_kv[l] += cap;
+        double share = F > 0 ? t->fl.server_flow[i] / F : 0;
+        if (share > 1e-9 && hwm * cap / (req_len * share) < n) n = hwm * cap / (req_len * share);
+    }
+    for (int l = 0; l < L; l++)
+        if (t->layer_kv[l] > 0 && 0.8 * t->layer_kv[l] / req_len < n) n = 0.8 * t->layer_kv[l] / req_len;
+    return n < 1e17 ? n : 1e4;
+}
+
+/* The share-weighted delay of the hops at X steps/s in all: latency plus an M/G/1 wait on each
+ * link, whose transfers are decode steps of one token and, once per output_len of them, a
+ * prompt of prompt_len tokens (tok bytes a token to or from the coordinator, tok + act between
+ * servers). A link at or over capacity counts 10 s. */
+static double link_delay(const tplace *t, const rt_swarm *sw, double x) {
+    int n2 = t->fl.n + 2;
+    double d = 0, F = t->fl.value;
+    double pl = t->sim.prompt_len > 0 ? t->sim.prompt_len : 750, ol = t->sim.output_len > 0 ? t->sim.output_len : 240;
+    for (int u = 0; u < n2; u++)
+        for (int v = 0; v < n2; v++) {
+            double share = t->fl.hop_flow[u * n2 + v] / F;
+            if (share <= 0) continue;
+            int from = u < t->fl.n ? u : RT_SOURCE, to = v < t->fl.n ? v : RT_SINK;
+            rt_link l = rt_swarm_link(sw, from, to);
+            double b = (from == RT_SOURCE || to == RT_SINK) ? sw->model.token_bytes
+                                                             : sw->model.token_bytes + sw->model.act_bytes;
+            double sd = l.bandwidth > 0 ? b / l.bandwidth : 0, sp = pl * sd;
+            double lam = x * share * (1 + 1 / ol), es = (ol * sd + sp) / (ol + 1), es2 = (ol * sd * sd + sp * sp) / (ol + 1);
+            double rho = lam * es, w = rho < 0.999 ? lam * es2 / (2 * (1 - rho)) : 10;
+            d += share * (l.latency + sd + w);
+        }
+    return d;
+}
+
+/* The time per output token for N requests in flight: each server's batch is, by Little's law,
+ * its arrival rate N x share_i / TPOT times its cycle, and a request at a busy server waits for
+ * the batch in progress, then its own: about two cycles at each server it passes; solved by
+ * fixed-point iteration from single-request batches. */
+static double tpot_fixed_point(tplace *t, const rt_swarm *sw, double n) {
+    double F = t->fl.value, tpot = link_delay(t, sw, 0);
+    for (int i = 0; i < t->fl.n; i++)
+        if (t->fl.server_flow[i] > 0) tpot += t->fl.server_flow[i] / F * step_time(t, sw, i, 1);
+    for (int it = 0; it < 30; it++) {
+        double next = link_delay(t, sw, n / tpot);
+        for (int i = 0; i < t->fl.n; i++) {
+            double share = t->fl.server_flow[i] / F;
+            if (share <= 0) continue;
+            double c = step_time(t, sw, i, 1), b = 1;
+            for (int inner = 0; inner < 3; inner++) b = fmax(1, n * share * c / tpot), c = step_time(t, sw, i, b);
+            next += share * 2 * c; /* the batch in progress, then its own */
+        }
+        if (fabs(next - tpot) < 1e-6 * tpot) return next;
+        tpot = 0.5 * (tpot + next);
+    }
+    return tpot;
+}
+
+/* The quick estimate of decode tokens/s (-1: a block uncovered or no flow). */
+static int quick_score(tplace *t, const rt_swarm *sw, double *out) {
+    *out = -1;
+    t->quick_evals++;
+    if (rt_swarm_uncovered(sw, NULL) > 0) return FU_OK;
+    int rc = rt_flow_compute(sw, &t->sim.route.flow, &t->fl, NULL);
+    if (rc || !(t->fl.value > 0)) return rc;
+    int pl = t->sim.prompt_len > 0 ? t->sim.prompt_len : 750, ol = t->sim.output_len > 0 ? t->sim.output_len : 240;
+    double n = kv_bound(t, sw, pl + ol), F = t->fl.value, tpot = tpot_fixed_point(t, sw, n);
+    double through = 0;
+    for (int i = 0; i < t->fl.n; i++) through += t->fl.server_flow[i];
+    *out = bounded(t, fmin(n / tpot, F * ol / (pl + ol)), tpot, through / F);
+    return FU_OK;
+}
+
+/* The seed placements, written over a copy of `base`; 0 when `which` does not apply. */
+static int seed_place(const rt_swarm *base, int which, const rt_tplace_opts *o, rt_swarm *out) {
+    int rc = rt_swarm_clone(out, base);
+    if (rc) return rc;
+    switch (which) {
+    case 0: return rt_place_search(out, &o->search, NULL);
+    case 1: return rt_place_petals(out);
+    case 2: return rt_place_swarm(out);
+    default: return rt_swarm_uncovered(out, NULL) ? FU_ERR_NOT_FOUND : FU_OK;
+    }
+}
+
+static const char *seed_names[] = {"search", "petals", "swarm", "current"};
+
+/* Keeps `cand` in `sw` (the old content goes to cand) when its simulated score beats *best. */
+static int keep_if_better(tplace *t, rt_swarm *sw, rt_swarm *cand, double *best, int *which, int k) {
+    double s;
+    int rc = score(t, cand, &s);
+    if (rc || s <= *best) return rc;
+    rt_swarm tmp = *sw;
+    *sw = *cand;
+    *cand = tmp;
+    *best = s, *which = k;
+    return FU_OK;
+}
+
+static int quick_search(tplace *t, rt_swarm *sw, span *saved, long moves);
+
+/* Every seed, and every seed improved by the quick estimate, is simulated; the best goes into
+ * `sw`. */
+static int best_seed(tplace *t, rt_swarm *sw, span *saved, double *best, int *which) {
+    *best = -1;
+    *which = -1;
+    rt_swarm base;
+    int rc = rt_swarm_clone(&base, sw);
+    for (int k = 0; k < 4 && !rc; k++) {
+        rt_swarm cand;
+        rc = seed_place(&base, k, t->o, &cand);
+        if (rc == FU_ERR_NOT_FOUND || rc == FU_ERR_INVALID) {
+            rt_swarm_free(&cand);
+            rc = FU_OK;
+            continue;
+        }
+        if (!rc) rc = keep_if_better(t, sw, &cand, best, which, k);
+        rt_swarm_free(&cand);
+        if (!rc) rc = seed_place(&base, k, t->o, &cand);
+        if (!rc) rc = quick_search(t, &cand, saved, t->quick_moves);
+        if (!rc) rc = keep_if_better(t, sw, &cand, best, which, k);
+        rt_swarm_free(&cand);
+    }
+    rt_swarm_free(&base);
+    if (!rc && *which < 0) rc = fu_errorf(FU_ERR_NOT_FOUND, "placement: no seed placement covers every block");
+    return rc;
+}
+
+static int pick_serving(const rt_swarm *sw, uint64_t *rng) {
+    for (int tries = 0; tries < 4 * sw->n_servers + 8; tries++) {
+        int i = rt__rng_int(rng, sw->n_servers);
+        if (sw->servers[i].state == RT_SERVER_ACTIVE) return i;
+    }
+    return -1;
+}
+
+/* A random move of one server: its new span (first == last: becomes a spare). */
+static span propose(const rt_swarm *sw, int i, uint64_t *rng) {
+    const rt_server *s = &sw->servers[i];
+    int L = sw->model.n_layers, maxk = rt_swarm_max_layers(sw, i), k = s->last - s->first;
+    int j = pick_serving(sw, rng);
+    const rt_server *o = j >= 0 ? &sw->servers[j] : s;
+    span r = {s->first, s->last};
+    switch (rt__rng_int(rng, 5)) {
+    case 0: /* resize, keeping the start */
+        k = 1 + rt__rng_int(rng, maxk > 0 ? maxk : 1);
+        r.first = s->first < L ? s->first : 0, r.last = r.first + k;
+        break;
+    case 1: /* shift */
+        r.first = s->first + (rt__rng_int(rng, 2) ? 1 : -1) * (1 + rt__rng_int(rng, 4)), r.last = r.first + k;
+        break;
+    case 2: /* start where another ends */
+        r.first = o->last < L ? o->last : L - (k > 0 ? k : 1), r.last = r.first + (k > 0 ? k : 1);
+        break;
+    case 3: /* copy another's span */
+        r.first = o->first, r.last = o->last;
+        break;
+    default: /* become a spare */
+        r.first = r.last = 0;
+    }
+    if (r.last > L) r.first -= r.last - L, r.last = L;
+    if (r.first < 0) r.last -= r.first, r.first = 0;
+    return r;
+}
+
+/* Covers a gap [g0, g1) by stretching one server that ends at g0 or starts at g1 over it,
+ * within its limit; 1 if it did. */
+static int repair_gap(rt_swarm *sw, int g0, int g1, uint64_t *rng) {
+    int n = sw->n_servers, off = n > 0 ? rt__rng_int(rng, n) : 0;
+    for (int t = 0; t < n; t++) {
+        int i = (t + off) % n;
+        const rt_server *s = &sw->servers[i];
+        if (!rt_swarm_serving(sw, i)) continue;
+        if (s->last == g0 && !rt_swarm_set_span(sw, i, s->first, g1)) return 1;
+        if (s->first == g1 && !rt_swarm_set_span(sw, i, g0, s->last)) return 1;
+    }
+    return 0;
+}
+
+/* Stretches neighbours over the blocks a move left uncovered; 1 if every block is covered. */
+static int repair(rt_swarm *sw, uint64_t *rng) {
+    for (int round = 0; round < 4; round++) {
+        int g0;
+        if (rt_swarm_uncovered(sw, &g0) == 0) return 1;
+        int g1 = g0 + 1;
+        while (g1 < sw->model.n_layers) {
+            int covered = 0;
+            for (int i = 0; i < sw->n_servers && !covered; i++)
+                covered = rt_swarm_serving(sw, i) && sw->servers[i].first <= g1 && g1 < sw->servers[i].last;
+            if (covered) break;
+            g1++;
+        }
+        if (!repair_gap(sw, g0, g1, rng)) return 0;
+    }
+    return rt_swarm_uncovered(sw, NULL) == 0;
+}
+
+static void save_spans(const rt_swarm *sw, span *out) {
+    for (int i = 0; i < sw->n_servers; i++) out[i] = (span){sw->servers[i].first, sw->servers[i].last};
+}
+
+static void restore_spans(rt_swarm *sw, const span *in) {
+    for (int i = 0; i < sw->n_servers; i++) {
+        sw->servers[i].first = in[i].first;
+        sw->servers[i].last = in[i].last;
+    }
+    sw->version++;
+}
+
+/* Moves one server (or swaps two), then repairs coverage. 1 if the swarm changed and covers. */
+static int perturb(rt_swarm *sw, uint64_t *rng) {
+    int i = pick_serving(sw, rng);
+    if (i < 0) return 0;
+    rt_server *s = &sw->servers[i];
+    if (rt__rng_int(rng, 4) == 0) { /* swap with another */
+        int j = pick_serving(sw, rng);
+        if (j < 0 || j == i) return 0;
+        rt_server *o = &sw->servers[j];
+        span a = {s->first, s->last}, b = {o->first, o->last};
+        if (rt_swarm_set_span(sw, i, b.first, b.last)) return 0;
+        if (rt_swarm_set_span(sw, j, a.first, a.last)) return 0;
+        return 1;
+    }
+    span nw = propose(sw, i, rng);
+    if ((nw.first == s->first && nw.last == s->last) || rt_swarm_set_span(sw, i, nw.first, nw.last)) return 0;
+    return repair(sw, rng);
+}
+
+/* One local-search step: a perturbation, kept when the score rises. */
+static int try_move(tplace *t, rt_swarm *sw, span *saved, double *best) {
+    save_spans(sw, saved);
+    if (!perturb(sw, &t->rng)) {
+        restore_spans(sw, saved);
+        return FU_OK;
+    }
+    double s;
+    int rc = score(t, sw, &s);
+    if (rc || s <= *best * (1 + 1e-6)) {
+        restore_spans(sw, saved);
+        return rc;
+    }
+    *best = s;
+    return FU_OK;
+}
+
+/* Local search on the quick estimate: `moves` perturbations, each kept when the estimate rises. */
+static int quick_search(tplace *t, rt_swarm *sw, span *saved, long moves) {
+    double best, s;
+    int rc = quick_score(t, sw, &best);
+    for (long m = 0; !rc && m < moves; m++) {
+        save_spans(sw, saved);
+        if (!perturb(sw, &t->rng)) {
+            restore_spans(sw, saved);
+            continue;
+        }
+        rc = quick_score(t, sw, &s);
+        if (!rc && s > best * (1 + 1e-9)) best = s;
+        else restore_spans(sw, saved);
+    }
+    return rc;
+}
+
+static void tplace_init(tplace *t, const rt_tplace_opts *o) {
+    memset(t, 0, sizeof *t);
+    t->o = o;
+    t->sim = o->sim;
+
+    t->rng = o->seed ^ 0x7f4a7c159e3779b9ULL;
+    t->max_evals = o->max_evals > 0 ? o->max_evals : 60;
+    t->quick_moves = 50L * t->max_evals;
+}
+
+int rt_place_throughput(rt_swarm *sw, const rt_tplace_opts *opts, rt_tplace_stats *stats) {
+    if (!sw || !opts) return fu_errorf(FU_ERR_INVALID, "rt_place_throughput: NULL argument");
+    tplace t;
+    tplace_init(&t, opts);
+    span *saved = malloc(((size_t)sw->n_servers + 1) * sizeof *saved);
+    t.layer_kv = calloc((size_t)sw->model.n_layers + 1, sizeof(double));
+    double best = -1, start = -1;
+    int which = -1, rc = saved && t.layer_kv ? FU_OK : fu_errorf(FU_ERR_NOMEM, "placement: out of memory");
+    if (!rc) rc = best_seed(&t, sw, saved, &best, &which);
+    start = best;
+    /* moves that cannot apply (no span change, over a limit) cost no simulation; bound them too */
+    for (long tries = 0; !rc && t.evals < t.max_evals && tries < 50L * t.max_evals; tries++)
+        rc = try_move(&t, sw, saved, &best);
+    double s;
+    if (!rc) rc = score(&t, sw, &s);
+    if (!rc && stats) {
+        *stats = (rt_tplace_stats){t.evals, start, t.last.decode_tps, t.last.tpot_p50, t.last.mean_hops,
+                                   seed_names[which]};
+    }
+    free(saved), free(t.layer_kv);
+    rt_flow_free(&t.fl);
+    return rc;
+}
