@@ -453,7 +453,8 @@ typedef struct rt_tplace_opts {
     rt_sim_opts sim;       /* how a candidate is scored (360 s with rt_sim_run's warm-up when 0) */
     double max_tpot_s;     /* latency bound on the median time per output token (0: none) */
     double max_hops;       /* bound on the mean servers per chain (0: none) */
-    int max_evals;         /* simulations of the local search (default 120) */
+    int max_evals;         /* simulations of the final local search (default 60) */
+    int restarts;          /* local searches on the quick estimate from each seed (default 4) */
     uint64_t seed;
 } rt_tplace_opts;
 

@@ -13,6 +13,7 @@ typedef struct tplace {
     uint64_t rng;
     int evals, max_evals;
     long quick_evals, quick_moves;
+    int restarts;
     rt_sim_result last;
     rt_flow fl;
     double *layer_kv; /* [n_layers] scratch */
@@ -175,8 +176,8 @@ static int keep_if_better(tplace *t, rt_swarm *sw, rt_swarm *cand, double *best,
 
 static int quick_search(tplace *t, rt_swarm *sw, span *saved, long moves);
 
-/* Every seed, and every seed improved by the quick estimate, is simulated; the best goes into
- * `sw`. */
+/* Every seed, and `restarts` local searches on the quick estimate from each, are simulated; the
+ * best goes into `sw`. */
 static int best_seed(tplace *t, rt_swarm *sw, span *saved, double *best, int *which) {
     *best = -1;
     *which = -1;
@@ -192,10 +193,12 @@ static int best_seed(tplace *t, rt_swarm *sw, span *saved, double *best, int *wh
         }
         if (!rc) rc = keep_if_better(t, sw, &cand, best, which, k);
         rt_swarm_free(&cand);
-        if (!rc) rc = seed_place(&base, k, t->o, &cand);
-        if (!rc) rc = quick_search(t, &cand, saved, t->quick_moves);
-        if (!rc) rc = keep_if_better(t, sw, &cand, best, which, k);
-        rt_swarm_free(&cand);
+        for (int r = 0; r < t->restarts && !rc; r++) {
+            rc = seed_place(&base, k, t->o, &cand);
+            if (!rc) rc = quick_search(t, &cand, saved, t->quick_moves);
+            if (!rc) rc = keep_if_better(t, sw, &cand, best, which, k);
+            rt_swarm_free(&cand);
+        }
     }
     rt_swarm_free(&base);
     if (!rc && *which < 0) rc = fu_errorf(FU_ERR_NOT_FOUND, "placement: no seed placement covers every block");
@@ -343,7 +346,8 @@ static void tplace_init(tplace *t, const rt_tplace_opts *o) {
 
     t->rng = o->seed ^ 0x7f4a7c159e3779b9ULL;
     t->max_evals = o->max_evals > 0 ? o->max_evals : 60;
-    t->quick_moves = 50L * t->max_evals;
+    t->quick_moves = 2000;
+    t->restarts = o->restarts > 0 ? o->restarts : 4;
 }
 
 int rt_place_throughput(rt_swarm *sw, const rt_tplace_opts *opts, rt_tplace_stats *stats) {

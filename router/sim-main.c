@@ -48,7 +48,7 @@ static const fu_opt sim_options[] = {
     {"max-tpot", 0, FU_OPT_FLOAT, FU_OPT_TO(args.max_tpot), "S",
      "--place throughput: bound on the median time per output token"},
     {"max-hops", 0, FU_OPT_FLOAT, FU_OPT_TO(args.max_hops), "H", "--place throughput: bound on the mean servers per chain"},
-    {"evals", 0, FU_OPT_INT, FU_OPT_TO(args.evals), .help = "--place throughput: simulations of its local search (default 120)",
+    {"evals", 0, FU_OPT_INT, FU_OPT_TO(args.evals), .help = "--place throughput: simulations of its final local search (default 60)",
      .lo = 0, .hi = 1000000},
     {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "search and simulation seed", .lo = 0, .hi = LONG_MAX},
     {"conv", 0, FU_OPT_CHOICE, FU_OPT_TO(args.se.flow.conv), .help = "the flow convention of the search",
@@ -180,7 +180,7 @@ static rt_sim_opts sim_options_of(const sim_args *a, const rt_sim_profiles *prof
 /* --place throughput: the simulator scores the placements (with the command line's feed,
  * except a trace, which the caller loads later). */
 static int sim_place_throughput(const sim_args *a, const rt_sim_profiles *prof, rt_swarm *sw) {
-    rt_tplace_opts to = {a->se, sim_options_of(a, prof), a->max_tpot, a->max_hops, a->evals, (uint64_t)a->seed};
+    rt_tplace_opts to = {a->se, sim_options_of(a, prof), a->max_tpot, a->max_hops, a->evals, 0, (uint64_t)a->seed};
     to.search.seed = a->seed;
     if (to.sim.feed == RT_FEED_TRACE) to.sim.feed = RT_FEED_KV;
     to.sim.duration_s = to.sim.warmup_s = 0; /* candidates are scored over the default 660 s */
