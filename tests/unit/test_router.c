@@ -130,10 +130,9 @@ static void test_flow_network_tiny(void **st) {
     NEAR(fl.server_flow[b], 50, 1e-9);
     NEAR(fl.server_flow[c], 30, 1e-9);
     NEAR(fl.server_flow[d], 5, 1e-9);
-    int n2 = fl.n + 2;
-    NEAR(fl.hop_flow[a * n2 + b], 50, 1e-9);
-    NEAR(fl.hop_flow[fl.n * n2 + a], 80, 1e-9);     /* source -> A */
-    NEAR(fl.hop_flow[d * n2 + fl.n + 1], 5, 1e-9);  /* D -> sink */
+    NEAR(rt_flow_hop_value(&fl, a, b), 50, 1e-9);
+    NEAR(rt_flow_hop_value(&fl, RT_SOURCE, a), 80, 1e-9); /* source -> A */
+    NEAR(rt_flow_hop_value(&fl, d, RT_SINK), 5, 1e-9);    /* D -> sink */
     NEAR(rt_max_flow(&sw, &ilp), 91.25, 1e-9);
     /* exact boundaries only: no B -> C hop, and partial execution adds none here */
     assert_false(rt__hop_valid(&sw, b, c, 1));
@@ -207,7 +206,7 @@ static void test_placements(void **st) {
     assert_int_equal(rt_place_swarm(&sw), FU_OK);
     check_valid(&sw);
     double swarm = rt_max_flow(&sw, &fo);
-    rt_search_opts so = {0.5, 7, fo, 0};
+    rt_search_opts so = {0.5, 7, fo, 0, 0};
     rt_search_stats ss;
     assert_int_equal(rt_place_search(&sw, &so, &ss), FU_OK);
     check_valid(&sw);
