@@ -112,21 +112,27 @@ static int dinic_bfs(rt_graph *g, int s, int t) {
     return g->level[t] >= 0;
 }
 
-/* Pushes up to `f` from u towards t along the level graph; returns the amount pushed. */
+/* Pushes up to `f` from u towards t along the level graph, over as many edges as it takes
+ * (one search carries many paths); returns the amount pushed. A node that can push nothing
+ * more leaves the level graph. */
 static double dinic_dfs(rt_graph *g, int u, int t, double f) {
     if (u == t) return f;
+    double pushed = 0;
     for (; g->iter[u] >= 0; g->iter[u] = g->e[g->iter[u]].next) {
         int k = g->iter[u];
         int v = g->e[k].to;
         if (g->e[k].res <= g->eps || g->level[v] != g->level[u] + 1) continue;
-        double d = dinic_dfs(g, v, t, f < g->e[k].res ? f : g->e[k].res);
+        double want = f - pushed < g->e[k].res ? f - pushed : g->e[k].res;
+        double d = dinic_dfs(g, v, t, want);
         if (d > 0) {
             g->e[k].res -= d;
             g->e[k ^ 1].res += d;
-            return d;
+            pushed += d;
+            if (f - pushed <= g->eps) return pushed; /* keep iter[u]: the edge may have room */
         }
     }
-    return 0;
+    if (pushed <= 0) g->level[u] = -1;
+    return pushed;
 }
 
 double rt_graph_max_flow(rt_graph *g, int s, int t) {

@@ -305,7 +305,7 @@ static void anneal(search_ctx *c, const plc *start, double t_end, long e_end) {
     long e0 = c->evals;
     for (long it = 0;; it++) {
         double frac = progress(c, begin, t_end, e0, e_end, it);
-        if (((it & 63) == 0 || e_end > 0) && frac >= 1) break;
+        if (frac >= 1) break; /* checked every try: one evaluation of a large swarm is slow */
         double temp = t0 * pow(t1 / t0, frac < 1 ? frac : 1);
         if (!mutate(c->sw, &c->cur, &c->nxt, c->ids, c->m, &c->rng)) continue;
         plc_apply(c->sw, &c->nxt);

@@ -249,7 +249,7 @@ static void print_growth(const figures *a, const figures *b) {
 static const fu_opt scale_options[] = {
     {"sizes", 0, FU_OPT_STRING, FU_OPT_TO(args.sizes), "N,N,...", "swarm sizes", .def = "100,1000,10000"},
     {"evals", 0, FU_OPT_INT, FU_OPT_TO(args.evals), .help = "max-flow evaluations of the placement search",
-     .def = "40", .lo = 1, .hi = 1000000},
+     .def = "100", .lo = 1, .hi = 1000000},
     {"keep", 0, FU_OPT_INT, FU_OPT_TO(args.keep), .help = "links kept per server", .def = "16", .lo = 1, .hi = 4096},
     {"requests", 0, FU_OPT_INT, FU_OPT_TO(args.requests), .help = "requests routed", .def = "10000", .lo = 1,
      .hi = 10000000},
