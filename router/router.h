@@ -154,18 +154,29 @@ int rt_helix_load_placement(rt_swarm *sw, const char *sol_ini);
  *   {"model": {"name", "n_layers", "token_bytes" (default 2), "activation_bytes",
  *              "layer_bytes", "kv_bytes_per_token_layer", "weight_vram_fraction"},
  *    "coordinator": {"nic_out", "nic_in"},                     bytes/s, optional
- *    "default_link": {"bandwidth", "latency"},                 optional, fills every pair
- *    "servers": [{"name", "address", "kind", "cpu", "state": "active"|"spare",
- *                 "nic_in", "nic_out", "vram",
+ *    "kinds": {"A100": {"tokens_per_s_by_layers", "kv_tokens_by_layers", "vram", "nic_in",
+ *                       "nic_out", "cpu"}, ...},               optional profiles, see below
+ *    "default_link": {"bandwidth", "latency"},                 optional, fills every pair of
+ *                                                              the file's servers (not stored)
+ *    "servers": [{"name", "address", "kind", "profile" (a key of "kinds"; default: kind),
+ *                 "cpu", "state": "active"|"spare", "nic_in", "nic_out", "vram",
  *                 "tokens_per_s_by_layers": [tput with 1, 2, ... blocks]
  *                   or "layer_tokens_per_s" + "max_layers" (tput(k) = value / k),
- *                 "kv_tokens_by_layers": [...] (optional), "span": [first, last]}],
+ *                 "kv_tokens_by_layers": [...] (optional), "span": [first, last],
+ *                 "default_link": false (this server is off the default link)}],
  *    "links": [{"from", "to" (server names, "source", "sink"), "bandwidth", "latency",
- *               "bidirectional" (default true)}]}
- * Examples: config/clusters/. `sw` must be uninitialised; free with rt_swarm_free. */
+ *               "bidirectional" (default true)}
+ *              or [from, to, bandwidth, latency]: directed, by index in "servers"
+ *                 (-1 the coordinator as source, -2 as sink)]}
+ * A server's own fields win over its profile's. Other top-level keys are ignored. Examples:
+ * config/clusters/. `sw` must be uninitialised; free with rt_swarm_free. Files up to 1 GiB. */
 int rt_swarm_load_json(rt_swarm *sw, const char *path);
 int rt_swarm_parse_json(rt_swarm *sw, const char *text, size_t len);
-/* Writes `sw` in fusion's JSON format (links as directed entries). */
+/* Writes `sw` compactly: one "kinds" profile per distinct (kind, tables, VRAM, NICs, cpu)
+ * ("kind#N" for a kind's other profiles), servers referring to it, links as directed arrays
+ * (pairs on the default link stay implicit), GONE servers left out, numbers exact. Streams to
+ * a temporary file beside `path` and renames it over `path`, so readers never see half a file.
+ * O(servers + links). */
 int rt_swarm_save_json(const rt_swarm *sw, const char *path);
 
 /* ---------------------------------------------------------------------------------------- */

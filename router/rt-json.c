@@ -349,6 +349,8 @@ typedef struct prof_ix {
     int *rep;        /* [cap] server id + 1 of each bucket's profile, 0 empty */
     int *prof_of;    /* [n_servers] profile number of each server */
     int *name_no;    /* [n_servers] per-kind ordinal of the profile (0: the kind's name) */
+    int *krep;       /* [cap] server id + 1 of the first server of each kind, 0 empty */
+    int *kcount;     /* [n_servers] profiles seen so far of the kind whose first server this is */
     size_t cap;
     int n_prof;
 } prof_ix;
@@ -370,6 +372,15 @@ static uint64_t profile_hash(const rt_server *s) {
     return h;
 }
 
+/* How many profiles of server i's kind came before its (a table of kinds by name). */
+static int kind_ordinal(const rt_swarm *sw, prof_ix *px, int i) {
+    const char *k = sw->servers[i].kind;
+    size_t p = (size_t)fnv(k, strlen(k), 0xcbf29ce484222325ULL) & (px->cap - 1);
+    while (px->krep[p] && strcmp(sw->servers[px->krep[p] - 1].kind, k)) p = (p + 1) & (px->cap - 1);
+    if (!px->krep[p]) px->krep[p] = i + 1;
+    return px->kcount[px->krep[p] - 1]++;
+}
+
 /* Groups the live servers of sw by profile. */
 static int profiles_index(const rt_swarm *sw, prof_ix *px) {
     int n = sw->n_servers;
@@ -378,7 +389,9 @@ static int profiles_index(const rt_swarm *sw, prof_ix *px) {
     px->rep = calloc(px->cap, sizeof(int));
     px->prof_of = calloc((size_t)n + 1, sizeof(int));
     px->name_no = calloc((size_t)n + 1, sizeof(int));
-    if (!px->rep || !px->prof_of || !px->name_no) return fu_errorf(FU_ERR_NOMEM, "cluster JSON: out of memory");
+    px->krep = calloc(px->cap, sizeof(int));
+    px->kcount = calloc((size_t)n + 1, sizeof(int));
+    if (!px->rep || !px->prof_of || !px->name_no || !px->krep || !px->kcount) return fu_errorf(FU_ERR_NOMEM, "cluster JSON: out of memory");
     for (int i = 0; i < n; i++) {
         const rt_server *s = &sw->servers[i];
         if (s->state == RT_SERVER_GONE) continue;
@@ -387,15 +400,15 @@ static int profiles_index(const rt_swarm *sw, prof_ix *px) {
         if (!px->rep[p]) {
             px->rep[p] = i + 1;
             px->prof_of[i] = i; /* a new profile is named after its first server */
-            for (int j = 0; j < i; j++) /* ordinal among this kind's profiles (few per kind) */
-                if (px->prof_of[j] == j && sw->servers[j].state != RT_SERVER_GONE && !strcmp(sw->servers[j].kind, s->kind))
-                    px->name_no[i]++;
+            px->name_no[i] = kind_ordinal(sw, px, i);
         } else px->prof_of[i] = px->rep[p] - 1;
     }
     return FU_OK;
 }
 
-static void prof_free(prof_ix *px) { free(px->rep), free(px->prof_of), free(px->name_no); }
+static void prof_free(prof_ix *px) {
+    free(px->rep), free(px->prof_of), free(px->name_no), free(px->krep), free(px->kcount);
+}
 
 /* The key of server i's profile in "kinds": its kind, or "kind#N" for the N-th other one (and
  * for servers of no kind). */

@@ -167,7 +167,8 @@ static int gather(const rt_swarm *sw, int i, const rt_adj *a, int want, cand *c)
     int m = 0;
     for (int k = 0; k < a->n; k++)
         if (a->link[k].bandwidth > 0) c[m++] = (cand){a->peer[k], a->link[k].bandwidth};
-    for (int j = 0, got = 0; j < sw->n_servers && got < want; j++)
+    int dflt = sw->default_link.bandwidth > 0 && sw->on_default && sw->on_default[i];
+    for (int j = 0, got = 0; dflt && j < sw->n_servers && got < want; j++)
         if (rt__on_default(sw, i, j) && rt__adj_find(a, j) < 0) {
             c[m++] = (cand){j, sw->default_link.bandwidth};
             got++;
