@@ -1,5 +1,6 @@
-/* router-impl.h -- router internals shared by the rt-*.c files: INI reader, flow-network
- * layout, random numbers. Not a public interface; single-threaded like the router. */
+/* router-impl.h -- router internals shared by the rt-*.c files: file and INI readers, sparse
+ * links and valid hops, flow-network layout, random numbers. Not a public interface;
+ * single-threaded like the router. */
 #ifndef RT_ROUTER_IMPL_H
 #define RT_ROUTER_IMPL_H
 

@@ -1,7 +1,7 @@
 /* router.h -- fusion's router core: swarm model, Helix-style flow network and max flow,
  * span placement (Petals, Swarm, fusion's search, join/rebalance), IWRR routing, simulator.
  *
- * Pure computation over numbers: no I/O besides loading cluster files, no
+ * Pure computation over numbers: no I/O besides loading and saving cluster files, no
  * threads. An rt_swarm is not thread-safe; its owner serializes access (the
  * gateway's gw_swarm holds one mutex over it). Objects are created and freed
  * in pairs (rt_*_init / rt_*_free); the caller owns what it is handed.
@@ -258,9 +258,10 @@ typedef struct rt_search_opts {
     uint64_t seed;
     rt_flow_opts flow;     /* how the flow is evaluated */
     int keep_current;      /* also start from the swarm's current placement if it covers */
-    long max_evals;        /* > 0: at most this many max-flow evaluations in all; without a
-                              clock the search is deterministic: the same swarm, seed and
-                              max_evals give the same placement on any machine */
+    long max_evals;        /* > 0: the search stops after this many max-flow evaluations in
+                              all (its seeds, a dozen or so at scale, are evaluated even past
+                              it); without a clock (time_limit_s <= 0) it is deterministic: the
+                              same swarm, seed and max_evals give the same placement anywhere */
 } rt_search_opts;
 
 typedef struct rt_search_stats {
@@ -271,7 +272,8 @@ typedef struct rt_search_stats {
 } rt_search_stats;
 
 /* fusion's placement search. Seeds: Petals, Swarm, equal stages of every length, the current
- * placement (keep_current), and a stage-packing dynamic program: servers grouped into
+ * placement (keep_current), chains that follow each server's fastest links (so consecutive
+ * stages are linked in a sparse swarm), and a stage-packing dynamic program: servers grouped into
  * regions (components of fast links) and types; for a target flow F it searches (depth
  * first, pruned by the capacity the unused servers can still add) for a cut of the blocks
  * into consecutive stages, each held by a minimal same-region group with capacity >= F,
