@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "router-impl.h"
@@ -546,6 +547,8 @@ int rt_swarm_save_json(const rt_swarm *sw, const char *path) {
     if (!tmp) return fu_errorf(FU_ERR_NOMEM, "cluster JSON: out of memory");
     snprintf(tmp, pl + 16, "%s.tmp.XXXXXX", path);
     int fd = mkstemp(tmp);
+    struct stat st; /* the file keeps its mode; a new one is readable by all, as before */
+    if (fd >= 0) fchmod(fd, stat(path, &st) ? 0644 : st.st_mode & 07777);
     FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
     if (!f) {
         int e = errno;

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "router-impl.h"
@@ -858,6 +859,11 @@ static void test_json_compact_round_trip(void **st) {
     assert_same_swarm(&sw, &back);
     NEAR(rt_swarm_link(&back, 3, 0).bandwidth, 0, 0); /* joined after the default: not on it */
     rt_swarm_free(&back);
+    unlink(path);
+    assert_int_equal(rt_swarm_save_json(&sw, path), FU_OK); /* a new file: readable by all */
+    struct stat stt;
+    assert_int_equal(stat(path, &stt), 0);
+    assert_int_equal(stt.st_mode & 0777, 0644);
     rt_swarm_free(&sw);
     unlink(path);
     assert_int_equal(rt_swarm_save_json(&sw, "/nonexistent-dir/x.json"), FU_ERR_IO);
