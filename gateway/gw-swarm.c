@@ -1351,17 +1351,14 @@ json_t *gw_swarm_json(gw_swarm *s) {
         else if (mb->live) n_spares++;
     }
     /* the flow on each hop (the gateway at both ends) */
-    if (f && f->hop_flow) {
-        int n = f->n, N = n + 2;
-        for (int u = 0; u < N; u++)
-            for (int v = 0; v < N; v++) {
-                double x = f->hop_flow[u * N + v];
-                if (!(x > 1e-9) || (u < n && !rt_swarm_serving(&s->sw, u)) || (v < n && !rt_swarm_serving(&s->sw, v)))
-                    continue;
-                const char *from = u < n ? s->sw.servers[u].address : "gateway";
-                const char *to = v < n ? s->sw.servers[v].address : "gateway";
-                json_array_append_new(hops, json_pack("{s:s, s:s, s:f}", "from", from, "to", to, "tokens_per_s", x));
-            }
+    for (int h = 0; f && h < f->n_hops; h++) {
+        int u = f->hops[h].from, v = f->hops[h].to;
+        double x = f->hops[h].flow;
+        if (!(x > 1e-9) || (u >= 0 && !rt_swarm_serving(&s->sw, u)) || (v >= 0 && !rt_swarm_serving(&s->sw, v)))
+            continue;
+        const char *from = u >= 0 ? s->sw.servers[u].address : "gateway";
+        const char *to = v >= 0 ? s->sw.servers[v].address : "gateway";
+        json_array_append_new(hops, json_pack("{s:s, s:s, s:f}", "from", from, "to", to, "tokens_per_s", x));
     }
     int uncovered = rt_swarm_uncovered(&s->sw, NULL);
     json_t *doc = json_pack("{s:s, s:i, s:f, s:i, s:i, s:i, s:i, s:i, s:i, s:b, s:f, s:i, s:o, s:o}", "object",

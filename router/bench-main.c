@@ -54,7 +54,7 @@ static int run_cluster(const char *hdir, const char *title, const char *cluster,
         case 0: r.name = "Helix MILP (ilp_sol.ini)"; rc = rt_helix_load_placement(&sw, ilp); break;
         case 1:
             r.name = "fusion search";
-            rt_search_opts so = {tlimit, seed, fo, 0};
+            rt_search_opts so = {tlimit, seed, fo, 0, 0};
             rc = rt_place_search(&sw, &so, &st);
             t0 = st.seconds;
             break;

@@ -1,11 +1,19 @@
-/* router-impl.h -- router internals shared by the rt-*.c files: INI reader, flow-network
- * layout, random numbers. Not a public interface; single-threaded like the router. */
+/* router-impl.h -- router internals shared by the rt-*.c files: file and INI readers, sparse
+ * links and valid hops, flow-network layout, random numbers. Not a public interface;
+ * single-threaded like the router. */
 #ifndef RT_ROUTER_IMPL_H
 #define RT_ROUTER_IMPL_H
 
 #include <stdint.h>
 
 #include "router.h"
+
+/* --- files --------------------------------------------------------------------------------- */
+
+/* Largest file the loaders read (a 10,000-server cluster file is a few tens of MB). */
+#define RT_MAX_FILE ((size_t)1 << 30)
+/* Reads a whole file (NUL-terminated, at most RT_MAX_FILE). *out malloc'ed. */
+int rt__read_text(const char *path, char **out, size_t *len);
 
 /* --- INI files (Helix clusters, profiles, placements) ------------------------------------ */
 
@@ -34,6 +42,41 @@ int rt__eval_expr(const char *s, double *out);
  * malloc'ed (free it). */
 int rt__parse_int_list(const char *s, int **out, int *n);
 
+/* --- sparse links -------------------------------------------------------------------------- */
+
+/* One server's explicit links in one direction, sorted by peer id. An entry with bandwidth 0
+ * overrides default_link for its pair (it is kept only while the pair is on the default). */
+struct rt_adj {
+    int n, cap;
+    int *peer;     /* [cap] */
+    rt_link *link; /* [cap] */
+};
+
+/* Index of `peer` in `a`, or -1. */
+int rt__adj_find(const rt_adj *a, int peer);
+/* 1 if the pair i -> j reads default_link when it has no entry. */
+int rt__on_default(const rt_swarm *sw, int i, int j);
+/* Drops every link to and from server i (both lists and their mirrors) and its default. */
+void rt__links_clear(rt_swarm *sw, int i);
+void rt__adj_free(rt_adj *a);
+/* Deep copy of `src` into the uninitialised `dst`; FU_OK or FU_ERR_NOMEM. */
+int rt__adj_copy(rt_adj *dst, const rt_adj *src);
+
+/* Valid server-to-server hops with a link (bandwidth > 0), in CSR form: the hops out of server
+ * i are to[start[i] .. start[i + 1]) with bandwidth bw[...]. Reused across calls. */
+typedef struct rt_hops {
+    int n, cap;      /* hops */
+    int n_srv;       /* servers covered (start has n_srv + 1 entries) */
+    int *start, *to; /* [n_srv + 1], [cap] */
+    double *bw;      /* [cap] */
+    int start_cap;
+    int *by_first;   /* [n_srv] on-default serving servers sorted by first block (scratch) */
+    int *first_at;   /* [L + 2] start of each block in by_first (scratch) */
+    int first_cap, by_cap;
+} rt_hops;
+int rt__hops_build(const rt_swarm *sw, int allow_partial, rt_hops *h);
+void rt__hops_free(rt_hops *h);
+
 /* --- the swarm's flow network ------------------------------------------------------------ */
 
 /* Node numbering: 0 source, 1 sink, 2 source_out, 3 sink_in, then 4 per server i:
@@ -55,6 +98,7 @@ int rt__hop_valid(const rt_swarm *sw, int i, int j, int allow_partial);
 typedef struct rt_flow_ws {
     rt_graph *g;
     int cap_nodes;
+    rt_hops hops;
 } rt_flow_ws;
 double rt__flow_eval(const rt_swarm *sw, const rt_flow_opts *opts, rt_flow_ws *ws);
 void rt__flow_ws_free(rt_flow_ws *ws);

@@ -1,7 +1,7 @@
 /* router.h -- fusion's router core: swarm model, Helix-style flow network and max flow,
  * span placement (Petals, Swarm, fusion's search, join/rebalance), IWRR routing, simulator.
  *
- * Pure computation over numbers: no I/O besides loading cluster files, no
+ * Pure computation over numbers: no I/O besides loading and saving cluster files, no
  * threads. An rt_swarm is not thread-safe; its owner serializes access (the
  * gateway's gw_swarm holds one mutex over it). Objects are created and freed
  * in pairs (rt_*_init / rt_*_free); the caller owns what it is handed.
@@ -64,12 +64,20 @@ typedef struct rt_link {
     double latency;   /* seconds */
 } rt_link;
 
+typedef struct rt_adj rt_adj; /* one server's links in one direction (router internals) */
+
+/* Links are sparse: each server keeps adjacency lists of its out- and in-links, so memory grows
+ * with servers x links, not servers^2. A pair without an entry reads as `default_link` when both
+ * servers are `on_default` (a cluster file's "default_link" fills every pair this way without
+ * storing the pairs), and as absent ({0, 0}) otherwise. */
 typedef struct rt_swarm {
     rt_model model;
     int n_servers;           /* ids 0 .. n_servers-1 (GONE ones stay in place) */
-    int cap;                 /* allocated server slots; the link matrix is cap x cap */
+    int cap;                 /* allocated server slots */
     rt_server *servers;      /* [cap] */
-    rt_link *links;          /* [cap * cap]: links[i * cap + j] is the directed link i -> j */
+    rt_adj *out, *in;        /* [cap] each server's links i -> j and j -> i (entries mirror) */
+    unsigned char *on_default; /* [cap] 1: pairs of such servers without an entry read default_link */
+    rt_link default_link;    /* bandwidth <= 0: none */
     rt_link *from_source;    /* [cap] coordinator -> server */
     rt_link *to_sink;        /* [cap] server -> coordinator */
     double source_nic_out;   /* coordinator NICs in bytes/s (<= 0 unlimited) */
@@ -100,6 +108,16 @@ int rt_swarm_set_span(rt_swarm *sw, int id, int first, int last);
 int rt_swarm_set_link(rt_swarm *sw, int from, int to, double bandwidth, double latency);
 /* The directed link from -> to (ids or RT_SOURCE / RT_SINK); absent links read as {0, 0}. */
 rt_link rt_swarm_link(const rt_swarm *sw, int from, int to);
+/* Server i's explicit out-links (k < rt_swarm_out_degree): *to receives the peer. Links that
+ * only exist through default_link are not listed. Returns {0, 0} for bad arguments. */
+int rt_swarm_out_degree(const rt_swarm *sw, int i);
+rt_link rt_swarm_out_link(const rt_swarm *sw, int i, int k, int *to);
+/* Helix's link pruning with min_keep = max_keep = k: a server-to-server link survives when it
+ * is among the k fastest out-links of its source or among the k fastest in-links of its
+ * destination (ties: lower peer id first), so every server keeps its k best links each way and
+ * memory is O(servers x k). Links through default_link count as candidates (the survivors
+ * become explicit and default_link is dropped). Coordinator links are kept. k >= 1. */
+int rt_swarm_prune_links(rt_swarm *sw, int k);
 /* Most blocks server `id` can hold: its table length, bounded by
  * weight_vram_fraction * vram / layer_bytes when VRAM is known; 0 for GONE/invalid ids. */
 int rt_swarm_max_layers(const rt_swarm *sw, int id);
@@ -136,18 +154,29 @@ int rt_helix_load_placement(rt_swarm *sw, const char *sol_ini);
  *   {"model": {"name", "n_layers", "token_bytes" (default 2), "activation_bytes",
  *              "layer_bytes", "kv_bytes_per_token_layer", "weight_vram_fraction"},
  *    "coordinator": {"nic_out", "nic_in"},                     bytes/s, optional
- *    "default_link": {"bandwidth", "latency"},                 optional, fills every pair
- *    "servers": [{"name", "address", "kind", "cpu", "state": "active"|"spare",
- *                 "nic_in", "nic_out", "vram",
+ *    "kinds": {"A100": {"tokens_per_s_by_layers", "kv_tokens_by_layers", "vram", "nic_in",
+ *                       "nic_out", "cpu"}, ...},               optional profiles, see below
+ *    "default_link": {"bandwidth", "latency"},                 optional, fills every pair of
+ *                                                              the file's servers (not stored)
+ *    "servers": [{"name", "address", "kind", "profile" (a key of "kinds"; default: kind),
+ *                 "cpu", "state": "active"|"spare", "nic_in", "nic_out", "vram",
  *                 "tokens_per_s_by_layers": [tput with 1, 2, ... blocks]
  *                   or "layer_tokens_per_s" + "max_layers" (tput(k) = value / k),
- *                 "kv_tokens_by_layers": [...] (optional), "span": [first, last]}],
+ *                 "kv_tokens_by_layers": [...] (optional), "span": [first, last],
+ *                 "default_link": false (this server is off the default link)}],
  *    "links": [{"from", "to" (server names, "source", "sink"), "bandwidth", "latency",
- *               "bidirectional" (default true)}]}
- * Examples: config/clusters/. `sw` must be uninitialised; free with rt_swarm_free. */
+ *               "bidirectional" (default true)}
+ *              or [from, to, bandwidth, latency]: directed, by index in "servers"
+ *                 (-1 the coordinator as source, -2 as sink)]}
+ * A server's own fields win over its profile's. Other top-level keys are ignored. Examples:
+ * config/clusters/. `sw` must be uninitialised; free with rt_swarm_free. Files up to 1 GiB. */
 int rt_swarm_load_json(rt_swarm *sw, const char *path);
 int rt_swarm_parse_json(rt_swarm *sw, const char *text, size_t len);
-/* Writes `sw` in fusion's JSON format (links as directed entries). */
+/* Writes `sw` compactly: one "kinds" profile per distinct (kind, tables, VRAM, NICs, cpu)
+ * ("kind#N" for a kind's other profiles), servers referring to it, links as directed arrays
+ * (pairs on the default link stay implicit), GONE servers left out, numbers exact. Streams to
+ * a temporary file beside `path` and renames it over `path`, so readers never see half a file.
+ * O(servers + links). */
 int rt_swarm_save_json(const rt_swarm *sw, const char *path);
 
 /* ---------------------------------------------------------------------------------------- */
@@ -183,13 +212,25 @@ typedef struct rt_flow_opts {
     int allow_partial; /* also link i -> j when start_j <= end_i < end_j (j runs [end_i, end_j)) */
 } rt_flow_opts;
 
+/* One hop of the flow: from a server or RT_SOURCE to a server or RT_SINK. */
+typedef struct rt_flow_hop {
+    int from, to;
+    double flow;         /* tokens/s */
+} rt_flow_hop;
+
 typedef struct rt_flow {
     double value;        /* max flow, tokens/s */
     int n;               /* server slots covered (sw->n_servers when computed) */
     double *server_flow; /* [n] tokens/s through each server's compute edge */
-    double *hop_flow;    /* [(n + 2)^2]: hop_flow[u * (n + 2) + v], u/v in 0..n-1 servers,
-                            n = source, n + 1 = sink */
+    int n_hops;          /* hops carrying flow (> 0) */
+    rt_flow_hop *hops;   /* [n_hops] ordered by from (servers by id, then RT_SOURCE), then to
+                            (servers by id, then RT_SINK) */
+    int *hop_start;      /* [n + 2]: the hops out of server u are hops[hop_start[u] ..
+                            hop_start[u + 1]); out of the source: hop_start[n] .. n_hops */
 } rt_flow;
+
+/* Flow on the hop from -> to (server ids, RT_SOURCE, RT_SINK); 0 when it carries none. */
+double rt_flow_hop_value(const rt_flow *flow, int from, int to);
 
 /* Builds the flow network of `sw` and computes its max flow. `flow` may be NULL (value only,
  * returned through `value`); otherwise it is (re)filled and must be freed with rt_flow_free.
@@ -213,10 +254,14 @@ int rt_place_petals(rt_swarm *sw);
 int rt_place_swarm(rt_swarm *sw);
 
 typedef struct rt_search_opts {
-    double time_limit_s;   /* wall-clock budget (default 5 s when <= 0) */
+    double time_limit_s;   /* wall-clock budget; <= 0: 5 s, or no clock when max_evals > 0 */
     uint64_t seed;
     rt_flow_opts flow;     /* how the flow is evaluated */
     int keep_current;      /* also start from the swarm's current placement if it covers */
+    long max_evals;        /* > 0: the search stops after this many max-flow evaluations in
+                              all (its seeds, a dozen or so at scale, are evaluated even past
+                              it); without a clock (time_limit_s <= 0) it is deterministic: the
+                              same swarm, seed and max_evals give the same placement anywhere */
 } rt_search_opts;
 
 typedef struct rt_search_stats {
@@ -227,7 +272,8 @@ typedef struct rt_search_stats {
 } rt_search_stats;
 
 /* fusion's placement search. Seeds: Petals, Swarm, equal stages of every length, the current
- * placement (keep_current), and a stage-packing dynamic program: servers grouped into
+ * placement (keep_current), chains that follow each server's fastest links (so consecutive
+ * stages are linked in a sparse swarm), and a stage-packing dynamic program: servers grouped into
  * regions (components of fast links) and types; for a target flow F it searches (depth
  * first, pruned by the capacity the unused servers can still add) for a cut of the blocks
  * into consecutive stages, each held by a minimal same-region group with capacity >= F,
@@ -236,8 +282,11 @@ typedef struct rt_search_stats {
  * where they add the most flow. The rest of the budget runs simulated annealing over
  * (start, length) of each server (shift / resize / align to another span / join a stage /
  * swap / bridge) on the true max flow, ties broken by the weakest block's capacity.
- * Writes the best placement into `sw`: every block covered, every span within
- * rt_swarm_max_layers. `stats` may be NULL. */
+ * Large swarms get fewer seeds (at most 8 stage lengths when over 256 servers; the packing
+ * search's leftovers go to Petals' weakest window past 256 servers), and the budget bounds the
+ * packing search too (by time, or by a fixed amount of work without a clock), so the search
+ * takes O(evaluations x servers x links). Writes the best placement into `sw`: every block
+ * covered, every span within rt_swarm_max_layers. `stats` may be NULL. */
 int rt_place_search(rt_swarm *sw, const rt_search_opts *opts, rt_search_stats *stats);
 
 /* Where should the new (or spare) server `id` load? Tries every window the server can hold with
@@ -269,7 +318,8 @@ typedef struct rt_router rt_router;
 typedef struct rt_route_opts {
     rt_flow_opts flow;
     double min_share;     /* skip hops carrying less than this share of a node's out-flow
-                             (default 0.05 when <= 0) */
+                             (default 0.05 when <= 0); where the flow fans out so widely that
+                             no hop reaches it, less than this share of the strongest hop */
 } rt_route_opts;
 
 typedef struct rt_path {

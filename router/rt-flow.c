@@ -112,21 +112,27 @@ static int dinic_bfs(rt_graph *g, int s, int t) {
     return g->level[t] >= 0;
 }
 
-/* Pushes up to `f` from u towards t along the level graph; returns the amount pushed. */
+/* Pushes up to `f` from u towards t along the level graph, over as many edges as it takes
+ * (one search carries many paths); returns the amount pushed. A node that can push nothing
+ * more leaves the level graph. */
 static double dinic_dfs(rt_graph *g, int u, int t, double f) {
     if (u == t) return f;
+    double pushed = 0;
     for (; g->iter[u] >= 0; g->iter[u] = g->e[g->iter[u]].next) {
         int k = g->iter[u];
         int v = g->e[k].to;
         if (g->e[k].res <= g->eps || g->level[v] != g->level[u] + 1) continue;
-        double d = dinic_dfs(g, v, t, f < g->e[k].res ? f : g->e[k].res);
+        double want = f - pushed < g->e[k].res ? f - pushed : g->e[k].res;
+        double d = dinic_dfs(g, v, t, want);
         if (d > 0) {
             g->e[k].res -= d;
             g->e[k ^ 1].res += d;
-            return d;
+            pushed += d;
+            if (f - pushed <= g->eps) return pushed; /* keep iter[u]: the edge may have room */
         }
     }
-    return 0;
+    if (pushed <= 0) g->level[u] = -1;
+    return pushed;
 }
 
 double rt_graph_max_flow(rt_graph *g, int s, int t) {
@@ -170,69 +176,104 @@ static double div_cap(double bw, double bytes) {
     return bytes > 0 ? bw / bytes : RT_INF_CAP;
 }
 
-/* Builds the network into `g`; if `map` is not NULL it receives, per edge index, a tag:
- * -1 structural, server i's compute edge as -2 - i, hop u->v as u * (n+2) + v. */
-static int build_network(const rt_swarm *sw, const rt_flow_opts *o, rt_graph *g, int *map,
-                         int map_cap) {
+/* What a network edge stands for, for reading the flow back: a server's compute edge
+ * (u = server, v = FLOW_COMPUTE), a hop (u, v: server ids, RT_SOURCE, RT_SINK) or neither. */
+#define FLOW_STRUCT (-100)
+#define FLOW_COMPUTE (-101)
+typedef struct flow_tag {
+    int u, v;
+} flow_tag;
+
+typedef struct flow_map {
+    flow_tag *tag; /* [cap] per edge index */
+    int cap;
+} flow_map;
+
+/* Adds an edge to g, recording its tag in `map` (may be NULL). */
+static int add_tagged(rt_graph *g, flow_map *map, int a, int b, double c, int u, int v) {
+    int e = rt_graph_add_edge(g, a, b, c);
+    if (e < 0 || !map) return e < 0 ? e : FU_OK;
+    if (e >= map->cap) {
+        int nc = map->cap ? map->cap * 2 : 256;
+        while (nc <= e) nc *= 2;
+        flow_tag *t = realloc(map->tag, (size_t)nc * sizeof *t);
+        if (!t) return fu_errorf(FU_ERR_NOMEM, "flow: out of memory");
+        map->tag = t;
+        map->cap = nc;
+    }
+    map->tag[e] = (flow_tag){u, v};
+    return FU_OK;
+}
+
+/* Server i's in/compute/out edges; srv_in / srv_out: it has server predecessors/successors. */
+static int add_server_edges(const rt_swarm *sw, int ilp, int i, int srv_in, int srv_out, rt_graph *g,
+                            flow_map *map) {
+    const rt_server *s = &sw->servers[i];
+    double tok = sw->model.token_bytes, act = sw->model.act_bytes;
+    double tp = rt_swarm_tput(sw, i, s->last - s->first);
+    double cin, cout, ccomp = tp;
+    if (ilp) {
+        double nic = s->nic_in > 0 && (s->nic_out <= 0 || s->nic_in < s->nic_out) ? s->nic_in : s->nic_out;
+        double c = div_cap(nic, act);
+        cin = cout = RT_INF_CAP;
+        ccomp = tp < c ? tp : c;
+    } else {
+        cin = div_cap(s->nic_in, srv_in ? tok + act : tok);
+        cout = div_cap(s->nic_out, srv_out ? tok + act : tok);
+    }
+    int rc = add_tagged(g, map, RT_N_IN(i), RT_N_START(i), cin, FLOW_STRUCT, 0);
+    if (!rc) rc = add_tagged(g, map, RT_N_START(i), RT_N_END(i), ccomp, i, FLOW_COMPUTE);
+    if (!rc) rc = add_tagged(g, map, RT_N_END(i), RT_N_OUT(i), cout, FLOW_STRUCT, 0);
+    return rc;
+}
+
+/* Builds the network into `g` from the valid hops `h` (rt__hops_build), tagging edges in `map`
+ * (may be NULL). `has_pred` is scratch of n_servers bytes. */
+static int build_network(const rt_swarm *sw, const rt_flow_opts *o, const rt_hops *h, rt_graph *g,
+                         flow_map *map, unsigned char *has_pred) {
     int n = sw->n_servers, L = sw->model.n_layers, rc;
     double tok = sw->model.token_bytes, act = sw->model.act_bytes;
     int ilp = o->conv == RT_CONV_ILP;
     if ((rc = rt__graph_reset(g, 4 + 4 * n))) return rc;
-#define ADD(u, v, c, tag)                                      \
-    do {                                                       \
-        int e_ = rt_graph_add_edge(g, (u), (v), (c));          \
-        if (e_ < 0) return e_;                                 \
-        if (map && e_ < map_cap) map[e_] = (tag);              \
-    } while (0)
-    ADD(RT_N_SOURCE, RT_N_SRC_OUT, ilp ? RT_INF_CAP : div_cap(sw->source_nic_out, tok), -1);
-    ADD(RT_N_SINK_IN, RT_N_SINK, ilp ? RT_INF_CAP : div_cap(sw->sink_nic_in, tok), -1);
-    for (int i = 0; i < n; i++) {
+    memset(has_pred, 0, (size_t)n + 1);
+    for (int x = 0; x < h->n; x++) has_pred[h->to[x]] = 1;
+    rc = add_tagged(g, map, RT_N_SOURCE, RT_N_SRC_OUT, ilp ? RT_INF_CAP : div_cap(sw->source_nic_out, tok),
+                    FLOW_STRUCT, 0);
+    if (!rc)
+        rc = add_tagged(g, map, RT_N_SINK_IN, RT_N_SINK, ilp ? RT_INF_CAP : div_cap(sw->sink_nic_in, tok),
+                        FLOW_STRUCT, 0);
+    for (int i = 0; i < n && !rc; i++) {
         if (!rt_swarm_serving(sw, i)) continue;
         const rt_server *s = &sw->servers[i];
-        int k = s->last - s->first;
-        double tp = rt_swarm_tput(sw, i, k);
-        /* predecessors / successors among servers decide the bytes per token of the NICs */
-        int srv_in = 0, srv_out = 0;
-        for (int j = 0; j < n && !(srv_in && srv_out); j++) {
-            if (!srv_in && rt__hop_valid(sw, j, i, o->allow_partial) &&
-                sw->links[(size_t)j * sw->cap + i].bandwidth > 0)
-                srv_in = 1;
-            if (!srv_out && rt__hop_valid(sw, i, j, o->allow_partial) &&
-                sw->links[(size_t)i * sw->cap + j].bandwidth > 0)
-                srv_out = 1;
-        }
-        if (ilp) {
-            double nic = s->nic_in > 0 && (s->nic_out <= 0 || s->nic_in < s->nic_out) ? s->nic_in
-                                                                                    : s->nic_out;
-            double c = div_cap(nic, act);
-            ADD(RT_N_IN(i), RT_N_START(i), RT_INF_CAP, -1);
-            ADD(RT_N_START(i), RT_N_END(i), tp < c ? tp : c, -2 - i);
-            ADD(RT_N_END(i), RT_N_OUT(i), RT_INF_CAP, -1);
-        } else {
-            ADD(RT_N_IN(i), RT_N_START(i), div_cap(s->nic_in, srv_in ? tok + act : tok), -1);
-            ADD(RT_N_START(i), RT_N_END(i), tp, -2 - i);
-            ADD(RT_N_END(i), RT_N_OUT(i), div_cap(s->nic_out, srv_out ? tok + act : tok), -1);
-        }
-        if (s->first == 0 && sw->from_source[i].bandwidth > 0)
-            ADD(RT_N_SRC_OUT, RT_N_IN(i), sw->from_source[i].bandwidth / tok, n * (n + 2) + i);
-        if (s->last == L && sw->to_sink[i].bandwidth > 0)
-            ADD(RT_N_OUT(i), RT_N_SINK_IN, sw->to_sink[i].bandwidth / tok, i * (n + 2) + n + 1);
-        for (int j = 0; j < n; j++) {
-            double bw = sw->links[(size_t)i * sw->cap + j].bandwidth;
-            if (bw > 0 && rt__hop_valid(sw, i, j, o->allow_partial))
-                ADD(RT_N_OUT(i), RT_N_IN(j), bw / (ilp ? act : tok + act), i * (n + 2) + j);
-        }
+        rc = add_server_edges(sw, ilp, i, has_pred[i], h->start[i + 1] > h->start[i], g, map);
+        if (!rc && s->first == 0 && sw->from_source[i].bandwidth > 0)
+            rc = add_tagged(g, map, RT_N_SRC_OUT, RT_N_IN(i), sw->from_source[i].bandwidth / tok, RT_SOURCE, i);
+        if (!rc && s->last == L && sw->to_sink[i].bandwidth > 0)
+            rc = add_tagged(g, map, RT_N_OUT(i), RT_N_SINK_IN, sw->to_sink[i].bandwidth / tok, i, RT_SINK);
+        for (int x = h->start[i]; x < h->start[i + 1] && !rc; x++)
+            rc = add_tagged(g, map, RT_N_OUT(i), RT_N_IN(h->to[x]), h->bw[x] / (ilp ? act : tok + act), i,
+                            h->to[x]);
     }
-#undef ADD
-    return FU_OK;
+    return rc;
 }
 
 static const rt_flow_opts default_opts = {RT_CONV_RUNTIME, 0};
 
+/* Hops, scratch and network of `sw` into ws->g (grown as needed). */
+static int prepare(const rt_swarm *sw, const rt_flow_opts *opts, rt_flow_ws *ws, flow_map *map) {
+    int n = sw->n_servers, rc;
+    if (!ws->g && (rc = rt_graph_init(&ws->g, 4 + 4 * n))) return rc;
+    if ((rc = rt__hops_build(sw, opts->allow_partial, &ws->hops))) return rc;
+    unsigned char *has_pred = malloc((size_t)n + 1);
+    if (!has_pred) return fu_errorf(FU_ERR_NOMEM, "flow: out of memory");
+    rc = build_network(sw, opts, &ws->hops, ws->g, map, has_pred);
+    free(has_pred);
+    return rc;
+}
+
 double rt__flow_eval(const rt_swarm *sw, const rt_flow_opts *opts, rt_flow_ws *ws) {
     if (!opts) opts = &default_opts;
-    if (!ws->g && rt_graph_init(&ws->g, 4 + 4 * sw->n_servers)) return 0;
-    if (build_network(sw, opts, ws->g, NULL, 0)) return 0;
+    if (prepare(sw, opts, ws, NULL)) return 0;
     double f = rt_graph_max_flow(ws->g, RT_N_SOURCE, RT_N_SINK);
     return f > 0 ? f : 0;
 }
@@ -241,59 +282,87 @@ void rt__flow_ws_free(rt_flow_ws *ws) {
     if (!ws) return;
     rt_graph_free(ws->g);
     ws->g = NULL;
+    rt__hops_free(&ws->hops);
 }
 
 void rt_flow_free(rt_flow *flow) {
     if (!flow) return;
     free(flow->server_flow);
-    free(flow->hop_flow);
+    free(flow->hops);
+    free(flow->hop_start);
     memset(flow, 0, sizeof *flow);
+}
+
+/* Node index of a hop end for ordering: servers by id, then the source (n) or sink (n + 1). */
+static int hop_node(int id, int n) { return id == RT_SOURCE ? n : id == RT_SINK ? n + 1 : id; }
+
+/* Orders hops whose ends hold node indices (hop_node). */
+static int cmp_hop(const void *a, const void *b) {
+    const rt_flow_hop *x = a, *y = b;
+    if (x->from != y->from) return x->from - y->from;
+    return x->to - y->to;
+}
+
+static int node_id(int x, int n) { return x == n ? RT_SOURCE : x == n + 1 ? RT_SINK : x; }
+
+/* Reads the per-server and per-hop flow of the solved network into `flow`. */
+static int read_flow(const rt_graph *g, const flow_map *map, int n, double value, rt_flow *flow) {
+    int ne = g->ne / 2, nh = 0;
+    double *sf = calloc((size_t)n + 1, sizeof(double));
+    rt_flow_hop *hops = malloc(((size_t)ne + 1) * sizeof *hops);
+    int *start = calloc((size_t)n + 2, sizeof(int));
+    if (!sf || !hops || !start) {
+        free(sf), free(hops), free(start);
+        return fu_errorf(FU_ERR_NOMEM, "flow: out of memory");
+    }
+    for (int e = 0; e < ne; e++) {
+        flow_tag t = map->tag[e];
+        double x = rt_graph_edge_flow(g, e);
+        if (t.u == FLOW_STRUCT) continue;
+        if (t.v == FLOW_COMPUTE) sf[t.u] = x;
+        else if (x > 0) hops[nh++] = (rt_flow_hop){hop_node(t.u, n), hop_node(t.v, n), x};
+    }
+    qsort(hops, (size_t)nh, sizeof *hops, cmp_hop);
+    for (int x = 0; x < nh; x++) {
+        start[hops[x].from + 1]++;
+        hops[x].from = node_id(hops[x].from, n);
+        hops[x].to = node_id(hops[x].to, n);
+    }
+    for (int u = 0; u <= n; u++) start[u + 1] += start[u];
+    rt_flow_free(flow);
+    *flow = (rt_flow){value, n, sf, nh, hops, start};
+    return FU_OK;
 }
 
 int rt_flow_compute(const rt_swarm *sw, const rt_flow_opts *opts, rt_flow *flow, double *value) {
     if (!sw) return fu_errorf(FU_ERR_INVALID, "rt_flow_compute: NULL swarm");
     if (!opts) opts = &default_opts;
-    int n = sw->n_servers, rc;
-    rt_graph *g = NULL;
-    if ((rc = rt_graph_init(&g, 4 + 4 * n))) return rc;
-    /* edges: 2 + per server 3 + 2 + n */
-    int map_cap = 2 + n * (5 + n) + 8;
-    int *map = malloc((size_t)map_cap * sizeof(int));
-    if (!map) {
-        rt_graph_free(g);
-        return fu_errorf(FU_ERR_NOMEM, "flow: out of memory");
+    rt_flow_ws ws = {0};
+    flow_map map = {NULL, 0};
+    int rc = prepare(sw, opts, &ws, flow ? &map : NULL);
+    if (!rc) {
+        double f = rt_graph_max_flow(ws.g, RT_N_SOURCE, RT_N_SINK);
+        if (f < 0) f = 0;
+        if (value) *value = f;
+        if (flow) rc = read_flow(ws.g, &map, sw->n_servers, f, flow);
     }
-    if ((rc = build_network(sw, opts, g, map, map_cap))) goto err;
-    double f = rt_graph_max_flow(g, RT_N_SOURCE, RT_N_SINK);
-    if (f < 0) f = 0;
-    if (value) *value = f;
-    if (flow) {
-        size_t n2 = (size_t)(n + 2) * (size_t)(n + 2);
-        double *sf = calloc((size_t)n + 1, sizeof(double));
-        double *hf = calloc(n2, sizeof(double));
-        if (!sf || !hf) {
-            free(sf), free(hf);
-            rc = fu_errorf(FU_ERR_NOMEM, "flow: out of memory");
-            goto err;
-        }
-        rt_flow_free(flow);
-        flow->value = f;
-        flow->n = n;
-        flow->server_flow = sf;
-        flow->hop_flow = hf;
-        int ne = g->ne / 2;
-        for (int e = 0; e < ne && e < map_cap; e++) {
-            if (map[e] == -1) continue;
-            double x = rt_graph_edge_flow(g, e);
-            if (map[e] < -1) sf[-2 - map[e]] = x;
-            else hf[map[e]] = x;
-        }
-    }
-    rc = FU_OK;
-err:
-    free(map);
-    rt_graph_free(g);
+    free(map.tag);
+    rt__flow_ws_free(&ws);
     return rc;
+}
+
+double rt_flow_hop_value(const rt_flow *flow, int from, int to) {
+    if (!flow || !flow->hop_start) return 0;
+    int n = flow->n, u = hop_node(from, n), v = hop_node(to, n);
+    if (u < 0 || u > n || v < 0 || v > n + 1 || (u == n && from != RT_SOURCE)) return 0;
+    int lo = flow->hop_start[u], hi = flow->hop_start[u + 1];
+    while (lo < hi) {
+        int mid = (lo + hi) / 2, w = hop_node(flow->hops[mid].to, n);
+        if (w == v) return flow->hops[mid].flow;
+        if (w < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return 0;
 }
 
 double rt_max_flow(const rt_swarm *sw, const rt_flow_opts *opts) {

@@ -1,5 +1,5 @@
 /* rt-load.c -- loaders: Helix cluster/profile/placement INI files and capacity tables, and
- * fusion's own JSON cluster format (load and save). */
+ * the text reader they share. fusion's own JSON format is in rt-json.c. */
 #define _POSIX_C_SOURCE 200809L
 #include <ctype.h>
 #include <errno.h>
@@ -14,8 +14,7 @@
 
 /* --- small text helpers ------------------------------------------------------------------- */
 
-/* Reads a whole file (NUL-terminated, at most 64 MiB). *out malloc'ed. */
-static int read_text(const char *path, char **out, size_t *len) {
+int rt__read_text(const char *path, char **out, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) return fu_errorf(FU_ERR_IO, "%s: %s", path, strerror(errno));
     size_t cap = 1 << 16, n = 0;
@@ -26,7 +25,7 @@ static int read_text(const char *path, char **out, size_t *len) {
     }
     for (;;) {
         if (n + 1 >= cap) {
-            if (cap >= (64u << 20)) {
+            if (cap >= RT_MAX_FILE) {
                 free(buf), fclose(f);
                 return fu_errorf(FU_ERR_RANGE, "%s: file too large", path);
             }
@@ -134,7 +133,7 @@ nomem:
 int rt__ini_load(rt_ini *ini, const char *path) {
     char *text;
     size_t len;
-    int rc = read_text(path, &text, &len);
+    int rc = rt__read_text(path, &text, &len);
     if (rc) return rc;
     rc = rt__ini_parse(ini, text, len);
     free(text);
@@ -350,7 +349,7 @@ typedef struct type_table {
 static int load_capacity_csv(const char *path, const char *model, const char *key,
                              type_table *types, int n_types) {
     char *text;
-    int rc = read_text(path, &text, NULL);
+    int rc = rt__read_text(path, &text, NULL);
     if (rc) return rc;
     int rows = 0;
     char *save = text;
@@ -577,268 +576,5 @@ int rt_helix_load_placement(rt_swarm *sw, const char *sol_ini) {
         free(layers);
     }
     rt__ini_free(&ini);
-    return rc;
-}
-
-/* --- fusion's JSON format ----------------------------------------------------------------- */
-
-static double jnum(json_t *o, const char *key, double dflt) {
-    json_t *v = json_object_get(o, key);
-    return json_is_number(v) ? json_number_value(v) : dflt;
-}
-
-static int jstr(json_t *o, const char *key, char *dst, size_t cap) {
-    json_t *v = json_object_get(o, key);
-    if (!v) return 0;
-    if (!json_is_string(v) || strlen(json_string_value(v)) >= cap) return -1;
-    snprintf(dst, cap, "%s", json_string_value(v));
-    return 0;
-}
-
-/* Reads a number array into a fresh malloc'ed buffer. */
-static int jarray(json_t *a, double **out, int *n) {
-    *out = NULL;
-    *n = 0;
-    if (!json_is_array(a) || json_array_size(a) == 0 || json_array_size(a) > 100000) return -1;
-    size_t m = json_array_size(a);
-    double *v = malloc(m * sizeof(double));
-    if (!v) return -1;
-    for (size_t i = 0; i < m; i++) {
-        json_t *x = json_array_get(a, i);
-        if (!json_is_number(x) || !(json_number_value(x) >= 0) ||
-            !isfinite(json_number_value(x))) {
-            free(v);
-            return -1;
-        }
-        v[i] = json_number_value(x);
-    }
-    *out = v;
-    *n = (int)m;
-    return 0;
-}
-
-static int endpoint_id(const rt_swarm *sw, json_t *v, int *id) {
-    if (!json_is_string(v)) return -1;
-    const char *s = json_string_value(v);
-    if (!strcmp(s, "source")) *id = RT_SOURCE;
-    else if (!strcmp(s, "sink")) *id = RT_SINK;
-    else {
-        for (int i = 0; i < sw->n_servers; i++)
-            if (!strcmp(sw->servers[i].name, s)) {
-                *id = i;
-                return 0;
-            }
-        return -1;
-    }
-    return 0;
-}
-
-static int parse_json_root(rt_swarm *sw, json_t *root) {
-    json_t *m = json_object_get(root, "model");
-    if (!json_is_object(m)) return fu_errorf(FU_ERR_FORMAT, "cluster JSON: missing \"model\"");
-    rt_model model;
-    memset(&model, 0, sizeof model);
-    if (jstr(m, "name", model.name, sizeof model.name))
-        return fu_errorf(FU_ERR_FORMAT, "cluster JSON: bad model.name");
-    json_t *nl = json_object_get(m, "n_layers");
-    if (!json_is_integer(nl) || json_integer_value(nl) <= 0 || json_integer_value(nl) > 100000)
-        return fu_errorf(FU_ERR_FORMAT, "cluster JSON: model.n_layers must be a positive integer");
-    model.n_layers = (int)json_integer_value(nl);
-    model.token_bytes = jnum(m, "token_bytes", 2);
-    model.act_bytes = jnum(m, "activation_bytes", -1);
-    model.layer_bytes = jnum(m, "layer_bytes", 0);
-    model.kv_bytes_per_token_layer = jnum(m, "kv_bytes_per_token_layer", 0);
-    model.weight_vram_fraction = jnum(m, "weight_vram_fraction", 0);
-    if (!(model.token_bytes > 0) || !(model.act_bytes > 0) || !(model.layer_bytes >= 0) ||
-        !(model.weight_vram_fraction >= 0) || model.weight_vram_fraction > 1)
-        return fu_errorf(FU_ERR_FORMAT, "cluster JSON: model needs positive token_bytes and "
-                         "activation_bytes, layer_bytes >= 0, weight_vram_fraction in [0, 1]");
-    int rc = rt_swarm_init(sw, &model);
-    if (rc) return rc;
-    json_t *co = json_object_get(root, "coordinator");
-    sw->source_nic_out = jnum(co, "nic_out", 0);
-    sw->sink_nic_in = jnum(co, "nic_in", 0);
-    json_t *servers = json_object_get(root, "servers");
-    if (!json_is_array(servers)) return fu_errorf(FU_ERR_FORMAT, "cluster JSON: missing \"servers\"");
-    size_t i;
-    json_t *s;
-    json_array_foreach(servers, i, s) {
-        rt_server d;
-        memset(&d, 0, sizeof d);
-        if (!json_is_object(s) || jstr(s, "name", d.name, sizeof d.name) || !d.name[0] ||
-            jstr(s, "address", d.address, sizeof d.address) ||
-            jstr(s, "kind", d.kind, sizeof d.kind))
-            return fu_errorf(FU_ERR_FORMAT, "cluster JSON: server %zu needs a name (and string "
-                             "address/kind)", i);
-        for (int j = 0; j < sw->n_servers; j++)
-            if (!strcmp(sw->servers[j].name, d.name))
-                return fu_errorf(FU_ERR_FORMAT, "cluster JSON: duplicate server %s", d.name);
-        d.is_cpu = json_is_true(json_object_get(s, "cpu"));
-        char st[16] = "active";
-        if (jstr(s, "state", st, sizeof st) || (strcmp(st, "active") && strcmp(st, "spare")))
-            return fu_errorf(FU_ERR_FORMAT, "server %s: state must be active or spare", d.name);
-        d.state = strcmp(st, "spare") ? RT_SERVER_ACTIVE : RT_SERVER_SPARE;
-        d.nic_in = jnum(s, "nic_in", 0);
-        d.nic_out = jnum(s, "nic_out", 0);
-        d.vram_bytes = jnum(s, "vram", 0);
-        json_t *tbl = json_object_get(s, "tokens_per_s_by_layers");
-        double *tp = NULL, *kv = NULL;
-        int ntp = 0, nkv = 0;
-        if (tbl) {
-            if (jarray(tbl, &tp, &ntp))
-                return fu_errorf(FU_ERR_FORMAT, "server %s: bad tokens_per_s_by_layers", d.name);
-        } else {
-            double per = jnum(s, "layer_tokens_per_s", -1);
-            json_t *mx = json_object_get(s, "max_layers");
-            if (!(per > 0) || !isfinite(per) || !json_is_integer(mx) ||
-                json_integer_value(mx) <= 0 || json_integer_value(mx) > model.n_layers)
-                return fu_errorf(FU_ERR_FORMAT, "server %s: needs tokens_per_s_by_layers or "
-                                 "layer_tokens_per_s + max_layers", d.name);
-            ntp = (int)json_integer_value(mx);
-            tp = malloc((size_t)ntp * sizeof(double));
-            if (!tp) return fu_errorf(FU_ERR_NOMEM, "out of memory");
-            for (int k = 0; k < ntp; k++) tp[k] = per / (k + 1);
-        }
-        json_t *kvt = json_object_get(s, "kv_tokens_by_layers");
-        if (kvt && (jarray(kvt, &kv, &nkv) || nkv != ntp)) {
-            free(tp), free(kv);
-            return fu_errorf(FU_ERR_FORMAT, "server %s: kv_tokens_by_layers must match the "
-                             "throughput table", d.name);
-        }
-        d.n_tput = ntp;
-        d.tput = tp;
-        d.kv_tokens = kv;
-        json_t *span = json_object_get(s, "span");
-        if (span && !json_is_null(span)) {
-            json_t *a = json_array_get(span, 0), *b = json_array_get(span, 1);
-            if (!json_is_array(span) || json_array_size(span) != 2 || !json_is_integer(a) ||
-                !json_is_integer(b) || json_integer_value(a) < 0 ||
-                json_integer_value(b) > model.n_layers ||
-                json_integer_value(a) > json_integer_value(b)) {
-                free(tp), free(kv);
-                return fu_errorf(FU_ERR_FORMAT, "server %s: span must be [first, last)", d.name);
-            }
-            d.first = (int)json_integer_value(a);
-            d.last = (int)json_integer_value(b);
-        }
-        int id = rt_swarm_add_server(sw, &d);
-        free(tp), free(kv);
-        if (id < 0) return id;
-    }
-    json_t *dl = json_object_get(root, "default_link");
-    if (dl) {
-        double bw = jnum(dl, "bandwidth", -1), lat = jnum(dl, "latency", 0);
-        if (!(bw > 0) || !(lat >= 0)) return fu_errorf(FU_ERR_FORMAT, "bad default_link");
-        for (int a = 0; a < sw->n_servers; a++) {
-            sw->from_source[a] = sw->to_sink[a] = (rt_link){bw, lat};
-            for (int b = 0; b < sw->n_servers; b++)
-                if (a != b) sw->links[(size_t)a * sw->cap + b] = (rt_link){bw, lat};
-        }
-    }
-    json_t *links = json_object_get(root, "links");
-    if (links && !json_is_array(links)) return fu_errorf(FU_ERR_FORMAT, "\"links\" must be a list");
-    json_t *l;
-    json_array_foreach(links, i, l) {
-        int a, b;
-        if (endpoint_id(sw, json_object_get(l, "from"), &a) ||
-            endpoint_id(sw, json_object_get(l, "to"), &b))
-            return fu_errorf(FU_ERR_FORMAT, "link %zu: unknown endpoint", i);
-        double bw = jnum(l, "bandwidth", -1), lat = jnum(l, "latency", 0);
-        if (!(bw >= 0) || !(lat >= 0)) return fu_errorf(FU_ERR_FORMAT, "link %zu: bad numbers", i);
-        json_t *bi = json_object_get(l, "bidirectional");
-        int both = !bi || json_is_true(bi);
-        if ((rc = rt_swarm_set_link(sw, a, b, bw, lat)))
-            return fu_errorf(rc, "link %zu: %s", i, fu_last_error());
-        if (both && a >= 0 && b >= 0 && (rc = rt_swarm_set_link(sw, b, a, bw, lat))) return rc;
-    }
-    return FU_OK;
-}
-
-int rt_swarm_parse_json(rt_swarm *sw, const char *text, size_t len) {
-    if (!sw || !text) return fu_errorf(FU_ERR_INVALID, "rt_swarm_parse_json: NULL argument");
-    memset(sw, 0, sizeof *sw);
-    json_error_t jerr;
-    json_t *root = json_loadb(text, len, 0, &jerr);
-    if (!root) return fu_errorf(FU_ERR_FORMAT, "cluster JSON: %s (line %d)", jerr.text, jerr.line);
-    int rc = json_is_object(root) ? parse_json_root(sw, root)
-                                  : fu_errorf(FU_ERR_FORMAT, "cluster JSON: not an object");
-    json_decref(root);
-    if (rc) rt_swarm_free(sw);
-    return rc;
-}
-
-int rt_swarm_load_json(rt_swarm *sw, const char *path) {
-    if (!sw || !path) return fu_errorf(FU_ERR_INVALID, "rt_swarm_load_json: NULL argument");
-    memset(sw, 0, sizeof *sw);
-    char *text;
-    size_t len;
-    int rc = read_text(path, &text, &len);
-    if (rc) return rc;
-    rc = rt_swarm_parse_json(sw, text, len);
-    free(text);
-    if (rc) return fu_errorf(rc, "%s: %s", path, fu_last_error());
-    return FU_OK;
-}
-
-static json_t *link_json(const char *from, const char *to, rt_link l) {
-    return json_pack("{s:s, s:s, s:f, s:f, s:b}", "from", from, "to", to, "bandwidth",
-                     l.bandwidth, "latency", l.latency, "bidirectional", 0);
-}
-
-int rt_swarm_save_json(const rt_swarm *sw, const char *path) {
-    if (!sw || !path) return fu_errorf(FU_ERR_INVALID, "rt_swarm_save_json: NULL argument");
-    const rt_model *m = &sw->model;
-    json_t *root = json_object(), *servers = json_array(), *links = json_array();
-    int ok = root && servers && links;
-    ok = ok && !json_object_set_new(root, "model",
-                      json_pack("{s:s, s:i, s:f, s:f, s:f, s:f, s:f}", "name", m->name,
-                                "n_layers", m->n_layers, "token_bytes", m->token_bytes,
-                                "activation_bytes", m->act_bytes, "layer_bytes", m->layer_bytes,
-                                "kv_bytes_per_token_layer", m->kv_bytes_per_token_layer,
-                                "weight_vram_fraction", m->weight_vram_fraction));
-    ok = ok && !json_object_set_new(root, "coordinator",
-                      json_pack("{s:f, s:f}", "nic_out", sw->source_nic_out, "nic_in",
-                                sw->sink_nic_in));
-    for (int i = 0; ok && i < sw->n_servers; i++) {
-        const rt_server *s = &sw->servers[i];
-        if (s->state == RT_SERVER_GONE) continue;
-        json_t *tp = json_array(), *kv = json_array();
-        for (int k = 0; tp && kv && k < s->n_tput; k++) {
-            json_array_append_new(tp, json_real(s->tput[k]));
-            json_array_append_new(kv, json_real(s->kv_tokens ? s->kv_tokens[k] : 0));
-        }
-        json_t *o = json_pack("{s:s, s:s, s:s, s:b, s:s, s:f, s:f, s:f, s:o, s:o}", "name",
-                              s->name, "address", s->address, "kind", s->kind, "cpu", s->is_cpu,
-                              "state", s->state == RT_SERVER_SPARE ? "spare" : "active", "nic_in",
-                              s->nic_in, "nic_out", s->nic_out, "vram", s->vram_bytes,
-                              "tokens_per_s_by_layers", tp, "kv_tokens_by_layers", kv);
-        if (o && s->last > s->first)
-            json_object_set_new(o, "span", json_pack("[i, i]", s->first, s->last));
-        ok = o && !json_array_append_new(servers, o);
-    }
-    for (int a = 0; ok && a < sw->n_servers; a++) {
-        if (sw->servers[a].state == RT_SERVER_GONE) continue;
-        const char *an = sw->servers[a].name;
-        if (sw->from_source[a].bandwidth > 0)
-            ok = ok && !json_array_append_new(links, link_json("source", an, sw->from_source[a]));
-        if (sw->to_sink[a].bandwidth > 0)
-            ok = ok && !json_array_append_new(links, link_json(an, "sink", sw->to_sink[a]));
-        for (int b = 0; ok && b < sw->n_servers; b++) {
-            rt_link l = sw->links[(size_t)a * sw->cap + b];
-            if (l.bandwidth > 0 && sw->servers[b].state != RT_SERVER_GONE)
-                ok = !json_array_append_new(links, link_json(an, sw->servers[b].name, l));
-        }
-    }
-    int rc = FU_OK;
-    if (!ok) rc = fu_errorf(FU_ERR_NOMEM, "cluster JSON: out of memory");
-    else {
-        json_object_set(root, "servers", servers);
-        json_object_set(root, "links", links);
-        if (json_dump_file(root, path, JSON_INDENT(1) | JSON_REAL_PRECISION(10)))
-            rc = fu_errorf(FU_ERR_IO, "%s: cannot write", path);
-    }
-    json_decref(servers);
-    json_decref(links);
-    json_decref(root);
     return rc;
 }

@@ -7,46 +7,139 @@
 #include "router-impl.h"
 #include "status.h"
 
-/* Hop indices: 0 = source, 1 = sink, 2 + i = server i. */
+/* Work routed over each hop, keyed by its ends (0 = source, 1 = sink, 2 + i = server i):
+ * open addressing with linear probing; an entry leaves when its work returns to 0, so the
+ * table holds only hops of paths in flight and survives rt_router_update. */
 #define HX(i) ((i) + 2)
+#define LOAD_EMPTY UINT64_MAX
+
+typedef struct load_slot {
+    uint64_t key;
+    double work;
+} load_slot;
+
+typedef struct load_map {
+    load_slot *slot; /* [cap], cap a power of two */
+    size_t cap, used;
+} load_map;
 
 struct rt_router {
     const rt_swarm *sw;
     rt_route_opts opts;
     rt_flow flow;
     int n;              /* server slots tracked */
-    int stride;         /* row length of hop_load (n + 2) */
-    double *hop_load;   /* [stride^2] work (tokens) routed over each hop */
+    load_map hop_load;  /* work (tokens) routed over each hop */
     double *srv_load;   /* [n] work routed through each server */
     double *kv_used;    /* [n] KV tokens reserved on each server */
     uint64_t next_id;
     long live_paths;
     const int *cached;  /* during rt_route_cached: tokens each server likely holds cached */
-    /* scratch for the search */
-    int *stack_srv, *cand;
-    double *cand_score;
+    /* scratch for the search: a chain has at most n_layers hops (each ends further on) */
+    int depth_cap, deg_cap;
+    int *stack_srv;     /* [depth_cap] */
+    int *cand;          /* [depth_cap * deg_cap] candidates per depth */
+    double *cand_score; /* [depth_cap * deg_cap] their scores */
 };
 
+static size_t load_pos(const load_map *m, uint64_t key) {
+    uint64_t h = key * 0x9e3779b97f4a7c15ULL;
+    return (size_t)(h >> 17) & (m->cap - 1);
+}
+
+static int load_grow(load_map *m) {
+    size_t cap = m->cap ? m->cap * 2 : 64;
+    load_slot *s = malloc(cap * sizeof *s), *old = m->slot;
+    if (!s) return fu_errorf(FU_ERR_NOMEM, "router: out of memory");
+    for (size_t i = 0; i < cap; i++) s[i].key = LOAD_EMPTY;
+    size_t ocap = m->cap;
+    m->slot = s;
+    m->cap = cap;
+    for (size_t i = 0; i < ocap; i++) {
+        if (old[i].key == LOAD_EMPTY) continue;
+        size_t p = load_pos(m, old[i].key);
+        while (s[p].key != LOAD_EMPTY) p = (p + 1) & (cap - 1);
+        s[p] = old[i];
+    }
+    free(old);
+    return FU_OK;
+}
+
+static uint64_t hop_key(int u, int v) {
+    uint32_t a = u == RT_SOURCE ? 0 : (uint32_t)HX(u), b = v == RT_SINK ? 1 : (uint32_t)HX(v);
+    return (uint64_t)a << 32 | b;
+}
+
+/* Work on hop u -> v (0 when none). */
+static double load_get(const load_map *m, int u, int v) {
+    if (!m->cap) return 0;
+    uint64_t key = hop_key(u, v);
+    for (size_t p = load_pos(m, key); m->slot[p].key != LOAD_EMPTY; p = (p + 1) & (m->cap - 1))
+        if (m->slot[p].key == key) return m->slot[p].work;
+    return 0;
+}
+
+/* Removes slot p, moving later probes back (deletion without tombstones). */
+static void load_erase(load_map *m, size_t p) {
+    size_t mask = m->cap - 1;
+    m->slot[p].key = LOAD_EMPTY;
+    m->used--;
+    for (size_t q = (p + 1) & mask; m->slot[q].key != LOAD_EMPTY; q = (q + 1) & mask) {
+        size_t home = load_pos(m, m->slot[q].key);
+        /* q's entry may fill the hole if its home is not within (p, q] cyclically */
+        if ((q > p && (home <= p || home > q)) || (q < p && home <= p && home > q)) {
+            m->slot[p] = m->slot[q];
+            m->slot[q].key = LOAD_EMPTY;
+            p = q;
+        }
+    }
+}
+
+/* Adds `d` to the work on hop u -> v; an entry that returns to 0 is dropped. */
+static int load_add(load_map *m, int u, int v, double d) {
+    if ((m->used + 1) * 2 > m->cap && load_grow(m)) return FU_ERR_NOMEM;
+    uint64_t key = hop_key(u, v);
+    size_t p = load_pos(m, key);
+    while (m->slot[p].key != LOAD_EMPTY && m->slot[p].key != key) p = (p + 1) & (m->cap - 1);
+    if (m->slot[p].key == LOAD_EMPTY) {
+        m->slot[p] = (load_slot){key, 0};
+        m->used++;
+    }
+    m->slot[p].work += d;
+    if (m->slot[p].work <= 0) load_erase(m, p);
+    return FU_OK;
+}
+
 static int router_resize(rt_router *r, int n) {
-    if (n <= r->n && r->hop_load) return FU_OK;
-    int stride = n + 2;
-    double *hl = calloc((size_t)stride * stride, sizeof(double));
+    if (n <= r->n && r->srv_load) return FU_OK;
     double *sl = calloc((size_t)n + 1, sizeof(double)), *kv = calloc((size_t)n + 1, sizeof(double));
-    int *st = malloc(((size_t)n + 2) * sizeof(int)), *cand = malloc(((size_t)n + 2) * (n + 2) * sizeof(int));
-    double *cs = malloc(((size_t)n + 2) * sizeof(double));
-    if (!hl || !sl || !kv || !st || !cand || !cs) {
-        free(hl), free(sl), free(kv), free(st), free(cand), free(cs);
+    if (!sl || !kv) {
+        free(sl), free(kv);
         return fu_errorf(FU_ERR_NOMEM, "router: out of memory");
     }
-    for (int a = 0; a < r->stride; a++)
-        for (int b = 0; b < r->stride; b++) hl[a * stride + b] = r->hop_load[a * r->stride + b];
     for (int i = 0; i < r->n; i++) sl[i] = r->srv_load[i], kv[i] = r->kv_used[i];
-    free(r->hop_load), free(r->srv_load), free(r->kv_used), free(r->stack_srv), free(r->cand),
-        free(r->cand_score);
-    r->hop_load = hl, r->srv_load = sl, r->kv_used = kv, r->stack_srv = st, r->cand = cand;
-    r->cand_score = cs;
+    free(r->srv_load), free(r->kv_used);
+    r->srv_load = sl, r->kv_used = kv;
     r->n = n;
-    r->stride = stride;
+    return FU_OK;
+}
+
+/* Sizes the search scratch for the current flow: depth <= n_layers, out-degree of any node. */
+static int scratch_resize(rt_router *r) {
+    int depth = r->sw->model.n_layers + 2, deg = 1;
+    for (int u = 0; u <= r->flow.n; u++) {
+        int d = r->flow.hop_start[u + 1] - r->flow.hop_start[u];
+        if (d > deg) deg = d;
+    }
+    if (depth <= r->depth_cap && deg <= r->deg_cap) return FU_OK;
+    int *st = malloc((size_t)depth * sizeof(int)), *cand = malloc((size_t)depth * (size_t)deg * sizeof(int));
+    double *cs = malloc((size_t)depth * (size_t)deg * sizeof(double));
+    if (!st || !cand || !cs) {
+        free(st), free(cand), free(cs);
+        return fu_errorf(FU_ERR_NOMEM, "router: out of memory");
+    }
+    free(r->stack_srv), free(r->cand), free(r->cand_score);
+    r->stack_srv = st, r->cand = cand, r->cand_score = cs;
+    r->depth_cap = depth, r->deg_cap = deg;
     return FU_OK;
 }
 
@@ -69,7 +162,7 @@ int rt_router_init(rt_router **out, const rt_swarm *sw, const rt_route_opts *opt
 void rt_router_free(rt_router *r) {
     if (!r) return;
     rt_flow_free(&r->flow);
-    free(r->hop_load), free(r->srv_load), free(r->kv_used), free(r->stack_srv), free(r->cand),
+    free(r->hop_load.slot), free(r->srv_load), free(r->kv_used), free(r->stack_srv), free(r->cand),
         free(r->cand_score);
     free(r);
 }
@@ -78,7 +171,8 @@ int rt_router_update(rt_router *r) {
     if (!r) return fu_errorf(FU_ERR_INVALID, "rt_router_update: NULL router");
     int rc = router_resize(r, r->sw->n_servers);
     if (rc) return rc;
-    return rt_flow_compute(r->sw, &r->opts.flow, &r->flow, NULL);
+    if ((rc = rt_flow_compute(r->sw, &r->opts.flow, &r->flow, NULL))) return rc;
+    return scratch_resize(r);
 }
 
 const rt_flow *rt_router_flow(const rt_router *r) { return r ? &r->flow : NULL; }
@@ -90,24 +184,8 @@ double rt_router_load(const rt_router *r, int id) {
 
 int rt_router_busy(const rt_router *r, int id) {
     if (!r || id < 0 || id >= r->n) return 0;
-    if (r->srv_load[id] > 0 || r->kv_used[id] > 0) return 1;
-    size_t x = (size_t)HX(id);
-    for (size_t u = 0; u < (size_t)r->stride; u++)
-        if (r->hop_load[u * r->stride + x] > 0 || r->hop_load[x * r->stride + u] > 0) return 1;
-    return 0;
-}
-
-/* Flow on hop u -> v in the router's flow (u, v: server ids, RT_SOURCE, RT_SINK). */
-static double hop_flow(const rt_router *r, int u, int v) {
-    int n = r->flow.n;
-    int a = u == RT_SOURCE ? n : u, b = v == RT_SINK ? n + 1 : v;
-    if (a < 0 || b < 0 || a > n + 1 || b > n + 1) return 0;
-    return r->flow.hop_flow[(size_t)a * (n + 2) + b];
-}
-
-static double *hop_load(rt_router *r, int u, int v) {
-    int a = u == RT_SOURCE ? 0 : HX(u), b = v == RT_SINK ? 1 : HX(v);
-    return &r->hop_load[(size_t)a * r->stride + b];
+    /* every path through id holds work on it (request_len > 0), hops included */
+    return r->srv_load[id] > 0 || r->kv_used[id] > 0;
 }
 
 static int admits(const rt_router *r, int v, int len) {
@@ -116,22 +194,42 @@ static int admits(const rt_router *r, int v, int len) {
     return cap <= 0 || r->kv_used[v] + len <= cap + 1e-9;
 }
 
-/* Depth-first search with IWRR ordering; stack_srv[0..depth) holds the chain so far.
- * Returns the path length on success, 0 if this branch fails, -1 when the budget ran out. */
+/* The next candidate to try: the first of the lowest score among those not tried yet (the
+ * order a stable sort would give, found in one pass since most searches stop at the first). */
+static int cand_pick(const double *score, int nc) {
+    int b = -1;
+    for (int c = 0; c < nc; c++)
+        if (score[c] < INFINITY && (b < 0 || score[c] < score[b])) b = c;
+    return b;
+}
+
+/* Depth-first search with IWRR ordering; stack_srv[0..depth) holds the chain so far. Only the
+ * hops out of u that carry flow are looked at. Returns the path length on success, 0 if this
+ * branch fails, -1 when the budget ran out. */
 static int dfs(rt_router *r, int u, int depth, int len, int *budget, int *saw_full) {
     if (--*budget < 0) return -1;
-    int n = r->flow.n;
-    double out = 0;
-    for (int v = 0; v < n; v++) out += hop_flow(r, u, v);
-    double to_sink = u == RT_SOURCE ? 0 : hop_flow(r, u, RT_SINK);
-    out += to_sink;
+    if (depth >= r->depth_cap - 1) return 0;
+    int n = r->flow.n, a = u == RT_SOURCE ? n : u;
+    const rt_flow_hop *hop = r->flow.hops + r->flow.hop_start[a];
+    int nh = r->flow.hop_start[a + 1] - r->flow.hop_start[a];
+    double out = 0, to_sink = 0, top = 0;
+    for (int x = 0; x < nh; x++) {
+        out += hop[x].flow;
+        if (hop[x].to == RT_SINK) to_sink = hop[x].flow;
+        else if (hop[x].flow > top) top = hop[x].flow;
+    }
     if (out <= 0) return 0;
-    if (to_sink >= r->opts.min_share * out) return depth; /* chain complete */
-    /* candidates sorted by (load + work) / flow */
-    int *cand = r->cand + (size_t)depth * (n + 2), nc = 0;
-    for (int v = 0; v < n; v++) {
-        double f = hop_flow(r, u, v);
-        if (f <= 0 || f < r->opts.min_share * out || !rt_swarm_serving(r->sw, v)) continue;
+    if (u != RT_SOURCE && to_sink >= r->opts.min_share * out) return depth; /* chain complete */
+    /* a hop is skipped below min_share of the out-flow, or of the strongest hop when the flow
+     * fans out so widely (the source of a large swarm) that every hop is below that share */
+    double floor = r->opts.min_share * (top < r->opts.min_share * out ? top : out);
+    /* candidates, tried by increasing (load + work) / flow */
+    int *cand = r->cand + (size_t)depth * r->deg_cap, nc = 0;
+    double *score = r->cand_score + (size_t)depth * r->deg_cap;
+    for (int x = 0; x < nh; x++) {
+        int v = hop[x].to;
+        double f = hop[x].flow;
+        if (v == RT_SINK || f < floor || !rt_swarm_serving(r->sw, v)) continue;
         int seen = 0;
         for (int d = 0; d < depth && !seen; d++) seen = r->stack_srv[d] == v;
         if (seen) continue;
@@ -140,18 +238,12 @@ static int dfs(rt_router *r, int u, int depth, int len, int *budget, int *saw_fu
             continue;
         }
         double saved = r->cached && r->cached[v] > 0 ? (r->cached[v] < len ? r->cached[v] : len) : 0;
-        double sc = (*hop_load(r, u, v) + len - saved) / f;
-        int b = nc++;
-        while (b > 0 && r->cand_score[b - 1] > sc) {
-            cand[b] = cand[b - 1];
-            r->cand_score[b] = r->cand_score[b - 1];
-            b--;
-        }
-        cand[b] = v;
-        r->cand_score[b] = sc;
+        cand[nc] = v;
+        score[nc++] = (load_get(&r->hop_load, u, v) + len - saved) / f;
     }
-    for (int c = 0; c < nc; c++) {
+    for (int c; (c = cand_pick(score, nc)) >= 0;) {
         int v = cand[c];
+        score[c] = INFINITY;
         r->stack_srv[depth] = v;
         int got = dfs(r, v, depth + 1, len, budget, saw_full);
         if (got != 0) return got;
@@ -201,12 +293,12 @@ int rt_route(rt_router *r, int request_len, rt_path **path) {
         p->first[d] = d == 0 ? s->first : pos; /* partial execution starts where prev ended */
         p->last[d] = s->last;
         pos = s->last;
-        *hop_load(r, prev, v) += request_len;
+        load_add(&r->hop_load, prev, v, request_len);
         r->srv_load[v] += request_len;
         r->kv_used[v] += request_len;
         prev = v;
     }
-    *hop_load(r, prev, RT_SINK) += request_len;
+    load_add(&r->hop_load, prev, RT_SINK, request_len);
     r->live_paths++;
     *path = p;
     return FU_OK;
@@ -219,14 +311,14 @@ void rt_release(rt_path *p) {
     for (int d = 0; d < p->n_hops; d++) {
         int v = p->servers[d];
         if (v >= 0 && v < r->n) {
-            *hop_load(r, prev, v) -= p->request_len;
+            load_add(&r->hop_load, prev, v, -p->request_len);
             r->srv_load[v] -= p->request_len;
             r->kv_used[v] -= p->request_len;
             if (r->kv_used[v] < 0) r->kv_used[v] = 0;
         }
         prev = v;
     }
-    *hop_load(r, prev, RT_SINK) -= p->request_len;
+    load_add(&r->hop_load, prev, RT_SINK, -p->request_len);
     r->live_paths--;
     free(p->servers);
     free(p);

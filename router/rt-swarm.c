@@ -26,42 +26,54 @@ static void server_free(rt_server *s) {
 
 void rt_swarm_free(rt_swarm *sw) {
     if (!sw) return;
-    for (int i = 0; i < sw->n_servers; i++) server_free(&sw->servers[i]);
+    for (int i = 0; i < sw->n_servers; i++) {
+        server_free(&sw->servers[i]);
+        rt__adj_free(&sw->out[i]);
+        rt__adj_free(&sw->in[i]);
+    }
     free(sw->servers);
-    free(sw->links);
+    free(sw->out), free(sw->in), free(sw->on_default);
     free(sw->from_source);
     free(sw->to_sink);
     sw->servers = NULL;
-    sw->links = sw->from_source = sw->to_sink = NULL;
+    sw->out = sw->in = NULL;
+    sw->on_default = NULL;
+    sw->from_source = sw->to_sink = NULL;
     sw->n_servers = sw->cap = 0;
 }
 
-/* Grows the server slots (and the link matrix) to at least `want`. */
+/* Grows the server slots (and their link lists) to at least `want`; existing lists move. */
 static int swarm_grow(rt_swarm *sw, int want) {
     if (want <= sw->cap) return FU_OK;
     int cap = sw->cap ? sw->cap : 8;
     while (cap < want) {
-        if (cap > (1 << 14)) return fu_errorf(FU_ERR_RANGE, "too many servers (%d)", want);
+        if (cap > (1 << 20)) return fu_errorf(FU_ERR_RANGE, "too many servers (%d)", want);
         cap *= 2;
     }
     rt_server *servers = calloc((size_t)cap, sizeof *servers);
-    rt_link *links = calloc((size_t)cap * (size_t)cap, sizeof *links);
+    rt_adj *out = calloc((size_t)cap, sizeof *out), *in = calloc((size_t)cap, sizeof *in);
+    unsigned char *dflt = calloc((size_t)cap, 1);
     rt_link *src = calloc((size_t)cap, sizeof *src);
     rt_link *snk = calloc((size_t)cap, sizeof *snk);
-    if (!servers || !links || !src || !snk) {
-        free(servers), free(links), free(src), free(snk);
+    if (!servers || !out || !in || !dflt || !src || !snk) {
+        free(servers), free(out), free(in), free(dflt), free(src), free(snk);
         return fu_errorf(FU_ERR_NOMEM, "swarm: out of memory for %d servers", cap);
     }
-    for (int i = 0; i < sw->n_servers; i++) {
-        servers[i] = sw->servers[i];
-        src[i] = sw->from_source[i];
-        snk[i] = sw->to_sink[i];
-        for (int j = 0; j < sw->n_servers; j++)
-            links[(size_t)i * cap + j] = sw->links[(size_t)i * sw->cap + j];
+    size_t n = (size_t)sw->n_servers;
+    if (n) {
+        memcpy(servers, sw->servers, n * sizeof *servers);
+        memcpy(out, sw->out, n * sizeof *out);
+        memcpy(in, sw->in, n * sizeof *in);
+        memcpy(dflt, sw->on_default, n);
+        memcpy(src, sw->from_source, n * sizeof *src);
+        memcpy(snk, sw->to_sink, n * sizeof *snk);
     }
-    free(sw->servers), free(sw->links), free(sw->from_source), free(sw->to_sink);
+    free(sw->servers), free(sw->out), free(sw->in), free(sw->on_default);
+    free(sw->from_source), free(sw->to_sink);
     sw->servers = servers;
-    sw->links = links;
+    sw->out = out;
+    sw->in = in;
+    sw->on_default = dflt;
     sw->from_source = src;
     sw->to_sink = snk;
     sw->cap = cap;
@@ -93,25 +105,37 @@ static int copy_tables(rt_server *dst, const rt_server *src) {
     return FU_OK;
 }
 
+/* Copies server i's tables and links from src into the grown dst (dst->n_servers == i). */
+static int clone_server(rt_swarm *dst, const rt_swarm *src, int i) {
+    dst->servers[i] = src->servers[i];
+    int rc = copy_tables(&dst->servers[i], &src->servers[i]);
+    if (rc) {
+        memset(&dst->servers[i], 0, sizeof dst->servers[i]);
+        return rc;
+    }
+    if ((rc = rt__adj_copy(&dst->out[i], &src->out[i])) || (rc = rt__adj_copy(&dst->in[i], &src->in[i]))) {
+        rt__adj_free(&dst->out[i]);
+        server_free(&dst->servers[i]);
+        return rc;
+    }
+    dst->n_servers = i + 1;
+    dst->on_default[i] = src->on_default[i];
+    dst->from_source[i] = src->from_source[i];
+    dst->to_sink[i] = src->to_sink[i];
+    return FU_OK;
+}
+
 int rt_swarm_clone(rt_swarm *dst, const rt_swarm *src) {
     if (!dst || !src) return fu_errorf(FU_ERR_INVALID, "rt_swarm_clone: NULL argument");
     int rc = rt_swarm_init(dst, &src->model);
     if (rc) return rc;
     if ((rc = swarm_grow(dst, src->n_servers))) return rc;
-    for (int i = 0; i < src->n_servers; i++) {
-        dst->servers[i] = src->servers[i];
-        if ((rc = copy_tables(&dst->servers[i], &src->servers[i]))) {
-            dst->n_servers = i;
+    for (int i = 0; i < src->n_servers; i++)
+        if ((rc = clone_server(dst, src, i))) {
             rt_swarm_free(dst);
             return rc;
         }
-        dst->n_servers = i + 1;
-        dst->from_source[i] = src->from_source[i];
-        dst->to_sink[i] = src->to_sink[i];
-    }
-    for (int i = 0; i < src->n_servers; i++)
-        for (int j = 0; j < src->n_servers; j++)
-            dst->links[(size_t)i * dst->cap + j] = src->links[(size_t)i * src->cap + j];
+    dst->default_link = src->default_link;
     dst->source_nic_out = src->source_nic_out;
     dst->sink_nic_in = src->sink_nic_in;
     dst->version = src->version;
@@ -136,10 +160,7 @@ int rt_swarm_add_server(rt_swarm *sw, const rt_server *desc) {
     int first = desc->first, last = desc->last;
     s->first = s->last = 0;
     sw->n_servers++;
-    for (int j = 0; j < sw->n_servers; j++) {
-        sw->links[(size_t)id * sw->cap + j] = (rt_link){0, 0};
-        sw->links[(size_t)j * sw->cap + id] = (rt_link){0, 0};
-    }
+    rt__links_clear(sw, id);
     sw->from_source[id] = sw->to_sink[id] = (rt_link){0, 0};
     if (first != last && (rc = rt_swarm_set_span(sw, id, first, last))) {
         server_free(s);
@@ -170,10 +191,7 @@ int rt_swarm_add_server_at(rt_swarm *sw, int slot, const rt_server *desc) {
     if (s->state == RT_SERVER_GONE) s->state = RT_SERVER_ACTIVE;
     int first = desc->first, last = desc->last;
     s->first = s->last = 0;
-    for (int j = 0; j < sw->n_servers; j++) {
-        sw->links[(size_t)slot * sw->cap + j] = (rt_link){0, 0};
-        sw->links[(size_t)j * sw->cap + slot] = (rt_link){0, 0};
-    }
+    rt__links_clear(sw, slot);
     sw->from_source[slot] = sw->to_sink[slot] = (rt_link){0, 0};
     if (first != last && (rc = rt_swarm_set_span(sw, slot, first, last))) {
         s->state = RT_SERVER_GONE;
@@ -246,30 +264,6 @@ int rt_swarm_set_span(rt_swarm *sw, int id, int first, int last) {
     return FU_OK;
 }
 
-int rt_swarm_set_link(rt_swarm *sw, int from, int to, double bandwidth, double latency) {
-    if (!sw) return fu_errorf(FU_ERR_INVALID, "rt_swarm_set_link: NULL swarm");
-    if (!isfinite(bandwidth) || !isfinite(latency) || latency < 0)
-        return fu_errorf(FU_ERR_INVALID, "link %d->%d: bad bandwidth/latency", from, to);
-    rt_link l = {bandwidth > 0 ? bandwidth : 0, latency};
-    if (from == RT_SOURCE && to >= 0 && to < sw->n_servers) sw->from_source[to] = l;
-    else if (to == RT_SINK && from >= 0 && from < sw->n_servers) sw->to_sink[from] = l;
-    else if (from >= 0 && from < sw->n_servers && to >= 0 && to < sw->n_servers && from != to)
-        sw->links[(size_t)from * sw->cap + to] = l;
-    else return fu_errorf(FU_ERR_INVALID, "link %d->%d: bad endpoints", from, to);
-    sw->version++;
-    return FU_OK;
-}
-
-rt_link rt_swarm_link(const rt_swarm *sw, int from, int to) {
-    rt_link none = {0, 0};
-    if (!sw) return none;
-    if (from == RT_SOURCE && to >= 0 && to < sw->n_servers) return sw->from_source[to];
-    if (to == RT_SINK && from >= 0 && from < sw->n_servers) return sw->to_sink[from];
-    if (from >= 0 && from < sw->n_servers && to >= 0 && to < sw->n_servers)
-        return sw->links[(size_t)from * sw->cap + to];
-    return none;
-}
-
 int rt_swarm_serving(const rt_swarm *sw, int id) {
     if (!sw || id < 0 || id >= sw->n_servers) return 0;
     const rt_server *s = &sw->servers[id];
@@ -324,16 +318,34 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* Replaces `out` by `in` in the sorted cur[0..k), keeping it sorted. */
+static void window_slide(double *cur, int k, double out, double in) {
+    int lo = 0, hi = k - 1;
+    while (lo < hi) { /* first index holding a value >= out (out is present) */
+        int mid = (lo + hi) / 2;
+        if (cur[mid] < out) lo = mid + 1;
+        else hi = mid;
+    }
+    int p = lo;
+    while (p > 0 && cur[p - 1] > in) cur[p] = cur[p - 1], p--;
+    while (p < k - 1 && cur[p + 1] < in) cur[p] = cur[p + 1], p++;
+    cur[p] = in;
+}
+
 int rt__petals_best_start(const double *tput, int n_layers, int k, double *scratch) {
     int best = 0;
     double *cur = scratch, *bst = scratch + k;
-    for (int s = 0; s + k <= n_layers; s++) {
-        memcpy(cur, tput + s, (size_t)k * sizeof(double));
-        qsort(cur, (size_t)k, sizeof(double), cmp_double);
-        int better = s == 0;
-        for (int t = 0; !better && t < k; t++) {
+    if (k <= 0 || k > n_layers) return 0;
+    memcpy(cur, tput, (size_t)k * sizeof(double));
+    qsort(cur, (size_t)k, sizeof(double), cmp_double);
+    memcpy(bst, cur, (size_t)k * sizeof(double));
+    /* windows slide by one block: the sorted window changes by one value out and one in */
+    for (int s = 1; s + k <= n_layers; s++) {
+        window_slide(cur, k, tput[s - 1], tput[s + k - 1]);
+        int better = 0;
+        for (int t = 0; t < k; t++) {
             if (cur[t] < bst[t]) better = 1;
-            else if (cur[t] > bst[t]) break;
+            if (cur[t] != bst[t]) break;
         }
         if (better) {
             best = s;

@@ -91,22 +91,20 @@ static double kv_bound(tplace *t, const rt_swarm *sw, double req_len) {
  * prompt of prompt_len tokens (tok bytes a token to or from the coordinator, tok + act between
  * servers). A link at or over capacity counts 10 s. */
 static double link_delay(const tplace *t, const rt_swarm *sw, double x) {
-    int n2 = t->fl.n + 2;
     double d = 0, F = t->fl.value;
     double pl = t->sim.prompt_len > 0 ? t->sim.prompt_len : 750, ol = t->sim.output_len > 0 ? t->sim.output_len : 240;
-    for (int u = 0; u < n2; u++)
-        for (int v = 0; v < n2; v++) {
-            double share = t->fl.hop_flow[u * n2 + v] / F;
-            if (share <= 0) continue;
-            int from = u < t->fl.n ? u : RT_SOURCE, to = v < t->fl.n ? v : RT_SINK;
-            rt_link l = rt_swarm_link(sw, from, to);
-            double b = (from == RT_SOURCE || to == RT_SINK) ? sw->model.token_bytes
-                                                             : sw->model.token_bytes + sw->model.act_bytes;
-            double sd = l.bandwidth > 0 ? b / l.bandwidth : 0, sp = pl * sd;
-            double lam = x * share * (1 + 1 / ol), es = (ol * sd + sp) / (ol + 1), es2 = (ol * sd * sd + sp * sp) / (ol + 1);
-            double rho = lam * es, w = rho < 0.999 ? lam * es2 / (2 * (1 - rho)) : 10;
-            d += share * (l.latency + sd + w);
-        }
+    for (int h = 0; h < t->fl.n_hops; h++) {
+        const rt_flow_hop *hp = &t->fl.hops[h];
+        double share = hp->flow / F;
+        if (share <= 0) continue;
+        rt_link l = rt_swarm_link(sw, hp->from, hp->to);
+        double b = (hp->from == RT_SOURCE || hp->to == RT_SINK) ? sw->model.token_bytes
+                                                                 : sw->model.token_bytes + sw->model.act_bytes;
+        double sd = l.bandwidth > 0 ? b / l.bandwidth : 0, sp = pl * sd;
+        double lam = x * share * (1 + 1 / ol), es = (ol * sd + sp) / (ol + 1), es2 = (ol * sd * sd + sp * sp) / (ol + 1);
+        double rho = lam * es, w = rho < 0.999 ? lam * es2 / (2 * (1 - rho)) : 10;
+        d += share * (l.latency + sd + w);
+    }
     return d;
 }
 

@@ -1,12 +1,13 @@
 /* scenario-main.c -- fusion-bench-scenarios: the seeds' claims as runnable scenarios.
  *
- * Usage: fusion-bench-scenarios [--dir DIR] [--time S] [--seed N] [--sim-duration S]
+ * Usage: fusion-bench-scenarios [--dir DIR] [--evals N] [--seed N] [--sim-duration S]
  *
  * For every JSON file of config/scenarios/ (written by scripts/gen-scenarios.py) prints the file's
  * assumptions (cards, memory bandwidth, FLOPs, efficiency, precision, links, placement rule)
- * and, per placement (fusion's search with a fixed seed, Petals' rule, Swarm's stages), the
- * max flow, the simulated decode tokens/s of IWRR routing (closed loop, Helix's 750 + 240-token
- * requests) and the mean hops a token takes. Then FusionAI's verdict: 50 x RTX 3080 at home
+ * and, per placement (fusion's max-flow search with a fixed seed and evaluation count, Petals'
+ * rule, Swarm's stages, and placement for simulated throughput), the max flow, the simulated
+ * decode tokens/s of IWRR routing (Helix's offline feeder, 750 + 240-token requests, the file's
+ * step profiles) and the mean hops a token takes. Then FusionAI's verdict: 50 x RTX 3080 at home
  * against 4 x H100, and a sweep of the home link speed and RTT.
  *
  * One thread; everything it loads is freed before it returns.
@@ -28,7 +29,7 @@
 /* What the command line gives. */
 typedef struct bench_args {
     char *dir;       /* the scenarios */
-    double tlimit;   /* search budget per placement, seconds */
+    int evals;       /* max-flow evaluations of the search per placement (no clock) */
     double sim_dur;  /* simulated seconds */
     uint64_t seed;
     const rt_sim_profiles *prof; /* the scenario's step profiles (set per scenario) */
@@ -41,8 +42,8 @@ typedef struct figures {
     double hops;     /* mean servers a token passes */
 } figures;
 
-enum { PL_SEARCH, PL_PETALS, PL_SWARM, PL_COUNT };
-static const char *const pl_names[PL_COUNT] = {"fusion search", "Petals rule", "Swarm stages"};
+enum { PL_SEARCH, PL_PETALS, PL_SWARM, PL_THROUGHPUT, PL_COUNT };
+static const char *const pl_names[PL_COUNT] = {"fusion search", "Petals rule", "Swarm stages", "for throughput"};
 
 /* The CPU's model name from /proc/cpuinfo, or "unknown". */
 static void cpu_model(char *out, size_t cap) {
@@ -149,12 +150,20 @@ static rt_sim_opts sim_opts(const bench_args *a, const rt_flow_opts *fo) {
     return sim;
 }
 
+/* Places `sw` by rule `pl`. */
+static int place(rt_swarm *sw, int pl, const bench_args *a, const rt_flow_opts *fo) {
+    rt_search_opts so = {0, a->seed, *fo, 0, a->evals};
+    if (pl == PL_SEARCH) return rt_place_search(sw, &so, NULL);
+    if (pl == PL_PETALS) return rt_place_petals(sw);
+    if (pl == PL_SWARM) return rt_place_swarm(sw);
+    rt_tplace_opts to = {so, sim_opts(a, fo), 0, 0, 20, 2, a->seed};
+    return rt_place_throughput(sw, &to, NULL);
+}
+
 /* Places `sw` by rule `pl` and measures it: max flow, simulated decode, mean hops. */
 static int place_and_measure(rt_swarm *sw, int pl, const bench_args *a, figures *out) {
     rt_flow_opts fo = {RT_CONV_RUNTIME, pl == PL_PETALS};
-    rt_search_opts so = {a->tlimit, a->seed, fo, 0};
-    int rc = pl == PL_SEARCH ? rt_place_search(sw, &so, NULL) : pl == PL_PETALS ? rt_place_petals(sw)
-                                                                                 : rt_place_swarm(sw);
+    int rc = place(sw, pl, a, &fo);
     if (rc) return rc;
     rt_sim_opts sim = sim_opts(a, &fo);
     rt_sim_result res;
@@ -193,6 +202,7 @@ static int run_scenario(const char *path, const bench_args *args, figures *searc
     }
     printf("  %d servers, %d blocks, step profiles for %d kinds\n", base.n_servers, base.model.n_layers, prof.n);
     printf("  %-15s %12s %14s %10s\n", "placement", "flow tok/s", "sim decode/s", "mean hops");
+    double best_decode = 0;
     for (int pl = 0; pl < PL_COUNT && !rc; pl++) {
         rt_swarm sw;
         figures f = {0};
@@ -202,7 +212,9 @@ static int run_scenario(const char *path, const bench_args *args, figures *searc
         if (rc) break;
         printf("  %-15s %12.1f %14.1f %10.2f\n", pl_names[pl], f.flow, f.decode, f.hops);
         if (pl == PL_SEARCH) *search = f;
+        if (f.decode > best_decode) best_decode = f.decode;
     }
+    search->decode = best_decode; /* the verdict compares the best simulated placement */
     rt_swarm_free(&base);
     rt_sim_profiles_free(&prof);
     return rc;
@@ -282,7 +294,7 @@ static double flow_bound(const rt_swarm *sw) {
  * (the 3080 swarm) says what binds its cards. */
 static void print_verdict(const rt_swarm *c3080, const figures *c, const figures *h, const double *flows) {
     printf("\n  verdict: at the default home link, 50 x RTX 3080 serve %.1f tok/s (max flow; %.1f "
-           "decode tok/s simulated), 4 x H100 %.1f (%.1f): ratio %.2f (%.2f simulated).\n",
+           "decode tok/s simulated, best placement), 4 x H100 %.1f (%.1f): ratio %.2f (%.2f simulated).\n",
            c->flow, c->decode, h->flow, h->decode, h->flow > 0 ? c->flow / h->flow : 0,
            h->decode > 0 ? c->decode / h->decode : 0);
     for (int i = 0; i < N_MBIT; i++)
@@ -339,9 +351,9 @@ static int bench(const bench_args *a) {
     char cpu[256], **names;
     int n, rc = list_scenarios(a->dir, &names, &n);
     cpu_model(cpu, sizeof cpu);
-    printf("fusion-bench-scenarios: CPU %s; search budget %.1f s per placement, seed %llu, simulated "
+    printf("fusion-bench-scenarios: CPU %s; search of %d max-flow evaluations per placement, seed %llu, simulated "
            "%g s (requests of 750 + 240 tokens fed as in Helix's offline runs, step times from each file's "
-           "step_profiles)\n", cpu, a->tlimit,
+           "step_profiles)\n", cpu, a->evals,
            (unsigned long long)a->seed, a->sim_dur);
     figures c = {0}, h = {0};
     int have = 0;
@@ -364,7 +376,8 @@ static bench_args args;
 
 static const fu_opt bench_options[] = {
     {"dir", 0, FU_OPT_PATH, FU_OPT_TO(args.dir), "DIR", "the scenarios (*.json)", .def = FUSION_SCENARIO_DIR},
-    {"time", 0, FU_OPT_FLOAT, FU_OPT_TO(args.tlimit), "S", "search budget per placement", .def = "1"},
+    {"evals", 0, FU_OPT_INT, FU_OPT_TO(args.evals), .help = "max-flow evaluations of the search per placement",
+     .def = "300", .lo = 1, .hi = 1000000},
     {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "search and simulation seed", .def = "1", .lo = 0,
      .hi = LONG_MAX},
     {"sim-duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.sim_dur), "S", "simulated seconds", .def = "300"},
@@ -376,8 +389,7 @@ static const fu_opt_spec bench_spec = {"fusion-bench-scenarios", "usage: fusion-
 
 int main(int argc, char **argv) {
     int status = fu_opt_main(&bench_spec, argc, argv, NULL);
-    if (status < 0 && (!(args.tlimit > 0) || !(args.sim_dur > 0)))
-        status = fu_opt_fail(&bench_spec, "--time and --sim-duration must be positive");
+    if (status < 0 && !(args.sim_dur > 0)) status = fu_opt_fail(&bench_spec, "--sim-duration must be positive");
     if (status < 0) {
         int rc = bench(&args);
         if (rc) fprintf(stderr, "fusion-bench-scenarios: %s: %s\n", fu_status_str(rc), fu_last_error());

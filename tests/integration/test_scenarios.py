@@ -137,7 +137,7 @@ def test_fusionai_tables_follow_the_roofline(name, kind, k_max):
 
 
 def bench(*args):
-    return subprocess.run([str(BUILD / "fusion-bench-scenarios"), "--time", "0.2", "--sim-duration", "30", *args],
+    return subprocess.run([str(BUILD / "fusion-bench-scenarios"), "--evals", "30", "--sim-duration", "30", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -238,6 +238,9 @@ def test_search_beats_milp(tmp_path, cl, ilp):
     # the saved placement must be valid and its flow real (independent rebuild)
     c = Cluster(os.path.join(AE, cl), "llama2_70b")
     saved = json.load(open(out))
+    # the compact format: profiles once per kind, links as [from, to, bandwidth, latency]
+    assert set(saved["kinds"]) == {s.get("profile", s["kind"]) for s in saved["servers"]}
+    assert saved["links"] and all(isinstance(l, list) and len(l) == 4 for l in saved["links"])
     spans = {}
     for s in saved["servers"]:
         i = int(s["name"].split("-")[1])

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "router-impl.h"
@@ -130,10 +131,9 @@ static void test_flow_network_tiny(void **st) {
     NEAR(fl.server_flow[b], 50, 1e-9);
     NEAR(fl.server_flow[c], 30, 1e-9);
     NEAR(fl.server_flow[d], 5, 1e-9);
-    int n2 = fl.n + 2;
-    NEAR(fl.hop_flow[a * n2 + b], 50, 1e-9);
-    NEAR(fl.hop_flow[fl.n * n2 + a], 80, 1e-9);     /* source -> A */
-    NEAR(fl.hop_flow[d * n2 + fl.n + 1], 5, 1e-9);  /* D -> sink */
+    NEAR(rt_flow_hop_value(&fl, a, b), 50, 1e-9);
+    NEAR(rt_flow_hop_value(&fl, RT_SOURCE, a), 80, 1e-9); /* source -> A */
+    NEAR(rt_flow_hop_value(&fl, d, RT_SINK), 5, 1e-9);    /* D -> sink */
     NEAR(rt_max_flow(&sw, &ilp), 91.25, 1e-9);
     /* exact boundaries only: no B -> C hop, and partial execution adds none here */
     assert_false(rt__hop_valid(&sw, b, c, 1));
@@ -207,7 +207,7 @@ static void test_placements(void **st) {
     assert_int_equal(rt_place_swarm(&sw), FU_OK);
     check_valid(&sw);
     double swarm = rt_max_flow(&sw, &fo);
-    rt_search_opts so = {0.5, 7, fo, 0};
+    rt_search_opts so = {0.5, 7, fo, 0, 0};
     rt_search_stats ss;
     assert_int_equal(rt_place_search(&sw, &so, &ss), FU_OK);
     check_valid(&sw);
@@ -634,6 +634,376 @@ static void test_iwrr_cache_affinity(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* --- scale: sparse links, pruning, compact files, deterministic search, wide fan-out ------- */
+
+/* A complete swarm of n one-block-table servers whose link i -> j has a distinct bandwidth. */
+static void make_ranked(rt_swarm *sw, int n) {
+    rt_model m = tiny_model(4);
+    assert_int_equal(rt_swarm_init(sw, &m), FU_OK);
+    double t[] = {100, 50, 30, 20};
+    for (int i = 0; i < n; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "r%d", i);
+        add(sw, name, 4, t, 0, 0);
+    }
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < n; j++)
+            if (i != j) assert_int_equal(rt_swarm_set_link(sw, i, j, 1000 + 37 * ((i * 7 + j * 13) % 31) + j, 0.001), FU_OK);
+}
+
+/* 1 if the link i -> j is among the k fastest out-links of i in `full` (ties: lower id). */
+static int in_top_out(const rt_swarm *full, int i, int j, int k) {
+    double bw = rt_swarm_link(full, i, j).bandwidth;
+    int better = 0;
+    for (int x = 0; x < full->n_servers; x++) {
+        double b = rt_swarm_link(full, i, x).bandwidth;
+        better += x != i && x != j && (b > bw || (b == bw && x < j));
+    }
+    return better < k;
+}
+
+static int in_top_in(const rt_swarm *full, int i, int j, int k) {
+    double bw = rt_swarm_link(full, i, j).bandwidth;
+    int better = 0;
+    for (int x = 0; x < full->n_servers; x++) {
+        double b = rt_swarm_link(full, x, j).bandwidth;
+        better += x != i && x != j && (b > bw || (b == bw && x < i));
+    }
+    return better < k;
+}
+
+/* Pruning keeps exactly the links among the k fastest of their source's out-links or of their
+ * destination's in-links, with their values; a default link becomes k explicit ones. */
+static void test_prune_links(void **st) {
+    (void)st;
+    rt_swarm sw, full;
+    make_ranked(&sw, 9);
+    assert_int_equal(rt_swarm_clone(&full, &sw), FU_OK);
+    assert_int_equal(rt_swarm_out_degree(&sw, 0), 8);
+    assert_int_equal(rt_swarm_prune_links(&sw, 0), FU_ERR_INVALID);
+    assert_int_equal(rt_swarm_prune_links(&sw, 2), FU_OK);
+    int kept = 0;
+    for (int i = 0; i < 9; i++)
+        for (int j = 0; j < 9; j++) {
+            if (i == j) continue;
+            int want = in_top_out(&full, i, j, 2) || in_top_in(&full, i, j, 2);
+            double bw = rt_swarm_link(&sw, i, j).bandwidth;
+            if (want) NEAR(bw, rt_swarm_link(&full, i, j).bandwidth, 0);
+            else NEAR(bw, 0, 0);
+            kept += want;
+        }
+    int deg = 0;
+    for (int i = 0; i < 9; i++) deg += rt_swarm_out_degree(&sw, i);
+    assert_int_equal(deg, kept);
+    assert_true(kept <= 2 * 2 * 9 && kept >= 2 * 9);
+    int to = -1;
+    rt_link l = rt_swarm_out_link(&sw, 0, 0, &to);
+    assert_true(to > 0 && l.bandwidth > 0);
+    rt_swarm_free(&full);
+    rt_swarm_free(&sw);
+    /* the default link: every pair reads it until pruning keeps the lowest ids */
+    const char *js = "{\"model\": {\"name\": \"m\", \"n_layers\": 4, \"activation_bytes\": 8},"
+                     " \"default_link\": {\"bandwidth\": 500, \"latency\": 0.002}, \"servers\": ["
+                     "{\"name\": \"a\", \"layer_tokens_per_s\": 100, \"max_layers\": 4},"
+                     "{\"name\": \"b\", \"layer_tokens_per_s\": 100, \"max_layers\": 4},"
+                     "{\"name\": \"c\", \"layer_tokens_per_s\": 100, \"max_layers\": 4},"
+                     "{\"name\": \"d\", \"layer_tokens_per_s\": 100, \"max_layers\": 4}],"
+                     " \"links\": [[3, 2, 900, 0.001]]}";
+    assert_int_equal(rt_swarm_parse_json(&sw, js, strlen(js)), FU_OK);
+    assert_int_equal(rt_swarm_out_degree(&sw, 0), 0);
+    NEAR(rt_swarm_link(&sw, 0, 3).bandwidth, 500, 0);
+    assert_int_equal(rt_swarm_prune_links(&sw, 1), FU_OK);
+    NEAR(sw.default_link.bandwidth, 0, 0);
+    NEAR(rt_swarm_link(&sw, 0, 1).bandwidth, 500, 0); /* a's best out (tie: lowest id) */
+    NEAR(rt_swarm_link(&sw, 1, 0).bandwidth, 500, 0); /* b's best out, a's best in */
+    NEAR(rt_swarm_link(&sw, 3, 2).bandwidth, 900, 0); /* d's fastest */
+    NEAR(rt_swarm_link(&sw, 0, 3).bandwidth, 500, 0); /* d's best in */
+    NEAR(rt_swarm_link(&sw, 2, 3).bandwidth, 0, 0);   /* nobody's best */
+    NEAR(rt_swarm_link(&sw, RT_SOURCE, 3).bandwidth, 500, 0); /* coordinator links stay */
+    rt_swarm_free(&sw);
+}
+
+/* A reused slot starts with no links either way, in its lists and in its neighbours'. */
+static void test_links_slot_reuse(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double t[] = {100, 50, 30, 20}, ta[] = {400, 200};
+    int a = add(&sw, "A", 2, ta, 0, 2), b = add(&sw, "B", 4, t, 2, 4), c = add(&sw, "C", 4, t, 2, 4);
+    link_all(&sw, 1e6);
+    assert_int_equal(rt_swarm_out_degree(&sw, a), 2);
+    NEAR(rt_max_flow(&sw, NULL), 50 + 50, 1e-9);
+    assert_int_equal(rt_swarm_remove_server(&sw, b), FU_OK);
+    NEAR(rt_swarm_link(&sw, a, b).bandwidth, 1e6, 0); /* a GONE server keeps its links */
+    NEAR(rt_max_flow(&sw, NULL), 50, 1e-9);
+    rt_server d;
+    memset(&d, 0, sizeof d);
+    snprintf(d.name, sizeof d.name, "B2");
+    d.n_tput = 4;
+    d.tput = t;
+    d.first = 2;
+    d.last = 4;
+    assert_int_equal(rt_swarm_add_server_at(&sw, b, &d), b);
+    NEAR(rt_swarm_link(&sw, a, b).bandwidth, 0, 0);
+    NEAR(rt_swarm_link(&sw, b, c).bandwidth, 0, 0);
+    NEAR(rt_swarm_link(&sw, RT_SOURCE, b).bandwidth, 0, 0);
+    assert_int_equal(rt_swarm_out_degree(&sw, a), 1);
+    assert_int_equal(rt_swarm_out_degree(&sw, b), 0);
+    assert_int_equal(rt_swarm_out_degree(&sw, c), 1);
+    NEAR(rt_max_flow(&sw, NULL), 50, 1e-9); /* B2 is not linked yet */
+    assert_int_equal(rt_swarm_set_link(&sw, a, b, 300, 0.001), FU_OK);
+    assert_int_equal(rt_swarm_set_link(&sw, b, RT_SINK, 1e6, 0.001), FU_OK);
+    NEAR(rt_max_flow(&sw, NULL), 50 + 30, 1e-9); /* 300 B/s / 10 bytes per token */
+    assert_int_equal(rt_swarm_set_link(&sw, a, b, 0, 0), FU_OK); /* absent again */
+    assert_int_equal(rt_swarm_out_degree(&sw, a), 1);
+    assert_int_equal(rt_swarm_prune_links(&sw, 1), FU_OK);
+    NEAR(rt_max_flow(&sw, NULL), 50, 1e-9);
+    rt_swarm free_me;
+    assert_int_equal(rt_swarm_clone(&free_me, &sw), FU_OK);
+    NEAR(rt_swarm_link(&free_me, a, c).bandwidth, 1e6, 0);
+    rt_swarm_free(&free_me);
+    rt_swarm_free(&sw);
+}
+
+/* Same servers, spans, tables and links, and so the same flow. */
+static void assert_same_swarm(const rt_swarm *x, const rt_swarm *y) {
+    assert_int_equal(x->n_servers, y->n_servers);
+    for (int i = 0; i < x->n_servers; i++) {
+        const rt_server *a = &x->servers[i], *b = &y->servers[i];
+        assert_string_equal(a->name, b->name);
+        assert_string_equal(a->kind, b->kind);
+        assert_int_equal(a->state, b->state);
+        assert_int_equal(a->first, b->first);
+        assert_int_equal(a->last, b->last);
+        assert_int_equal(a->n_tput, b->n_tput);
+        for (int k = 1; k <= a->n_tput; k++) NEAR(rt_swarm_tput(x, i, k), rt_swarm_tput(y, i, k), 0);
+        for (int k = 1; k <= a->n_tput; k++) NEAR(rt_swarm_kv_tokens(x, i, k), rt_swarm_kv_tokens(y, i, k), 0);
+        NEAR(a->vram_bytes, b->vram_bytes, 0);
+        for (int j = -2; j < x->n_servers; j++) {
+            NEAR(rt_swarm_link(x, i, j).bandwidth, rt_swarm_link(y, i, j).bandwidth, 0);
+            NEAR(rt_swarm_link(x, j, i).latency, rt_swarm_link(y, j, i).latency, 0);
+        }
+    }
+    NEAR(rt_max_flow(x, NULL), rt_max_flow(y, NULL), 0);
+}
+
+static char *slurp(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc((size_t)n + 1);
+    assert_int_equal(fread(b, 1, (size_t)n, f), (size_t)n);
+    b[n] = '\0';
+    fclose(f);
+    *len = (size_t)n;
+    return b;
+}
+
+/* The compact file: profiles once per kind, links as arrays, no indentation; it reads back to
+ * the same swarm (a default link included), and so does the old object form. */
+static void test_json_compact_round_trip(void **st) {
+    (void)st;
+    rt_swarm sw, back;
+    make_hetero(&sw, 40);
+    assert_int_equal(rt_place_swarm(&sw), FU_OK);
+    assert_int_equal(rt_swarm_prune_links(&sw, 3), FU_OK);
+    sw.servers[4].state = RT_SERVER_SPARE;
+    sw.servers[4].first = sw.servers[4].last = 0;
+    snprintf(sw.servers[0].kind, sizeof sw.servers[0].kind, "A100");
+    snprintf(sw.servers[3].kind, sizeof sw.servers[3].kind, "A100");
+    sw.servers[3].tput[0] *= 2; /* same kind, another profile */
+    char path[] = "/tmp/test_router_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(rt_swarm_save_json(&sw, path), FU_OK);
+    size_t len;
+    char *text = slurp(path, &len);
+    assert_non_null(strstr(text, "\"kinds\":{"));
+    assert_non_null(strstr(text, "\"A100#1\""));
+    assert_null(strstr(text, "\n "));            /* not pretty-printed */
+    assert_null(strstr(text, "\"from\""));       /* links as arrays */
+    assert_int_equal(rt_swarm_load_json(&back, path), FU_OK);
+    assert_same_swarm(&sw, &back);
+    rt_swarm_free(&back);
+    /* unknown top-level keys (the simulator's step_profiles) are ignored */
+    char *more = malloc(len + 64);
+    snprintf(more, len + 64, "{\"step_profiles\": {\"x\": [1, 2]}, %s", text + 1);
+    assert_int_equal(rt_swarm_parse_json(&back, more, strlen(more)), FU_OK);
+    assert_same_swarm(&sw, &back);
+    rt_swarm_free(&back);
+    free(more);
+    free(text);
+    rt_swarm_free(&sw);
+    /* the old object form, a default link and an override of it, saved compactly and read back */
+    const char *old = "{\"model\": {\"name\": \"m\", \"n_layers\": 4, \"activation_bytes\": 8},"
+                      " \"default_link\": {\"bandwidth\": 1e9, \"latency\": 0.001}, \"servers\": ["
+                      "{\"name\": \"a\", \"layer_tokens_per_s\": 400, \"max_layers\": 4, \"span\": [0, 2]},"
+                      "{\"name\": \"b\", \"tokens_per_s_by_layers\": [500, 250], \"span\": [2, 4]},"
+                      "{\"name\": \"c\", \"tokens_per_s_by_layers\": [300, 150], \"span\": [2, 4]}],"
+                      " \"links\": [{\"from\": \"a\", \"to\": \"b\", \"bandwidth\": 1000, \"latency\": 0.01},"
+                      "             {\"from\": \"a\", \"to\": \"c\", \"bandwidth\": 0, \"bidirectional\": false},"
+                      "             [0, -2, 0, 0]]}";
+    assert_int_equal(rt_swarm_parse_json(&sw, old, strlen(old)), FU_OK);
+    NEAR(rt_max_flow(&sw, NULL), 100, 1e-9); /* a -> b only: 1000 B/s / 10; a -> c overridden */
+    NEAR(rt_swarm_link(&sw, 2, 0).bandwidth, 1e9, 0); /* c -> a: the default */
+    double td[] = {50, 25};
+    int d = add(&sw, "d", 2, td, 2, 4); /* joins after the file: off the default */
+    assert_int_equal(rt_swarm_set_link(&sw, 0, d, 2000, 0.001), FU_OK);
+    assert_int_equal(rt_swarm_set_link(&sw, d, RT_SINK, 1e9, 0.001), FU_OK);
+    NEAR(rt_max_flow(&sw, NULL), 125, 1e-9);
+    assert_int_equal(rt_swarm_save_json(&sw, path), FU_OK);
+    assert_int_equal(rt_swarm_load_json(&back, path), FU_OK);
+    assert_same_swarm(&sw, &back);
+    NEAR(rt_swarm_link(&back, 3, 0).bandwidth, 0, 0); /* joined after the default: not on it */
+    rt_swarm_free(&back);
+    unlink(path);
+    assert_int_equal(rt_swarm_save_json(&sw, path), FU_OK); /* a new file: readable by all */
+    struct stat stt;
+    assert_int_equal(stat(path, &stt), 0);
+    assert_int_equal(stt.st_mode & 0777, 0644);
+    rt_swarm_free(&sw);
+    unlink(path);
+    assert_int_equal(rt_swarm_save_json(&sw, "/nonexistent-dir/x.json"), FU_ERR_IO);
+    static const char *bad[] = {
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"servers\": [{\"name\": \"a\","
+        " \"tokens_per_s_by_layers\": [1]}], \"links\": [[0, 5, 1, 0]]}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"servers\": [{\"name\": \"a\","
+        " \"tokens_per_s_by_layers\": [1]}], \"links\": [[0, 0, 1]]}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"kinds\": [],"
+        " \"servers\": [{\"name\": \"a\", \"tokens_per_s_by_layers\": [1]}]}",
+        "{\"model\": {\"n_layers\": 4, \"activation_bytes\": 8}, \"kinds\": {\"X\": {\"vram\": 1}},"
+        " \"servers\": [{\"name\": \"a\", \"kind\": \"X\"}]}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc = rt_swarm_parse_json(&sw, bad[i], strlen(bad[i]));
+        assert_true(rc == FU_ERR_FORMAT || rc == FU_ERR_INVALID);
+        rt_swarm_free(&sw);
+    }
+}
+/* Cluster files over the old 64 MiB limit load (a 10,000-server swarm's file may be large). */
+static void test_json_large_file(void **st) {
+    (void)st;
+    char path[] = "/tmp/test_router_big_XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    assert_non_null(f);
+    fputs("{\"model\": {\"name\": \"m\", \"n_layers\": 4, \"activation_bytes\": 8},", f);
+    static char pad[1 << 20];
+    memset(pad, ' ', sizeof pad);
+    for (int i = 0; i < 65; i++) assert_int_equal(fwrite(pad, 1, sizeof pad, f), sizeof pad);
+    fputs("\"servers\": [{\"name\": \"a\", \"tokens_per_s_by_layers\": [1]}]}", f);
+    assert_int_equal(fclose(f), 0);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_load_json(&sw, path), FU_OK);
+    assert_int_equal(sw.n_servers, 1);
+    rt_swarm_free(&sw);
+    unlink(path);
+}
+
+/* A sparse swarm of n servers in regions of 50 (fast links inside, slow across), k links kept. */
+static void make_sparse(rt_swarm *sw, int n, int k) {
+    rt_model m = tiny_model(24);
+    assert_int_equal(rt_swarm_init(sw, &m), FU_OK);
+    double big[8], small[4];
+    for (int q = 1; q <= 8; q++) big[q - 1] = 9000.0 / (q + 0.5);
+    for (int q = 1; q <= 4; q++) small[q - 1] = 3000.0 / (q + 0.3);
+    uint64_t rng = 42;
+    for (int i = 0; i < n; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "s%d", i);
+        if (i % 3) add(sw, name, 4, small, 0, 0);
+        else add(sw, name, 8, big, 0, 0);
+    }
+    for (int i = 0; i < n; i++) {
+        int lo = i / 50 * 50, hi = lo + 50 < n ? lo + 50 : n;
+        for (int t = 0; t < 12; t++) {
+            int in = t < 9, j = in ? lo + rt__rng_int(&rng, hi - lo) : rt__rng_int(&rng, n);
+            double bw = in ? 1e9 * (1 + rt__rng_unit(&rng)) : 1e7;
+            if (j == i) continue;
+            assert_int_equal(rt_swarm_set_link(sw, i, j, bw, 0.001), FU_OK);
+            assert_int_equal(rt_swarm_set_link(sw, j, i, bw, 0.001), FU_OK);
+        }
+        assert_int_equal(rt_swarm_set_link(sw, RT_SOURCE, i, 1e9, 0.001), FU_OK);
+        assert_int_equal(rt_swarm_set_link(sw, i, RT_SINK, 1e9, 0.001), FU_OK);
+    }
+    assert_int_equal(rt_swarm_prune_links(sw, k), FU_OK);
+}
+
+/* Runs the clock-free search on a copy of `base`; spans into first/last. */
+static void search_copy(const rt_swarm *base, long evals, uint64_t seed, int *first, int *last, rt_search_stats *ss) {
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_clone(&sw, base), FU_OK);
+    rt_search_opts so = {0, seed, {RT_CONV_RUNTIME, 0}, 0, evals};
+    assert_int_equal(rt_place_search(&sw, &so, ss), FU_OK);
+    check_valid(&sw);
+    for (int i = 0; i < sw.n_servers; i++) first[i] = sw.servers[i].first, last[i] = sw.servers[i].last;
+    rt_swarm_free(&sw);
+}
+
+/* max_evals without a clock: the same seed and count give the same spans, whatever the
+ * machine's speed; the count bounds the evaluations, on a small swarm and a sparse larger one. */
+static void test_search_max_evals(void **st) {
+    (void)st;
+    int f1[400], l1[400], f2[400], l2[400];
+    rt_search_stats s1, s2;
+    rt_swarm sw;
+    make_hetero(&sw, 40);
+    search_copy(&sw, 60, 7, f1, l1, &s1);
+    search_copy(&sw, 60, 7, f2, l2, &s2);
+    assert_memory_equal(f1, f2, sizeof(int) * 12);
+    assert_memory_equal(l1, l2, sizeof(int) * 12);
+    assert_true(s1.evaluations <= 60 && s1.evaluations >= 50);
+    assert_int_equal(s1.evaluations, s2.evaluations);
+    NEAR(s1.flow, s2.flow, 0);
+    rt_swarm_free(&sw);
+    make_sparse(&sw, 400, 8); /* past the size where the search takes fewer seeds */
+    search_copy(&sw, 40, 3, f1, l1, &s1);
+    search_copy(&sw, 40, 3, f2, l2, &s2);
+    assert_memory_equal(f1, f2, sizeof(int) * 400);
+    assert_memory_equal(l1, l2, sizeof(int) * 400);
+    assert_true(s1.flow > 0 && s1.evaluations <= 40);
+    NEAR(s1.flow, s2.flow, 0);
+    rt_swarm_free(&sw);
+}
+
+/* The flow fans out from the coordinator over 40 equal one-server chains, each 2.5% of it:
+ * below min_share of the out-flow, so the share of the strongest hop decides, and requests
+ * spread evenly instead of finding no chain. */
+static void test_route_wide_fanout(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double t[] = {400, 200, 100, 50};
+    for (int i = 0; i < 40; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "w%d", i);
+        int id = add(&sw, name, 4, t, 0, 4);
+        assert_int_equal(rt_swarm_set_link(&sw, RT_SOURCE, id, 1e9, 0.001), FU_OK);
+        assert_int_equal(rt_swarm_set_link(&sw, id, RT_SINK, 1e9, 0.001), FU_OK);
+    }
+    rt_router *r;
+    assert_int_equal(rt_router_init(&r, &sw, NULL), FU_OK);
+    NEAR(rt_router_flow(r)->value, 40 * 50, 1e-9);
+    rt_path *p[80];
+    int cnt[40] = {0};
+    for (int i = 0; i < 80; i++) {
+        assert_int_equal(rt_route(r, 10, &p[i]), FU_OK);
+        assert_int_equal(p[i]->n_hops, 1);
+        cnt[p[i]->servers[0]]++;
+    }
+    for (int i = 0; i < 40; i++) assert_int_equal(cnt[i], 2);
+    for (int i = 0; i < 80; i++) rt_release(p[i]);
+    for (int i = 0; i < 40; i++) assert_int_equal(rt_router_busy(r, i), 0);
+    rt_router_free(r);
+    rt_swarm_free(&sw);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_maxflow_greedy_trap), cmocka_unit_test(test_maxflow_clrs),
@@ -643,7 +1013,10 @@ int main(void) {
         cmocka_unit_test(test_iwrr_cache_affinity),
         cmocka_unit_test(test_ini_and_exprs),       cmocka_unit_test(test_json_format),
         cmocka_unit_test(test_helix_files),         cmocka_unit_test(test_slot_reuse),
-        cmocka_unit_test(test_train_chain),
+        cmocka_unit_test(test_train_chain),         cmocka_unit_test(test_prune_links),
+        cmocka_unit_test(test_links_slot_reuse),    cmocka_unit_test(test_json_compact_round_trip),
+        cmocka_unit_test(test_json_large_file),     cmocka_unit_test(test_search_max_evals),
+        cmocka_unit_test(test_route_wide_fanout),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
