@@ -1,121 +1,140 @@
-/* bench-main.c -- fusion-bench-router: fusion's placement search + IWRR routing vs Petals'
- * rule, Swarm's stages and Helix's published MILP placement on Helix's 24-node clusters. */
+/* bench-main.c -- fusion-bench-router: fusion's placements (max-flow search, for throughput)
+ * vs Petals' rule, Swarm's stages and Helix's published placements on Helix's 24-node clusters,
+ * by max flow and by simulated decode throughput. */
 #include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "options.h"
 #include "router.h"
 #include "status.h"
 
 /*
- * Usage: fusion-bench-router [--helix-dir DIR] [--time S] [--seed N] [--sim-duration S]
+ * Usage: fusion-bench-router [--helix-dir DIR] [--evals N] [--seed N] [--sim-duration S]
  *
  * For the single-region cluster24 and the 3-region 3cluster24 with LLaMA-2 70B, prints one row
  * per placement: max flow (tokens/s, fusion's runtime convention and Helix's MILP convention),
- * its ratio to Helix's MILP placement, the simulated decode throughput with IWRR routing, and
- * the time the placement took. Petals' placements need partial execution (a hop may enter a
- * span in its middle), as in Helix's own evaluation; the others use exact boundaries.
+ * its ratio to Helix's MILP placement, the simulated decode throughput (fusion-sim: Helix's
+ * per-GPU step tables, Helix's offline feeder, IWRR routing), its ratio to the MILP
+ * placement's, the mean hops and the time the placement took. Placements: Helix's MILP, Petals
+ * and Swarm files, fusion's Petals and Swarm rules, fusion's max-flow search, and fusion's
+ * placement for throughput, unbounded and with mean hops at most the MILP placement's. Petals'
+ * placements need partial execution (a hop may enter a span in its middle), as in Helix's own
+ * evaluation; the others use exact boundaries. The searches run by evaluation count, with no
+ * clock, so a run repeats exactly.
  */
-
-typedef struct row {
-    const char *name;
-    double flow, flow_ilp, decode, seconds;
-} row;
-
-static int run_cluster(const char *hdir, const char *title, const char *cluster, const char *ilp,
-                       const char *petals_sol, const char *swarm_sol, double tlimit, uint64_t seed,
-                       double sim_dur) {
-    char prof[4096], cap[4096], cons[4096];
-    snprintf(prof, sizeof prof, "%s/simulator/model_manager/google_machine_profiles.ini", hdir);
-    snprintf(cap, sizeof cap, "%s/derived/node_capacity_by_layers.csv", hdir);
-    snprintf(cons, sizeof cons, "%s/derived/model_constants.json", hdir);
-    rt_model m;
-    rt_swarm base;
-    int rc = rt_helix_load_model(&m, cons, "llama2_70b");
-    if (rc || (rc = rt_swarm_init(&base, &m))) return rc;
-    if ((rc = rt_helix_load_cluster(&base, cluster, prof, cap))) {
-        rt_swarm_free(&base);
-        return rc;
-    }
-    row rows[8];
-    int nr = 0;
-    double milp = 0;
-    for (int variant = 0; variant < 6; variant++) {
-        rt_swarm sw;
-        if ((rc = rt_swarm_clone(&sw, &base))) break;
-        rt_flow_opts fo = {RT_CONV_RUNTIME, 0};
-        row r = {0};
-        double t0 = 0;
-        rt_search_stats st = {0};
-        switch (variant) {
-        case 0: r.name = "Helix MILP (ilp_sol.ini)"; rc = rt_helix_load_placement(&sw, ilp); break;
-        case 1:
-            r.name = "fusion search";
-            rt_search_opts so = {tlimit, seed, fo, 0, 0};
-            rc = rt_place_search(&sw, &so, &st);
-            t0 = st.seconds;
-            break;
-        case 2: r.name = "Petals rule (fusion impl.)"; fo.allow_partial = 1; rc = rt_place_petals(&sw); break;
-        case 3: r.name = "Petals (Helix petals_sol)"; fo.allow_partial = 1; rc = rt_helix_load_placement(&sw, petals_sol); break;
-        case 4: r.name = "Swarm stages (fusion impl.)"; rc = rt_place_swarm(&sw); break;
-        default: r.name = "Swarm (Helix swarm_sol)"; rc = rt_helix_load_placement(&sw, swarm_sol); break;
-        }
-        if (rc) {
-            rt_swarm_free(&sw);
-            break;
-        }
-        rt_flow_opts fi = fo;
-        fi.conv = RT_CONV_ILP;
-        r.flow = rt_max_flow(&sw, &fo);
-        r.flow_ilp = rt_max_flow(&sw, &fi);
-        r.seconds = t0;
-        if (variant == 0) milp = r.flow_ilp;
-        rt_sim_opts sim = {0};
-        sim.duration_s = sim_dur;
-        sim.warmup_s = sim_dur / 10;
-        sim.seed = seed;
-        sim.route.flow = fo;
-        rt_sim_result res;
-        if ((rc = rt_sim_run(&sw, &sim, &res))) {
-            rt_swarm_free(&sw);
-            break;
-        }
-        r.decode = res.decode_tps;
-        rows[nr++] = r;
-        rt_swarm_free(&sw);
-    }
-    rt_swarm_free(&base);
-    if (rc) return rc;
-    printf("\n%s (LLaMA-2 70B, 24 nodes: 4 A100 + 8 L4 + 12 T4)\n", title);
-    printf("%-30s %12s %12s %9s %14s %9s\n", "placement", "flow tok/s", "flow (MILP", "vs MILP",
-           "sim decode", "time s");
-    printf("%-30s %12s %12s %9s %14s %9s\n", "", "(runtime)", "convention)", "", "tok/s (IWRR)", "");
-    for (int i = 0; i < nr; i++)
-        printf("%-30s %12.1f %12.1f %8.3fx %14.1f %9.2f\n", rows[i].name, rows[i].flow,
-               rows[i].flow_ilp, milp > 0 ? rows[i].flow_ilp / milp : 0, rows[i].decode,
-               rows[i].seconds);
-    return FU_OK;
-}
 
 /* What the command line gives. */
 typedef struct bench_args {
     char *hdir;      /* the Helix data */
-    double tlimit;   /* search budget per cluster, seconds */
+    int evals;       /* max-flow evaluations of the search */
     double sim_dur;  /* simulated seconds */
     uint64_t seed;
+    rt_sim_profiles prof;
 } bench_args;
+
+typedef struct row {
+    const char *name;
+    double flow, flow_ilp, decode, hops, seconds;
+} row;
+
+enum { V_MILP, V_SEARCH, V_PETALS, V_PETALS_FILE, V_SWARM, V_SWARM_FILE, V_TPUT, V_TPUT_HOPS, V_COUNT };
+static const char *const v_names[V_COUNT] = {
+    "Helix MILP (ilp_sol.ini)",   "fusion max-flow search", "Petals rule (fusion impl.)",
+    "Petals (Helix petals_sol)",  "Swarm stages (fusion impl.)", "Swarm (Helix swarm_sol)",
+    "fusion for throughput",      "fusion for throughput, hops<=MILP"};
+
+typedef struct cluster_files {
+    const char *title, *cluster, *ilp, *petals, *swarm;
+} cluster_files;
+
+static rt_sim_opts sim_opts(const bench_args *a, const rt_flow_opts *fo) {
+    rt_sim_opts sim;
+    memset(&sim, 0, sizeof sim);
+    sim.duration_s = a->sim_dur;
+    sim.feed = RT_FEED_KV;
+    sim.profiles = &a->prof;
+    sim.seed = a->seed;
+    sim.route.flow = *fo;
+    return sim;
+}
+
+/* Places `sw` as variant v; milp_hops bounds V_TPUT_HOPS. */
+static int place(rt_swarm *sw, int v, const cluster_files *c, const bench_args *a, rt_flow_opts *fo,
+                 double milp_hops) {
+    rt_search_opts so = {0, a->seed, *fo, 0, a->evals};
+    rt_tplace_opts to = {so, sim_opts(a, fo), 0, v == V_TPUT_HOPS ? milp_hops : 0, 60, 4, a->seed};
+    fo->allow_partial = v == V_PETALS || v == V_PETALS_FILE;
+    switch (v) {
+    case V_MILP: return rt_helix_load_placement(sw, c->ilp);
+    case V_SEARCH: return rt_place_search(sw, &so, NULL);
+    case V_PETALS: return rt_place_petals(sw);
+    case V_PETALS_FILE: return rt_helix_load_placement(sw, c->petals);
+    case V_SWARM: return rt_place_swarm(sw);
+    case V_SWARM_FILE: return rt_helix_load_placement(sw, c->swarm);
+    default: return rt_place_throughput(sw, &to, NULL);
+    }
+}
+
+/* Places a copy of `base` as variant v and measures it into *r. */
+static int measure(const rt_swarm *base, int v, const cluster_files *c, const bench_args *a, double milp_hops,
+                   row *r) {
+    rt_swarm sw;
+    rt_flow_opts fo = {RT_CONV_RUNTIME, 0};
+    int rc = rt_swarm_clone(&sw, base);
+    double t0 = fu_now_s();
+    if (!rc) rc = place(&sw, v, c, a, &fo, milp_hops);
+    *r = (row){v_names[v], 0, 0, 0, 0, fu_now_s() - t0};
+    rt_flow_opts fi = {RT_CONV_ILP, fo.allow_partial};
+    rt_sim_opts sim = sim_opts(a, &fo);
+    rt_sim_result res;
+    if (!rc) rc = rt_sim_run(&sw, &sim, &res);
+    if (!rc) r->flow = rt_max_flow(&sw, &fo), r->flow_ilp = rt_max_flow(&sw, &fi), r->decode = res.decode_tps,
+             r->hops = res.mean_hops;
+    rt_swarm_free(&sw);
+    return rc;
+}
+
+static void print_rows(const char *title, const row *rows, int n) {
+    printf("\n%s (LLaMA-2 70B, 24 nodes: 4 A100 + 8 L4 + 12 T4)\n", title);
+    printf("%-34s %11s %11s %8s %11s %8s %6s %8s\n", "placement", "flow tok/s", "flow (MILP", "vs MILP", "sim decode",
+           "vs MILP", "hops", "time s");
+    printf("%-34s %11s %11s %8s %11s %8s %6s %8s\n", "", "(runtime)", "convention)", "", "tok/s", "", "", "");
+    for (int i = 0; i < n; i++)
+        printf("%-34s %11.1f %11.1f %7.3fx %11.1f %7.2fx %6.2f %8.2f\n", rows[i].name, rows[i].flow, rows[i].flow_ilp,
+               rows[0].flow_ilp > 0 ? rows[i].flow_ilp / rows[0].flow_ilp : 0, rows[i].decode,
+               rows[0].decode > 0 ? rows[i].decode / rows[0].decode : 0, rows[i].hops, rows[i].seconds);
+}
+
+static int run_cluster(const cluster_files *c, const bench_args *a) {
+    char prof[4096], cap[4096], cons[4096];
+    snprintf(prof, sizeof prof, "%s/simulator/model_manager/google_machine_profiles.ini", a->hdir);
+    snprintf(cap, sizeof cap, "%s/derived/node_capacity_by_layers.csv", a->hdir);
+    snprintf(cons, sizeof cons, "%s/derived/model_constants.json", a->hdir);
+    rt_model m;
+    rt_swarm base;
+    int rc = rt_helix_load_model(&m, cons, "llama2_70b");
+    if (rc || (rc = rt_swarm_init(&base, &m))) return rc;
+    rc = rt_helix_load_cluster(&base, c->cluster, prof, cap);
+    row rows[V_COUNT];
+    for (int v = 0; v < V_COUNT && !rc; v++) rc = measure(&base, v, c, a, rows[V_MILP].hops, &rows[v]);
+    rt_swarm_free(&base);
+    if (!rc) print_rows(c->title, rows, V_COUNT);
+    return rc;
+}
 
 static bench_args args;
 
 static const fu_opt bench_options[] = {
     {"helix-dir", 0, FU_OPT_STRING, FU_OPT_TO(args.hdir), "DIR", "the Helix data", .def = FUSION_HELIX_DIR},
-    {"time", 0, FU_OPT_FLOAT, FU_OPT_TO(args.tlimit), "S", "search budget per cluster", .def = "5"},
+    {"evals", 0, FU_OPT_INT, FU_OPT_TO(args.evals), .help = "max-flow evaluations of the search",
+     .def = "3000", .lo = 1, .hi = 100000000},
     {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "search and simulation seed", .def = "1", .lo = 0,
      .hi = LONG_MAX},
-    {"sim-duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.sim_dur), "S", "simulated seconds", .def = "300"},
+    {"sim-duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.sim_dur), "S", "simulated seconds", .def = "660"},
     FU_OPT_END,
 };
 
@@ -123,8 +142,8 @@ static const fu_opt_spec bench_spec = {"fusion-bench-router", "usage: fusion-ben
                                        bench_options, NULL};
 
 /* Compares the placements on both clusters; the exit status. */
-static int bench(const bench_args *args) {
-    char a[4][4096], b[4][4096];
+static int bench(bench_args *args) {
+    char a[5][4096], b[5][4096], dir[4096];
     const char *ae = "artifact_evaluation";
     snprintf(a[0], 4096, "%s/%s/single_cluster/config/cluster24.ini", args->hdir, ae);
     snprintf(a[1], 4096, "%s/%s/single_cluster/layout_llama70b/ilp/ilp_sol.ini", args->hdir, ae);
@@ -134,22 +153,24 @@ static int bench(const bench_args *args) {
     snprintf(b[1], 4096, "%s/%s/distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", args->hdir, ae);
     snprintf(b[2], 4096, "%s/%s/distributed_clusters/layout_llama70b/petals/petals_sol.ini", args->hdir, ae);
     snprintf(b[3], 4096, "%s/%s/distributed_clusters/layout_llama70b/swarm/swarm_sol.ini", args->hdir, ae);
-    printf("fusion-bench-router: search budget %.1f s per cluster, seed %llu, simulated %g s "
-           "(closed loop, 256 requests of 750 + 240 tokens)\n", args->tlimit, (unsigned long long)args->seed,
-           args->sim_dur);
-    int rc = run_cluster(args->hdir, "single region: cluster24", a[0], a[1], a[2], a[3], args->tlimit, args->seed,
-                         args->sim_dur);
-    if (!rc)
-        rc = run_cluster(args->hdir, "3 regions: 3cluster24", b[0], b[1], b[2], b[3], args->tlimit, args->seed,
-                         args->sim_dur);
+    snprintf(dir, sizeof dir, "%s/simulator/model_manager/llama2_70b", args->hdir);
+    snprintf(a[4], 4096, "%s/derived/model_constants.json", args->hdir);
+    printf("fusion-bench-router: max-flow search of %d evaluations, seed %llu, simulated %g s (Helix's "
+           "offline feeder, requests of 750 + 240 tokens, Helix's per-GPU step tables)\n", args->evals,
+           (unsigned long long)args->seed, args->sim_dur);
+    cluster_files c1 = {"single region: cluster24", a[0], a[1], a[2], a[3]};
+    cluster_files c2 = {"3 regions: 3cluster24", b[0], b[1], b[2], b[3]};
+    int rc = rt_sim_profiles_load_helix(&args->prof, dir, a[4], "llama2_70b");
+    if (!rc) rc = run_cluster(&c1, args);
+    if (!rc) rc = run_cluster(&c2, args);
+    rt_sim_profiles_free(&args->prof);
     if (rc) fprintf(stderr, "fusion-bench-router: %s: %s\n", fu_status_str(rc), fu_last_error());
     return rc ? 1 : 0;
 }
 
 int main(int argc, char **argv) {
     int status = fu_opt_main(&bench_spec, argc, argv, NULL);
-    if (status < 0 && (!(args.tlimit > 0) || !(args.sim_dur > 0)))
-        status = fu_opt_fail(&bench_spec, "--time and --sim-duration must be positive");
+    if (status < 0 && !(args.sim_dur > 0)) status = fu_opt_fail(&bench_spec, "--sim-duration must be positive");
     if (status < 0) status = bench(&args);
     fu_opt_free(bench_options);
     return status;

@@ -517,16 +517,17 @@ typedef struct rt_tplace_stats {
     const char *start;          /* which seed won: "search", "petals", "swarm", "current" */
 } rt_tplace_stats;
 
-/* Places `sw` for simulated decode throughput under a latency bound rather than max flow: the
- * seeds are the max-flow search's placement, Petals', Swarm's and the current one (when it
- * covers every block); each is simulated with rt_sim_run, and the best is improved by a local
- * search over single servers (resize, shift, start where another ends, copy another's span,
- * become a spare, swap two) repaired to keep every block covered. A quick estimate guides the
- * search (max flow shares, the KV bound on requests in flight, a fixed point of batch step
- * times by Little's law and M/G/1 link waits); the simulator decides: a move is kept when the
- * simulated decode tokens/s rise. A placement whose median TPOT exceeds max_tpot_s, or whose
- * mean hops exceed max_hops, scores its throughput scaled down by the excess. Deterministic for the same inputs, seed and max_evals (the search's own
- * budget is search.max_evals when set). Writes the best placement into `sw`. */
+/* Places `sw` for simulated decode throughput under bounds rather than for max flow. Seeds:
+ * the max-flow search's placement, Petals', Swarm's and the current one (when it covers every
+ * block). Each seed is simulated (rt_sim_run), and so is each of `restarts` local searches from
+ * it on a quick estimate (max flow shares, the KV bound on requests in flight, a fixed point of
+ * batch cycles by Little's law with the servers' batch and prompt limits, M/G/1 link waits);
+ * the moves (resize, shift, start where another ends, copy another's span, become a spare, swap
+ * two) are repaired to keep every block covered. The best is refined by max_evals simulated
+ * moves, each kept when the simulated decode tokens/s rise. A placement whose median TPOT
+ * exceeds max_tpot_s, or whose mean hops exceed max_hops, scores its throughput scaled down by
+ * the excess. Deterministic for the same inputs and seeds when search.max_evals > 0 (then the
+ * max-flow search runs no clock). Writes the best placement into `sw`. */
 int rt_place_throughput(rt_swarm *sw, const rt_tplace_opts *opts, rt_tplace_stats *stats);
 
 #endif

@@ -13,6 +13,7 @@ typedef struct tplace {
     uint64_t rng;
     int evals, max_evals;
     long quick_evals, quick_moves;
+    double out_len; /* tokens each request decodes */
     int restarts;
     rt_sim_result last;
     rt_flow fl;
@@ -51,9 +52,12 @@ static int score(tplace *t, const rt_swarm *sw, double *out) {
  *   over the servers holding it at 0.8, and every server's at kv_hwm for its share of N;
  * - time per output token: sum over servers of share_i x (its step for its batch N x share_i,
  *   with the prompts amortised over the outputs), plus the share-weighted link latencies;
- * - decode tokens/s = min(N / TPOT, the decode share of the max flow).
+ * - decode tokens/s = min(N / TPOT, what the prompt slots allow, the decode share of the max
+ *   flow).
  */
-static double step_time(const tplace *t, const rt_swarm *sw, int i, double batch) {
+/* Server i's cycle for `batch` sequences in all: as many batches as its decode limit needs,
+ * each with its share of the prompts (amortised over the outputs); *one gets one batch's time. */
+static double cycle_time(const tplace *t, const rt_swarm *sw, int i, double batch, double *one) {
     const rt_server *v = &sw->servers[i];
     int k = v->last - v->first;
     double per_req_prompt = (double)(t->sim.prompt_len > 0 ? t->sim.prompt_len : 750) /
@@ -61,11 +65,13 @@ static double step_time(const tplace *t, const rt_swarm *sw, int i, double batch
     const rt_step_profile *p = rt_sim_profile_find(t->sim.profiles, v->kind);
     if (!p) {
         double tp = rt_swarm_tput(sw, i, k);
-        return tp > 0 ? batch * (1 + per_req_prompt) / tp : 1e9;
+        *one = tp > 0 ? batch * (1 + per_req_prompt) / tp : 1e9;
+        return *one;
     }
-    double prompts = batch * per_req_prompt; /* prompt tokens per decode step, amortised */
-    return k * (rt_step_seconds(p, 0, batch < 1 ? 1 : (int)ceil(batch), 0) +
-                rt_step_seconds(p, (int)ceil(prompts), 0, 0));
+    int lim = p->decode_max_tokens && p->n_limits > 0 ? p->decode_max_tokens[(k < p->n_limits ? k : p->n_limits) - 1] : 0;
+    double m = lim > 0 ? ceil(batch / lim) : 1, b = batch / m;
+    *one = k * (rt_step_seconds(p, 0, b < 1 ? 1 : (int)ceil(b), 0) + rt_step_seconds(p, (int)ceil(b * per_req_prompt), 0, 0));
+    return m * *one;
 }
 
 static double kv_bound(tplace *t, const rt_swarm *sw, double req_len) {
@@ -108,22 +114,35 @@ static double link_delay(const tplace *t, const rt_swarm *sw, double x) {
     return d;
 }
 
+/* Prompts server i takes into one cycle: its prompt request limit per batch (0: unlimited). */
+static double prompt_slots(const tplace *t, const rt_swarm *sw, int i) {
+    const rt_server *v = &sw->servers[i];
+    int k = v->last - v->first;
+    const rt_step_profile *p = rt_sim_profile_find(t->sim.profiles, v->kind);
+    int lim = p && p->prompt_max_requests && p->n_limits > 0 ? p->prompt_max_requests[(k < p->n_limits ? k : p->n_limits) - 1] : 0;
+    return lim > 0 ? lim : 1e9;
+}
+
 /* The time per output token for N requests in flight: each server's batch is, by Little's law,
- * its arrival rate N x share_i / TPOT times its cycle, and a request at a busy server waits for
- * the batch in progress, then its own: about two cycles at each server it passes; solved by
- * fixed-point iteration from single-request batches. */
-static double tpot_fixed_point(tplace *t, const rt_swarm *sw, double n) {
-    double F = t->fl.value, tpot = link_delay(t, sw, 0);
+ * its arrival rate N x share_i / TPOT times its cycle (as many batches as its decode limit
+ * needs), and a request at a busy server waits for the cycle in progress, then its own batch;
+ * solved by fixed-point iteration from single-request batches. *prompt_bound gets the decode
+ * tokens/s the servers' prompt slots allow: a server takes at most its prompt limit of new
+ * prompts per batch, and every output_len decode tokens bring one. */
+static double tpot_fixed_point(tplace *t, const rt_swarm *sw, double n, double *prompt_bound) {
+    double F = t->fl.value, tpot = link_delay(t, sw, 0), one;
     for (int i = 0; i < t->fl.n; i++)
-        if (t->fl.server_flow[i] > 0) tpot += t->fl.server_flow[i] / F * step_time(t, sw, i, 1);
+        if (t->fl.server_flow[i] > 0) tpot += t->fl.server_flow[i] / F * cycle_time(t, sw, i, 1, &one);
     for (int it = 0; it < 30; it++) {
         double next = link_delay(t, sw, n / tpot);
         for (int i = 0; i < t->fl.n; i++) {
             double share = t->fl.server_flow[i] / F;
             if (share <= 0) continue;
-            double c = step_time(t, sw, i, 1), b = 1;
-            for (int inner = 0; inner < 3; inner++) b = fmax(1, n * share * c / tpot), c = step_time(t, sw, i, b);
-            next += share * 2 * c; /* the batch in progress, then its own */
+            double c = cycle_time(t, sw, i, 1, &one);
+            for (int inner = 0; inner < 3; inner++) c = cycle_time(t, sw, i, fmax(1, n * share * c / tpot), &one);
+            next += share * (c + one); /* the cycle in progress, then its own batch */
+            double pb = prompt_slots(t, sw, i) * t->out_len / (share * c);
+            if (it == 0 || pb < *prompt_bound) *prompt_bound = pb;
         }
         if (fabs(next - tpot) < 1e-6 * tpot) return next;
         tpot = 0.5 * (tpot + next);
@@ -139,10 +158,10 @@ static int quick_score(tplace *t, const rt_swarm *sw, double *out) {
     int rc = rt_flow_compute(sw, &t->sim.route.flow, &t->fl, NULL);
     if (rc || !(t->fl.value > 0)) return rc;
     int pl = t->sim.prompt_len > 0 ? t->sim.prompt_len : 750, ol = t->sim.output_len > 0 ? t->sim.output_len : 240;
-    double n = kv_bound(t, sw, pl + ol), F = t->fl.value, tpot = tpot_fixed_point(t, sw, n);
+    double prompts = 1e18, n = kv_bound(t, sw, pl + ol), F = t->fl.value, tpot = tpot_fixed_point(t, sw, n, &prompts);
     double through = 0;
     for (int i = 0; i < t->fl.n; i++) through += t->fl.server_flow[i];
-    *out = bounded(t, fmin(n / tpot, F * ol / (pl + ol)), tpot, through / F);
+    *out = bounded(t, fmin(fmin(n / tpot, prompts), F * ol / (pl + ol)), tpot, through / F);
     return FU_OK;
 }
 
@@ -345,6 +364,7 @@ static void tplace_init(tplace *t, const rt_tplace_opts *o) {
     t->rng = o->seed ^ 0x7f4a7c159e3779b9ULL;
     t->max_evals = o->max_evals > 0 ? o->max_evals : 60;
     t->quick_moves = 2000;
+    t->out_len = t->sim.output_len > 0 ? t->sim.output_len : 240;
     t->restarts = o->restarts > 0 ? o->restarts : 4;
 }
 

@@ -45,6 +45,9 @@ static const fu_opt sim_options[] = {
     {"placement", 0, FU_OPT_STRING, FU_OPT_TO(args.placement), "SOL.ini", "a Helix placement"},
     {"place", 0, FU_OPT_CHOICE, FU_OPT_TO(args.place), .help = "place the servers", .choices = place_choices},
     {"time", 0, FU_OPT_FLOAT, FU_OPT_TO(args.se.time_limit_s), "S", "search budget (default 5)"},
+    {"search-evals", 0, FU_OPT_INT, FU_OPT_TO(args.se.max_evals),
+     .help = "the max-flow search runs this many evaluations and no clock (the same placement every run)", .lo = 0,
+     .hi = 100000000},
     {"max-tpot", 0, FU_OPT_FLOAT, FU_OPT_TO(args.max_tpot), "S",
      "--place throughput: bound on the median time per output token"},
     {"max-hops", 0, FU_OPT_FLOAT, FU_OPT_TO(args.max_hops), "H", "--place throughput: bound on the mean servers per chain"},
@@ -80,7 +83,7 @@ static const fu_opt_spec sim_spec = {
     "usage: fusion-sim (--json CLUSTER.json | --helix-cluster CLUSTER.ini [--helix-dir DIR]\n"
     "                   [--model llama2_70b] [--profiles INI] [--capacity CSV] [--constants JSON])\n"
     "                  [--placement SOL.ini | --place petals|swarm|search|throughput] [--time S] [--seed N]\n"
-    "                  [--max-tpot S] [--max-hops H] [--evals N]\n"
+    "                  [--search-evals N] [--max-tpot S] [--max-hops H] [--evals N]\n"
     "                  [--conv runtime|ilp] [--partial] [--rate R | --concurrency N | --trace FILE]\n"
     "                  [--feed-hwm F] [--kv-hwm F] [--no-step-profiles]\n"
     "                  [--duration S] [--warmup S] [--prompt-len N] [--output-len N] [--no-sim]\n"
