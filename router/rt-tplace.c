@@ -167,6 +167,7 @@ static int quick_score(tplace *t, const rt_swarm *sw, double *out) {
 
 /* The seed placements, written over a copy of `base`; 0 when `which` does not apply. */
 static int seed_place(const rt_swarm *base, int which, const rt_tplace_opts *o, rt_swarm *out) {
+    memset(out, 0, sizeof *out);
     int rc = rt_swarm_clone(out, base);
     if (rc) return rc;
     switch (which) {
@@ -203,7 +204,7 @@ static int best_seed(tplace *t, rt_swarm *sw, span *saved, double *best, int *wh
     for (int k = 0; k < 4 && !rc; k++) {
         rt_swarm cand;
         rc = seed_place(&base, k, t->o, &cand);
-        if (rc == FU_ERR_NOT_FOUND || rc == FU_ERR_INVALID) {
+        if (rc && rc != FU_ERR_NOMEM) { /* a rule that cannot place this swarm: not a seed */
             rt_swarm_free(&cand);
             rc = FU_OK;
             continue;
