@@ -14,6 +14,7 @@
 
 /*
  * Usage: fusion-bench-router [--helix-dir DIR] [--evals N] [--seed N] [--sim-duration S]
+ *                            [--prompt-sigma S] [--output-sigma S]
  *
  * For the single-region cluster24 and the 3-region 3cluster24 with LLaMA-2 70B, prints one row
  * per placement: max flow (tokens/s, fusion's runtime convention and Helix's MILP convention),
@@ -33,6 +34,7 @@ typedef struct bench_args {
     int evals;       /* max-flow evaluations of the search */
     double sim_dur;  /* simulated seconds */
     uint64_t seed;
+    double prompt_sigma, output_sigma; /* spread of the drawn lengths (0: Helix's fixed averages) */
     rt_sim_profiles prof;
 } bench_args;
 
@@ -59,6 +61,10 @@ static rt_sim_opts sim_opts(const bench_args *a, const rt_flow_opts *fo) {
     sim.profiles = &a->prof;
     sim.seed = a->seed;
     sim.route.flow = *fo;
+    if (a->prompt_sigma > 0 || a->output_sigma > 0) { /* like Helix's Azure Conversation set */
+        sim.prompt_len = 763, sim.output_len = 232, sim.kv_output_tokens = 240;
+        sim.prompt_sigma = a->prompt_sigma, sim.output_sigma = a->output_sigma;
+    }
     return sim;
 }
 
@@ -135,6 +141,10 @@ static const fu_opt bench_options[] = {
     {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "search and simulation seed", .def = "1", .lo = 0,
      .hi = LONG_MAX},
     {"sim-duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.sim_dur), "S", "simulated seconds", .def = "660"},
+    {"prompt-sigma", 0, FU_OPT_FLOAT, FU_OPT_TO(args.prompt_sigma), "S",
+     "lognormal spread of prompt lengths around 763 (0 with --output-sigma 0: fixed 750 / 240)", .def = "0.5"},
+    {"output-sigma", 0, FU_OPT_FLOAT, FU_OPT_TO(args.output_sigma), "S", "the same for outputs around 232",
+     .def = "0.5"},
     FU_OPT_END,
 };
 
@@ -156,8 +166,13 @@ static int bench(bench_args *args) {
     snprintf(dir, sizeof dir, "%s/simulator/model_manager/llama2_70b", args->hdir);
     snprintf(a[4], 4096, "%s/derived/model_constants.json", args->hdir);
     printf("fusion-bench-router: max-flow search of %d evaluations, seed %llu, simulated %g s (Helix's "
-           "offline feeder, requests of 750 + 240 tokens, Helix's per-GPU step tables)\n", args->evals,
-           (unsigned long long)args->seed, args->sim_dur);
+           "offline feeder, Helix's per-GPU step tables, requests ", args->evals, (unsigned long long)args->seed,
+           args->sim_dur);
+    if (args->prompt_sigma > 0 || args->output_sigma > 0)
+        printf("drawn like Helix's Azure Conversation set: means 763 + 232 tokens, lognormal spreads %g / %g)\n",
+               args->prompt_sigma, args->output_sigma);
+    else
+        printf("of 750 + 240 tokens)\n");
     cluster_files c1 = {"single region: cluster24", a[0], a[1], a[2], a[3]};
     cluster_files c2 = {"3 regions: 3cluster24", b[0], b[1], b[2], b[3]};
     int rc = rt_sim_profiles_load_helix(&args->prof, dir, a[4], "llama2_70b");

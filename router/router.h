@@ -457,8 +457,14 @@ typedef struct rt_sim_opts {
     int n_trace;
     int prompt_len;        /* synthetic requests (default 750 / 240, Helix's averages) */
     int output_len;
+    double prompt_sigma;   /* > 0: prompt lengths drawn lognormal with mean prompt_len and this
+                              sigma, within [4, max_prompt_len]; 0: all prompt_len */
+    double output_sigma;   /* the same for output lengths */
+    int max_prompt_len, max_output_len; /* (default 2047 / 1000, Helix's Azure Conversation set) */
     double kv_hwm;         /* a server admits requests while its KV stays within this share of
                               its capacity (default 0.85, Helix's offline setting) */
+    int kv_output_tokens;  /* a request reserves KV for its prompt and this many outputs, as
+                              Helix expects (> 0), or for its own output length (0) */
     double host_s_per_byte; /* host-side copy cost per activation byte entering a server
                               (default Helix's 1/4e9 + 1/5e9 s; < 0: none) */
     const rt_sim_profiles *profiles; /* step times by server kind (NULL: throughput tables only) */

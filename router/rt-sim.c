@@ -275,7 +275,8 @@ static int start_step(sim *s, int id, double now) {
 /* Routes request id: 1 started, 0 queued or rejected, 2 full (when !may_queue), < 0 error. */
 static int admit(sim *s, int id, double now, int may_queue) {
     sim_req *r = &s->req[id];
-    int rc = rt_route(s->router, r->prompt_len + r->output_len, &r->path);
+    int expect = s->o->kv_output_tokens > 0 ? s->o->kv_output_tokens : r->output_len;
+    int rc = rt_route(s->router, r->prompt_len + expect, &r->path);
     if (rc == FU_ERR_EXHAUSTED) return may_queue ? items_push(&s->wait, id, 0) : 2;
     if (rc) {
         s->res->rejected++;
@@ -297,6 +298,24 @@ static int new_request(sim *s, double now, int prompt_len, int output_len) {
     return rc < 0 ? rc : FU_OK;
 }
 
+/* A length drawn around `mean` (lognormal with sigma `sd`, its mean kept), within [4, cap]. */
+static int draw_len(sim *s, int mean, double sd, int cap) {
+    if (!(sd > 0)) return mean;
+    double u1 = rt__rng_unit(&s->rng), u2 = rt__rng_unit(&s->rng);
+    double z = sqrt(-2 * log(1 - u1)) * cos(2 * M_PI * u2);
+    double v = mean * exp(sd * z - sd * sd / 2);
+    if (v < 4) v = 4;
+    return v > cap ? cap : (int)v;
+}
+
+/* A synthetic request: fixed lengths, or drawn as the options ask. */
+static int new_synthetic(sim *s, double now) {
+    const rt_sim_opts *o = s->o;
+    int pl = draw_len(s, s->prompt_len, o->prompt_sigma, o->max_prompt_len > 0 ? o->max_prompt_len : 2047);
+    int ol = draw_len(s, s->output_len, o->output_sigma, o->max_output_len > 0 ? o->max_output_len : 1000);
+    return new_request(s, now, pl, ol);
+}
+
 /* Admits waiting requests in order while they fit. */
 static int admit_waiting(sim *s, double now) {
     int i = 0, rc = FU_OK;
@@ -312,7 +331,7 @@ static int admit_waiting(sim *s, double now) {
 /* After a prompt or a request finished: the closed loop replaces a finished request; Helix's
  * feeder adds one while KV allows. */
 static int feed(sim *s, double now, int finished) {
-    if (s->o->feed == RT_FEED_CLOSED && finished) return new_request(s, now, s->prompt_len, s->output_len);
+    if (s->o->feed == RT_FEED_CLOSED && finished) return new_synthetic(s, now);
     if (s->o->feed == RT_FEED_KV && now <= s->t1) {
         double hwm = s->o->feed_hwm > 0 ? s->o->feed_hwm : 0.8;
         if (kv_bottleneck(s) <= hwm) return heap_push(s, now + 0.1, EV_NEW, -1, 0);
@@ -454,7 +473,7 @@ static int on_arrive(sim *s, int id, int hop, double now) {
 static int on_new(sim *s, int trace_index, double now) {
     const rt_sim_opts *o = s->o;
     if (trace_index >= 0) return new_request(s, now, o->trace[trace_index].prompt_len, o->trace[trace_index].output_len);
-    int rc = new_request(s, now, s->prompt_len, s->output_len);
+    int rc = new_synthetic(s, now);
     if (rc || o->feed != RT_FEED_POISSON) return rc;
     double next = now - log(1 - rt__rng_unit(&s->rng)) / o->arrival_rate;
     return next <= s->t1 ? heap_push(s, next, EV_NEW, -1, 0) : FU_OK;

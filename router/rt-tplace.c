@@ -340,10 +340,15 @@ static int try_move(tplace *t, rt_swarm *sw, span *saved, double *best) {
     return FU_OK;
 }
 
-/* Local search on the quick estimate: `moves` perturbations, each kept when the estimate rises. */
+/* Simulated annealing on the quick estimate: `moves` perturbations, each kept when the estimate
+ * rises or, with a falling chance, when it drops a little; `sw` ends at the best one seen. */
 static int quick_search(tplace *t, rt_swarm *sw, span *saved, long moves) {
-    double best, s;
-    int rc = quick_score(t, sw, &best);
+    span *best_spans = malloc(((size_t)sw->n_servers + 1) * sizeof *best_spans);
+    if (!best_spans) return fu_errorf(FU_ERR_NOMEM, "placement: out of memory");
+    double cur, best, s;
+    int rc = quick_score(t, sw, &cur);
+    best = cur;
+    save_spans(sw, best_spans);
     for (long m = 0; !rc && m < moves; m++) {
         save_spans(sw, saved);
         if (!perturb(sw, &t->rng)) {
@@ -351,9 +356,16 @@ static int quick_search(tplace *t, rt_swarm *sw, span *saved, long moves) {
             continue;
         }
         rc = quick_score(t, sw, &s);
-        if (!rc && s > best * (1 + 1e-9)) best = s;
-        else restore_spans(sw, saved);
+        double temp = 0.05 * (1 - (double)m / moves) + 1e-4; /* relative: a 5% loss is likely at first */
+        if (!rc && (s > cur || (cur > 0 && s > 0 && rt__rng_unit(&t->rng) < exp((s - cur) / (temp * cur))))) {
+            cur = s;
+            if (s > best * (1 + 1e-9)) best = s, save_spans(sw, best_spans);
+        } else {
+            restore_spans(sw, saved);
+        }
     }
+    restore_spans(sw, best_spans);
+    free(best_spans);
     return rc;
 }
 
@@ -364,7 +376,7 @@ static void tplace_init(tplace *t, const rt_tplace_opts *o) {
 
     t->rng = o->seed ^ 0x7f4a7c159e3779b9ULL;
     t->max_evals = o->max_evals > 0 ? o->max_evals : 60;
-    t->quick_moves = 2000;
+    t->quick_moves = 6000;
     t->out_len = t->sim.output_len > 0 ? t->sim.output_len : 240;
     t->restarts = o->restarts > 0 ? o->restarts : 4;
 }

@@ -70,6 +70,16 @@ static const fu_opt sim_options[] = {
     {"warmup", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.warmup_s), "S", "left out of the figures", .def = "60"},
     {"prompt-len", 0, FU_OPT_INT, FU_OPT_TO(args.so.prompt_len), .help = "synthetic requests' prompt tokens",
      .lo = 0, .hi = INT32_MAX},
+    {"prompt-sigma", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.prompt_sigma), "S",
+     "draw prompt lengths lognormal around --prompt-len with this spread, at most --max-prompt-len"},
+    {"output-sigma", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.output_sigma), "S", "the same for output lengths"},
+    {"max-prompt-len", 0, FU_OPT_INT, FU_OPT_TO(args.so.max_prompt_len), .help = "longest drawn prompt (default 2047)",
+     .lo = 0, .hi = INT32_MAX},
+    {"max-output-len", 0, FU_OPT_INT, FU_OPT_TO(args.so.max_output_len), .help = "longest drawn output (default 1000)",
+     .lo = 0, .hi = INT32_MAX},
+    {"kv-output-tokens", 0, FU_OPT_INT, FU_OPT_TO(args.so.kv_output_tokens),
+     .help = "reserve KV for the prompt and this many outputs (as Helix expects), not the request's own", .lo = 0,
+     .hi = INT32_MAX},
     {"output-len", 0, FU_OPT_INT, FU_OPT_TO(args.so.output_len), .help = "synthetic requests' output tokens",
      .lo = 0, .hi = INT32_MAX},
     {"no-sim", 0, FU_OPT_FLAG, FU_OPT_TO(args.no_sim), .help = "the max flow only"},
@@ -84,6 +94,8 @@ static const fu_opt_spec sim_spec = {
     "                   [--model llama2_70b] [--profiles INI] [--capacity CSV] [--constants JSON])\n"
     "                  [--placement SOL.ini | --place petals|swarm|search|throughput] [--time S] [--seed N]\n"
     "                  [--search-evals N] [--max-tpot S] [--max-hops H] [--evals N]\n"
+    "                  [--prompt-sigma S] [--output-sigma S] [--max-prompt-len N] [--max-output-len N]\n"
+    "                  [--kv-output-tokens N]\n"
     "                  [--conv runtime|ilp] [--partial] [--rate R | --concurrency N | --trace FILE]\n"
     "                  [--feed-hwm F] [--kv-hwm F] [--no-step-profiles]\n"
     "                  [--duration S] [--warmup S] [--prompt-len N] [--output-len N] [--no-sim]\n"
