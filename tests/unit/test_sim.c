@@ -213,6 +213,32 @@ static void test_deterministic_and_poisson(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* Drawn lengths stay within their caps (a 100-token cap: no prompt step longer than 20 ms, most
+ * shorter), and KV is reserved for kv_output_tokens outputs when set. */
+static void test_lengths_and_kv_expectation(void **st) {
+    (void)st;
+    rt_swarm sw;
+    one_server(&sw, 2, 10000);
+    rt_sim_profiles p = {0};
+    assert_int_equal(rt_sim_profiles_parse_json(&p, PROFILE_JSON, strlen(PROFILE_JSON)), FU_OK);
+    rt_sim_opts so = opts(100, 10, 100, 3);
+    so.concurrency = 1, so.profiles = &p;
+    so.prompt_sigma = 1, so.max_prompt_len = 100;
+    rt_sim_result r;
+    assert_int_equal(rt_sim_run(&sw, &so, &r), FU_OK);
+    assert_true(r.ttft_p99 <= 0.020 + 1e-9 && r.ttft_p50 < 0.019);
+    /* 10 000 KV tokens, requests of 1000 + 1000: five at a time; reserving 4000 outputs: two */
+    rt_sim_opts kv = opts(300, 30, 1000, 1000);
+    kv.concurrency = 50, kv.kv_hwm = 1;
+    assert_int_equal(rt_sim_run(&sw, &kv, &r), FU_OK);
+    NEAR(r.mean_in_flight, 5, 0.1);
+    kv.kv_output_tokens = 4000;
+    assert_int_equal(rt_sim_run(&sw, &kv, &r), FU_OK);
+    NEAR(r.mean_in_flight, 2, 0.1);
+    rt_sim_profiles_free(&p);
+    rt_swarm_free(&sw);
+}
+
 /* A swarm of fast "G" servers (up to 4 blocks) and slow "S" ones (2 blocks) over 8 blocks. */
 static void mixed_swarm(rt_swarm *sw) {
     rt_model m = model(8);
@@ -279,6 +305,7 @@ int main(void) {
         cmocka_unit_test(test_single_server_by_hand), cmocka_unit_test(test_batching_and_limits),
         cmocka_unit_test(test_links_and_fluid_server), cmocka_unit_test(test_kv_bounds),
         cmocka_unit_test(test_deterministic_and_poisson), cmocka_unit_test(test_place_throughput),
+        cmocka_unit_test(test_lengths_and_kv_expectation),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
