@@ -323,7 +323,7 @@ static int admit_waiting(sim *s, double now) {
         if (rc < 0) return rc;
         i++;
     }
-    memmove(s->wait.v, s->wait.v + i, (size_t)(s->wait.n - i) * sizeof(item));
+    if (i > 0) memmove(s->wait.v, s->wait.v + i, (size_t)(s->wait.n - i) * sizeof(item));
     s->wait.n -= i;
     return FU_OK;
 }

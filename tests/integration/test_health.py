@@ -21,7 +21,7 @@ import urllib.request
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from shard_cluster import Gateway, Shard, api_request, default_model, stop_all, swarm_cluster  # noqa: E402
+from shard_cluster import Gateway, Shard, api_request, default_model, stop_all, swarm_cluster, wait_for  # noqa: E402
 
 KEY = "sk-health-key"
 
@@ -54,7 +54,11 @@ def test_static_chain_health():
                                 body={"model": models["data"][0]["id"], "max_tokens": 3,
                                       "messages": [{"role": "user", "content": "Hi"}]})
         assert st == 200, reply
-        line = [ln for ln in gw.output().splitlines() if "access: POST /v1/chat/completions 200" in ln][0]
+
+        def access_lines():
+            return [ln for ln in gw.output().splitlines() if "access: POST /v1/chat/completions 200" in ln]
+        wait_for(access_lines, "the access-log line")  # written after the reply, maybe after it arrives
+        line = access_lines()[0]
         assert reply["id"] in line and "completion_tokens=3" in line and "ttft_ms=" in line, line
         assert KEY not in gw.output()  # a fingerprint of the key, never the key
         st, page = api_request(gw, "GET", "/metrics", key=KEY)
