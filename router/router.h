@@ -506,7 +506,7 @@ int rt_sim_run(const rt_swarm *sw, const rt_sim_opts *opts, rt_sim_result *res);
 
 typedef struct rt_tplace_opts {
     rt_search_opts search; /* the max-flow search that gives the first candidate */
-    rt_sim_opts sim;       /* how a candidate is scored (360 s with rt_sim_run's warm-up when 0) */
+    rt_sim_opts sim;       /* how a candidate is scored (rt_sim_run's defaults: 660 s, 60 s warm-up) */
     double max_tpot_s;     /* latency bound on the median time per output token (0: none) */
     double max_hops;       /* bound on the mean servers per chain (0: none) */
     int max_evals;         /* simulations of the final local search (default 60) */

@@ -1,5 +1,6 @@
-/* rt-tplace.c -- placement for simulated throughput: the best of the max-flow search, Petals
- * and Swarm (and the current placement), improved one server at a time by the simulator. */
+/* rt-tplace.c -- placement for simulated throughput: the max-flow search's, Petals', Swarm's and
+ * the current placement, each improved by annealing on a quick estimate, the best of them by the
+ * simulator, then refined one simulated move at a time. Single-threaded, like the router. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,8 +34,8 @@ static double bounded(const tplace *t, double tps, double tpot, double hops) {
     return tps;
 }
 
-/* Simulated score of `sw`: decode tokens/s, scaled down when the median TPOT breaks the bound;
- * -1 when a block is uncovered. */
+/* Simulated score of `sw`: decode tokens/s, scaled down when the median TPOT or the mean hops
+ * break their bounds; -1 when a block is uncovered. */
 static int score(tplace *t, const rt_swarm *sw, double *out) {
     *out = -1;
     if (rt_swarm_uncovered(sw, NULL) > 0) return FU_OK;
@@ -50,8 +51,8 @@ static int score(tplace *t, const rt_swarm *sw, double *out) {
  * - flow: the max flow routes a request over server i with probability share_i = flow_i / F;
  * - concurrency N: the KV bound, as the feeder and the router keep it: every block's capacity
  *   over the servers holding it at 0.8, and every server's at kv_hwm for its share of N;
- * - time per output token: sum over servers of share_i x (its step for its batch N x share_i,
- *   with the prompts amortised over the outputs), plus the share-weighted link latencies;
+ * - time per output token: the share-weighted cycle of each server for the batch Little's law
+ *   gives it (tpot_fixed_point), plus the share-weighted link latency and M/G/1 wait;
  * - decode tokens/s = min(N / TPOT, what the prompt slots allow, the decode share of the max
  *   flow).
  */
@@ -158,7 +159,8 @@ static int quick_score(tplace *t, const rt_swarm *sw, double *out) {
     int rc = rt_flow_compute(sw, &t->sim.route.flow, &t->fl, NULL);
     if (rc || !(t->fl.value > 0)) return rc;
     int pl = t->sim.prompt_len > 0 ? t->sim.prompt_len : 750, ol = t->sim.output_len > 0 ? t->sim.output_len : 240;
-    double prompts = 1e18, n = kv_bound(t, sw, pl + ol), F = t->fl.value, tpot = tpot_fixed_point(t, sw, n, &prompts);
+    int reserve = t->sim.kv_output_tokens > 0 ? t->sim.kv_output_tokens : ol;
+    double prompts = 1e18, n = kv_bound(t, sw, pl + reserve), F = t->fl.value, tpot = tpot_fixed_point(t, sw, n, &prompts);
     double through = 0;
     for (int i = 0; i < t->fl.n; i++) through += t->fl.server_flow[i];
     *out = bounded(t, fmin(fmin(n / tpot, prompts), F * ol / (pl + ol)), tpot, through / F);
