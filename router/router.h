@@ -498,7 +498,9 @@ typedef struct rt_sim_result {
  * - Links: a transfer of w tokens (tok bytes to/from the coordinator, tok + act between
  *   servers) occupies the link, the sender's outbound NIC and the receiver's inbound NIC for
  *   bytes / min(bandwidths), in FIFO order, then arrives one latency later.
- * Figures cover [warmup_s, duration_s]. Deterministic for the same inputs and seed. */
+ * A batch takes at least 1 us. Figures cover [warmup_s, duration_s]. Deterministic for the
+ * same inputs and seed. FU_ERR_RANGE when a run exceeds 4e8 events (near-zero step times and
+ * links over a long run). */
 int rt_sim_run(const rt_swarm *sw, const rt_sim_opts *opts, rt_sim_result *res);
 
 /* ---------------------------------------------------------------------------------------- */

@@ -11,6 +11,9 @@
 
 enum { EV_NEW = 0, EV_ARRIVE = 1, EV_BATCH = 2 };
 
+/* Most events one run processes (about a minute here): a bound on runs that cannot end. */
+#define SIM_MAX_EVENTS 400000000L
+
 typedef struct sim_event {
     double t;
     uint64_t seq;
@@ -429,7 +432,8 @@ static double batch_seconds(const sim *s, int v, const rt_step_profile *p, int k
         if (tp > 0 && k > 0) fluid += r->w * ((double)j / k) / tp;
     }
     double t = p ? jmax * rt_step_seconds(p, prompt, decode, ctx) : fluid;
-    return t + tokens * s->sw->model.act_bytes * s->host_s_per_byte;
+    t += tokens * s->sw->model.act_bytes * s->host_s_per_byte;
+    return t > 1e-6 ? t : 1e-6; /* a step takes some time, so simulated time always advances */
 }
 
 static int server_start(sim *s, int v, double now) {
@@ -581,7 +585,10 @@ int rt_sim_run(const rt_swarm *sw, const rt_sim_opts *opts, rt_sim_result *res) 
     while (!rc && s.nh > 0) {
         sim_event ev = heap_pop(&s);
         if (ev.t > s.t1) break;
-        res->events++;
+        if (++res->events > SIM_MAX_EVENTS)
+            rc = fu_errorf(FU_ERR_RANGE, "sim: more than %ld events by %.1f s of %.1f: step times or links near "
+                           "zero, or a run too long", (long)SIM_MAX_EVENTS, ev.t, s.t1);
+        if (rc) break;
         if (ev.kind == EV_NEW) rc = on_new(&s, ev.a, ev.t);
         else if (ev.kind == EV_BATCH) rc = on_batch(&s, ev.a, ev.t);
         else rc = on_arrive(&s, ev.a, ev.b, ev.t);

@@ -239,6 +239,24 @@ static void test_lengths_and_kv_expectation(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* Step times of zero over instant links: a batch still takes 1 us, so simulated time advances and
+ * the run ends (at most one step per microsecond: 1e6 tokens/s for one sequence). */
+static void test_zero_times_advance(void **st) {
+    (void)st;
+    rt_swarm sw;
+    one_server(&sw, 1, 0);
+    static const char *zero = "{\"step_profiles\": {\"G\": {\"prompt\": [[0, 0], [10, 0]], \"decode\": [[1, 0]]}}}";
+    rt_sim_profiles p = {0};
+    assert_int_equal(rt_sim_profiles_parse_json(&p, zero, strlen(zero)), FU_OK);
+    rt_sim_opts so = opts(0.5, -1, 4, 1000);
+    so.concurrency = 1, so.profiles = &p;
+    rt_sim_result r;
+    assert_int_equal(rt_sim_run(&sw, &so, &r), FU_OK);
+    assert_true(r.decode_tps > 1e5 && r.decode_tps <= 1e6 + 1);
+    rt_sim_profiles_free(&p);
+    rt_swarm_free(&sw);
+}
+
 /* A swarm of fast "G" servers (up to 4 blocks) and slow "S" ones (2 blocks) over 8 blocks. */
 static void mixed_swarm(rt_swarm *sw) {
     rt_model m = model(8);
@@ -305,7 +323,7 @@ int main(void) {
         cmocka_unit_test(test_single_server_by_hand), cmocka_unit_test(test_batching_and_limits),
         cmocka_unit_test(test_links_and_fluid_server), cmocka_unit_test(test_kv_bounds),
         cmocka_unit_test(test_deterministic_and_poisson), cmocka_unit_test(test_place_throughput),
-        cmocka_unit_test(test_lengths_and_kv_expectation),
+        cmocka_unit_test(test_lengths_and_kv_expectation), cmocka_unit_test(test_zero_times_advance),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
