@@ -401,15 +401,19 @@ static void shard_span_log_stats(shard_span *sp) {
     pthread_mutex_unlock(&sp->mu);
 }
 
-/* Why the gateway refused to admit this server (set once by the membership thread). */
+/* Why the gateway refused to admit this server (set once by the membership thread, under
+ * join_refused_mu). */
 static char join_refused[200];
+static pthread_mutex_t join_refused_mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* shard_join_config.refused: records why and stops the server as SIGTERM would. */
 static void shard_join_refused(void *ctx, const char *why) {
     (void)ctx;
-    if (join_refused[0]) return;
-    snprintf(join_refused, sizeof join_refused, "%s", why);
-    kill(getpid(), SIGTERM);
+    pthread_mutex_lock(&join_refused_mu);
+    int first = !join_refused[0];
+    if (first) snprintf(join_refused, sizeof join_refused, "%s", why);
+    pthread_mutex_unlock(&join_refused_mu);
+    if (first) kill(getpid(), SIGTERM);
 }
 
 /* Starts the server (and the membership thread with --join), waits for SIGTERM or SIGINT,
@@ -442,7 +446,7 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
     if (a->join && (rc = shard_join_start(&jc, &join))) return rc;
     int sig = 0;
     sigwait(sigs, &sig);
-    shard_join_stop(join);
+    shard_join_stop(join); /* the membership thread has ended: join_refused is settled */
     if (join_refused[0]) return fu_errorf(FU_ERR_AUTH, "%s: %s", a->join, join_refused);
     FU_INFO("%s: draining (up to %d ms)", sig == SIGTERM ? "SIGTERM" : "SIGINT", a->drain_ms);
     shard_server_drain(sp->srv, a->drain_ms);
