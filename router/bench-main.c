@@ -116,15 +116,9 @@ static void print_rows(const char *title, const row *rows, int n) {
 }
 
 static int run_cluster(const cluster_files *c, const bench_args *a) {
-    char prof[4096], cap[4096], cons[4096];
-    snprintf(prof, sizeof prof, "%s/simulator/model_manager/google_machine_profiles.ini", a->hdir);
-    snprintf(cap, sizeof cap, "%s/derived/node_capacity_by_layers.csv", a->hdir);
-    snprintf(cons, sizeof cons, "%s/derived/model_constants.json", a->hdir);
-    rt_model m;
+    rt_helix_files f = {a->hdir, "llama2_70b", NULL, NULL, NULL};
     rt_swarm base;
-    int rc = rt_helix_load_model(&m, cons, "llama2_70b");
-    if (rc || (rc = rt_swarm_init(&base, &m))) return rc;
-    rc = rt_helix_load_cluster(&base, c->cluster, prof, cap);
+    int rc = rt_helix_load_swarm(&base, &f, c->cluster);
     row rows[V_COUNT];
     for (int v = 0; v < V_COUNT && !rc; v++) rc = measure(&base, v, c, a, rows[V_MILP].hops, &rows[v]);
     rt_swarm_free(&base);
@@ -153,7 +147,7 @@ static const fu_opt_spec bench_spec = {"fusion-bench-router", "usage: fusion-ben
 
 /* Compares the placements on both clusters; the exit status. */
 static int bench(bench_args *args) {
-    char a[5][4096], b[5][4096], dir[4096];
+    char a[4][4096], b[4][4096];
     const char *ae = "artifact_evaluation";
     snprintf(a[0], 4096, "%s/%s/single_cluster/config/cluster24.ini", args->hdir, ae);
     snprintf(a[1], 4096, "%s/%s/single_cluster/layout_llama70b/ilp/ilp_sol.ini", args->hdir, ae);
@@ -163,8 +157,6 @@ static int bench(bench_args *args) {
     snprintf(b[1], 4096, "%s/%s/distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", args->hdir, ae);
     snprintf(b[2], 4096, "%s/%s/distributed_clusters/layout_llama70b/petals/petals_sol.ini", args->hdir, ae);
     snprintf(b[3], 4096, "%s/%s/distributed_clusters/layout_llama70b/swarm/swarm_sol.ini", args->hdir, ae);
-    snprintf(dir, sizeof dir, "%s/simulator/model_manager/llama2_70b", args->hdir);
-    snprintf(a[4], 4096, "%s/derived/model_constants.json", args->hdir);
     printf("fusion-bench-router: max-flow search of %d evaluations, seed %llu, simulated %g s (Helix's "
            "offline feeder, Helix's per-GPU step tables, requests ", args->evals, (unsigned long long)args->seed,
            args->sim_dur);
@@ -175,7 +167,8 @@ static int bench(bench_args *args) {
         printf("of 750 + 240 tokens)\n");
     cluster_files c1 = {"single region: cluster24", a[0], a[1], a[2], a[3]};
     cluster_files c2 = {"3 regions: 3cluster24", b[0], b[1], b[2], b[3]};
-    int rc = rt_sim_profiles_load_helix(&args->prof, dir, a[4], "llama2_70b");
+    rt_helix_files f = {args->hdir, "llama2_70b", NULL, NULL, NULL};
+    int rc = rt_helix_load_step_profiles(&args->prof, &f);
     if (!rc) rc = run_cluster(&c1, args);
     if (!rc) rc = run_cluster(&c2, args);
     rt_sim_profiles_free(&args->prof);

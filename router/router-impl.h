@@ -14,6 +14,8 @@
 #define RT_MAX_FILE ((size_t)1 << 30)
 /* Reads a whole file (NUL-terminated, at most RT_MAX_FILE). *out malloc'ed. */
 int rt__read_text(const char *path, char **out, size_t *len);
+/* `given`, or else f->dir + "/" + rel written into buf[cap]. */
+const char *rt__helix_path(char *buf, size_t cap, const rt_helix_files *f, const char *given, const char *rel);
 
 /* --- INI files (Helix clusters, profiles, placements) ------------------------------------ */
 

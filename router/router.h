@@ -145,6 +145,19 @@ int rt_helix_load_model(rt_model *model, const char *constants_json, const char 
  * the cluster's type counts, e.g. "A100x4+L4x8+T4x12"). `sw` must be initialised and empty. */
 int rt_helix_load_cluster(rt_swarm *sw, const char *cluster_ini, const char *profiles_ini,
                           const char *capacity_csv);
+/* Where Helix's data lies: `dir` (anchors/helix) and the model ("llama2_70b"); the three files
+ * default (NULL) to the dir's derived/model_constants.json,
+ * simulator/model_manager/google_machine_profiles.ini and derived/node_capacity_by_layers.csv. */
+typedef struct rt_helix_files {
+    const char *dir;
+    const char *model;
+    const char *constants_json, *profiles_ini, *capacity_csv;
+} rt_helix_files;
+
+/* The swarm of Helix cluster file `cluster_ini` (rt_helix_load_model + rt_swarm_init +
+ * rt_helix_load_cluster over the files of `f`). `sw` must be uninitialised; on error it is left
+ * empty (rt_swarm_free is a no-op on it). */
+int rt_helix_load_swarm(rt_swarm *sw, const rt_helix_files *f, const char *cluster_ini);
 /* Applies a Helix placement file (ilp_sol.ini, swarm_sol.ini, petals_sol.ini, ...:
  * `[Settings] offset`, `[Solution] compute_node_k=[l0, l1, ...]`); servers not listed lose
  * their span. Layers must be contiguous. */
@@ -408,6 +421,8 @@ typedef struct rt_sim_profiles {
  * `p` must be zeroed; free with rt_sim_profiles_free. */
 int rt_sim_profiles_load_helix(rt_sim_profiles *p, const char *model_dir, const char *constants_json,
                                const char *model_name);
+/* rt_sim_profiles_load_helix for f->model with the tables under f->dir and f's constants. */
+int rt_helix_load_step_profiles(rt_sim_profiles *p, const rt_helix_files *f);
 /* The "step_profiles" object of a fusion cluster file:
  *   {"<kind>": {"prompt": [[tokens, ms_per_block], ...], "decode": [[batch, ms_per_block], ...],
  *               "decode_ctx_ms_per_token": x, "single_decode_factor": f,

@@ -537,6 +537,33 @@ out:
     return rc;
 }
 
+const char *rt__helix_path(char *buf, size_t cap, const rt_helix_files *f, const char *given, const char *rel) {
+    if (given) return given;
+    snprintf(buf, cap, "%s/%s", f->dir, rel);
+    return buf;
+}
+
+int rt_helix_load_swarm(rt_swarm *sw, const rt_helix_files *f, const char *cluster_ini) {
+    if (!sw || !f || !f->dir || !f->model || !cluster_ini)
+        return fu_errorf(FU_ERR_INVALID, "rt_helix_load_swarm: NULL argument");
+    char a[4096], b[4096], c[4096];
+    memset(sw, 0, sizeof *sw);
+    rt_model m;
+    int rc = rt_helix_load_model(&m, rt__helix_path(a, sizeof a, f, f->constants_json, "derived/model_constants.json"),
+                                 f->model);
+    if (!rc) rc = rt_swarm_init(sw, &m);
+    if (!rc)
+        rc = rt_helix_load_cluster(
+            sw, cluster_ini,
+            rt__helix_path(b, sizeof b, f, f->profiles_ini, "simulator/model_manager/google_machine_profiles.ini"),
+            rt__helix_path(c, sizeof c, f, f->capacity_csv, "derived/node_capacity_by_layers.csv"));
+    if (rc) {
+        rt_swarm_free(sw);
+        memset(sw, 0, sizeof *sw);
+    }
+    return rc;
+}
+
 int rt_helix_load_placement(rt_swarm *sw, const char *sol_ini) {
     if (!sw || !sol_ini) return fu_errorf(FU_ERR_INVALID, "rt_helix_load_placement: NULL argument");
     rt_ini ini;

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "router.h"
+#include "router-impl.h"
 #include "status.h"
 
 enum { MAX_POINTS = 4096 };
@@ -191,6 +191,15 @@ int rt_sim_profiles_load_helix(rt_sim_profiles *p, const char *model_dir, const 
     return rc;
 }
 
+int rt_helix_load_step_profiles(rt_sim_profiles *p, const rt_helix_files *f) {
+    if (!p || !f || !f->dir || !f->model) return fu_errorf(FU_ERR_INVALID, "rt_helix_load_step_profiles: NULL argument");
+    char dir[4096], rel[256], cons[4096];
+    snprintf(rel, sizeof rel, "simulator/model_manager/%s", f->model);
+    return rt_sim_profiles_load_helix(p, rt__helix_path(dir, sizeof dir, f, NULL, rel),
+                                      rt__helix_path(cons, sizeof cons, f, f->constants_json, "derived/model_constants.json"),
+                                      f->model);
+}
+
 /* --- fusion's "step_profiles" ---------------------------------------------------------------- */
 
 static int json_table(const char *kind, const char *what, json_t *a, int *n, double **x, double **y) {
@@ -278,11 +287,11 @@ int rt_sim_profiles_parse_json(rt_sim_profiles *p, const char *text, size_t len)
 }
 
 int rt_sim_profiles_load_json(rt_sim_profiles *p, const char *path) {
-    json_error_t err;
-    json_t *root = json_load_file(path, 0, &err);
-    if (!root) return fu_errorf(FU_ERR_FORMAT, "%s:%d: %s", path, err.line, err.text);
-    int rc = json_is_object(root) ? parse_root(p, root) : fu_errorf(FU_ERR_FORMAT, "%s: not an object", path);
-    json_decref(root);
-    if (rc) rt_sim_profiles_free(p);
-    return rc;
+    char *text;
+    size_t len;
+    int rc = rt__read_text(path, &text, &len);
+    if (rc) return rc;
+    rc = rt_sim_profiles_parse_json(p, text, len);
+    free(text);
+    return rc ? fu_errorf(rc, "%s: %s", path, fu_last_error()) : FU_OK;
 }

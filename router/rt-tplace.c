@@ -201,24 +201,24 @@ static int quick_search(tplace *t, rt_swarm *sw, span *saved, long moves);
 static int best_seed(tplace *t, rt_swarm *sw, span *saved, double *best, int *which) {
     *best = -1;
     *which = -1;
-    rt_swarm base;
+    rt_swarm base = {0};
     int rc = rt_swarm_clone(&base, sw);
     for (int k = 0; k < 4 && !rc; k++) {
-        rt_swarm cand;
-        rc = seed_place(&base, k, t->o, &cand);
+        rt_swarm seed, cand;
+        rc = seed_place(&base, k, t->o, &seed);
         if (rc && rc != FU_ERR_NOMEM) { /* a rule that cannot place this swarm: not a seed */
-            rt_swarm_free(&cand);
+            rt_swarm_free(&seed);
             rc = FU_OK;
             continue;
         }
-        if (!rc) rc = keep_if_better(t, sw, &cand, best, which, k);
-        rt_swarm_free(&cand);
-        for (int r = 0; r < t->restarts && !rc; r++) {
-            rc = seed_place(&base, k, t->o, &cand);
-            if (!rc) rc = quick_search(t, &cand, saved, t->quick_moves);
+        /* the seed as placed, then `restarts` searches from it (keep_if_better takes the copy) */
+        for (int r = -1; r < t->restarts && !rc; r++) {
+            if ((rc = rt_swarm_clone(&cand, &seed))) break;
+            if (r >= 0) rc = quick_search(t, &cand, saved, t->quick_moves);
             if (!rc) rc = keep_if_better(t, sw, &cand, best, which, k);
             rt_swarm_free(&cand);
         }
+        rt_swarm_free(&seed);
     }
     rt_swarm_free(&base);
     if (!rc && *which < 0) rc = fu_errorf(FU_ERR_NOT_FOUND, "placement: no seed placement covers every block");

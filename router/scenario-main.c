@@ -182,6 +182,14 @@ static double simulate(const rt_swarm *sw, const bench_args *a) {
     return rt_sim_run(sw, &sim, &res) ? 0 : res.decode_tps;
 }
 
+/* The swarm and step profiles of scenario `path` (both to be freed only when FU_OK). */
+static int load_scenario(const char *path, rt_swarm *base, rt_sim_profiles *prof) {
+    int rc = rt_swarm_load_json(base, path);
+    if (rc) return rc;
+    if ((rc = rt_sim_profiles_load_json(prof, path))) rt_swarm_free(base);
+    return rc;
+}
+
 /* Loads scenario `path`, prints its assumptions and one row per placement; *search gets the
  * figures of fusion's search. */
 static int run_scenario(const char *path, const bench_args *args, figures *search) {
@@ -194,12 +202,8 @@ static int run_scenario(const char *path, const bench_args *args, figures *searc
     print_assumptions(root);
     json_decref(root);
     rt_swarm base;
-    int rc = rt_swarm_load_json(&base, path);
+    int rc = load_scenario(path, &base, &prof);
     if (rc) return rc;
-    if ((rc = rt_sim_profiles_load_json(&prof, path))) {
-        rt_swarm_free(&base);
-        return rc;
-    }
     printf("  %d servers, %d blocks, step profiles for %d kinds\n", base.n_servers, base.model.n_layers, prof.n);
     printf("  %-15s %12s %14s %10s\n", "placement", "flow tok/s", "sim decode/s", "mean hops");
     double best_decode = 0;
@@ -323,12 +327,8 @@ static int fusionai(const bench_args *args, const figures *c, const figures *h) 
     char path[4096];
     snprintf(path, sizeof path, "%s/%s", a->dir, SC_3080);
     rt_swarm base;
-    int rc = rt_swarm_load_json(&base, path);
+    int rc = load_scenario(path, &base, &prof);
     if (rc) return rc;
-    if ((rc = rt_sim_profiles_load_json(&prof, path))) {
-        rt_swarm_free(&base);
-        return rc;
-    }
     json_t *root = json_load_file(path, 0, NULL);
     json_t *home = json_object_get(json_object_get(root, "scenario"), "home_link");
     double mbit = json_number_value(json_object_get(home, "mbit_s"));

@@ -159,27 +159,15 @@ static int load_trace(const char *path, rt_sim_request **out, int *n) {
     return FU_OK;
 }
 
+/* Helix's files as the command line names them (its own, else the --helix-dir's). */
+static rt_helix_files helix_files(const sim_args *a) {
+    return (rt_helix_files){a->hdir, a->model_name, a->constants, a->profiles, a->capacity};
+}
+
 /* The cluster from Helix's files: the cluster, machine profiles, capacities and constants. */
 static int sim_load_helix(const sim_args *a, rt_swarm *sw) {
-    char pb[4096], cb[4096], kb[4096];
-    const char *profiles = a->profiles, *capacity = a->capacity, *constants = a->constants;
-    if (!profiles) {
-        snprintf(pb, sizeof pb, "%s/simulator/model_manager/google_machine_profiles.ini", a->hdir);
-        profiles = pb;
-    }
-    if (!capacity) {
-        snprintf(cb, sizeof cb, "%s/derived/node_capacity_by_layers.csv", a->hdir);
-        capacity = cb;
-    }
-    if (!constants) {
-        snprintf(kb, sizeof kb, "%s/derived/model_constants.json", a->hdir);
-        constants = kb;
-    }
-    rt_model m;
-    int rc = rt_helix_load_model(&m, constants, a->model_name);
-    if (!rc) rc = rt_swarm_init(sw, &m);
-    if (!rc) rc = rt_helix_load_cluster(sw, a->cluster, profiles, capacity);
-    return rc;
+    rt_helix_files f = helix_files(a);
+    return rt_helix_load_swarm(sw, &f, a->cluster);
 }
 
 /* The simulation options of the command line: feed, seed, routing, step profiles. */
@@ -256,10 +244,8 @@ static void sim_print_flow(const sim_args *a, const rt_swarm *sw, const rt_flow_
 static int sim_profiles(const sim_args *a, rt_sim_profiles *p) {
     if (a->no_profiles) return FU_OK;
     if (a->json) return rt_sim_profiles_load_json(p, a->json);
-    char dir[4096], cons[4096];
-    snprintf(dir, sizeof dir, "%s/simulator/model_manager/%s", a->hdir, a->model_name);
-    snprintf(cons, sizeof cons, "%s/derived/model_constants.json", a->hdir);
-    return rt_sim_profiles_load_helix(p, dir, a->constants ? a->constants : cons, a->model_name);
+    rt_helix_files f = helix_files(a);
+    return rt_helix_load_step_profiles(p, &f);
 }
 
 static void sim_print(const rt_sim_result *r) {

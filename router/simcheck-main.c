@@ -77,16 +77,11 @@ static const fu_opt_spec spec = {"fusion-bench-sim",
                                  opts, NULL};
 
 static int load(const char *cluster, const char *placement, rt_swarm *sw) {
-    char a[4096], b[4096], c[4096], d[4096], e[4096];
-    snprintf(a, sizeof a, "%s/derived/model_constants.json", args.hdir);
-    snprintf(b, sizeof b, "%s/simulator/model_manager/google_machine_profiles.ini", args.hdir);
-    snprintf(c, sizeof c, "%s/derived/node_capacity_by_layers.csv", args.hdir);
+    char d[4096], e[4096];
     snprintf(d, sizeof d, "%s/artifact_evaluation/%s", args.hdir, cluster);
     snprintf(e, sizeof e, "%s/artifact_evaluation/%s", args.hdir, placement);
-    rt_model m;
-    int rc = rt_helix_load_model(&m, a, "llama2_70b");
-    if (!rc) rc = rt_swarm_init(sw, &m);
-    if (!rc) rc = rt_helix_load_cluster(sw, d, b, c);
+    rt_helix_files f = {args.hdir, "llama2_70b", NULL, NULL, NULL};
+    int rc = rt_helix_load_swarm(sw, &f, d);
     if (!rc) rc = rt_helix_load_placement(sw, e);
     return rc;
 }
@@ -159,11 +154,9 @@ static void print_table(void) {
 int main(int argc, char **argv) {
     int status = fu_opt_main(&spec, argc, argv, NULL);
     if (status >= 0) return status;
-    char dir[4096], cons[4096];
-    snprintf(dir, sizeof dir, "%s/simulator/model_manager/llama2_70b", args.hdir);
-    snprintf(cons, sizeof cons, "%s/derived/model_constants.json", args.hdir);
+    rt_helix_files f = {args.hdir, "llama2_70b", NULL, NULL, NULL};
     rt_sim_profiles prof = {0};
-    int rc = rt_sim_profiles_load_helix(&prof, dir, cons, "llama2_70b");
+    int rc = rt_helix_load_step_profiles(&prof, &f);
     for (int i = 0; i < N_ROWS && !rc; i++) rc = run_row(&rows[i], &prof);
     rt_sim_profiles_free(&prof);
     if (!rc) print_table();
