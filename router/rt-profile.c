@@ -253,11 +253,12 @@ static int json_profile(rt_sim_profiles *p, const char *kind, json_t *o) {
     if (!json_is_object(o)) return fu_errorf(FU_ERR_FORMAT, "step profile \"%s\" is not an object", kind);
     rt_step_profile *q;
     int rc = profile_add(p, kind, &q);
-    if (!rc) rc = json_table(kind, "prompt", json_object_get(o, "prompt"), &q->n_prompt, &q->prompt_tokens, &q->prompt_s);
+    if (rc) return rc;
+    rc = json_table(kind, "prompt", json_object_get(o, "prompt"), &q->n_prompt, &q->prompt_tokens, &q->prompt_s);
     if (!rc) rc = json_table(kind, "decode", json_object_get(o, "decode"), &q->n_decode, &q->decode_tokens, &q->decode_s);
     double ctx_ms = 0;
     if (!rc) rc = json_opt(kind, o, "decode_ctx_ms_per_token", &ctx_ms);
-    q->decode_ctx_s = ctx_ms * 1e-3;
+    if (!rc) q->decode_ctx_s = ctx_ms * 1e-3;
     if (!rc) rc = json_opt(kind, o, "single_decode_factor", &q->single_decode_factor);
     if (!rc) rc = json_limits(q, o);
     return rc;

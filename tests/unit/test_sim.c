@@ -89,6 +89,8 @@ static void test_profile_errors(void **st) {
         "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]], \"decode_max_tokens\": -3}}}",
         "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [\"x\"]}}}",
         "{\"step_profiles\": {\"G\": 7}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]]}, "
+        "\"GGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGG\": {}}}",
         "not json",
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
