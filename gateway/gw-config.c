@@ -182,7 +182,7 @@ static gw_options options(gw_config *c) {
         {"max-members", 0, FU_OPT_INT, FU_OPT_TO(c->max_members),
          .help = "joined members at once; a Join beyond is refused", .def = "256", .lo = 1, .hi = 65536},
         {"min-gain-percent", 0, FU_OPT_INT, FU_OPT_TO(c->min_gain_percent), "P",
-         "a surplus spare serves if that raises the max flow by P%", .def = "5", .lo = 0, .hi = 1000},
+         "a surplus spare serves (a server moves) if that raises the planner's estimate of decode tokens/s by P%", .def = "5", .lo = 0, .hi = 1000},
         {"rebalance-interval-ms", 0, FU_OPT_INT, FU_OPT_TO(c->rebalance_interval_ms),
          .help = "least time between two moves of serving members; 0: never move one", .def = "30000",
          .lo = 0, .hi = 86400000},

@@ -554,6 +554,9 @@ static void gw_choice_done(gw_job *j, const gw_choice *c) {
         gw_metrics_tokens(e->metrics, j->phase == GW_JOB_FAILED ? 0 : j->prompt_tokens, j->completion_tokens);
         gw_metrics_e2e(e->metrics, fu_now_s() - j->t_arrival);
         gw_metrics_running(e->metrics, -1);
+        if (e->swarm && j->phase != GW_JOB_FAILED)
+            gw_swarm_note_request(e->swarm, (int)(j->prompt_tokens / j->n_choices),
+                                  (int)(j->completion_tokens / j->n_choices));
         if (j->phase == GW_JOB_STREAMING) gw_job_end_stream_locked(j);
         else if (j->phase == GW_JOB_PENDING) gw_job_settle_locked(j);
         j->finished = true;

@@ -32,6 +32,9 @@
 #define GW_MOVE_CHECK_S 1.0      /* least time between two searches for a move */
 #define GW_AFFINITY_PER_SERVER 1024 /* prompt-prefix hashes remembered per server */
 #define GW_AFFINITY_MAX_SERVERS 1024 /* beyond this many servers routing leans on no cache */
+#define GW_PLAN_PROMPT 512      /* the planner's workload before any request is served: prompt tokens */
+#define GW_PLAN_OUTPUT 128      /* ... and output tokens */
+#define GW_PLAN_WEIGHT 0.02     /* each served request's weight in the moving averages */
 #define GW_MAX_GONE 64           /* departed joined members kept for /v1/swarm; beyond, the oldest is reused */
 
 typedef struct gw_member {
@@ -63,6 +66,7 @@ typedef struct gw_member {
     double span_since;      /* joined: heartbeat time since which it serves its span */
     double rtt_s, bw;       /* gateway -> member, measured; 0: not yet */
     double measured_at;     /* monotonic; 0: never */
+    gw_step_table prompt_steps, decode_steps; /* one block's measured step times (n 0: none) */
     int n_links;            /* member -> peers, as reported */
     gw_peer_link links[GW_MAX_PEER_LINKS];
     /* the figures it was added to the router with (re-added when they change) */
@@ -93,6 +97,7 @@ struct gw_swarm {
     double move_checked_at;  /* tick time of the last search for a move; < 0: none yet */
     uint64_t move_checked_version; /* the swarm's version then (no change: no search) */
     int n_moves;
+    double prompt_mean, output_mean; /* served requests' lengths (moving averages): the planner's workload */
     rpc_server *rpc;         /* the fusion.Swarm service; NULL: none */
     swarm_svc_handlers handlers; /* registered on rpc; borrowed by it until rpc_server_free */
     pthread_t thread;
@@ -100,6 +105,12 @@ struct gw_swarm {
 };
 
 static double min_gain(const gw_swarm *s) { return s->cfg->min_gain_percent / 100.0; }
+
+/* The router kind of member mb: its own when it measured its step times (they are its profile). */
+static void gw_member_kind(const gw_member *mb, char kind[32]) {
+    if (mb->decode_steps.n > 0 && mb->prompt_steps.n > 0) snprintf(kind, 32, "member-%llu", (unsigned long long)mb->member_id);
+    else snprintf(kind, 32, "%.31s", mb->device[0] ? mb->device : "shard");
+}
 
 /* ---- placement rule (pure) -------------------------------------------------------------- */
 
@@ -132,58 +143,91 @@ static int gw_spare_candidates(const rt_swarm *sw, const int *spares, int n, int
     return m;
 }
 
-int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_target, double min_gain, int *first,
-                  int *last) {
-    if (n <= 0) return -1;
-    int cand[GW_PICK_CANDIDATES], m = gw_spare_candidates(sw, spares, n, cand);
-    int L = sw->model.n_layers, best = -1, best_f = 0, best_l = 0, best_cov = 0;
+/* The most uncovered blocks a candidate covers, then the highest estimate, over cand[0..m) (locked). */
+static int gw_pick_cover(const rt_swarm *sw, const int *spares, const int *cand, int m, const rt_sim_opts *so,
+                         int *first, int *last) {
+    int L = sw->model.n_layers, best = -1, best_cov = 0;
     double best_gain = -1;
+    char *covered = calloc((size_t)L, 1);
+    if (!covered) return -1;
+    for (int i = 0; i < sw->n_servers; i++)
+        if (rt_swarm_serving(sw, i))
+            for (int b = sw->servers[i].first; b < sw->servers[i].last; b++) covered[b] = 1;
+    for (int j = 0; j < m; j++) {
+        int f, l, k = cand[j], cov = 0;
+        double gain = 0;
+        if (rt_place_join_throughput(sw, spares[k], so, &f, &l, &gain)) continue;
+        for (int b = f; b < l; b++) cov += !covered[b];
+        if (cov > best_cov || (cov == best_cov && cov > 0 && gain > best_gain))
+            best = k, *first = f, *last = l, best_cov = cov, best_gain = gain;
+    }
+    free(covered);
+    return best;
+}
+
+int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_target, double min_gain,
+                  const rt_sim_opts *so, int *first, int *last) {
+    if (n <= 0) return -1;
+    int cand[GW_PICK_CANDIDATES], m = gw_spare_candidates(sw, spares, n, cand), best = -1, best_f = 0, best_l = 0;
     if (rt_swarm_uncovered(sw, NULL) > 0) {
-        char *covered = calloc((size_t)L, 1);
-        if (!covered) return -1;
-        for (int i = 0; i < sw->n_servers; i++)
-            if (rt_swarm_serving(sw, i))
-                for (int b = sw->servers[i].first; b < sw->servers[i].last; b++) covered[b] = 1;
-        for (int j = 0; j < m; j++) {
-            int f, l, k = cand[j];
-            double gain = 0;
-            if (rt_place_join(sw, spares[k], NULL, &f, &l, &gain)) continue;
-            int cov = 0;
-            for (int b = f; b < l; b++) cov += !covered[b];
-            if (cov > best_cov || (cov == best_cov && cov > 0 && gain > best_gain))
-                best = k, best_f = f, best_l = l, best_cov = cov, best_gain = gain;
-        }
-        free(covered);
+        best = gw_pick_cover(sw, spares, cand, m, so, &best_f, &best_l);
     } else if (n > spares_target) {
-        double flow = rt_max_flow(sw, NULL);
+        double now = 0, best_gain = -1;
+        if (rt_estimate_decode_tps(sw, so, &now)) return -1;
         for (int j = 0; j < m; j++) {
             int f, l, k = cand[j];
             double gain = 0;
-            if (rt_place_join(sw, spares[k], NULL, &f, &l, &gain)) continue;
+            if (rt_place_join_throughput(sw, spares[k], so, &f, &l, &gain)) continue;
             if (gain > best_gain) best = k, best_f = f, best_l = l, best_gain = gain;
         }
-        if (best >= 0 && !(best_gain > 1e-9 && best_gain >= min_gain * flow)) best = -1;
+        if (best >= 0 && !(best_gain > 1e-9 && best_gain >= min_gain * now)) best = -1;
     }
     if (best >= 0) *first = best_f, *last = best_l;
     return best;
 }
 
-int gw_pick_move(const rt_swarm *sw, const int *movable, int n, double min_gain, int *first, int *last) {
-    double flow = rt_max_flow(sw, NULL), best_flow = flow * (1 + min_gain) + 1e-9;
-    int best = -1, best_f = 0, best_l = 0;
+/* The indices into movable[0..n) of the (at most GW_PICK_CANDIDATES) serving servers that use the
+ * least of their capacity in the max flow, in cand[]; returns how many. A move is weighed by an
+ * estimate per window, so only these are. */
+static int gw_move_candidates(const rt_swarm *sw, const int *movable, int n, int *cand) {
+    rt_flow fl = {0};
+    double use[GW_PICK_CANDIDATES];
+    int m = 0;
+    if (rt_flow_compute(sw, NULL, &fl, NULL)) return 0;
     for (int k = 0; k < n; k++) {
         int id = movable[k];
         if (!rt_swarm_serving(sw, id)) continue;
+        double cap = rt_swarm_tput(sw, id, sw->servers[id].last - sw->servers[id].first);
+        double u = cap > 0 && id < fl.n ? fl.server_flow[id] / cap : 0;
+        int at = m;
+        while (at > 0 && u < use[at - 1]) at--;
+        if (at >= GW_PICK_CANDIDATES) continue;
+        if (m < GW_PICK_CANDIDATES) m++;
+        memmove(cand + at + 1, cand + at, (size_t)(m - 1 - at) * sizeof *cand);
+        memmove(use + at + 1, use + at, (size_t)(m - 1 - at) * sizeof *use);
+        cand[at] = k, use[at] = u;
+    }
+    rt_flow_free(&fl);
+    return m;
+}
+
+int gw_pick_move(const rt_swarm *sw, const int *movable, int n, double min_gain, const rt_sim_opts *so, int *first,
+                 int *last) {
+    double now = 0;
+    int cand[GW_PICK_CANDIDATES], m = gw_move_candidates(sw, movable, n, cand);
+    if (!m || rt_estimate_decode_tps(sw, so, &now)) return -1;
+    double best_tps = now * (1 + min_gain) + 1e-9;
+    int best = -1, best_f = 0, best_l = 0;
+    for (int j = 0; j < m; j++) {
+        int k = cand[j], id = movable[k], f = 0, l = 0;
         rt_swarm view;
         if (rt_swarm_clone(&view, sw)) return -1;
-        int f = 0, l = 0;
-        double gain = 0;
+        double without = 0, gain = 0;
         /* without it every block must stay covered: the old span serves until the new one does */
         if (!rt_swarm_set_span(&view, id, 0, 0) && rt_swarm_uncovered(&view, NULL) == 0 &&
-            !rt_place_join(&view, id, NULL, &f, &l, &gain) && l > f &&
-            (f != sw->servers[id].first || l != sw->servers[id].last)) {
-            double moved = rt_max_flow(&view, NULL) + gain;
-            if (moved > best_flow) best = k, best_f = f, best_l = l, best_flow = moved;
+            !rt_estimate_decode_tps(&view, so, &without) && !rt_place_join_throughput(&view, id, so, &f, &l, &gain) &&
+            l > f && (f != sw->servers[id].first || l != sw->servers[id].last)) {
+            if (without + gain > best_tps) best = k, best_f = f, best_l = l, best_tps = without + gain;
         }
         rt_swarm_free(&view);
     }
@@ -263,7 +307,7 @@ static void gw_member_route_locked(gw_swarm *s, gw_member *mb) {
     rt_server d = {0};
     snprintf(d.name, sizeof d.name, "%.63s", mb->address);
     snprintf(d.address, sizeof d.address, "%s", mb->address);
-    snprintf(d.kind, sizeof d.kind, "%.31s", mb->device[0] ? mb->device : "shard");
+    gw_member_kind(mb, d.kind);
     d.state = mb->last > mb->first ? RT_SERVER_ACTIVE : RT_SERVER_SPARE;
     d.first = mb->first;
     d.last = mb->last;
@@ -337,61 +381,102 @@ static bool gw_loaded_locked(const gw_swarm *s, double now) {
     return refused && after;
 }
 
+/* The planner's view (locked): the served requests' average lengths as its workload, and the routed
+ * members' measured step times as profiles (*prof: free with rt_sim_profiles_free). */
+static void gw_plan_opts_locked(const gw_swarm *s, rt_sim_opts *so, rt_sim_profiles *prof) {
+    memset(so, 0, sizeof *so);
+    memset(prof, 0, sizeof *prof);
+    so->prompt_len = (int)fmax(1, lround(s->prompt_mean));
+    so->output_len = (int)fmax(1, lround(s->output_mean));
+    for (size_t i = 0; i < s->n; i++) {
+        const gw_member *mb = s->m[i];
+        char kind[32];
+        gw_member_kind(mb, kind);
+        if (mb->id < 0 || mb->decode_steps.n <= 0 || mb->prompt_steps.n <= 0 || rt_sim_profile_find(prof, kind)) continue;
+        if (rt_sim_profiles_add(prof, kind, mb->prompt_steps.n, mb->prompt_steps.tokens, mb->prompt_steps.seconds,
+                                mb->decode_steps.n, mb->decode_steps.tokens, mb->decode_steps.seconds))
+            FU_WARN("swarm: %s's step times are left out: %s", mb->address, fu_last_error());
+    }
+    so->profiles = prof;
+}
+
+void gw_swarm_note_request(gw_swarm *s, int prompt_tokens, int output_tokens) {
+    if (!s || prompt_tokens < 1 || output_tokens < 1) return;
+    pthread_mutex_lock(&s->mu);
+    s->prompt_mean += GW_PLAN_WEIGHT * (prompt_tokens - s->prompt_mean);
+    s->output_mean += GW_PLAN_WEIGHT * (output_tokens - s->output_mean);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* The live usable spares into spares[]/who[] (router ids / members), with the spans being loaded
+ * applied to `view`; returns how many (locked). */
+static int gw_spares_locked(gw_swarm *s, rt_swarm *view, int *spares, gw_member **who) {
+    int n = 0;
+    for (size_t i = 0; i < s->n; i++) {
+        gw_member *mb = s->m[i];
+        if (mb->id < 0 || !mb->live) continue;
+        if (mb->as_last > mb->as_first) {
+            /* a spare loading counts as serving; a move as serving both spans until it is done */
+            if (mb->last == mb->first) rt_swarm_set_span(view, mb->id, mb->as_first, mb->as_last);
+        } else if (gw_member_usable(mb) && mb->last == mb->first) {
+            spares[n] = mb->id;
+            who[n++] = mb;
+        }
+    }
+    return n;
+}
+
+/* One placement decision: which spare, if any, loads which span now (locked). Returns whether one
+ * was told to. */
+static bool gw_place_one_locked(gw_swarm *s, const rt_sim_opts *so, double now, int *spares, gw_member **who) {
+    rt_swarm view;
+    if (rt_swarm_clone(&view, &s->sw)) return false;
+    int n = gw_spares_locked(s, &view, spares, who);
+    /* a member that failed to load a span is not asked for the same span again */
+    for (int k = 0; k < n; k++) {
+        int f, l;
+        if (who[k]->n_fails && !rt_place_join_throughput(&view, spares[k], so, &f, &l, NULL) &&
+            gw_member_failed(who[k], f, l)) {
+            spares[k] = spares[n - 1], who[k] = who[n - 1];
+            n--, k--;
+        }
+    }
+    /* rules 4 and 5: a departure, or load, lets the spares within the count serve too */
+    int target = s->cfg->spares, f = 0, l = 0;
+    double gain = min_gain(s);
+    bool loaded = gw_loaded_locked(s, now);
+    if (s->left) target = 0;
+    if (loaded) target = 0, gain = 0;
+    int k = gw_pick_spare(&view, spares, n, target, gain, so, &f, &l);
+    rt_swarm_free(&view);
+    if (k < 0) return false;
+    who[k]->as_first = f;
+    who[k]->as_last = l;
+    FU_INFO("swarm: asking %s to load blocks [%d, %d)%s", who[k]->address, f, l,
+            rt_swarm_uncovered(&s->sw, NULL) ? ""
+            : loaded                         ? " (the swarm is loaded)"
+            : s->left                        ? " (a server left)"
+                                             : "");
+    /* one promotion per departure, and one per GW_LOADED_S of load */
+    s->left = false;
+    if (loaded) s->load_promoted_at = now;
+    pthread_cond_broadcast(&s->changed);
+    return true;
+}
+
 /* Gives spares their spans by the placement rules (locked). */
 static void gw_swarm_rebalance_locked(gw_swarm *s) {
     double now = fu_now_s();
-    for (size_t iter = 0; iter <= s->n; iter++) {
-        rt_swarm view;
-        if (rt_swarm_clone(&view, &s->sw)) return;
-        int *spares = calloc(s->n + 1, sizeof *spares);
-        gw_member **who = calloc(s->n + 1, sizeof *who);
-        int n = 0;
-        for (size_t i = 0; spares && who && i < s->n; i++) {
-            gw_member *mb = s->m[i];
-            if (mb->id < 0 || !mb->live) continue;
-            if (mb->as_last > mb->as_first) {
-                /* a spare loading counts as serving; a move as serving both spans until it is done */
-                if (mb->last == mb->first) rt_swarm_set_span(&view, mb->id, mb->as_first, mb->as_last);
-            } else if (gw_member_usable(mb) && mb->last == mb->first) {
-                spares[n] = mb->id;
-                who[n++] = mb;
-            }
-        }
-        /* a member that failed to load a span is not asked for the same span again */
-        for (int k = 0; k < n; k++) {
-            int f, l;
-            if (who[k]->n_fails && !rt_place_join(&view, spares[k], NULL, &f, &l, NULL) &&
-                gw_member_failed(who[k], f, l)) {
-                spares[k] = spares[n - 1], who[k] = who[n - 1];
-                n--, k--;
-            }
-        }
-        /* rules 4 and 5: a departure, or load, lets the spares within the count serve too */
-        int target = s->cfg->spares;
-        double gain = min_gain(s);
-        bool loaded = gw_loaded_locked(s, now);
-        if (s->left) target = 0;
-        if (loaded) target = 0, gain = 0;
-        int f = 0, l = 0;
-        int k = spares && who ? gw_pick_spare(&view, spares, n, target, gain, &f, &l) : -1;
-        rt_swarm_free(&view);
-        if (k >= 0) {
-            who[k]->as_first = f;
-            who[k]->as_last = l;
-            FU_INFO("swarm: asking %s to load blocks [%d, %d)%s", who[k]->address, f, l,
-                    rt_swarm_uncovered(&s->sw, NULL) ? ""
-                    : loaded                         ? " (the swarm is loaded)"
-                    : s->left                        ? " (a server left)"
-                                                     : "");
-            /* one promotion per departure, and one per GW_LOADED_S of load */
-            s->left = false;
-            if (loaded) s->load_promoted_at = now;
-            pthread_cond_broadcast(&s->changed);
-        }
-        free(spares);
-        free(who);
-        if (k < 0) break;
-    }
+    rt_sim_opts so;
+    rt_sim_profiles prof;
+    gw_plan_opts_locked(s, &so, &prof);
+    int *spares = calloc(s->n + 1, sizeof *spares);
+    gw_member **who = calloc(s->n + 1, sizeof *who);
+    for (size_t iter = 0; spares && who && iter <= s->n; iter++)
+        if (!gw_place_one_locked(s, &so, now, spares, who)) break;
+    free(spares);
+    free(who);
+    rt_sim_profiles_free(&prof);
     if (rt_swarm_uncovered(&s->sw, NULL) == 0) s->left = false;
 }
 
@@ -426,7 +511,11 @@ static void gw_swarm_move_locked(gw_swarm *s, double now) {
         }
     }
     int f = 0, l = 0;
-    int k = n ? gw_pick_move(&s->sw, movable, n, min_gain(s), &f, &l) : -1;
+    rt_sim_opts so;
+    rt_sim_profiles prof;
+    gw_plan_opts_locked(s, &so, &prof);
+    int k = n ? gw_pick_move(&s->sw, movable, n, min_gain(s), &so, &f, &l) : -1;
+    rt_sim_profiles_free(&prof);
     if (n) s->move_checked_at = now, s->move_checked_version = s->sw.version;
     if (k >= 0 && !gw_member_failed(who[k], f, l)) {
         who[k]->as_first = f;
@@ -519,6 +608,17 @@ static gw_member *gw_member_find_address_locked(gw_swarm *s, const char *address
     return NULL;
 }
 
+/* A measured step table: at most GW_MAX_STEPS points, tokens ascending and >= 1, seconds finite and
+ * within [0, 3600]. */
+static int gw_steps_check(const char *what, const gw_step_table *t) {
+    if (t->n < 0 || t->n > GW_MAX_STEPS) return fu_errorf(FU_ERR_INVALID, "%s: at most %d points", what, GW_MAX_STEPS);
+    for (int i = 0; i < t->n; i++)
+        if (!(t->tokens[i] >= 1 && t->tokens[i] <= 1e7) || !(t->seconds[i] >= 0 && t->seconds[i] <= 3600) ||
+            (i > 0 && !(t->tokens[i] > t->tokens[i - 1])))
+            return fu_errorf(FU_ERR_INVALID, "%s point %d: tokens ascending from 1, seconds within [0, 3600]", what, i);
+    return FU_OK;
+}
+
 static int gw_report_check(const gw_swarm *s, const gw_member_report *r) {
     if (!r->address[0] || !strchr(r->address, ':'))
         return fu_errorf(FU_ERR_INVALID, "status.address: HOST:PORT required, got '%.100s'", r->address);
@@ -537,6 +637,11 @@ static int gw_report_check(const gw_swarm *s, const gw_member_report *r) {
     if (r->max_blocks < 0 || !isfinite(r->tokens_per_s) || r->tokens_per_s < 0 || !isfinite(r->block_tokens_per_s) ||
         r->block_tokens_per_s < 0 || r->n_links < 0 || r->n_links > GW_MAX_PEER_LINKS)
         return fu_errorf(FU_ERR_INVALID, "status: bad figures");
+    if (gw_steps_check("prompt", &r->prompt_steps) || gw_steps_check("decode", &r->decode_steps) ||
+        (r->prompt_steps.n > 0) != (r->decode_steps.n > 0))
+        return fu_errorf(FU_ERR_INVALID, "status: step tables: %s",
+                         (r->prompt_steps.n > 0) != (r->decode_steps.n > 0) ? "prompt and decode go together"
+                                                                           : fu_last_error());
     for (int i = 0; i < r->n_links; i++)
         if (!isfinite(r->links[i].rtt_s) || r->links[i].rtt_s < 0 || r->links[i].rtt_s > 60 ||
             !isfinite(r->links[i].bandwidth) || r->links[i].bandwidth < 0)
@@ -562,6 +667,8 @@ static void gw_member_take_report(gw_member *mb, const gw_member_report *r, doub
     mb->dr_first = r->dr_first;
     mb->dr_last = r->dr_last;
     mb->dr_sessions = r->dr_sessions;
+    mb->prompt_steps = r->prompt_steps;
+    mb->decode_steps = r->decode_steps;
     mb->n_links = r->n_links;
     memcpy(mb->links, r->links, (size_t)r->n_links * sizeof *r->links);
     mb->last_hb = now;
@@ -887,6 +994,12 @@ static void *gw_swarm_main(void *arg) {
 
 /* ---- the fusion.Swarm service ------------------------------------------------------------- */
 
+/* A received step table (the service bounds it to SWARM_SVC_MAX_STEPS points). */
+static void gw_steps_from(const swarm_svc_steps *in, gw_step_table *out) {
+    out->n = in->n <= GW_MAX_STEPS ? (int)in->n : -1; /* -1: refused by gw_steps_check */
+    for (int i = 0; i < out->n; i++) out->tokens[i] = in->tokens[i], out->seconds[i] = in->seconds[i];
+}
+
 /* A member's report as the gateway keeps it (strings bounded; an address too long becomes ""). */
 static void gw_report_from_member(const swarm_svc_member *ms, gw_member_report *r) {
     memset(r, 0, sizeof *r);
@@ -913,6 +1026,8 @@ static void gw_report_from_member(const swarm_svc_member *ms, gw_member_report *
     r->dr_last = ms->draining_last;
     r->dr_sessions = ms->draining_sessions;
     r->hidden_size = ms->hidden_size;
+    gw_steps_from(&ms->prompt_steps, &r->prompt_steps);
+    gw_steps_from(&ms->decode_steps, &r->decode_steps);
     for (size_t i = 0; i < ms->n_links && r->n_links < GW_MAX_PEER_LINKS; i++) {
         const swarm_svc_link *lf = &ms->links[i];
         if (strlen(lf->address) >= sizeof r->links[0].address) continue;
@@ -1006,6 +1121,7 @@ static int gw_swarm_create(const gw_config *cfg, int n_layers, bool manual, gw_s
     s->manual = manual;
     s->handlers = (swarm_svc_handlers){s, gw_join_handler, gw_heartbeat_handler};
     s->last_move_at = s->move_checked_at = -1;
+    s->prompt_mean = GW_PLAN_PROMPT, s->output_mean = GW_PLAN_OUTPUT;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     pthread_cond_init(&s->changed, NULL);
@@ -1266,6 +1382,32 @@ static const char *gw_member_state(const gw_member *mb) {
     return mb->joined && mb->n_fails >= GW_MAX_LOAD_FAILURES ? "failed" : "spare";
 }
 
+/* A step table as [[tokens, ms], ...]. */
+static json_t *gw_steps_json(const gw_step_table *t) {
+    json_t *a = json_array();
+    for (int i = 0; a && i < t->n; i++) json_array_append_new(a, json_pack("[f, f]", t->tokens[i], t->seconds[i] * 1e3));
+    return a;
+}
+
+/* The link from the gateway as the flow network uses it ("link") and the reported peer links
+ * ("peer_links") of member mb, into o. */
+static void gw_member_links_json(gw_swarm *s, const gw_member *mb, json_t *o, double now) {
+    const gw_link_cfg *g = gw_link_given(s, "gateway", mb->address);
+    json_t *link = json_object();
+    json_object_set_new(link, "rtt_s",
+                        g ? json_real(2 * g->latency) : mb->rtt_s > 0 ? json_real(mb->rtt_s) : json_null());
+    json_object_set_new(link, "bandwidth_bytes_per_s",
+                        g ? json_real(g->bandwidth) : mb->bw > 0 ? json_real(mb->bw) : json_null());
+    json_object_set_new(link, "source", json_string(g ? "config" : mb->measured_at > 0 ? "measured" : "default"));
+    json_object_set_new(link, "age_s", mb->measured_at > 0 ? json_real(now - mb->measured_at) : json_null());
+    json_object_set_new(o, "link", link);
+    json_t *peers = json_array();
+    for (int i = 0; i < mb->n_links; i++)
+        json_array_append_new(peers, json_pack("{s:s, s:f, s:f}", "address", mb->links[i].address, "rtt_s",
+                                               mb->links[i].rtt_s, "bandwidth_bytes_per_s", mb->links[i].bandwidth));
+    json_object_set_new(o, "peer_links", peers);
+}
+
 static json_t *gw_member_json(gw_swarm *s, const gw_member *mb, const rt_flow *f, double now_wall, double now) {
     int id = mb->id;
     json_t *o = json_object();
@@ -1298,30 +1440,32 @@ static json_t *gw_member_json(gw_swarm *s, const gw_member *mb, const rt_flow *f
         json_object_set_new(o, "block_tokens_per_s", json_real(mb->block_tps));
         json_object_set_new(o, "max_blocks", json_integer(mb->max_blocks));
     }
+    if (mb->decode_steps.n > 0)
+        json_object_set_new(o, "step_ms", json_pack("{s:o, s:o}", "prompt", gw_steps_json(&mb->prompt_steps), "decode",
+                                                    gw_steps_json(&mb->decode_steps)));
     json_object_set_new(o, "free_kv_bytes", json_integer((json_int_t)mb->free_kv));
     json_object_set_new(o, "total_kv_bytes", json_integer((json_int_t)mb->total_kv));
     json_object_set_new(o, "sessions", json_integer(mb->sessions));
     json_object_set_new(o, "flow", json_real(id >= 0 && f && id < f->n ? f->server_flow[id] : 0.0));
     json_object_set_new(o, "load", json_real(id >= 0 ? rt_router_load(s->router, id) : 0.0));
-    /* the link from the gateway as the flow network uses it */
-    const gw_link_cfg *g = gw_link_given(s, "gateway", mb->address);
-    json_t *link = json_object();
-    json_object_set_new(link, "rtt_s",
-                        g ? json_real(2 * g->latency) : mb->rtt_s > 0 ? json_real(mb->rtt_s) : json_null());
-    json_object_set_new(link, "bandwidth_bytes_per_s",
-                        g ? json_real(g->bandwidth) : mb->bw > 0 ? json_real(mb->bw) : json_null());
-    json_object_set_new(link, "source", json_string(g ? "config" : mb->measured_at > 0 ? "measured" : "default"));
-    json_object_set_new(link, "age_s", mb->measured_at > 0 ? json_real(now - mb->measured_at) : json_null());
-    json_object_set_new(o, "link", link);
-    json_t *peers = json_array();
-    for (int i = 0; i < mb->n_links; i++)
-        json_array_append_new(peers, json_pack("{s:s, s:f, s:f}", "address", mb->links[i].address, "rtt_s",
-                                               mb->links[i].rtt_s, "bandwidth_bytes_per_s", mb->links[i].bandwidth));
-    json_object_set_new(o, "peer_links", peers);
+    gw_member_links_json(s, mb, o, now);
     json_object_set_new(o, "last_heartbeat", mb->last_ok > 0 ? json_real(mb->last_ok) : json_null());
     json_object_set_new(o, "heartbeat_age_s", mb->last_ok > 0 ? json_real(now_wall - mb->last_ok) : json_null());
     json_object_set_new(o, "error", mb->error[0] ? json_string(mb->error) : json_null());
     return o;
+}
+
+/* The planner's workload and its estimate of the swarm's decode tokens/s (locked). */
+static json_t *gw_planner_json_locked(gw_swarm *s) {
+    rt_sim_opts so;
+    rt_sim_profiles prof;
+    gw_plan_opts_locked(s, &so, &prof);
+    double tps = 0;
+    if (rt_estimate_decode_tps(&s->sw, &so, &tps)) tps = 0;
+    int profiled = prof.n;
+    rt_sim_profiles_free(&prof);
+    return json_pack("{s:f, s:f, s:f, s:i}", "prompt_tokens", s->prompt_mean, "output_tokens", s->output_mean,
+                     "decode_tokens_per_s", tps, "profiled_members", profiled);
 }
 
 int gw_swarm_uncovered(gw_swarm *s, int *n_layers) {
@@ -1368,6 +1512,7 @@ json_t *gw_swarm_json(gw_swarm *s) {
                             s->busy_at > 0 && now - s->busy_at < GW_LOADED_S,
                             "act_bytes_per_token", s->sw.model.act_bytes, "router_slots", s->sw.n_servers,
                             "servers", servers, "flow", hops);
+    if (doc) json_object_set_new(doc, "planner", gw_planner_json_locked(s));
     pthread_mutex_unlock(&s->mu);
     return doc;
 }

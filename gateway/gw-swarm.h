@@ -7,31 +7,38 @@
  * fails on, is retired (GONE in the router); a joined member then joins again.
  *
  * Placement (joined members without a span of their own; static --shard members
- * and members that joined with a span are never told to load or move):
+ * and members that joined with a span are never told to load or move) weighs
+ * placements by the planner's estimate of decode tokens/s (rt_estimate_decode_tps:
+ * max-flow shares, the KV bound on requests in flight, batch cycles from the
+ * members' measured step times, link waits) for the workload the gateway serves
+ * (moving averages of its requests' prompt and output lengths, 512 / 128 before
+ * any), so a span that adds flow but lengthens chains more than it helps loses:
  *   1. while some block is uncovered, a spare (a joining member counts as one)
- *      is told to load the span rt_place_join picks for it (the one covering the
- *      most uncovered blocks, then the most flow); among several spares the one
- *      covering the most uncovered blocks, then adding the most flow, goes first;
+ *      is told to load the span rt_place_join_throughput picks for it (the one
+ *      covering the most uncovered blocks, then the highest estimate); among
+ *      several spares the one covering the most uncovered blocks, then raising
+ *      the estimate the most, goes first;
  *   2. once every block is covered, up to cfg->spares members wait as spares;
- *   3. a spare beyond that loads its rt_place_join span if that raises the max
- *      flow by at least cfg->min_gain_percent; otherwise it waits too;
+ *   3. a spare beyond that loads its rt_place_join_throughput span if that
+ *      raises the estimate by at least cfg->min_gain_percent; otherwise it waits;
  *   4. when a serving member leaves (retired or gone), the spares within the
  *      count are considered too, once: the best one is promoted if its span
- *      raises the max flow by at least min_gain_percent (restores what left);
+ *      raises the estimate by at least min_gain_percent (restores what left);
  *   5. when the swarm is loaded -- a request was refused for want of KV room
  *      (503 "overloaded") in the last 10 s -- one spare is promoted to the span
- *      adding the most flow (the bottleneck), at most one per 10 s;
+ *      raising the estimate the most, at most one per 10 s;
  *   6. moves: at most once per cfg->rebalance_interval_ms (a tick, with every
  *      block covered and nothing loading or draining), the serving joined member
- *      that has served its span for that long too and whose move raises the max
- *      flow the most, by at least min_gain_percent, is told to load its new span
- *      beside the old one -- only if the others cover its old span. The old span
- *      stays routed until the member reports the new one; it then serves only
+ *      that has served its span for that long too and whose move raises the
+ *      estimate the most, by at least min_gain_percent, is told to load its new
+ *      span beside the old one -- only if the others cover its old span. The old
+ *      span stays routed until the member reports the new one; it then serves only
  *      the sessions it had (MemberStatus.draining_*) until they end or the
  *      shard's --drain-ms pass (the rest fail "moved away" and are replayed
  *      elsewhere, without retiring the member), and is freed. So a move never
  *      leaves a block uncovered, and the interval, the settling time and the
  *      threshold keep the swarm from oscillating.
+ * Requests are routed by the router's IWRR over the max flow of the placement.
  * Spans being loaded count as covered when deciding, so one gap is given to one
  * spare. A member whose load fails reports it in its next heartbeat: the
  * assignment is withdrawn, the member is not asked for that span again (another
@@ -136,6 +143,14 @@ typedef struct gw_peer_link {
     double rtt_s, bandwidth; /* bandwidth 0: not measured */
 } gw_peer_link;
 
+#define GW_MAX_STEPS 16
+
+/* A member's measured step times of one block (MemberStatus.*_step_*): seconds[i] for tokens[i]. */
+typedef struct gw_step_table {
+    int n; /* 0: not measured */
+    double tokens[GW_MAX_STEPS], seconds[GW_MAX_STEPS];
+} gw_step_table;
+
 /* What a member reports (MemberStatus). */
 typedef struct gw_member_report {
     char address[128];
@@ -154,6 +169,7 @@ typedef struct gw_member_report {
     int dr_first, dr_last;      /* a span given up after a move, still serving old sessions; equal: none */
     int dr_sessions;
     int hidden_size;            /* 0: not reported */
+    gw_step_table prompt_steps, decode_steps; /* both or neither measured */
 } gw_member_report;
 
 /* What the gateway answers: the member id and the span to load (first == last: none). */
@@ -180,15 +196,21 @@ int gw_swarm_member_link(gw_swarm *s, uint64_t member_id, double rtt_s, double b
 
 /* Rules 1-3 (above) over `sw`, with the spans being loaded already applied:
  * which of the spares spares[0..n) should load which span now (rules 4 and 5
- * call it with spares_target 0, rule 5 also with min_gain 0). Only the 4 most
- * capable spares (most blocks, then fastest) are weighed, each costing a max
- * flow per window, so that a crowd of spares cannot stall the swarm's lock.
+ * call it with spares_target 0, rule 5 also with min_gain 0), by the estimate
+ * under `so` (the workload and step profiles; NULL: rt_sim_run's defaults). Only
+ * the 4 most capable spares (most blocks, then fastest) are weighed, each costing
+ * an estimate per window, so that a crowd of spares cannot stall the swarm's lock.
  * Returns its index in spares[] (and *first, *last), or -1: they all wait. */
 int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_target, double min_gain,
-                  int *first, int *last);
+                  const rt_sim_opts *so, int *first, int *last);
 /* Rule 6's choice over `sw`: which serving server of movable[0..n) should move to which span:
- * the move raising the max flow the most, by at least min_gain (a fraction), among those that
- * leave every block covered by the others. Returns its index (and *first, *last), or -1. */
-int gw_pick_move(const rt_swarm *sw, const int *movable, int n, double min_gain, int *first, int *last);
+ * the move raising the estimate under `so` the most, by at least min_gain (a fraction), among
+ * those that leave every block covered by the others. Only the 4 that use the least of their
+ * capacity in the max flow are weighed (an estimate per window each). Returns its index (and
+ * *first, *last), or -1. */
+int gw_pick_move(const rt_swarm *sw, const int *movable, int n, double min_gain, const rt_sim_opts *so, int *first,
+                 int *last);
+/* A served request's prompt and output token counts, folded into the planner's workload. */
+void gw_swarm_note_request(gw_swarm *s, int prompt_tokens, int output_tokens);
 
 #endif

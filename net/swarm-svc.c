@@ -49,6 +49,10 @@ static member_msg *member_pack(const swarm_svc_member *v) {
     ms->draining_last = v->draining_last;
     ms->draining_sessions = v->draining_sessions;
     ms->hidden_size = v->hidden_size;
+    ms->n_prompt_step_tokens = ms->n_prompt_step_s = v->prompt_steps.n;
+    ms->prompt_step_tokens = (double *)v->prompt_steps.tokens, ms->prompt_step_s = (double *)v->prompt_steps.seconds;
+    ms->n_decode_step_tokens = ms->n_decode_step_s = v->decode_steps.n;
+    ms->decode_step_tokens = (double *)v->decode_steps.tokens, ms->decode_step_s = (double *)v->decode_steps.seconds;
     for (size_t i = 0; i < n; i++) {
         fusion__link_figure__init(&figs[i]);
         figs[i].address = svc_str(v->links[i].address);
@@ -92,6 +96,13 @@ static int member_view(const Fusion__MemberStatus *ms, swarm_svc_member *v, swar
                             .n_links = ms->n_links, .load_error = svc_str(ms->load_error)};
     int rc = member_narrow(ms, v, st);
     if (rc) return rc;
+    if (ms->n_prompt_step_tokens != ms->n_prompt_step_s || ms->n_decode_step_tokens != ms->n_decode_step_s ||
+        ms->n_prompt_step_s > SWARM_SVC_MAX_STEPS || ms->n_decode_step_s > SWARM_SVC_MAX_STEPS)
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT,
+                               "status: step tables need as many times as token counts, at most %d of each",
+                               SWARM_SVC_MAX_STEPS);
+    v->prompt_steps = (swarm_svc_steps){ms->n_prompt_step_s, ms->prompt_step_tokens, ms->prompt_step_s};
+    v->decode_steps = (swarm_svc_steps){ms->n_decode_step_s, ms->decode_step_tokens, ms->decode_step_s};
     if (ms->n_links && !(*links = calloc(ms->n_links, sizeof **links)))
         return rpc_status_setf(st, RPC_RESOURCE_EXHAUSTED, "out of memory");
     for (size_t i = 0; i < ms->n_links; i++) {

@@ -37,6 +37,15 @@ typedef struct swarm_svc_link {
     double bandwidth_bytes_per_s; /* 0: not measured */
 } swarm_svc_link;
 
+#define SWARM_SVC_MAX_STEPS 16
+
+/* Measured step times of one block: seconds[i] for tokens[i] (a prompt of that many tokens, or
+ * that many decode sequences of one token each); n == 0: not measured. */
+typedef struct swarm_svc_steps {
+    size_t n;
+    const double *tokens, *seconds;
+} swarm_svc_steps;
+
 /* MemberStatus: what a member reports about itself. */
 typedef struct swarm_svc_member {
     const char *address, *model_name;
@@ -53,6 +62,7 @@ typedef struct swarm_svc_member {
     const char *load_error;
     int32_t draining_first, draining_last, draining_sessions;
     int32_t hidden_size;
+    swarm_svc_steps prompt_steps, decode_steps; /* at most SWARM_SVC_MAX_STEPS each */
 } swarm_svc_member;
 
 /* JoinReply. */

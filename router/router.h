@@ -432,6 +432,13 @@ int rt_helix_load_step_profiles(rt_sim_profiles *p, const rt_helix_files *f);
 int rt_sim_profiles_parse_json(rt_sim_profiles *p, const char *text, size_t len);
 int rt_sim_profiles_load_json(rt_sim_profiles *p, const char *path);
 void rt_sim_profiles_free(rt_sim_profiles *p);
+/* Adds the profile `kind` from measured tables (per block: prompt_s[i] seconds for a prompt of
+ * prompt_tokens[i] tokens, decode_s[i] for decode_tokens[i] sequences of one token each), with
+ * no batch limits. The tables are copied and checked as a file's are (1..4096 points, tokens
+ * ascending, times finite and >= 0). FU_ERR_FORMAT on a bad table or a duplicate or too long
+ * a kind, FU_ERR_NOMEM; `p` is unchanged on failure. */
+int rt_sim_profiles_add(rt_sim_profiles *p, const char *kind, int n_prompt, const double *prompt_tokens,
+                        const double *prompt_s, int n_decode, const double *decode_tokens, const double *decode_s);
 /* The profile of `kind`, or NULL. */
 const rt_step_profile *rt_sim_profile_find(const rt_sim_profiles *p, const char *kind);
 /* Seconds one block takes for a batch of `prompt_tokens` prompt tokens and `decode_tokens`
@@ -552,5 +559,19 @@ typedef struct rt_tplace_stats {
  * the excess. Deterministic for the same inputs and seeds when search.max_evals > 0 (then the
  * max-flow search runs no clock). Writes the best placement into `sw`. */
 int rt_place_throughput(rt_swarm *sw, const rt_tplace_opts *opts, rt_tplace_stats *stats);
+
+/* The quick estimate rt_place_throughput searches on, alone: the decode tokens/s of `sw` under
+ * the workload, profiles and KV setting of `so` (NULL: the defaults), 0 when a block is uncovered.
+ * Costs one max flow and a fixed point over the servers; no simulation. */
+int rt_estimate_decode_tps(const rt_swarm *sw, const rt_sim_opts *so, double *tps);
+
+/* rt_place_join by the estimate: where should server `id` (new, spare or being moved) load, with
+ * the others fixed? Tries every window it can hold and picks: fewest blocks left uncovered, then
+ * the highest rt_estimate_decode_tps, then the longer span, then the earlier start. So a window
+ * that adds flow but lengthens chains more than it helps loses to one that does not. Does not
+ * change `sw`. *gain (may be NULL) is the estimate's increase over the server holding nothing
+ * (may be <= 0: the caller may keep it as a spare). */
+int rt_place_join_throughput(const rt_swarm *sw, int id, const rt_sim_opts *so, int *first, int *last,
+                             double *gain);
 
 #endif

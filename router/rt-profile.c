@@ -47,6 +47,11 @@ static int profile_add(rt_sim_profiles *p, const char *kind, rt_step_profile **o
     return FU_OK;
 }
 
+/* Removes the last profile added (a failed one's tables freed). */
+static void profile_drop_last(rt_sim_profiles *p) {
+    if (p->n > 0) profile_free(&p->items[--p->n]);
+}
+
 /* Checks a table: n >= 1 points, batch sizes ascending and >= 0, times finite and >= 0. */
 static int check_table(const char *kind, const char *what, int n, const double *x, const double *y) {
     if (n < 1) return fu_errorf(FU_ERR_FORMAT, "step profile \"%s\": empty %s table", kind, what);
@@ -75,6 +80,33 @@ double rt_step_seconds(const rt_step_profile *p, int prompt_tokens, int decode_t
         t += d + p->decode_ctx_s * decode_ctx;
     }
     return t;
+}
+
+/* A copy of n doubles into *out (NULL on failure). */
+static int copy_points(int n, const double *in, double **out) {
+    *out = malloc((size_t)n * sizeof(double));
+    if (!*out) return fu_errorf(FU_ERR_NOMEM, "step profiles: out of memory");
+    memcpy(*out, in, (size_t)n * sizeof(double));
+    return FU_OK;
+}
+
+int rt_sim_profiles_add(rt_sim_profiles *p, const char *kind, int n_prompt, const double *prompt_tokens,
+                        const double *prompt_s, int n_decode, const double *decode_tokens, const double *decode_s) {
+    if (!p || !kind || n_prompt > MAX_POINTS || n_decode > MAX_POINTS || (n_prompt > 0 && (!prompt_tokens || !prompt_s)) ||
+        (n_decode > 0 && (!decode_tokens || !decode_s)))
+        return fu_errorf(FU_ERR_FORMAT, "step profile \"%s\": bad tables", kind ? kind : "");
+    int rc = check_table(kind, "prompt", n_prompt, prompt_tokens, prompt_s);
+    if (!rc) rc = check_table(kind, "decode", n_decode, decode_tokens, decode_s);
+    rt_step_profile *q;
+    if (!rc) rc = profile_add(p, kind, &q);
+    if (rc) return rc;
+    q->n_prompt = n_prompt, q->n_decode = n_decode;
+    rc = copy_points(n_prompt, prompt_tokens, &q->prompt_tokens);
+    if (!rc) rc = copy_points(n_prompt, prompt_s, &q->prompt_s);
+    if (!rc) rc = copy_points(n_decode, decode_tokens, &q->decode_tokens);
+    if (!rc) rc = copy_points(n_decode, decode_s, &q->decode_s);
+    if (rc) profile_drop_last(p);
+    return rc;
 }
 
 /* --- Helix's tables ------------------------------------------------------------------------ */

@@ -2,6 +2,7 @@
  * the current placement, each improved by annealing on a quick estimate, the best of them by the
  * simulator, then refined one simulated move at a time. Single-threaded, like the router. */
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,7 +51,8 @@ static int score(tplace *t, const rt_swarm *sw, double *out) {
  * The quick estimate that guides the local search (the simulator checks its result):
  * - flow: the max flow routes a request over server i with probability share_i = flow_i / F;
  * - concurrency N: the KV bound, as the feeder and the router keep it: every block's capacity
- *   over the servers holding it at 0.8, and every server's at kv_hwm for its share of N;
+ *   over the servers holding it at 0.8, and every server's at kv_hwm for its share of N (a
+ *   server whose capacity is unknown, such as a spare not yet loaded, bounds nothing);
  * - time per output token: the share-weighted cycle of each server for the batch Little's law
  *   gives it (tpot_fixed_point), plus the share-weighted link latency and M/G/1 wait;
  * - decode tokens/s = min(N / TPOT, what the prompt slots allow, the decode share of the max
@@ -83,13 +85,14 @@ static double kv_bound(tplace *t, const rt_swarm *sw, double req_len) {
         if (!rt_swarm_serving(sw, i)) continue;
         const rt_server *v = &sw->servers[i];
         double cap = rt_swarm_kv_tokens(sw, i, v->last - v->first);
+        for (int l = v->first; l < v->last; l++) t->layer_kv[l] += cap > 0 ? cap : INFINITY; /* unknown: no bound */
         if (!(cap > 0)) continue;
-        for (int l = v->first; l < v->last; l++) t->layer_kv[l] += cap;
         double share = F > 0 ? t->fl.server_flow[i] / F : 0;
         if (share > 1e-9 && hwm * cap / (req_len * share) < n) n = hwm * cap / (req_len * share);
     }
     for (int l = 0; l < L; l++)
-        if (t->layer_kv[l] > 0 && 0.8 * t->layer_kv[l] / req_len < n) n = 0.8 * t->layer_kv[l] / req_len;
+        if (t->layer_kv[l] > 0 && isfinite(t->layer_kv[l]) && 0.8 * t->layer_kv[l] / req_len < n)
+            n = 0.8 * t->layer_kv[l] / req_len;
     return n < 1e17 ? n : 1e4;
 }
 
@@ -404,5 +407,79 @@ int rt_place_throughput(rt_swarm *sw, const rt_tplace_opts *opts, rt_tplace_stat
     }
     free(saved), free(t.layer_kv);
     rt_flow_free(&t.fl);
+    return rc;
+}
+
+/* ---- the estimate alone, and a join by it ------------------------------------------------- */
+
+/* A tplace for quick estimates under `so` with no bounds; t->layer_kv must be freed with t->fl. */
+static int estimate_init(tplace *t, rt_tplace_opts *o, const rt_swarm *sw, const rt_sim_opts *so) {
+    memset(o, 0, sizeof *o);
+    if (so) o->sim = *so;
+    tplace_init(t, o);
+    t->layer_kv = calloc((size_t)sw->model.n_layers + 1, sizeof(double));
+    return t->layer_kv ? FU_OK : fu_errorf(FU_ERR_NOMEM, "estimate: out of memory");
+}
+
+static void estimate_free(tplace *t) {
+    free(t->layer_kv);
+    rt_flow_free(&t->fl);
+}
+
+int rt_estimate_decode_tps(const rt_swarm *sw, const rt_sim_opts *so, double *tps) {
+    if (!sw || !tps) return fu_errorf(FU_ERR_INVALID, "rt_estimate_decode_tps: NULL argument");
+    tplace t;
+    rt_tplace_opts o;
+    int rc = estimate_init(&t, &o, sw, so);
+    if (!rc) rc = quick_score(&t, sw, tps);
+    if (!rc && *tps < 0) *tps = 0;
+    estimate_free(&t);
+    return rc;
+}
+
+/* The estimate with server id on [f, l) (an empty span: a spare), on the scratch copy `tmp`. */
+static int window_score(tplace *t, rt_swarm *tmp, int id, int f, int l, int *uncovered, double *out) {
+    int rc = rt_swarm_set_span(tmp, id, f, l);
+    if (rc) return rc;
+    *uncovered = rt_swarm_uncovered(tmp, NULL);
+    return quick_score(t, tmp, out);
+}
+
+/* Every window server id can hold, by: fewest blocks uncovered, then the highest estimate, then
+ * the longer span (redundancy), then the earlier start. */
+static int best_window_tp(tplace *t, rt_swarm *tmp, int id, int *first, int *last, double *best) {
+    int L = tmp->model.n_layers, maxk = rt_swarm_max_layers(tmp, id), bunc = L + 1, rc = FU_OK;
+    *first = *last = -1;
+    *best = -1;
+    for (int k = 1; k <= maxk && !rc; k++) {
+        for (int f = 0; f + k <= L && !rc; f++) {
+            int unc = 0;
+            double s = -1;
+            rc = window_score(t, tmp, id, f, f + k, &unc, &s);
+            double tol = 1e-9 * fabs(*best) + 1e-12;
+            bool better = unc != bunc ? unc < bunc : fabs(s - *best) > tol ? s > *best : k > *last - *first;
+            if (!rc && better) *first = f, *last = f + k, bunc = unc, *best = s;
+        }
+    }
+    return rc;
+}
+
+int rt_place_join_throughput(const rt_swarm *sw, int id, const rt_sim_opts *so, int *first, int *last, double *gain) {
+    if (!sw || !first || !last || id < 0 || id >= sw->n_servers)
+        return fu_errorf(FU_ERR_INVALID, "rt_place_join_throughput: bad arguments");
+    rt_swarm tmp;
+    int rc = rt_swarm_clone(&tmp, sw);
+    if (rc) return rc;
+    tplace t;
+    rt_tplace_opts o;
+    double before = -1, after = -1;
+    int unc;
+    rc = estimate_init(&t, &o, &tmp, so);
+    if (!rc) rc = window_score(&t, &tmp, id, 0, 0, &unc, &before);
+    if (!rc) rc = best_window_tp(&t, &tmp, id, first, last, &after);
+    if (!rc && *first < 0) rc = fu_errorf(FU_ERR_INVALID, "rt_place_join_throughput: server %d holds no block", id);
+    if (!rc && gain) *gain = fmax(after, 0) - fmax(before, 0);
+    estimate_free(&t);
+    rt_swarm_free(&tmp);
     return rc;
 }

@@ -147,6 +147,9 @@ static int write_port_file(const char *path, int port) {
     return rename(tmp, path);
 }
 
+#define SHARD_STEP_POINTS 8
+#define SHARD_STEP_MAX_S 0.25 /* step tables stop at the first size taking longer */
+
 /* The span this process serves: opened at start-up (--blocks) or when the gateway assigns one. */
 typedef struct shard_span {
     pthread_mutex_t mu;  /* guards m, core, tps against the membership thread's reads */
@@ -160,6 +163,9 @@ typedef struct shard_span {
     bool prefix_cache;
     int kv_block_tokens;
     double block_tps;    /* measured with one block */
+    int n_psteps, n_dsteps; /* one block's step times (0: not measured): prompts of pstep_tok[i] tokens, */
+    double pstep_tok[SHARD_STEP_POINTS], pstep_s[SHARD_STEP_POINTS]; /* decode steps of dstep_tok[i] */
+    double dstep_tok[SHARD_STEP_POINTS], dstep_s[SHARD_STEP_POINTS]; /* sequences */
     mdl_model *m;        /* NULL while a spare */
     shard_core *core;
     double tps;
@@ -323,6 +329,32 @@ static int check_announced(const char *address, bool advertised) {
     return FU_OK;
 }
 
+/* Times steps of sizes[0..n) while one takes under SHARD_STEP_MAX_S and the core allows; returns
+ * how many were timed. */
+static int shard_time_table(shard_core *c, const int *sizes, int n, bool prompt, double *tok, double *secs) {
+    int k = 0;
+    for (int i = 0; i < n && k < SHARD_STEP_POINTS; i++) {
+        double t = shard_core_time_step(c, sizes[i], prompt, 0.05);
+        if (t < 0) break;
+        tok[k] = sizes[i], secs[k++] = t;
+        if (t > SHARD_STEP_MAX_S) break;
+    }
+    return k;
+}
+
+/* One block's step times, for the gateway's planner: prompts of 16..1024 tokens, decode steps of
+ * 1..64 sequences (both tables or neither). */
+static void shard_span_time_steps(shard_span *sp, shard_core *c1) {
+    static const int prompt_sizes[] = {16, 64, 256, 1024}, decode_sizes[] = {1, 2, 4, 8, 16, 32, 64};
+    sp->n_psteps = shard_time_table(c1, prompt_sizes, 4, true, sp->pstep_tok, sp->pstep_s);
+    sp->n_dsteps = shard_time_table(c1, decode_sizes, 7, false, sp->dstep_tok, sp->dstep_s);
+    if (!sp->n_psteps || !sp->n_dsteps) sp->n_psteps = sp->n_dsteps = 0;
+    if (sp->n_dsteps)
+        FU_INFO("one block: a %g-token prompt takes %.2f ms, a decode step of %g sequences %.2f ms",
+                sp->pstep_tok[sp->n_psteps - 1], sp->pstep_s[sp->n_psteps - 1] * 1e3, sp->dstep_tok[sp->n_dsteps - 1],
+                sp->dstep_s[sp->n_dsteps - 1] * 1e3);
+}
+
 /* Probes the model: its block count, name and weight type; a shard that joins without a span
  * measures one block, so that the gateway can model any span. */
 static int shard_span_probe(shard_span *sp, const shard_args *a) {
@@ -338,7 +370,10 @@ static int shard_span_probe(shard_span *sp, const shard_args *a) {
         shard_core *c1 = NULL;
         shard_core_options so = {.kv_budget_bytes = 64u << 20, .max_batch_tokens = a->max_batch,
                                  .kv_type = OP_TYPE_F32};
-        if (!(rc = shard_core_new(probe, sp->be, &so, &c1))) sp->block_tps = shard_core_measure(c1, 1, 0.2);
+        if (!(rc = shard_core_new(probe, sp->be, &so, &c1))) {
+            sp->block_tps = shard_core_measure(c1, 1, 0.2);
+            shard_span_time_steps(sp, c1);
+        }
         shard_core_free(c1);
         if (sp->block_tps < 0) sp->block_tps = 0;
     }
@@ -442,7 +477,9 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
     shard_join *join = NULL;
     shard_join_config jc = {a->join, a->tls_ca, a->insecure, a->secret, shard_server_address(sp->srv), sp->name,
                             sp->n_layers, sp->device, sp->block_tps, a->max_blocks, sp->m != NULL, sp->hidden_size,
-                            shard_span_load, shard_span_status, sp, client_cert, client_key, shard_join_refused};
+                            shard_span_load, shard_span_status, sp, client_cert, client_key, shard_join_refused,
+                            {(size_t)sp->n_psteps, sp->pstep_tok, sp->pstep_s},
+                            {(size_t)sp->n_dsteps, sp->dstep_tok, sp->dstep_s}};
     if (a->join && (rc = shard_join_start(&jc, &join))) return rc;
     int sig = 0;
     sigwait(sigs, &sig);

@@ -76,6 +76,13 @@ void shard_core_get_stats(shard_core *c, shard_core_stats *st);
  * negative status. Call before serving (it uses the engine). */
 double shard_core_measure(shard_core *c, int batch, double seconds);
 
+/* Times one forward of the span: a prompt of `tokens` tokens in one sequence (prompt), or a
+ * decode step of `tokens` sequences of one token each (!prompt); the best of up to 5 runs
+ * within about `seconds`, after an untimed one. Returns seconds (>= 0) or a negative status
+ * (FU_ERR_RANGE: more tokens than the model's context or the batch limit). Call before
+ * serving (it uses the engine). */
+double shard_core_time_step(shard_core *c, int tokens, bool prompt, double seconds);
+
 /* ---- training beside inference ------------------------------------------------------
  * Trainers over the core's engine (shard-train.c) share its backend with the batcher, whose
  * lock interleaves their ops one by one. To keep inference's latency, a trainer may call

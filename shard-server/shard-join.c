@@ -79,6 +79,8 @@ static void fill_status(shard_join *j, shard_join_status *st, swarm_svc_member *
         .draining_last = st->draining_last,
         .draining_sessions = st->draining_sessions,
         .hidden_size = j->cfg.hidden_size,
+        .prompt_steps = j->cfg.prompt_steps,
+        .decode_steps = j->cfg.decode_steps,
     };
     if (j->fail_last > j->fail_first) {
         ms->failed_first = j->fail_first;

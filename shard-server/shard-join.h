@@ -26,6 +26,8 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "swarm-svc.h"
+
 /* A shard's figures as reported to the gateway (filled by the `status` callback). */
 typedef struct shard_join_status {
     int first, last;          /* served span; equal: none (spare) */
@@ -61,6 +63,8 @@ typedef struct shard_join_config {
     /* Called once (from the membership thread) when the gateway refuses the swarm secret, which
      * retrying cannot mend; `why` says what to do. NULL: keep retrying. */
     void (*refused)(void *ctx, const char *why);
+    /* One block's measured step times (swarm-svc.h; n 0: not measured), borrowed like the strings. */
+    swarm_svc_steps prompt_steps, decode_steps;
 } shard_join_config;
 
 typedef struct shard_join shard_join;

@@ -142,7 +142,14 @@ def test_join_spares_failover_and_503(cluster, reference):
         assert 0 < sv["span"][1] - sv["span"][0] <= 12
         assert sv["device"].startswith("cpu") and sv["dtype"] and sv["tokens_per_s"] > 0, sv
         assert sv["block_tokens_per_s"] > 0 and sv["total_kv_bytes"] > 0 and sv["free_kv_bytes"] > 0
+        # one block's measured step times, the planner's profile of the member
+        steps = sv["step_ms"]
+        for table in (steps["prompt"], steps["decode"]):
+            assert table and all(ms >= 0 for _, ms in table), steps
+            assert [n for n, _ in table] == sorted(n for n, _ in table), steps
+        assert steps["prompt"][0][0] == 16 and steps["decode"][0][0] == 1, steps
     assert doc["max_flow"] > 0 and doc["flow"], doc
+    assert doc["planner"]["profiled_members"] == 3 and doc["planner"]["decode_tokens_per_s"] > 0, doc["planner"]
     # the gateway measures its links to every member
     wait_for(lambda: all(by_address(swarm(gw))[s.address]["link"]["source"] == "measured" for s in first3),
              "link measurements")

@@ -152,6 +152,13 @@ static void test_concurrent_sessions_batch_and_match(void **state) {
     /* concurrent steps were merged: fewer forwards than steps */
     assert_true(st.batches < st.batched_steps);
     assert_true(shard_core_measure(core, 2, 0.05) > 0);
+    /* step timing: prompts in one sequence, decode steps over many; sizes past the context refused */
+    assert_true(shard_core_time_step(core, 8, true, 0.01) >= 0);
+    assert_true(shard_core_time_step(core, 4, false, 0.01) >= 0);
+    assert_true(shard_core_time_step(core, 0, true, 0.01) < 0);
+    assert_true(shard_core_time_step(core, 1 << 20, false, 0.01) < 0);
+    shard_core_get_stats(core, &st);
+    assert_true(st.kv_free_bytes == st.kv_total_bytes); /* its sequences are freed */
     fixture_close(&f);
 }
 

@@ -319,6 +319,93 @@ static void test_place_throughput(void **st) {
     rt_swarm_free(&a), rt_swarm_free(&b), rt_sim_profiles_free(&p);
 }
 
+/* Half-model servers a [0, 4), b and c [4, 8), and a spare g of up to 8 blocks; every server holds
+ * 2000 KV tokens; server-to-server links have `lat` s of latency. */
+static void join_swarm(rt_swarm *sw, double lat) {
+    rt_model m = model(8);
+    assert_int_equal(rt_swarm_init(sw, &m), FU_OK);
+    double half[4] = {800, 400, 266, 200}, whole[8] = {800, 400, 266, 200, 190, 180, 165, 150};
+    static const int span[4][2] = {{0, 4}, {4, 8}, {4, 8}, {0, 0}};
+    double kv[8] = {2000, 2000, 2000, 2000, 2000, 2000, 2000, 2000};
+    for (int i = 0; i < 4; i++) {
+        rt_server d;
+        memset(&d, 0, sizeof d);
+        snprintf(d.name, sizeof d.name, "%c", "abcg"[i]);
+        d.state = i < 3 ? RT_SERVER_ACTIVE : RT_SERVER_SPARE;
+        d.n_tput = i < 3 ? 4 : 8, d.tput = i < 3 ? half : whole, d.kv_tokens = kv;
+        assert_true(rt_swarm_add_server(sw, &d) == i);
+        if (i < 3) assert_int_equal(rt_swarm_set_span(sw, i, span[i][0], span[i][1]), FU_OK);
+    }
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(rt_swarm_set_link(sw, RT_SOURCE, i, 1e9, 0.001), FU_OK);
+        assert_int_equal(rt_swarm_set_link(sw, i, RT_SINK, 1e9, 0.001), FU_OK);
+        for (int j = 0; j < 4; j++)
+            if (i != j) assert_int_equal(rt_swarm_set_link(sw, i, j, 1e9, lat), FU_OK);
+    }
+}
+
+/* Simulated decode tokens/s of `sw` with server 3 on [f, l). */
+static double sim_with(const rt_swarm *sw, const rt_sim_opts *so, int f, int l) {
+    rt_swarm t;
+    assert_int_equal(rt_swarm_clone(&t, sw), FU_OK);
+    assert_int_equal(rt_swarm_set_span(&t, 3, f, l), FU_OK);
+    rt_sim_opts o = *so;
+    o.duration_s = 300, o.warmup_s = 30, o.feed = RT_FEED_KV;
+    rt_sim_result r;
+    assert_int_equal(rt_sim_run(&t, &o, &r), FU_OK);
+    rt_swarm_free(&t);
+    return r.decode_tps;
+}
+
+/* A join by the estimate: where links are slow, the spare takes the whole model (one-hop chains,
+ * less flow) rather than the half the max flow prefers (more flow over two-hop chains), and the
+ * simulator agrees; where links are fast, both take the half. */
+static void test_join_throughput(void **st) {
+    (void)st;
+    rt_sim_opts so = opts(0, 0, 200, 50);
+    rt_swarm sw;
+    join_swarm(&sw, 0.5);
+    int f, l, ff, fl;
+    double gain = 0, est = 0;
+    assert_int_equal(rt_place_join(&sw, 3, NULL, &ff, &fl, &gain), FU_OK);
+    assert_int_equal(ff, 0), assert_int_equal(fl, 4); /* max flow 400 against 350 for [0, 8) */
+    assert_int_equal(rt_place_join_throughput(&sw, 3, &so, &f, &l, &gain), FU_OK);
+    assert_int_equal(f, 0), assert_int_equal(l, 8);
+    assert_true(gain > 0);
+    assert_true(sim_with(&sw, &so, f, l) > 1.5 * sim_with(&sw, &so, ff, fl));
+    assert_int_equal(rt_estimate_decode_tps(&sw, &so, &est), FU_OK);
+    assert_true(est > 0);
+    rt_swarm_free(&sw);
+    join_swarm(&sw, 0.001);
+    assert_int_equal(rt_place_join_throughput(&sw, 3, &so, &f, &l, &gain), FU_OK);
+    assert_int_equal(f, 0), assert_int_equal(l, 4);
+    /* a block uncovered: the estimate is 0, and the join covers it first */
+    assert_int_equal(rt_swarm_set_span(&sw, 0, 0, 0), FU_OK);
+    assert_int_equal(rt_estimate_decode_tps(&sw, &so, &est), FU_OK);
+    NEAR(est, 0, 0);
+    assert_int_equal(rt_place_join_throughput(&sw, 3, &so, &f, &l, &gain), FU_OK);
+    assert_true(f == 0 && l >= 4);
+    rt_swarm_free(&sw);
+}
+
+/* Measured tables added as a profile: copied, checked, refused whole when bad. */
+static void test_profiles_add(void **st) {
+    (void)st;
+    rt_sim_profiles p = {0};
+    double pt[2] = {16, 64}, ps[2] = {0.001, 0.003}, dt[2] = {1, 8}, ds[2] = {1e-4, 4e-4};
+    assert_int_equal(rt_sim_profiles_add(&p, "m1", 2, pt, ps, 2, dt, ds), FU_OK);
+    pt[0] = 99; /* copied */
+    const rt_step_profile *q = rt_sim_profile_find(&p, "m1");
+    assert_non_null(q);
+    NEAR(rt_step_seconds(q, 40, 0, 0), 0.002, 1e-12);
+    NEAR(rt_step_seconds(q, 0, 8, 0), 4e-4, 1e-12);
+    assert_int_not_equal(rt_sim_profiles_add(&p, "m1", 2, dt, ds, 2, dt, ds), FU_OK); /* duplicate */
+    assert_int_not_equal(rt_sim_profiles_add(&p, "m2", 2, pt, ps, 2, dt, ds), FU_OK); /* 99 then 64 */
+    assert_int_not_equal(rt_sim_profiles_add(&p, "m3", 0, NULL, NULL, 2, dt, ds), FU_OK);
+    assert_int_equal(p.n, 1);
+    rt_sim_profiles_free(&p);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_profile_interpolation), cmocka_unit_test(test_profile_errors),
@@ -326,6 +413,7 @@ int main(void) {
         cmocka_unit_test(test_links_and_fluid_server), cmocka_unit_test(test_kv_bounds),
         cmocka_unit_test(test_deterministic_and_poisson), cmocka_unit_test(test_place_throughput),
         cmocka_unit_test(test_lengths_and_kv_expectation), cmocka_unit_test(test_zero_times_advance),
+        cmocka_unit_test(test_join_throughput), cmocka_unit_test(test_profiles_add),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

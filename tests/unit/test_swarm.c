@@ -61,21 +61,21 @@ static void test_pick_spare(void **st) {
     (void)a;
     int spares[2] = {small, big}, f = -1, l = -1;
     /* covered, and no more spares than wanted: they wait */
-    assert_int_equal(gw_pick_spare(&sw, spares, 2, 2, 0.05, &f, &l), -1);
-    assert_int_equal(gw_pick_spare(&sw, spares, 0, 0, 0.05, &f, &l), -1);
+    assert_int_equal(gw_pick_spare(&sw, spares, 2, 2, 0.05, NULL, &f, &l), -1);
+    assert_int_equal(gw_pick_spare(&sw, spares, 0, 0, 0.05, NULL, &f, &l), -1);
     /* one spare too many: the one adding the most flow serves, beside the bottleneck a */
-    assert_int_equal(gw_pick_spare(&sw, spares, 2, 1, 0.05, &f, &l), 1);
+    assert_int_equal(gw_pick_spare(&sw, spares, 2, 1, 0.05, NULL, &f, &l), 1);
     assert_int_equal(f, 0);
     assert_int_equal(l, 5);
     /* ... unless the gain is under the threshold */
-    assert_int_equal(gw_pick_spare(&sw, spares, 2, 1, 10.0, &f, &l), -1);
+    assert_int_equal(gw_pick_spare(&sw, spares, 2, 1, 10.0, NULL, &f, &l), -1);
     /* b leaves: [5, 10) is uncovered; the spare covering all of it goes, whatever the spare count */
     assert_int_equal(rt_swarm_remove_server(&sw, b), FU_OK);
-    assert_int_equal(gw_pick_spare(&sw, spares, 2, 5, 0.05, &f, &l), 1);
+    assert_int_equal(gw_pick_spare(&sw, spares, 2, 5, 0.05, NULL, &f, &l), 1);
     assert_int_equal(f, 5);
     assert_int_equal(l, 10);
     /* only the small one: it covers what it can of the gap */
-    assert_int_equal(gw_pick_spare(&sw, spares, 1, 5, 0.05, &f, &l), 0);
+    assert_int_equal(gw_pick_spare(&sw, spares, 1, 5, 0.05, NULL, &f, &l), 0);
     assert_int_equal(l - f, 3);
     assert_true(f >= 5 && l <= 10);
     rt_swarm_free(&sw);
@@ -99,12 +99,12 @@ static void test_pick_spare_among_many(void **st) {
     }
     link_all(&sw);
     /* [5, 10) uncovered: s150, the only spare holding 5 blocks, covers it all */
-    assert_int_equal(gw_pick_spare(&sw, spares, N, 0, 0.05, &f, &l), 150);
+    assert_int_equal(gw_pick_spare(&sw, spares, N, 0, 0.05, NULL, &f, &l), 150);
     assert_int_equal(f, 5);
     assert_int_equal(l, 10);
     /* without s150, the fastest of the 2-block spares (s120) is weighed and goes */
     spares[150] = spares[0];
-    assert_int_equal(gw_pick_spare(&sw, spares, N, 0, 0.05, &f, &l), 120);
+    assert_int_equal(gw_pick_spare(&sw, spares, N, 0, 0.05, NULL, &f, &l), 120);
     assert_int_equal(l - f, 2);
     rt_swarm_free(&sw);
 }
@@ -153,7 +153,7 @@ static void test_pick_move(void **st) {
     double flow = rt_max_flow(&sw, NULL);
     assert_true(fabs(flow - 20) < 1e-6);
     int movable[2] = {j, f2}, f = -1, l = -1;
-    assert_int_equal(gw_pick_move(&sw, movable, 1, 0.05, &f, &l), 0);
+    assert_int_equal(gw_pick_move(&sw, movable, 1, 0.05, NULL, &f, &l), 0);
     assert_int_equal(f, 5);
     assert_int_equal(l, 10);
     rt_swarm moved;
@@ -164,13 +164,13 @@ static void test_pick_move(void **st) {
     rt_swarm_free(&moved);
     /* f2 alone covers [5, 10): it is never moved, whatever it would gain */
     movable[0] = f2;
-    assert_int_equal(gw_pick_move(&sw, movable, 1, 0.0, &f, &l), -1);
+    assert_int_equal(gw_pick_move(&sw, movable, 1, 0.0, NULL, &f, &l), -1);
     /* a threshold above the gain (100%) keeps everyone in place */
     movable[0] = j;
-    assert_int_equal(gw_pick_move(&sw, movable, 2, 1.5, &f, &l), -1);
+    assert_int_equal(gw_pick_move(&sw, movable, 2, 1.5, NULL, &f, &l), -1);
     /* once balanced (two and two), nothing moves */
     assert_int_equal(rt_swarm_set_span(&sw, j, 5, 10), FU_OK);
-    assert_int_equal(gw_pick_move(&sw, movable, 2, 0.0, &f, &l), -1);
+    assert_int_equal(gw_pick_move(&sw, movable, 2, 0.0, NULL, &f, &l), -1);
     (void)f1, (void)f1b;
     rt_swarm_free(&sw);
 }
@@ -600,6 +600,14 @@ static void test_membership(void **st) {
     assert_int_equal(gw_swarm_member_join(s, &bad, 1.0, &junk), FU_ERR_INVALID);
     bad = report("", 12, 0, 0);
     assert_int_equal(gw_swarm_member_join(s, &bad, 1.0, &junk), FU_ERR_INVALID);
+    bad = report("10.0.0.9:1", 12, 0, 0); /* step tokens not ascending */
+    bad.prompt_steps = (gw_step_table){2, {64, 16}, {0.002, 0.001}};
+    bad.decode_steps = (gw_step_table){1, {1}, {0.001}};
+    assert_int_equal(gw_swarm_member_join(s, &bad, 1.0, &junk), FU_ERR_INVALID);
+    bad.prompt_steps = (gw_step_table){1, {16}, {NAN}}; /* a time not a number */
+    assert_int_equal(gw_swarm_member_join(s, &bad, 1.0, &junk), FU_ERR_INVALID);
+    bad.prompt_steps.n = 0; /* decode without prompt */
+    assert_int_equal(gw_swarm_member_join(s, &bad, 1.0, &junk), FU_ERR_INVALID);
     assert_int_equal(gw_swarm_member_heartbeat(s, 999, &bad, false, 1.0, &junk), FU_ERR_NOT_FOUND);
 
     /* the member holding block 0 stops heartbeating: past the timeout it is retired, and a spare
@@ -767,8 +775,9 @@ static void test_join_over_rpc(void **st) {
     assert_int_equal(shard_server_start(srv), FU_OK);
     fake_member fm = {.first = 0, .last = 0};
     pthread_mutex_init(&fm.mu, NULL);
+    static const double pt[] = {16, 64}, ps[] = {1e-3, 3e-3}, dt[] = {1, 8}, ds[] = {1e-4, 4e-4};
     shard_join_config jc = {gw_addr, NULL, true, "unit-secret", shard_server_address(srv), "m", 30, "cpu", 3000, 0,
-                            false, 0, fake_load, fake_status, &fm, NULL, NULL, NULL};
+                            false, 0, fake_load, fake_status, &fm, NULL, NULL, NULL, {2, pt, ps}, {2, dt, ds}};
     shard_join *j;
     assert_int_equal(shard_join_start(&jc, &j), FU_OK);
     /* the only member is given every block, loads them and serves */
@@ -782,6 +791,15 @@ static void test_join_over_rpc(void **st) {
     int loads = fm.loads;
     pthread_mutex_unlock(&fm.mu);
     assert_int_equal(loads, 1);
+    /* its step times are its profile in the planner */
+    json_t *doc0 = gw_swarm_json(s), *sv0 = json_array_get(json_object_get(doc0, "servers"), 0);
+    json_t *decode = json_object_get(json_object_get(sv0, "step_ms"), "decode");
+    assert_int_equal(json_array_size(decode), 2);
+    assert_true(fabs(json_real_value(json_array_get(json_array_get(decode, 1), 1)) - 0.4) < 1e-9);
+    json_t *planner = json_object_get(doc0, "planner");
+    assert_int_equal(json_integer_value(json_object_get(planner, "profiled_members")), 1);
+    assert_true(json_real_value(json_object_get(planner, "decode_tokens_per_s")) > 0);
+    json_decref(doc0);
     /* the gateway measures its link */
     bool measured = false;
     for (int i = 0; i < 200 && !measured; i++) {
