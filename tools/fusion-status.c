@@ -109,6 +109,13 @@ static void fz_status_flow(const json_t *swarm) {
            (long long)json_integer_value(json_object_get(swarm, "active")),
            (long long)json_integer_value(json_object_get(swarm, "spares")),
            json_number_value(json_object_get(swarm, "max_flow")));
+    const json_t *plan = json_object_get(swarm, "planner");
+    if (plan)
+        printf("planned %.1f decode tokens/s for %.0f-token prompts and %.0f-token outputs (%lld members profiled)\n",
+               json_number_value(json_object_get(plan, "decode_tokens_per_s")),
+               json_number_value(json_object_get(plan, "prompt_tokens")),
+               json_number_value(json_object_get(plan, "output_tokens")),
+               (long long)json_integer_value(json_object_get(plan, "profiled_members")));
     fz_status_hops(json_object_get(swarm, "flow"));
 }
 

@@ -131,6 +131,7 @@
     $("fig-queue").textContent = num(metric(samples, "fusion_gateway_queue_depth"), 0);
     $("fig-sessions").textContent = num(metric(samples, "fusion_gateway_active_sessions"), 0);
     $("fig-flow").textContent = num(swarm.max_flow);
+    $("fig-planned").textContent = swarm.planner ? num(swarm.planner.decode_tokens_per_s) : "-";
     const live = list.filter((m) => !["gone", "unreachable", "unauthorized"].includes(m.state)).length;
     $("fig-members").textContent = live + " / " + list.length;
     $("fig-uncovered").textContent = swarm.uncovered_blocks === undefined ? "-" : String(swarm.uncovered_blocks);

@@ -137,6 +137,7 @@ def check_status(url, key):
     rows = [line.split() for line in res.stdout.splitlines() if line.startswith("127.0.0.1:")]
     assert sorted((r[1], r[2]) for r in rows) == [("0:15", "active"), ("15:30", "active")], res.stdout
     assert re.search(r"gateway\s+-> 127\.0\.0\.1:\d+", res.stdout), res.stdout
+    assert re.search(r"planned [0-9.]+ decode tokens/s for \d+-token prompts", res.stdout), res.stdout
 
 
 def check_chat(url, key, tmp):

@@ -146,6 +146,8 @@ def test_swarm_page():
             wait_for(lambda: rows(driver) == {a: "active" for a in want}, "the three members as active", 15)
             from selenium.webdriver.common.by import By
             assert count(driver, "#chain rect.bar") == 3
+            planned = driver.execute_script("return document.getElementById('fig-planned').textContent;")
+            assert planned != "-" and float(planned) > 0, planned
             assert not driver.find_element(By.ID, "key-form").is_displayed()
             assert driver.execute_script("return sessionStorage.getItem('fusion.apiKey');") == KEY
             assert KEY not in driver.current_url
