@@ -1,7 +1,7 @@
 """test_sim_validation.py -- fusion-sim's discrete-event simulation on Helix's clusters and
 placements (LLaMA-2 70B, offline feeding, Helix's per-GPU step tables) ranks every published pair
 of placements as Helix's own simulator did (anchors/helix/derived/ae_results.csv), and stays
-within a factor of Helix's figures. The table itself is printed by fusion-bench-sim."""
+within a factor of Helix's figures, offline and online. The table itself is printed by fusion-bench-sim."""
 import os
 import re
 import subprocess
@@ -46,6 +46,19 @@ def test_figures_land_near_helix(table):
         assert 0.7 <= azure / published <= 1.4, label
         within += abs(azure / published - 1) <= 0.15
     assert within >= 5, table
+
+
+def test_online_rows_land_near_helix(table):
+    """Helix's online runs (its offered load, Poisson here): decode tokens/s within 15% of the published
+    figures, and the median prompt and decode-step latencies within a factor of 1.5."""
+    rows = re.findall(r"^(.{28}) +(\d+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)/ *([\d.]+) s +([\d.]+)/ *([\d.]+) s",
+                      table, re.M)
+    assert len(rows) == 2, table
+    for label, _, published, ours, _, ttft, prompt_p50, tpot, decode_p50 in rows:
+        assert abs(float(ours) / float(published) - 1) <= 0.15, label
+        assert 1 / 1.5 <= float(ttft) / float(prompt_p50) <= 1.5, label
+        assert 1 / 1.5 <= float(tpot) / float(decode_p50) <= 1.5, label
+    assert "online within 15%: 2 of 2" in table
 
 
 def sim(*args):
