@@ -103,7 +103,8 @@ static int64_t rx_escape_char(char e) {
  * JSON string may hold raw, plus escaped `"` and `\` when the set holds them. */
 static int rx_emit_set(rx *r, rx_set *s, int neg) {
     size_t n = gm_ranges_norm(s->r, s->n);
-    uint32_t *c = malloc((2 * n + 2) * sizeof *c), *raw = malloc((6 * n + 2) * sizeof *raw);
+    /* the complement holds at most n + 1 ranges, and each range is cut into at most 3 raw ones */
+    uint32_t *c = malloc((2 * n + 2) * sizeof *c), *raw = malloc((6 * n + 6) * sizeof *raw);
     int rc = !c || !raw ? FU_ERR_NOMEM : FU_OK;
     if (!rc && neg) n = gm_ranges_not(s->r, n, c);
     const uint32_t *set = neg ? c : s->r;

@@ -18,6 +18,7 @@ seeds = [
     {"oneOf": [{"const": "x"}, {"type": "string", "pattern": "^[A-Z]{2}-\\d{1,3}(x|yz)?$"}]},
     {"type": "string", "format": "date-time"},
     {"type": "string", "pattern": "a[^0-9\"\\\\]+.b*"},
+    {"type": "string", "pattern": "^[^]+[^a]$"},
     {"definitions": {"a": {"$ref": "#/definitions/a"}}, "$ref": "#/definitions/a"},
     {"type": "integer", "minimum": 1},
     {"type": "object", "properties": {"n": {"$ref": "#"}}, "required": ["n"]},

@@ -163,6 +163,11 @@ static void test_schema_strings(void **state) {
     assert_true(schema_accepts(unanchored, "\"xxqa yy\""));
     assert_true(schema_accepts(unanchored, "\"q\\\"\""));
     assert_false(schema_accepts(unanchored, "\"xxq1\""));
+    /* an empty negated class is any character: its complement is cut around '"' and '\\' */
+    const char *any = "{\"type\":\"string\",\"pattern\":\"^[^]$\"}";
+    assert_true(schema_accepts(any, "\"a\""));
+    assert_true(schema_accepts(any, "\"\\\"\""));
+    assert_false(schema_accepts(any, "\"ab\""));
     const char *len = "{\"type\":\"string\",\"minLength\":2,\"maxLength\":3}";
     assert_true(schema_accepts(len, "\"ab\""));
     assert_true(schema_accepts(len, "\"a\\nc\""));
