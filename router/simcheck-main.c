@@ -20,6 +20,8 @@
  * Conversation set: means 763.1 / 232.4, at most 2047 / 1000 tokens; the spread is not
  * published, so it is a lognormal of --prompt-sigma / --output-sigma). Helix's Swarm row on
  * the single cluster used Swarm's own scheduler there; here every placement is routed by IWRR.
+ * Each row also gets the quick estimate the throughput placement searches on
+ * (rt_estimate_decode_tps), and the published pairs are ranked by it too.
  *
  * The online rows feed requests as Helix's online runs do, but by Poisson: Helix samples each
  * 3 s interval's rate from its (smooth) Azure Conversation arrival trace, rescaled so that the
@@ -34,21 +36,22 @@ typedef struct check_row {
     double published;
     const char *published_note;
     double fixed, sim, max_flow, hops; /* fixed: Helix's average lengths; sim: Azure-like lengths */
+    double estimate;                   /* the placement's quick estimate (Azure-like mean lengths) */
 } check_row;
 
 static check_row rows[] = {
     {"single-helix", "single 24, Helix MILP", "single_cluster/config/cluster24.ini",
-     "single_cluster/layout_llama70b/ilp/ilp_sol.ini", 0, 252.1, "ae line 262", 0, 0, 0, 0},
+     "single_cluster/layout_llama70b/ilp/ilp_sol.ini", 0, 252.1, "ae line 262", 0, 0, 0, 0, 0},
     {"single-swarm", "single 24, Swarm", "single_cluster/config/cluster24.ini",
-     "single_cluster/layout_llama70b/swarm/swarm_sol.ini", 0, 124.7, "ae line 275, Swarm scheduler", 0, 0, 0, 0},
+     "single_cluster/layout_llama70b/swarm/swarm_sol.ini", 0, 124.7, "ae line 275, Swarm scheduler", 0, 0, 0, 0, 0},
     {"geo-helix", "3-region 24, Helix MILP", "distributed_clusters/config/3cluster24.ini",
-     "distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", 0, 98.0, "ae line 1634", 0, 0, 0, 0},
+     "distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", 0, 98.0, "ae line 1634", 0, 0, 0, 0, 0},
     {"geo-swarm", "3-region 24, Swarm", "distributed_clusters/config/3cluster24.ini",
-     "model_placement/layout_distributed/swarm/swarm_sol.ini", 0, 41.6, "ae line 2173", 0, 0, 0, 0},
+     "model_placement/layout_distributed/swarm/swarm_sol.ini", 0, 41.6, "ae line 2173", 0, 0, 0, 0, 0},
     {"geo-petals", "3-region 24, Petals", "distributed_clusters/config/3cluster24.ini",
-     "model_placement/layout_distributed/petals/petals_sol.ini", 1, 66.6, "ae line 2186", 0, 0, 0, 0},
+     "model_placement/layout_distributed/petals/petals_sol.ini", 1, 66.6, "ae line 2186", 0, 0, 0, 0, 0},
     {"geo-noprune", "3-region 24, MILP unpruned", "ablation/config/3cluster24.ini",
-     "ablation/layouts/no_prune_24/ilp_sol.ini", 0, 74.9, "ae line 2512", 0, 0, 0, 0},
+     "ablation/layouts/no_prune_24/ilp_sol.ini", 0, 74.9, "ae line 2512", 0, 0, 0, 0, 0},
 };
 enum { N_ROWS = sizeof rows / sizeof rows[0] };
 
@@ -126,6 +129,16 @@ static int simulate(const rt_swarm *sw, const check_row *r, const rt_sim_profile
     return rt_sim_run(sw, &so, res);
 }
 
+/* The throughput placement's quick estimate of the row (rt_estimate_decode_tps), for the same
+ * workload as the Azure-like run. */
+static int estimate(const rt_swarm *sw, const check_row *r, const rt_sim_profiles *prof, double *out) {
+    rt_sim_opts so = {0};
+    so.profiles = prof;
+    so.route.flow.allow_partial = r->partial;
+    so.prompt_len = 763, so.output_len = 232, so.kv_output_tokens = 240;
+    return rt_estimate_decode_tps(sw, &so, out);
+}
+
 static int run_row(check_row *r, const rt_sim_profiles *prof) {
     rt_swarm sw = {0};
     rt_sim_result fixed, azure;
@@ -133,6 +146,7 @@ static int run_row(check_row *r, const rt_sim_profiles *prof) {
     if (!rc) rc = simulate(&sw, r, prof, 0, &fixed);
     if (!rc) rc = simulate(&sw, r, prof, 1, &azure);
     if (!rc) r->fixed = fixed.decode_tps, r->sim = azure.decode_tps, r->max_flow = azure.max_flow, r->hops = azure.mean_hops;
+    if (!rc) rc = estimate(&sw, r, prof, &r->estimate);
     rt_swarm_free(&sw);
     return rc;
 }
@@ -178,11 +192,18 @@ static const check_row *find(const char *id) {
     return NULL;
 }
 
-static int pairs_in_order(int fixed) {
+/* Which figure pairs_in_order compares. */
+enum { BY_AZURE, BY_FIXED, BY_ESTIMATE };
+
+static double figure(const check_row *r, int by) {
+    return by == BY_FIXED ? r->fixed : by == BY_ESTIMATE ? r->estimate : r->sim;
+}
+
+static int pairs_in_order(int by) {
     int same = 0;
     for (int i = 0; i < N_PAIRS; i++) {
         const check_row *a = find(pairs[i][0]), *b = find(pairs[i][1]);
-        double x = fixed ? a->fixed : a->sim, y = fixed ? b->fixed : b->sim;
+        double x = figure(a, by), y = figure(b, by);
         same += x > y;
         printf("pair %-13s > %-13s published %6.1f > %6.1f  fusion %6.1f %s %6.1f  %s\n", a->id, b->id, a->published,
                b->published, x, x > y ? ">" : "<=", y, x > y ? "same" : "REVERSED");
@@ -192,21 +213,24 @@ static int pairs_in_order(int fixed) {
 
 static void print_table(void) {
     int within = 0;
-    printf("%-28s %9s %9s %9s %6s %9s %6s %5s  %s\n", "placement", "max flow", "published", "fixed", "ratio",
-           "azure", "ratio", "hops", "source");
+    printf("%-28s %9s %9s %9s %6s %9s %6s %5s %9s  %s\n", "placement", "max flow", "published", "fixed", "ratio",
+           "azure", "ratio", "hops", "estimate", "source");
     for (int i = 0; i < N_ROWS; i++) {
         const check_row *r = &rows[i];
         double ratio = r->sim / r->published;
         within += fabs(ratio - 1) <= 0.15;
-        printf("%-28s %9.1f %9.1f %9.1f %6.2f %9.1f %6.2f %5.1f  %s%s\n", r->label, r->max_flow, r->published, r->fixed,
-               r->fixed / r->published, r->sim, ratio, r->hops, r->published_note,
+        printf("%-28s %9.1f %9.1f %9.1f %6.2f %9.1f %6.2f %5.1f %9.1f  %s%s\n", r->label, r->max_flow, r->published,
+               r->fixed, r->fixed / r->published, r->sim, ratio, r->hops, r->estimate, r->published_note,
                fabs(ratio - 1) <= 0.15 ? "" : "  (outside 15%)");
     }
     printf("azure-like lengths within 15%%: %d of %d\n\npairs (published order), Azure-like lengths:\n", within, N_ROWS);
-    int same = pairs_in_order(0);
+    int same = pairs_in_order(BY_AZURE);
     printf("pairs in the published order: %d of %d\n\npairs (published order), fixed lengths:\n", same, N_PAIRS);
-    same = pairs_in_order(1);
-    printf("pairs in the published order, fixed lengths: %d of %d\n", same, N_PAIRS);
+    same = pairs_in_order(BY_FIXED);
+    printf("pairs in the published order, fixed lengths: %d of %d\n\npairs (published order), the placement's quick "
+           "estimate:\n", same, N_PAIRS);
+    same = pairs_in_order(BY_ESTIMATE);
+    printf("pairs in the published order, quick estimate: %d of %d\n", same, N_PAIRS);
 }
 
 int main(int argc, char **argv) {
