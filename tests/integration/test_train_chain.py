@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -132,13 +133,20 @@ def test_sigkill_mid_run_spare_takes_over(model, local_run, shards, tmp_path):
            spare.hop(), "--insecure", "--wire", "f32", "--out", out, *TRAIN]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "FUSION_SECRET": SECRET})
+    errs = []
+    drain = threading.Thread(target=lambda: errs.append(proc.stderr.read()))
+    drain.start()
     lines = []
     for line in proc.stdout:  # kill the second hop once two steps are done
         lines.append(line)
         if len(steps_of("".join(lines))) == 2:
             b.stop(signal.SIGKILL)
             break
-    rest, err = proc.communicate(timeout=300)
+    # the rest through the same buffered reader: lines it already read ahead are not lost
+    rest = proc.stdout.read()
+    proc.wait(timeout=300)
+    drain.join(timeout=60)
+    err = "".join(errs)
     assert proc.returncode == 0, err
     got = steps_of("".join(lines) + rest)
     assert [g["step"] for g in got] == list(range(1, STEPS + 1))
