@@ -112,10 +112,12 @@ static int load(const char *cluster, const char *placement, rt_swarm *sw) {
     return rc;
 }
 
+enum { AZURE_PROMPT = 763, AZURE_OUTPUT = 232 }; /* Helix's Azure Conversation means, rounded */
+
 /* One simulation of a loaded placement: Helix's fixed average lengths (750 / 240), or lengths
  * drawn like Helix's Azure Conversation set (means 763.1 / 232.4, at most 2047 / 1000 tokens,
  * KV reserved for the prompt and 240 outputs as Helix expects). */
-static int simulate(const rt_swarm *sw, const check_row *r, const rt_sim_profiles *prof, int azure, rt_sim_result *res) {
+static rt_sim_opts row_opts(const check_row *r, const rt_sim_profiles *prof, int azure) {
     rt_sim_opts so = {0};
     so.duration_s = args.duration;
     so.feed = RT_FEED_KV;
@@ -123,19 +125,21 @@ static int simulate(const rt_swarm *sw, const check_row *r, const rt_sim_profile
     so.seed = (uint64_t)args.seed;
     so.route.flow.allow_partial = r->partial;
     if (azure) {
-        so.prompt_len = 763, so.output_len = 232, so.kv_output_tokens = 240;
+        so.prompt_len = AZURE_PROMPT, so.output_len = AZURE_OUTPUT, so.kv_output_tokens = 240;
         so.prompt_sigma = args.prompt_sigma, so.output_sigma = args.output_sigma;
     }
+    return so;
+}
+
+static int simulate(const rt_swarm *sw, const check_row *r, const rt_sim_profiles *prof, int azure, rt_sim_result *res) {
+    rt_sim_opts so = row_opts(r, prof, azure);
     return rt_sim_run(sw, &so, res);
 }
 
-/* The throughput placement's quick estimate of the row (rt_estimate_decode_tps), for the same
- * workload as the Azure-like run. */
+/* The throughput placement's quick estimate of the row (rt_estimate_decode_tps), for the
+ * Azure-like run's workload (it reads the mean lengths only). */
 static int estimate(const rt_swarm *sw, const check_row *r, const rt_sim_profiles *prof, double *out) {
-    rt_sim_opts so = {0};
-    so.profiles = prof;
-    so.route.flow.allow_partial = r->partial;
-    so.prompt_len = 763, so.output_len = 232, so.kv_output_tokens = 240;
+    rt_sim_opts so = row_opts(r, prof, 1);
     return rt_estimate_decode_tps(sw, &so, out);
 }
 
@@ -162,7 +166,7 @@ static int run_online(online_row *r, const rt_sim_profiles *prof) {
         so.feed = RT_FEED_POISSON, so.arrival_rate = r->offered / (763.1 + 232.4);
         so.profiles = prof;
         so.seed = (uint64_t)args.seed;
-        so.prompt_len = 763, so.output_len = 232, so.kv_output_tokens = 144, so.kv_hwm = 0.9;
+        so.prompt_len = AZURE_PROMPT, so.output_len = AZURE_OUTPUT, so.kv_output_tokens = 144, so.kv_hwm = 0.9;
         so.prompt_sigma = args.prompt_sigma, so.output_sigma = args.output_sigma;
         rc = rt_sim_run(&sw, &so, &res);
     }
