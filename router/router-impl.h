@@ -108,6 +108,19 @@ void rt__flow_ws_free(rt_flow_ws *ws);
 /* Graph reset for reuse: drops all edges, keeps the allocation; grows to n_nodes. */
 int rt__graph_reset(rt_graph *g, int n_nodes);
 
+/* --- stripe placements (rt-stripe.c) ------------------------------------------------------ */
+
+/* Scores a candidate placement for rt__stripe_best: *score higher is better, < 0 unusable. */
+typedef int (*rt__stripe_score_fn)(void *ctx, const rt_swarm *sw, double *score);
+/* Stripe placements of `base`: its placeable servers grouped by kind and site (servers linked
+ * within 5 ms), each group one pipeline over a head [0, c), a tail [c, L), the whole model or
+ * nothing, every group at the same cut c (multiples of L / 20), each server's share of its
+ * group's range in proportion to the most blocks it holds. Every choice that covers the model
+ * within the groups' limits is scored; the k best (at most 16), best first, are written as
+ * copies of `base` into out[0 .. *n) (the caller frees each). *n = 0 when the swarm has more than
+ * 512 servers or 5 groups. Deterministic. */
+int rt__stripe_best(const rt_swarm *base, rt__stripe_score_fn score, void *ctx, int k, rt_swarm *out, int *n);
+
 /* --- misc ------------------------------------------------------------------------------- */
 
 uint64_t rt__rng_next(uint64_t *state); /* splitmix64 */

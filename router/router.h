@@ -544,7 +544,7 @@ typedef struct rt_tplace_stats {
     double decode_tps;          /* the result's */
     double tpot_p50;            /* the result's median time per output token */
     double mean_hops;           /* the result's servers per chain */
-    const char *start;          /* which seed won: "search", "petals", "swarm", "current" */
+    const char *start;          /* which seed won: "search", "petals", "swarm", "current", "stripes" */
 } rt_tplace_stats;
 
 /* Places `sw` for simulated decode throughput under bounds rather than for max flow. Seeds:
@@ -552,6 +552,9 @@ typedef struct rt_tplace_stats {
  * block). Each seed is simulated (rt_sim_run), and so is each of `restarts` local searches from
  * it on a quick estimate (max flow shares, the KV bound on requests in flight, a fixed point of
  * batch cycles by Little's law with the servers' batch and prompt limits, M/G/1 link waits);
+ * then the 6 stripe placements the estimate ranks first are simulated too (servers grouped by
+ * kind and site, each group one pipeline over a head, a tail or the whole model at a common
+ * cut, ordered for its links; swarms of at most 512 servers in at most 5 groups);
  * the moves (resize, shift, start where another ends, copy another's span, become a spare, swap
  * two) are repaired to keep every block covered. The best is refined by max_evals simulated
  * moves, each kept when the simulated decode tokens/s rise. A placement whose median TPOT

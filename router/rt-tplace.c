@@ -183,7 +183,8 @@ static int seed_place(const rt_swarm *base, int which, const rt_tplace_opts *o, 
     }
 }
 
-static const char *seed_names[] = {"search", "petals", "swarm", "current"};
+static const char *seed_names[] = {"search", "petals", "swarm", "current", "stripes"};
+enum { STRIPE_SEEDS = 6 }; /* stripe placements simulated, the best by the quick estimate */
 
 /* Keeps `cand` in `sw` (the old content goes to cand) when its simulated score beats *best. */
 static int keep_if_better(tplace *t, rt_swarm *sw, rt_swarm *cand, double *best, int *which, int k) {
@@ -199,8 +200,23 @@ static int keep_if_better(tplace *t, rt_swarm *sw, rt_swarm *cand, double *best,
 
 static int quick_search(tplace *t, rt_swarm *sw, span *saved, long moves);
 
-/* Every seed, and `restarts` local searches on the quick estimate from each, are simulated; the
- * best goes into `sw`. */
+static int stripe_score(void *ctx, const rt_swarm *sw, double *out) {
+    return quick_score(ctx, sw, out);
+}
+
+/* The STRIPE_SEEDS stripe placements the quick estimate ranks first, each simulated. */
+static int stripe_seeds(tplace *t, const rt_swarm *base, rt_swarm *sw, double *best, int *which) {
+    rt_swarm cand[STRIPE_SEEDS];
+    int n = 0, rc = rt__stripe_best(base, stripe_score, t, STRIPE_SEEDS, cand, &n);
+    for (int i = 0; i < n; i++) {
+        if (!rc) rc = keep_if_better(t, sw, &cand[i], best, which, 4);
+        rt_swarm_free(&cand[i]);
+    }
+    return rc;
+}
+
+/* Every seed, and `restarts` local searches on the quick estimate from each, are simulated, then
+ * the stripe placements; the best goes into `sw`. */
 static int best_seed(tplace *t, rt_swarm *sw, span *saved, double *best, int *which) {
     *best = -1;
     *which = -1;
@@ -223,6 +239,7 @@ static int best_seed(tplace *t, rt_swarm *sw, span *saved, double *best, int *wh
         }
         rt_swarm_free(&seed);
     }
+    if (!rc) rc = stripe_seeds(t, &base, sw, best, which);
     rt_swarm_free(&base);
     if (!rc && *which < 0) rc = fu_errorf(FU_ERR_NOT_FOUND, "placement: no seed placement covers every block");
     return rc;

@@ -108,7 +108,8 @@ static const fu_opt_spec sim_spec = {
     "Step times come from Helix's per-GPU tables (--helix-cluster) or the file's\n"
     "\"step_profiles\" (--json); servers without one run at their throughput table.\n"
     "Prints key = value lines: servers, max_flow_tokens_per_s (runtime and ilp\n"
-    "conventions), placement, and simulated decode/prompt throughput.\n"};
+    "conventions), placement, the quick estimate of decode tokens/s (the surrogate\n"
+    "--place throughput searches on), and simulated decode/prompt throughput.\n"};
 
 /* One trace line, "arrival_seconds prompt_len output_len", into q (the line is cut into fields). */
 static bool parse_trace_line(char *line, rt_sim_request *q) {
@@ -266,6 +267,9 @@ static int sim_run(const sim_args *a, const rt_sim_profiles *prof, const rt_swar
     int rc = a->trace ? load_trace(a->trace, &tr, &so.n_trace) : FU_OK;
     so.trace = tr;
     rt_sim_result res;
+    double est = 0;
+    if (!rc) rc = rt_estimate_decode_tps(sw, &so, &est);
+    if (!rc) printf("estimate_decode_tokens_per_s = %.1f\n", est);
     if (!rc) rc = rt_sim_run(sw, &so, &res);
     free(tr);
     if (!rc) sim_print(&res);

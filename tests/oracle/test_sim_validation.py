@@ -70,15 +70,23 @@ def sim(*args):
     return {k.strip(): v.strip() for k, v in (line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)}
 
 
-def test_throughput_placement_beats_the_milp_on_three_regions():
-    """On the 3-region cluster, fusion's placement for throughput (no clock: the same placement on any
+AZURE_LIKE = ("--prompt-len", "763", "--output-len", "232", "--prompt-sigma", "0.5", "--output-sigma", "0.5",
+              "--kv-output-tokens", "240")
+
+
+@pytest.mark.parametrize("cluster", ["single_cluster", "distributed_clusters"])
+@pytest.mark.parametrize("lengths", ["fixed", "azure"])
+def test_throughput_placement_beats_the_milp(cluster, lengths):
+    """On the single-region and the 3-region cluster, with fixed lengths (750 / 240) and with
+    Azure-like ones, fusion's placement for throughput (no clock: the same placement on any
     machine) decodes at least 1.2x Helix's MILP placement in fusion-sim, with no more mean hops."""
-    ae = os.path.join(HELIX, "artifact_evaluation")
-    cluster = os.path.join(ae, "distributed_clusters/config/3cluster24.ini")
-    milp = sim("--helix-cluster", cluster, "--placement",
-               os.path.join(ae, "distributed_clusters/layout_llama70b/ilp/ilp_sol.ini"))
+    ae = os.path.join(HELIX, "artifact_evaluation", cluster)
+    config = os.path.join(ae, "config", "cluster24.ini" if cluster == "single_cluster" else "3cluster24.ini")
+    workload = AZURE_LIKE if lengths == "azure" else ()
+    milp = sim("--helix-cluster", config, "--placement", os.path.join(ae, "layout_llama70b/ilp/ilp_sol.ini"),
+               "--seed", "1", *workload)
     hops = float(milp["sim_mean_hops"])
-    ours = sim("--helix-cluster", cluster, "--place", "throughput", "--search-evals", "3000", "--seed", "1",
-               "--max-hops", f"{hops:.2f}")
+    ours = sim("--helix-cluster", config, "--place", "throughput", "--search-evals", "3000", "--seed", "1",
+               "--max-hops", f"{hops:.2f}", *workload)
     assert float(ours["sim_mean_hops"]) <= hops + 1e-9
     assert float(ours["sim_decode_tokens_per_s"]) >= 1.2 * float(milp["sim_decode_tokens_per_s"]), (ours, milp)

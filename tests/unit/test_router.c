@@ -1004,6 +1004,94 @@ static void test_route_wide_fanout(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* --- stripe placements --------------------------------------------------------------------- */
+
+/* Adds an active server of `kind` that holds at most n blocks. */
+static int add_kind(rt_swarm *sw, const char *name, const char *kind, int n) {
+    static const double tputs[8] = {80, 40, 27, 20, 16, 13, 11, 10};
+    rt_server d;
+    memset(&d, 0, sizeof d);
+    snprintf(d.name, sizeof d.name, "%s", name);
+    snprintf(d.kind, sizeof d.kind, "%s", kind);
+    d.state = RT_SERVER_ACTIVE;
+    d.n_tput = n, d.tput = (double *)tputs;
+    int id = rt_swarm_add_server(sw, &d);
+    assert_true(id >= 0);
+    return id;
+}
+
+/* Prefers kind X holding 4 blocks and no Y server on blocks [0, 4): score 100 less 10 a block
+ * away from 4, less 5 a Y server in the head; -1 when a block is uncovered. */
+static int stripe_test_score(void *ctx, const rt_swarm *sw, double *out) {
+    ++*(int *)ctx;
+    int x = 0, y_head = 0;
+    for (int i = 0; i < sw->n_servers; i++) {
+        const rt_server *v = &sw->servers[i];
+        if (!rt_swarm_serving(sw, i)) continue;
+        if (!strcmp(v->kind, "X")) x += v->last - v->first;
+        else y_head += v->first < 4;
+    }
+    *out = rt_swarm_uncovered(sw, NULL) ? -1 : 100 - 10 * abs(x - 4) - 5 * y_head;
+    return FU_OK;
+}
+
+/*
+ * L = 8. Site A: x0, x1 of kind X (up to 4 blocks each); site B: y2, y3, y4 of kind Y (up to 3);
+ * 1 ms within a site, 50 ms across. Across, x0 -> y3 is the fastest link and x1 -> y2 the
+ * slowest; the coordinator reaches x1 best. The best stripes by the score: X on the head [0, 4)
+ * as x1 then x0 (x1 best reached, x0 best linked out), Y on the tail [4, 8) from y3 (best
+ * linked in), then y2, y4 in id order: 4 blocks over three of 3 give 2, 1, 1.
+ */
+static void stripe_swarm(rt_swarm *sw) {
+    rt_model m = tiny_model(8);
+    assert_int_equal(rt_swarm_init(sw, &m), FU_OK);
+    add_kind(sw, "x0", "X", 4), add_kind(sw, "x1", "X", 4);
+    add_kind(sw, "y2", "Y", 3), add_kind(sw, "y3", "Y", 3), add_kind(sw, "y4", "Y", 3);
+    for (int i = 0; i < 5; i++) {
+        assert_int_equal(rt_swarm_set_link(sw, RT_SOURCE, i, i == 1 ? 1e9 : 1e5, 0.01), FU_OK);
+        assert_int_equal(rt_swarm_set_link(sw, i, RT_SINK, 1e9, 0.01), FU_OK);
+        for (int j = 0; j < 5; j++) {
+            int cross = (i < 2) != (j < 2);
+            double bw = !cross ? 1e9 : i == 0 && j == 3 ? 1e8 : i == 1 && j == 2 ? 1e4 : 1e6;
+            if (i != j) assert_int_equal(rt_swarm_set_link(sw, i, j, bw, cross ? 0.05 : 0.001), FU_OK);
+        }
+    }
+}
+
+static void test_stripes(void **st) {
+    (void)st;
+    rt_swarm sw, out[3];
+    stripe_swarm(&sw);
+    int n = 0, calls = 0;
+    assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 3, out, &n), FU_OK);
+    assert_int_equal(n, 3);
+    assert_true(calls > 3);
+    static const int want[5][2] = {{2, 4}, {0, 2}, {6, 7}, {4, 6}, {7, 8}};
+    for (int i = 0; i < 5; i++) {
+        assert_int_equal(out[0].servers[i].first, want[i][0]);
+        assert_int_equal(out[0].servers[i].last, want[i][1]);
+    }
+    double score[3];
+    for (int k = 0; k < n; k++) { /* best first, each within every server's limit */
+        assert_int_equal(stripe_test_score(&calls, &out[k], &score[k]), FU_OK);
+        assert_true(score[k] >= 0 && (k == 0 || score[k - 1] >= score[k]));
+        for (int i = 0; i < 5; i++)
+            assert_true(out[k].servers[i].last - out[k].servers[i].first <= rt_swarm_max_layers(&out[k], i));
+        rt_swarm_free(&out[k]);
+    }
+    /* a server that left is not placed; six groups are more than stripes take */
+    assert_int_equal(rt_swarm_remove_server(&sw, 4), FU_OK);
+    assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 1, out, &n), FU_OK);
+    assert_int_equal(n, 1);
+    assert_int_equal(out[0].servers[4].last - out[0].servers[4].first, 0);
+    rt_swarm_free(&out[0]);
+    static const char *more[5] = {"a", "b", "c", "d", "e"};
+    for (int i = 0; i < 5; i++) add_kind(&sw, more[i], more[i], 2);
+    assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 1, out, &n), FU_OK);
+    assert_int_equal(n, 0);
+    rt_swarm_free(&sw);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_maxflow_greedy_trap), cmocka_unit_test(test_maxflow_clrs),
@@ -1016,7 +1104,7 @@ int main(void) {
         cmocka_unit_test(test_train_chain),         cmocka_unit_test(test_prune_links),
         cmocka_unit_test(test_links_slot_reuse),    cmocka_unit_test(test_json_compact_round_trip),
         cmocka_unit_test(test_json_large_file),     cmocka_unit_test(test_search_max_evals),
-        cmocka_unit_test(test_route_wide_fanout),
+        cmocka_unit_test(test_route_wide_fanout),   cmocka_unit_test(test_stripes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
