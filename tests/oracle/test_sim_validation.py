@@ -26,19 +26,19 @@ def table():
 
 def test_published_pairs_keep_their_order(table):
     pairs = re.findall(r"^pair .*$", table, re.M)
-    assert len(pairs) == 15  # simulated with Azure-like lengths, with fixed ones, then the quick estimate
+    assert len(pairs) == 18  # simulated with Azure-like lengths, with fixed ones, then the quick estimate
     for line in pairs:
         assert line.endswith("same"), line
-    assert "pairs in the published order: 5 of 5" in table
-    assert "pairs in the published order, fixed lengths: 5 of 5" in table
+    assert "pairs in the published order: 6 of 6" in table
+    assert "pairs in the published order, fixed lengths: 6 of 6" in table
     # the surrogate the throughput placement searches on ranks them as Helix did too
-    assert "pairs in the published order, quick estimate: 5 of 5" in table
+    assert "pairs in the published order, quick estimate: 6 of 6" in table
 
 
 def test_figures_land_near_helix(table):
     rows = re.findall(r"^(.{28}) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)", table,
                       re.M)
-    assert len(rows) == 6
+    assert len(rows) == 7
     within = 0
     for label, flow, published, fixed, _, azure, ratio, hops in rows:
         flow, published, fixed, azure = float(flow), float(published), float(fixed), float(azure)
@@ -47,7 +47,9 @@ def test_figures_land_near_helix(table):
         assert 0 < azure <= flow * 240 / 990 * 1.5 and 0 < fixed <= flow * 240 / 990 * 1.5, label
         assert 0.7 <= azure / published <= 1.4, label
         within += abs(azure / published - 1) <= 0.15
-    assert within >= 5, table
+    # all but Helix's placement-study run of the 3-region Swarm placement under its max-flow
+    # scheduler (41.6; 51.9 under Swarm's own scheduler, the other row)
+    assert within >= 6, table
 
 
 def test_online_rows_land_near_helix(table):
