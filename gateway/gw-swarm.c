@@ -128,19 +128,39 @@ static bool gw_spare_better(const rt_swarm *sw, int a, int b) {
     return ta > tb;
 }
 
-/* The indices into spares[0..n) of the (at most GW_PICK_CANDIDATES) most capable, in cand[];
- * returns how many, in order of spares[] among equals. */
-static int gw_spare_candidates(const rt_swarm *sw, const int *spares, int n, int *cand) {
+/* Whether index a ranks before index b among a pick's candidates. */
+typedef bool (*gw_before_fn)(const void *ctx, int a, int b);
+
+/* The (at most GW_PICK_CANDIDATES) first of the indices 0..n-1 by `before`, in cand[] in that
+ * order (equals in index order); returns how many. */
+static int gw_top(int n, gw_before_fn before, const void *ctx, int *cand) {
     int m = 0;
     for (int k = 0; k < n; k++) {
         int at = m;
-        while (at > 0 && gw_spare_better(sw, spares[k], spares[cand[at - 1]])) at--;
+        while (at > 0 && before(ctx, k, cand[at - 1])) at--;
         if (at >= GW_PICK_CANDIDATES) continue;
         if (m < GW_PICK_CANDIDATES) m++;
         memmove(cand + at + 1, cand + at, (size_t)(m - 1 - at) * sizeof *cand);
         cand[at] = k;
     }
     return m;
+}
+
+typedef struct gw_spare_rank {
+    const rt_swarm *sw;
+    const int *spares;
+} gw_spare_rank;
+
+static bool gw_spare_before(const void *ctx, int a, int b) {
+    const gw_spare_rank *r = ctx;
+    return gw_spare_better(r->sw, r->spares[a], r->spares[b]);
+}
+
+/* The indices into spares[0..n) of the (at most GW_PICK_CANDIDATES) most capable, in cand[];
+ * returns how many, in order of spares[] among equals. */
+static int gw_spare_candidates(const rt_swarm *sw, const int *spares, int n, int *cand) {
+    gw_spare_rank r = {sw, spares};
+    return gw_top(n, gw_spare_before, &r, cand);
 }
 
 /* The most uncovered blocks a candidate covers, then the highest estimate, over cand[0..m) (locked). */
@@ -186,28 +206,34 @@ int gw_pick_spare(const rt_swarm *sw, const int *spares, int n, int spares_targe
     return best;
 }
 
+typedef struct gw_move_rank {
+    const double *use; /* [n] share of its capacity each movable server uses in the max flow */
+} gw_move_rank;
+
+static bool gw_move_before(const void *ctx, int a, int b) {
+    const gw_move_rank *r = ctx;
+    return r->use[a] < r->use[b];
+}
+
 /* The indices into movable[0..n) of the (at most GW_PICK_CANDIDATES) serving servers that use the
  * least of their capacity in the max flow, in cand[]; returns how many. A move is weighed by an
  * estimate per window, so only these are. */
 static int gw_move_candidates(const rt_swarm *sw, const int *movable, int n, int *cand) {
     rt_flow fl = {0};
-    double use[GW_PICK_CANDIDATES];
+    double *use = malloc((size_t)(n + 1) * sizeof *use);
     int m = 0;
-    if (rt_flow_compute(sw, NULL, &fl, NULL)) return 0;
-    for (int k = 0; k < n; k++) {
-        int id = movable[k];
-        if (!rt_swarm_serving(sw, id)) continue;
-        double cap = rt_swarm_tput(sw, id, sw->servers[id].last - sw->servers[id].first);
-        double u = cap > 0 && id < fl.n ? fl.server_flow[id] / cap : 0;
-        int at = m;
-        while (at > 0 && u < use[at - 1]) at--;
-        if (at >= GW_PICK_CANDIDATES) continue;
-        if (m < GW_PICK_CANDIDATES) m++;
-        memmove(cand + at + 1, cand + at, (size_t)(m - 1 - at) * sizeof *cand);
-        memmove(use + at + 1, use + at, (size_t)(m - 1 - at) * sizeof *use);
-        cand[at] = k, use[at] = u;
+    if (use && !rt_flow_compute(sw, NULL, &fl, NULL)) {
+        for (int k = 0; k < n; k++) {
+            int id = movable[k];
+            double cap = rt_swarm_serving(sw, id) ? rt_swarm_tput(sw, id, sw->servers[id].last - sw->servers[id].first) : 0;
+            use[k] = !rt_swarm_serving(sw, id) ? INFINITY : cap > 0 && id < fl.n ? fl.server_flow[id] / cap : 0;
+        }
+        gw_move_rank r = {use};
+        m = gw_top(n, gw_move_before, &r, cand);
+        while (m > 0 && isinf(use[cand[m - 1]])) m--; /* those not serving rank last; none of them */
     }
     rt_flow_free(&fl);
+    free(use);
     return m;
 }
 
@@ -464,8 +490,22 @@ static bool gw_place_one_locked(gw_swarm *s, const rt_sim_opts *so, double now, 
     return true;
 }
 
+/* Whether a live usable member holds no span and loads none: a spare to place (locked). */
+static bool gw_has_spare_locked(const gw_swarm *s) {
+    for (size_t i = 0; i < s->n; i++) {
+        const gw_member *mb = s->m[i];
+        if (mb->id >= 0 && mb->live && mb->as_last == mb->as_first && gw_member_usable(mb) && mb->last == mb->first)
+            return true;
+    }
+    return false;
+}
+
 /* Gives spares their spans by the placement rules (locked). */
 static void gw_swarm_rebalance_locked(gw_swarm *s) {
+    if (!gw_has_spare_locked(s)) { /* nothing to place: no planning */
+        if (rt_swarm_uncovered(&s->sw, NULL) == 0) s->left = false;
+        return;
+    }
     double now = fu_now_s();
     rt_sim_opts so;
     rt_sim_profiles prof;

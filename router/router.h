@@ -570,7 +570,10 @@ int rt_estimate_decode_tps(const rt_swarm *sw, const rt_sim_opts *so, double *tp
 
 /* rt_place_join by the estimate: where should server `id` (new, spare or being moved) load, with
  * the others fixed? Tries every window it can hold and picks: fewest blocks left uncovered, then
- * the highest rt_estimate_decode_tps, then the longer span, then the earlier start. So a window
+ * the highest rt_estimate_decode_tps, then the longer span, then the earlier start. When the
+ * others cover every block and partial execution is off, only windows that meet their spans (or
+ * the model's ends) on both sides are tried, since another would carry no flow (every window if
+ * none of those fits). So a window
  * that adds flow but lengthens chains more than it helps loses to one that does not. Does not
  * change `sw`. *gain (may be NULL) is the estimate's increase over the server holding nothing
  * (may be <= 0: the caller may keep it as a spare). */

@@ -462,14 +462,32 @@ static int window_score(tplace *t, rt_swarm *tmp, int id, int f, int l, int *unc
     return quick_score(t, tmp, out);
 }
 
-/* Every window server id can hold, by: fewest blocks uncovered, then the highest estimate, then
- * the longer span (redundancy), then the earlier start. */
-static int best_window_tp(tplace *t, rt_swarm *tmp, int id, int *first, int *last, double *best) {
+/* aligned[b] bit 1: b = 0 or some other serving server ends at b (a window may start there and
+ * get flow); bit 2: b = L or one starts at b (a window may end there). NULL (every window tried)
+ * when partial execution links any span, or a block is uncovered without server id (a window
+ * that covers more of a gap is worth trying even where it meets no span). */
+static unsigned char *aligned_ends(const tplace *t, const rt_swarm *tmp, int id) {
+    int L = tmp->model.n_layers;
+    if (t->sim.route.flow.allow_partial || rt_swarm_uncovered(tmp, NULL) > 0) return NULL;
+    unsigned char *a = calloc((size_t)L + 1, 1);
+    if (!a) return NULL;
+    a[0] |= 1, a[L] |= 2;
+    for (int i = 0; i < tmp->n_servers; i++)
+        if (i != id && rt_swarm_serving(tmp, i)) a[tmp->servers[i].last] |= 1, a[tmp->servers[i].first] |= 2;
+    return a;
+}
+
+/* The windows server id can hold (those meeting `ends` when not NULL), by: fewest blocks
+ * uncovered, then the highest estimate, then the longer span (redundancy), then the earlier
+ * start. tmp has id holding nothing. */
+static int scan_windows(tplace *t, rt_swarm *tmp, int id, const unsigned char *ends, int *first, int *last,
+                        double *best) {
     int L = tmp->model.n_layers, maxk = rt_swarm_max_layers(tmp, id), bunc = L + 1, rc = FU_OK;
     *first = *last = -1;
     *best = -1;
     for (int k = 1; k <= maxk && !rc; k++) {
         for (int f = 0; f + k <= L && !rc; f++) {
+            if (ends && (!(ends[f] & 1) || !(ends[f + k] & 2))) continue;
             int unc = 0;
             double s = -1;
             rc = window_score(t, tmp, id, f, f + k, &unc, &s);
@@ -478,6 +496,17 @@ static int best_window_tp(tplace *t, rt_swarm *tmp, int id, int *first, int *las
             if (!rc && better) *first = f, *last = f + k, bunc = unc, *best = s;
         }
     }
+    return rc;
+}
+
+/* The best window for server id (scan_windows). With every block covered and no partial
+ * execution, only windows that meet other spans at both ends (or the model's) are tried, as
+ * another carries no flow; every window when none of those fits. */
+static int best_window_tp(tplace *t, rt_swarm *tmp, int id, int *first, int *last, double *best) {
+    unsigned char *ends = aligned_ends(t, tmp, id);
+    int rc = scan_windows(t, tmp, id, ends, first, last, best);
+    if (!rc && ends && *first < 0) rc = scan_windows(t, tmp, id, NULL, first, last, best);
+    free(ends);
     return rc;
 }
 

@@ -388,6 +388,32 @@ static void test_join_throughput(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* With every block covered, a join only weighs windows that meet other spans (or the model's
+ * ends) on both sides, as no other carries flow: its pick is one of those, and no such window
+ * has a higher estimate. */
+static void test_join_aligned_windows(void **st) {
+    (void)st;
+    rt_sim_opts so = opts(0, 0, 200, 50);
+    rt_swarm sw;
+    join_swarm(&sw, 0.001);
+    int f, l;
+    double gain, best = 0, est;
+    assert_int_equal(rt_place_join_throughput(&sw, 3, &so, &f, &l, &gain), FU_OK);
+    assert_true((f == 0 || f == 4) && (l == 4 || l == 8));
+    rt_swarm t;
+    assert_int_equal(rt_swarm_clone(&t, &sw), FU_OK);
+    assert_int_equal(rt_swarm_set_span(&t, 3, f, l), FU_OK);
+    assert_int_equal(rt_estimate_decode_tps(&t, &so, &best), FU_OK);
+    static const int aligned[][2] = {{0, 4}, {0, 8}, {4, 8}};
+    for (int w = 0; w < 3; w++) {
+        assert_int_equal(rt_swarm_set_span(&t, 3, aligned[w][0], aligned[w][1]), FU_OK);
+        assert_int_equal(rt_estimate_decode_tps(&t, &so, &est), FU_OK);
+        assert_true(est <= best * (1 + 1e-9));
+    }
+    rt_swarm_free(&t);
+    rt_swarm_free(&sw);
+}
+
 /* Measured tables added as a profile: copied, checked, refused whole when bad. */
 static void test_profiles_add(void **st) {
     (void)st;
@@ -413,7 +439,8 @@ int main(void) {
         cmocka_unit_test(test_links_and_fluid_server), cmocka_unit_test(test_kv_bounds),
         cmocka_unit_test(test_deterministic_and_poisson), cmocka_unit_test(test_place_throughput),
         cmocka_unit_test(test_lengths_and_kv_expectation), cmocka_unit_test(test_zero_times_advance),
-        cmocka_unit_test(test_join_throughput), cmocka_unit_test(test_profiles_add),
+        cmocka_unit_test(test_join_throughput), cmocka_unit_test(test_join_aligned_windows),
+        cmocka_unit_test(test_profiles_add),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
