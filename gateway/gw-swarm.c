@@ -67,6 +67,8 @@ typedef struct gw_member {
     double rtt_s, bw;       /* gateway -> member, measured; 0: not yet */
     double measured_at;     /* monotonic; 0: never */
     gw_step_table prompt_steps, decode_steps; /* one block's measured step times (n 0: none) */
+    bool steps_refused;     /* static: its Info's step tables were refused (said once) */
+    unsigned serial;        /* this gateway's number for it, unique while it runs */
     int n_links;            /* member -> peers, as reported */
     gw_peer_link links[GW_MAX_PEER_LINKS];
     /* the figures it was added to the router with (re-added when they change) */
@@ -98,6 +100,7 @@ struct gw_swarm {
     uint64_t move_checked_version; /* the swarm's version then (no change: no search) */
     int n_moves;
     double prompt_mean, output_mean; /* served requests' lengths (moving averages): the planner's workload */
+    unsigned next_serial;    /* the next member's serial */
     rpc_server *rpc;         /* the fusion.Swarm service; NULL: none */
     swarm_svc_handlers handlers; /* registered on rpc; borrowed by it until rpc_server_free */
     pthread_t thread;
@@ -106,9 +109,13 @@ struct gw_swarm {
 
 static double min_gain(const gw_swarm *s) { return s->cfg->min_gain_percent / 100.0; }
 
-/* The router kind of member mb: its own when it measured its step times (they are its profile). */
+/* The router kind of member mb: its own when it measured its step times (they are its profile),
+ * by member id if it joined, by serial if it is a static --shard. */
 static void gw_member_kind(const gw_member *mb, char kind[32]) {
-    if (mb->decode_steps.n > 0 && mb->prompt_steps.n > 0) snprintf(kind, 32, "member-%llu", (unsigned long long)mb->member_id);
+    if (mb->decode_steps.n > 0 && mb->prompt_steps.n > 0 && mb->joined)
+        snprintf(kind, 32, "member-%llu", (unsigned long long)mb->member_id);
+    else if (mb->decode_steps.n > 0 && mb->prompt_steps.n > 0)
+        snprintf(kind, 32, "shard-%u", mb->serial);
     else snprintf(kind, 32, "%.31s", mb->device[0] ? mb->device : "shard");
 }
 
@@ -624,6 +631,7 @@ static gw_member *gw_member_add_locked(gw_swarm *s, const char *address) {
         memset(mb, 0, sizeof *mb);
         mb->ch = ch;
         mb->id = -1;
+        mb->serial = s->next_serial++;
         snprintf(mb->address, sizeof mb->address, "%s", address);
         snprintf(mb->error, sizeof mb->error, "not heard from yet");
         return mb;
@@ -632,6 +640,7 @@ static gw_member *gw_member_add_locked(gw_swarm *s, const char *address) {
     mb = calloc(1, sizeof *mb);
     if (!mb) return NULL;
     mb->id = -1;
+    mb->serial = s->next_serial++;
     snprintf(mb->address, sizeof mb->address, "%s", address);
     snprintf(mb->error, sizeof mb->error, "not heard from yet");
     if (gw_member_channel(s, mb->address, &mb->ch)) {
@@ -900,6 +909,23 @@ static int gw_info_call(gw_swarm *s, rpc_channel *ch, shard_svc_info **out, char
     return FU_OK;
 }
 
+/* A static member's step tables from its Info reply r, kept when they pass the checks a joined
+ * member's report does (both tables or neither); otherwise it has none (locked). */
+static void gw_info_steps(const shard_svc_info *r, gw_member *mb) {
+    gw_step_table p = {.n = r->n_prompt_steps <= GW_MAX_STEPS ? (int)r->n_prompt_steps : -1},
+                  d = {.n = r->n_decode_steps <= GW_MAX_STEPS ? (int)r->n_decode_steps : -1};
+    for (int i = 0; i < p.n; i++) p.tokens[i] = r->prompt_step_tokens[i], p.seconds[i] = r->prompt_step_s[i];
+    for (int i = 0; i < d.n; i++) d.tokens[i] = r->decode_step_tokens[i], d.seconds[i] = r->decode_step_s[i];
+    if (gw_steps_check("prompt", &p) || gw_steps_check("decode", &d) || (p.n > 0) != (d.n > 0)) {
+        if (!mb->steps_refused)
+            FU_WARN("swarm: %s's step tables are left out: %s", mb->address,
+                    (p.n > 0) != (d.n > 0) ? "prompt and decode go together" : fu_last_error());
+        mb->steps_refused = true;
+        p.n = d.n = 0;
+    }
+    mb->prompt_steps = p, mb->decode_steps = d;
+}
+
 /* The member at index i, or NULL past the end (locks briefly: the array may grow). */
 static gw_member *gw_member_at(gw_swarm *s, size_t i) {
     pthread_mutex_lock(&s->mu);
@@ -928,6 +954,7 @@ static void gw_member_poll(gw_swarm *s, gw_member *mb) {
         mb->sessions = r->active_sessions;
         snprintf(mb->device, sizeof mb->device, "%s", r->device);
         snprintf(mb->dtype, sizeof mb->dtype, "%s", r->dtype);
+        gw_info_steps(r, mb);
         mb->last_ok = fu_wall_s();
         if (!mb->live) {
             mb->live = true;

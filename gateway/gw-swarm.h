@@ -145,7 +145,8 @@ typedef struct gw_peer_link {
 
 #define GW_MAX_STEPS 16
 
-/* A member's measured step times of one block (MemberStatus.*_step_*): seconds[i] for tokens[i]. */
+/* A member's measured step times of one block (MemberStatus.*_step_*, or a static member's
+ * InfoReply.*_step_*): seconds[i] for tokens[i]. */
 typedef struct gw_step_table {
     int n; /* 0: not measured */
     double tokens[GW_MAX_STEPS], seconds[GW_MAX_STEPS];

@@ -699,6 +699,10 @@ static void info_pack(const shard_svc_info *v, Fusion__InfoReply *r, Fusion__Dty
     r->prefix_cached_blocks = v->prefix_cached_blocks;
     r->prefix_hit_tokens = v->prefix_hit_tokens;
     r->prefix_prompt_tokens = v->prefix_prompt_tokens;
+    r->n_prompt_step_tokens = r->n_prompt_step_s = v->n_prompt_steps;
+    r->prompt_step_tokens = (double *)v->prompt_step_tokens, r->prompt_step_s = (double *)v->prompt_step_s;
+    r->n_decode_step_tokens = r->n_decode_step_s = v->n_decode_steps;
+    r->decode_step_tokens = (double *)v->decode_step_tokens, r->decode_step_s = (double *)v->decode_step_s;
 }
 
 /* Info: the handler's figures packed (released by info_free). */
@@ -954,7 +958,14 @@ static int info_view(const Fusion__InfoReply *r, shard_svc_info *v, rpc_status *
                           .kv_bytes_per_position = r->kv_bytes_per_position,
                           .prefix_cached_blocks = r->prefix_cached_blocks,
                           .prefix_hit_tokens = r->prefix_hit_tokens,
-                          .prefix_prompt_tokens = r->prefix_prompt_tokens};
+                          .prefix_prompt_tokens = r->prefix_prompt_tokens,
+                          .prompt_step_tokens = r->prompt_step_tokens, .prompt_step_s = r->prompt_step_s,
+                          .decode_step_tokens = r->decode_step_tokens, .decode_step_s = r->decode_step_s,
+                          .n_prompt_steps = r->n_prompt_step_s, .n_decode_steps = r->n_decode_step_s};
+    if (r->n_prompt_step_tokens != r->n_prompt_step_s || r->n_decode_step_tokens != r->n_decode_step_s ||
+        r->n_prompt_step_s > SHARD_SVC_MAX_STEPS || r->n_decode_step_s > SHARD_SVC_MAX_STEPS)
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "info: step tables need as many times as token counts, at most %d of each",
+                               SHARD_SVC_MAX_STEPS);
     svc_i32 f[] = {{"n_layers", r->n_layers, &v->n_layers},
                    {"first_block", r->first_block, &v->first_block},
                    {"last_block", r->last_block, &v->last_block},

@@ -220,7 +220,14 @@ typedef struct shard_svc_info {
     size_t n_adapters;
     int64_t max_message_bytes, kv_bytes_per_position;
     int64_t prefix_cached_blocks, prefix_hit_tokens, prefix_prompt_tokens;
+    /* one block's measured step times: prompt_step_s[i] for a prompt of prompt_step_tokens[i]
+     * tokens, decode_step_s[i] for a decode step of decode_step_tokens[i] sequences (n 0: none;
+     * a received reply holds at most SHARD_SVC_MAX_STEPS each, the lists of a table equally long) */
+    const double *prompt_step_tokens, *prompt_step_s, *decode_step_tokens, *decode_step_s;
+    size_t n_prompt_steps, n_decode_steps;
 } shard_svc_info;
+
+#define SHARD_SVC_MAX_STEPS 16
 
 /* LoraSpec (fusion.Train's, also LoadAdapter's). */
 typedef struct shard_svc_lora {

@@ -355,11 +355,12 @@ static void shard_span_time_steps(shard_span *sp, shard_core *c1) {
                 sp->dstep_s[sp->n_dsteps - 1] * 1e3);
 }
 
-/* Probes the model: its block count, name and weight type; a shard that joins without a span
- * measures one block, so that the gateway can model any span. */
+/* Probes the model: its block count, name and weight type, and one block's throughput and step
+ * times, so that the gateway can model any span (a joined shard reports them in its status, a
+ * static one in Info). */
 static int shard_span_probe(shard_span *sp, const shard_args *a) {
     mdl_model *probe = NULL;
-    mdl_open_options po = {0, a->join && a->span[0] < 0 ? 1 : 0, false, false};
+    mdl_open_options po = {0, 1, false, false};
     int rc = mdl_open(sp->path, &po, &probe);
     if (rc) return rc;
     sp->n_layers = probe->cfg.n_layers;
@@ -461,7 +462,8 @@ static int shard_serve(shard_span *sp, const shard_args *a, const sigset_t *sigs
                                a->tls_client_ca, client_cert, client_key,
                                a->max_sessions, a->max_forward_tokens, a->max_step_tokens,
                                (uint64_t)a->train_budget_mib << 20, a->max_train_jobs, a->max_lora_rank,
-                               (shard_train_priority)a->train_priority};
+                               (shard_train_priority)a->train_priority,
+                               sp->pstep_tok, sp->pstep_s, sp->dstep_tok, sp->dstep_s, sp->n_psteps, sp->n_dsteps};
     int rc = shard_server_new(sp->core, &cfg, &sp->srv);
     if (rc || (rc = shard_server_start(sp->srv))) return rc;
     int port = shard_server_port(sp->srv);

@@ -582,6 +582,9 @@ static int info_handler(void *ctx, shard_svc_info *r, rpc_status *st) {
     r->prefix_cached_blocks = stats.prefix_cached_blocks;
     r->prefix_hit_tokens = (int64_t)stats.prefix_hit_tokens;
     r->prefix_prompt_tokens = (int64_t)stats.prefix_prompt_tokens;
+    r->prompt_step_tokens = srv->cfg.prompt_step_tokens, r->prompt_step_s = srv->cfg.prompt_step_s;
+    r->decode_step_tokens = srv->cfg.decode_step_tokens, r->decode_step_s = srv->cfg.decode_step_s;
+    r->n_prompt_steps = (size_t)srv->cfg.n_prompt_steps, r->n_decode_steps = (size_t)srv->cfg.n_decode_steps;
     char **ids = NULL;
     int n_ids = 0, rc = shard_core_adapter_ids(core, &ids, &n_ids);
     core_release(srv, core);

@@ -58,6 +58,10 @@ typedef struct shard_server_config {
     int max_train_jobs;
     int max_lora_rank;
     shard_train_priority train_priority; /* whether training yields to inference (default: it does) */
+    /* One block's step times measured at start-up, reported by Info for the gateway's planner
+     * (shard_svc_info's step tables; borrowed, n 0: none). */
+    const double *prompt_step_tokens, *prompt_step_s, *decode_step_tokens, *decode_step_s;
+    int n_prompt_steps, n_decode_steps;
 } shard_server_config;
 
 /* Largest LoRA rank accepted when max_lora_rank is 0 (LoadAdapter, fusion.Train). */

@@ -86,6 +86,11 @@ def test_swarm_route_failover_and_503(cluster, reference):
         assert servers[a]["span"] == spans[n]
         assert servers[a]["tokens_per_s"] > 0 and servers[a]["last_heartbeat"] is not None
         assert servers[a]["total_kv_bytes"] > 0
+        # static shards report one block's step times in Info, the planner's profile of each
+        steps = servers[a]["step_ms"]
+        assert steps["prompt"][0][0] == 16 and steps["decode"][0][0] == 1, steps
+        assert all(ms >= 0 for table in steps.values() for _, ms in table), steps
+    assert doc["planner"]["profiled_members"] == 4 and doc["planner"]["decode_tokens_per_s"] > 0, doc["planner"]
     assert abs(sum(servers[addr[n]]["flow"] for n in ("A", "C")) - doc["max_flow"]) < 1e-6 * doc["max_flow"] + 1e-9
 
     # undisturbed: streaming greedy equals the single-process engine

@@ -983,6 +983,9 @@ static int ts_info(void *ctx, shard_svc_info *r, rpc_status *st) {
     r->total_kv_bytes = 1 << 20;
     r->wire_dtypes = dtypes;
     r->n_wire_dtypes = 2;
+    static const double pt[2] = {16, 64}, ps[2] = {0.001, 0.003}, dt[3] = {1, 2, 4}, ds[3] = {1e-4, 1.5e-4, 2e-4};
+    r->prompt_step_tokens = pt, r->prompt_step_s = ps, r->n_prompt_steps = 2;
+    r->decode_step_tokens = dt, r->decode_step_s = ds, r->n_decode_steps = 3;
     return RPC_OK;
 }
 
@@ -1091,6 +1094,9 @@ static void test_shard_svc_unary(void **state) {
     assert_true(info->tokens_per_s == 12.5);
     assert_int_equal(info->n_wire_dtypes, 2);
     assert_int_equal(info->wire_dtypes[1], WIRE_BF16);
+    assert_int_equal(info->n_prompt_steps, 2), assert_int_equal(info->n_decode_steps, 3);
+    assert_true(info->prompt_step_tokens[1] == 64 && info->prompt_step_s[1] == 0.003);
+    assert_true(info->decode_step_tokens[2] == 4 && info->decode_step_s[2] == 2e-4);
     shard_svc_info_free(info);
 
     Fusion__HealthRequest hr = FUSION__HEALTH_REQUEST__INIT;

@@ -180,6 +180,24 @@ static int huge_info(void *ctx, const ProtobufCMessage *req, ProtobufCMessage **
     return RPC_OK;
 }
 
+/* Info answered with step tables of two prompt sizes but one time. */
+static int uneven_steps_info(void *ctx, const ProtobufCMessage *req, ProtobufCMessage **reply, rpc_status *st) {
+    (void)ctx, (void)req, (void)st;
+    Fusion__InfoReply *r = malloc(sizeof *r);
+    fusion__info_reply__init(r);
+    r->n_layers = 4, r->last_block = 4;
+    r->n_prompt_step_tokens = 2, r->prompt_step_tokens = malloc(2 * sizeof(double));
+    r->prompt_step_tokens[0] = 16, r->prompt_step_tokens[1] = 64;
+    r->n_prompt_step_s = 1, r->prompt_step_s = malloc(sizeof(double));
+    r->prompt_step_s[0] = 0.001;
+    *reply = &r->base;
+    return RPC_OK;
+}
+
+static int serve_uneven_info(rpc_server *srv) {
+    return rpc_server_add_unary(srv, RPC_SHARD_INFO, &fusion__info_request__descriptor, uneven_steps_info, NULL, NULL);
+}
+
 /* StepReply bodies, one per step: output.tokens, a top-logprob entry's token, a timing's first
  * block, the output tensor's block_size -- each 2^40. */
 static void bad_step_reply(int k, pbuf *step) {
@@ -237,6 +255,12 @@ static void test_reply_fields(void **state) {
     shard_svc_info *info = NULL;
     expect_code(shard_svc_info_get(ch, 5000, &info, &st), RPC_INVALID_ARGUMENT, &st, "info.n_layers");
     assert_null(info);
+    rpc_channel *ch2;
+    rpc_server *srv2 = server_start(serve_uneven_info, &ch2);
+    expect_code(shard_svc_info_get(ch2, 5000, &info, &st), RPC_INVALID_ARGUMENT, &st, "step tables");
+    assert_null(info);
+    rpc_channel_free(ch2);
+    rpc_server_free(srv2);
     shard_svc_open open = {.session_id = "s", .max_length = 8};
     shard_svc_session *sess;
     assert_int_equal(shard_svc_session_open(ch, &open, 5000, &sess, &st), RPC_OK);
