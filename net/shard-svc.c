@@ -976,12 +976,8 @@ static int info_view(const Fusion__InfoReply *r, shard_svc_info *v, rpc_status *
     return svc_narrow(f, sizeof f / sizeof f[0], "info.", st);
 }
 
-int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rpc_status *st) {
-    *out = NULL;
-    Fusion__InfoRequest req = FUSION__INFO_REQUEST__INIT;
-    ProtobufCMessage *msg = NULL;
-    int rc = rpc_call_unary(ch, RPC_SHARD_INFO, &req.base, &fusion__info_reply__descriptor, &msg, timeout_ms, st);
-    if (rc) return rc;
+/* The view of the received Info reply msg (taken: freed with the view, or here on failure). */
+static int info_hold(ProtobufCMessage *msg, shard_svc_info **out, rpc_status *st) {
     const Fusion__InfoReply *r = (const Fusion__InfoReply *)msg;
     info_held *h = malloc(sizeof *h + r->n_wire_dtypes * sizeof h->dtypes[0]);
     if (!h) {
@@ -990,13 +986,30 @@ int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rp
     }
     for (size_t i = 0; i < r->n_wire_dtypes; i++) h->dtypes[i] = (int)r->wire_dtypes[i];
     h->msg = msg;
-    if ((rc = info_view(r, &h->info, st))) {
+    int rc = info_view(r, &h->info, st);
+    if (rc) {
         shard_svc_info_free(&h->info);
         return rc;
     }
     h->info.wire_dtypes = h->dtypes;
     *out = &h->info;
     return RPC_OK;
+}
+
+int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rpc_status *st) {
+    *out = NULL;
+    Fusion__InfoRequest req = FUSION__INFO_REQUEST__INIT;
+    ProtobufCMessage *msg = NULL;
+    int rc = rpc_call_unary(ch, RPC_SHARD_INFO, &req.base, &fusion__info_reply__descriptor, &msg, timeout_ms, st);
+    return rc ? rc : info_hold(msg, out, st);
+}
+
+int shard_svc_info_fuzz_one(const void *data, size_t len, shard_svc_info **out) {
+    *out = NULL;
+    ProtobufCMessage *msg = NULL;
+    rpc_status st = {0};
+    int rc = rpc_msg_unpack(&fusion__info_reply__descriptor, data, len, RPC_DEFAULT_MAX_MESSAGE, &msg, &st);
+    return rc ? rc : info_hold(msg, out, &st);
 }
 
 void shard_svc_info_free(shard_svc_info *info) {

@@ -406,6 +406,9 @@ void shard_svc_session_close(shard_svc_session *s, const char *reason);
 int shard_svc_info_get(rpc_channel *ch, int timeout_ms, shard_svc_info **out, rpc_status *st);
 /* Frees a reply of shard_svc_info_get. NULL is a no-op. */
 void shard_svc_info_free(shard_svc_info *info);
+/* For fuzzing: `data` as a received Info reply (an RPC_* code as shard_svc_info_get gives for
+ * it; on RPC_OK *out is its view, freed with shard_svc_info_free). */
+int shard_svc_info_fuzz_one(const void *data, size_t len, shard_svc_info **out);
 
 /* Calls LoadAdapter: adapter `id` from `state` (borrowed for the call); RPC_OK with *bytes the
  * memory the server holds for it, else the transport's or the server's code (message in st). */

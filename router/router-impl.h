@@ -115,10 +115,13 @@ typedef int (*rt__stripe_score_fn)(void *ctx, const rt_swarm *sw, double *score)
 /* Stripe placements of `base`: its placeable servers grouped by kind and site (servers linked
  * within 5 ms), each group one pipeline over a head [0, c), a tail [c, L), the whole model or
  * nothing, every group at the same cut c (multiples of L / 20), each server's share of its
- * group's range in proportion to the most blocks it holds. Every choice that covers the model
- * within the groups' limits is scored; the k best (at most 16), best first, are written as
- * copies of `base` into out[0 .. *n) (the caller frees each). *n = 0 when the swarm has more than
- * 512 servers or 5 groups. Deterministic. */
+ * group's range in proportion to the most blocks it holds, its members ordered for the links
+ * into and out of it. With up to 5 groups every choice of roles that covers the model within
+ * the groups' limits is scored; with up to 16, a descent from each group's widest role changes
+ * one group's role at a time while the score rises (4000 scores at most in all, cuts in
+ * ascending order). The k best (at most 16), best first, are
+ * written as copies of `base` into out[0 .. *n) (the caller frees each). *n = 0 when the swarm
+ * has more than 512 servers or 16 groups. Deterministic. */
 int rt__stripe_best(const rt_swarm *base, rt__stripe_score_fn score, void *ctx, int k, rt_swarm *out, int *n);
 
 /* --- misc ------------------------------------------------------------------------------- */

@@ -554,7 +554,7 @@ typedef struct rt_tplace_stats {
  * batch cycles by Little's law with the servers' batch and prompt limits, M/G/1 link waits);
  * then the 6 stripe placements the estimate ranks first are simulated too (servers grouped by
  * kind and site, each group one pipeline over a head, a tail or the whole model at a common
- * cut, ordered for its links; swarms of at most 512 servers in at most 5 groups);
+ * cut, ordered for its links; swarms of at most 512 servers in at most 16 groups);
  * the moves (resize, shift, start where another ends, copy another's span, become a spare, swap
  * two) are repaired to keep every block covered. The best is refined by max_evals simulated
  * moves, each kept when the simulated decode tokens/s rise. A placement whose median TPOT

@@ -11,9 +11,12 @@
 
 enum {
     STRIPE_MAX_SERVERS = 512, /* the site grouping compares every pair */
-    STRIPE_MAX_GROUPS = 5,    /* 4^groups role choices at each cut */
+    STRIPE_EXHAUSTIVE = 5,    /* up to this many groups, all 4^groups role choices at each cut */
+    STRIPE_MAX_GROUPS = 16,   /* beyond it no stripes; between, a descent per cut */
+    STRIPE_SWEEPS = 4,        /* the descent's passes over the groups at most */
     STRIPE_CUTS = 20,         /* cuts at multiples of n_layers / 20 */
     STRIPE_MAX_K = 16,
+    STRIPE_MAX_SCORES = 4000, /* scores at most, whatever the groups */
 };
 #define STRIPE_SITE_LATENCY_S 0.005 /* servers linked this closely share a site */
 
@@ -37,10 +40,12 @@ typedef struct stripes {
     int n_groups;
     link_pair pair[STRIPE_MAX_GROUPS][STRIPE_MAX_GROUPS];
     int src[STRIPE_MAX_GROUPS][2]; /* members best linked from the coordinator */
+    int scores; /* taken so far */
     /* the k best so far, best first */
     int k, n_best;
     double best_score[STRIPE_MAX_K];
-    int best_roles[STRIPE_MAX_K], best_cut[STRIPE_MAX_K];
+    uint32_t best_roles[STRIPE_MAX_K];
+    int best_cut[STRIPE_MAX_K];
 } stripes;
 
 static int find_root(int *parent, int i) {
@@ -105,8 +110,12 @@ static void free_groups(stripes *s) {
     for (int g = 0; g < STRIPE_MAX_GROUPS; g++) free(s->g[g].ids), free(s->g[g].seq);
 }
 
-static int role_of(int roles, int g) {
-    return (roles >> (2 * g)) & 3;
+static int role_of(uint32_t roles, int g) {
+    return (int)(roles >> (2 * g)) & 3;
+}
+
+static uint32_t with_role(uint32_t roles, int g, int r) {
+    return (roles & ~(3u << (2 * g))) | (uint32_t)r << (2 * g);
 }
 
 /* The range of a role at cut c; an empty one for ROLE_NONE. */
@@ -117,7 +126,7 @@ static void role_range(int role, int c, int L, int *a, int *b) {
 
 /* 1 if the roles cover every block within each group's capacity, and the cut matters (some
  * group ends or starts at it) or c is the first cut (roles of no cut are tried once). */
-static int roles_fit(const stripes *s, int roles, int c, int first_cut) {
+static int roles_fit(const stripes *s, uint32_t roles, int c, int first_cut) {
     int L = s->base->model.n_layers, head = 0, tail = 0, at_cut = 0;
     for (int g = 0; g < s->n_groups; g++) {
         int r = role_of(roles, g), a, b;
@@ -166,7 +175,7 @@ static void best_links(stripes *s) {
 
 /* The cheapest link pair into tail group h from a head group (into), or out of head group h to
  * a tail group (!into); NULL if there is none of that role. */
-static const link_pair *best_pair(const stripes *s, int roles, int h, int into) {
+static const link_pair *best_pair(const stripes *s, uint32_t roles, int h, int into) {
     const link_pair *best = NULL;
     for (int g = 0; g < s->n_groups; g++) {
         if (role_of(roles, g) != (into ? ROLE_HEAD : ROLE_TAIL)) continue;
@@ -189,7 +198,7 @@ static void place_member(group *g, int id, int to) {
 /* Orders group g's pipeline of m members for its links: a head's last member is the one best
  * linked to a tail, a tail's first the one best linked from a head, and a head's or a whole
  * group's first the one best linked from the coordinator; the rest keep id order. */
-static void order_group(stripes *s, int roles, int g, int m) {
+static void order_group(stripes *s, uint32_t roles, int g, int m) {
     group *x = &s->g[g];
     int r = role_of(roles, g), exit = -1;
     memcpy(x->seq, x->ids, (size_t)x->n * sizeof(int));
@@ -224,7 +233,7 @@ static int lay_group(rt_swarm *sw, const group *g, int a, int b) {
 }
 
 /* Writes the stripes of `roles` at cut c into sw (a copy of the base). */
-static int lay(stripes *s, rt_swarm *sw, int roles, int c) {
+static int lay(stripes *s, rt_swarm *sw, uint32_t roles, int c) {
     int rc = FU_OK;
     for (int g = 0; g < s->n_groups && !rc; g++) {
         int a, b;
@@ -236,7 +245,9 @@ static int lay(stripes *s, rt_swarm *sw, int roles, int c) {
 }
 
 /* Keeps (roles, c) among the k best when its score beats the k-th (earlier ones win ties). */
-static void keep(stripes *s, double score, int roles, int c) {
+static void keep(stripes *s, double score, uint32_t roles, int c) {
+    for (int i = 0; i < s->n_best; i++)
+        if (s->best_roles[i] == roles && s->best_cut[i] == c) return; /* a descent may come back to one */
     int at = s->n_best;
     while (at > 0 && score > s->best_score[at - 1]) at--;
     if (at >= s->k) return;
@@ -248,16 +259,57 @@ static void keep(stripes *s, double score, int roles, int c) {
     s->n_best = n;
 }
 
-/* Scores every fitting (roles, cut) on the scratch copy tmp. */
+/* Scores `roles` at cut c on the scratch copy tmp into *v (-1: they do not fit) and keeps them
+ * among the best. */
+static int try_roles(stripes *s, rt_swarm *tmp, uint32_t roles, int c, int first_cut, rt__stripe_score_fn score,
+                     void *ctx, double *v) {
+    *v = -1;
+    if (!roles_fit(s, roles, c, first_cut) || s->scores >= STRIPE_MAX_SCORES) return FU_OK;
+    s->scores++;
+    int rc = lay(s, tmp, roles, c);
+    if (!rc) rc = score(ctx, tmp, v);
+    if (!rc && *v >= 0) keep(s, *v, roles, c);
+    return rc;
+}
+
+/* Many groups, at cut c: from the widest role each group can take (the whole model, else the
+ * head and the tail in turn), every group in turn takes the role that scores best with the
+ * others fixed, until a pass changes nothing. */
+static int descend(stripes *s, rt_swarm *tmp, int c, rt__stripe_score_fn score, void *ctx) {
+    int L = s->base->model.n_layers, rc = FU_OK;
+    uint32_t roles = 0;
+    for (int g = 0; g < s->n_groups; g++) {
+        int b = s->g[g].blocks, head = g % 2 == 0;
+        roles = with_role(roles, g, b >= L ? ROLE_FULL : head && b >= c ? ROLE_HEAD : b >= L - c ? ROLE_TAIL : ROLE_NONE);
+    }
+    double cur;
+    rc = try_roles(s, tmp, roles, c, c, score, ctx, &cur);
+    for (int pass = 0, moved = 1; pass < STRIPE_SWEEPS && moved && !rc; pass++) {
+        moved = 0;
+        for (int g = 0; g < s->n_groups && !rc; g++) {
+            for (int r = 0; r < 4 && !rc; r++) {
+                uint32_t cand = with_role(roles, g, r);
+                double v;
+                if (cand != roles && !(rc = try_roles(s, tmp, cand, c, c, score, ctx, &v)) && v > cur)
+                    cur = v, roles = cand, moved = 1;
+            }
+        }
+    }
+    return rc;
+}
+
+/* Scores the roles at every cut on the scratch copy tmp: all of them for a few groups, a descent
+ * for more. */
 static int enumerate(stripes *s, rt_swarm *tmp, rt__stripe_score_fn score, void *ctx) {
     int L = s->base->model.n_layers, step = L / STRIPE_CUTS > 0 ? L / STRIPE_CUTS : 1, rc = FU_OK;
     for (int c = step; c < L && !rc; c += step) {
-        for (int roles = 0; roles < 1 << (2 * s->n_groups) && !rc; roles++) {
-            if (!roles_fit(s, roles, c, step)) continue;
-            double v = -1;
-            rc = lay(s, tmp, roles, c);
-            if (!rc) rc = score(ctx, tmp, &v);
-            if (!rc && v >= 0) keep(s, v, roles, c);
+        if (s->n_groups > STRIPE_EXHAUSTIVE) {
+            rc = descend(s, tmp, c, score, ctx);
+            continue;
+        }
+        for (uint32_t roles = 0; roles < 1u << (2 * s->n_groups) && !rc; roles++) {
+            double v;
+            rc = try_roles(s, tmp, roles, c, step, score, ctx, &v);
         }
     }
     return rc;

@@ -1079,14 +1079,21 @@ static void test_stripes(void **st) {
             assert_true(out[k].servers[i].last - out[k].servers[i].first <= rt_swarm_max_layers(&out[k], i));
         rt_swarm_free(&out[k]);
     }
-    /* a server that left is not placed; six groups are more than stripes take */
+    /* a server that left is not placed; seven groups take the descent, seventeen no stripes */
     assert_int_equal(rt_swarm_remove_server(&sw, 4), FU_OK);
     assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 1, out, &n), FU_OK);
     assert_int_equal(n, 1);
     assert_int_equal(out[0].servers[4].last - out[0].servers[4].first, 0);
     rt_swarm_free(&out[0]);
-    static const char *more[5] = {"a", "b", "c", "d", "e"};
+    static const char *more[15] = {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o"};
     for (int i = 0; i < 5; i++) add_kind(&sw, more[i], more[i], 2);
+    assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 1, out, &n), FU_OK);
+    assert_int_equal(n, 1);
+    double v;
+    assert_int_equal(stripe_test_score(&calls, &out[0], &v), FU_OK);
+    NEAR(v, 100, 0); /* X on [0, 4) and no other kind in the head, found by the descent */
+    rt_swarm_free(&out[0]);
+    for (int i = 5; i < 15; i++) add_kind(&sw, more[i], more[i], 2);
     assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 1, out, &n), FU_OK);
     assert_int_equal(n, 0);
     rt_swarm_free(&sw);
