@@ -374,9 +374,53 @@ static void test_unprobed_members_not_routed(void **state) {
     gw_config_free(&cfg);
 }
 
+/* The step tables a static --shard reports in Info: kept as its profile in the planner when they
+ * pass the checks a joined member's do, left out when not (tokens descending here), the member
+ * serving either way. */
+static void test_static_member_step_tables(void **state) {
+    (void)state;
+    static const double pt[2] = {16, 64}, bad[2] = {64, 16}, ps[2] = {1e-3, 3e-3}, dt[2] = {1, 8}, ds[2] = {1e-4, 4e-4};
+    for (int k = 0; k < 2; k++) {
+        mdl_config c = test_small_config(MDL_ARCH_LLAMA);
+        c.n_layers = N_LAYERS;
+        shard_server_config sc = {.listen = "127.0.0.1:0", .allow_insecure = true, .secret = SECRET, .n_workers = 2,
+                                  .model_name = "random", .device = "cpu", .tokens_per_s = 10.0,
+                                  .prompt_step_tokens = k ? bad : pt, .prompt_step_s = ps, .decode_step_tokens = dt,
+                                  .decode_step_s = ds, .n_prompt_steps = 2, .n_decode_steps = 2};
+        fixture f;
+        shard_fixture_start(&f, &c, (mdl_open_options){0, N_LAYERS, true, true}, 4u << 20, &sc);
+        const char *addr = shard_server_address(f.srv);
+        gw_config cfg;
+        gw_config_init(&cfg);
+        assert_int_equal(gw_config_set(&cfg, "insecure", "true"), FU_OK);
+        assert_int_equal(gw_config_set(&cfg, "secret", SECRET), FU_OK);
+        assert_int_equal(gw_config_set(&cfg, "shard", addr), FU_OK);
+        gw_swarm *s;
+        assert_int_equal(gw_swarm_new(&cfg, N_LAYERS, &s), FU_OK);
+        char *st = NULL;
+        for (int i = 0; i < 500 && !(st && !strcmp(st, "active")); i++) {
+            free(st);
+            st = state_of(s, addr);
+            if (!st || strcmp(st, "active")) nap_ms(10);
+        }
+        assert_string_equal(st, "active");
+        free(st);
+        json_t *doc = gw_swarm_json(s), *sv = json_array_get(json_object_get(doc, "servers"), 0);
+        json_t *decode = json_object_get(json_object_get(sv, "step_ms"), "decode");
+        assert_int_equal(json_array_size(decode), k ? 0 : 2);
+        json_t *planner = json_object_get(doc, "planner");
+        assert_int_equal(json_integer_value(json_object_get(planner, "profiled_members")), k ? 0 : 1);
+        json_decref(doc);
+        gw_swarm_free(s);
+        gw_config_free(&cfg);
+        stop(&f);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_session_stream_cap),
+        cmocka_unit_test(test_static_member_step_tables),
         cmocka_unit_test(test_forward_budget),
         cmocka_unit_test(test_step_budget),
         cmocka_unit_test(test_exhausted_retires_no_one),
