@@ -14,6 +14,10 @@
 #define RT_MAX_FILE ((size_t)1 << 30)
 /* Reads a whole file (NUL-terminated, at most RT_MAX_FILE). *out malloc'ed. */
 int rt__read_text(const char *path, char **out, size_t *len);
+/* A parser of a file's text into dst. */
+typedef int (*rt__parse_fn)(void *dst, const char *text, size_t len);
+/* Reads `path` and parses it into dst; a parse error is prefixed with the path. */
+int rt__load_file(const char *path, rt__parse_fn parse, void *dst);
 /* `given`, or else f->dir + "/" + rel written into buf[cap]. */
 const char *rt__helix_path(char *buf, size_t cap, const rt_helix_files *f, const char *given, const char *rel);
 

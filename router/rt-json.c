@@ -307,17 +307,14 @@ int rt_swarm_parse_json(rt_swarm *sw, const char *text, size_t len) {
     return rc;
 }
 
+static int parse_swarm(void *dst, const char *text, size_t len) {
+    return rt_swarm_parse_json(dst, text, len);
+}
+
 int rt_swarm_load_json(rt_swarm *sw, const char *path) {
     if (!sw || !path) return fu_errorf(FU_ERR_INVALID, "rt_swarm_load_json: NULL argument");
     memset(sw, 0, sizeof *sw);
-    char *text;
-    size_t len;
-    int rc = rt__read_text(path, &text, &len);
-    if (rc) return rc;
-    rc = rt_swarm_parse_json(sw, text, len);
-    free(text);
-    if (rc) return fu_errorf(rc, "%s: %s", path, fu_last_error());
-    return FU_OK;
+    return rt__load_file(path, parse_swarm, sw);
 }
 
 /* --- writing ---------------------------------------------------------------------------------- */

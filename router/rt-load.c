@@ -130,15 +130,22 @@ nomem:
     return fu_errorf(FU_ERR_NOMEM, "ini: out of memory");
 }
 
-int rt__ini_load(rt_ini *ini, const char *path) {
+int rt__load_file(const char *path, rt__parse_fn parse, void *dst) {
     char *text;
     size_t len;
     int rc = rt__read_text(path, &text, &len);
     if (rc) return rc;
-    rc = rt__ini_parse(ini, text, len);
+    rc = parse(dst, text, len);
     free(text);
-    if (rc) return fu_errorf(rc, "%s: %s", path, fu_last_error());
-    return FU_OK;
+    return rc ? fu_errorf(rc, "%s: %s", path, fu_last_error()) : FU_OK;
+}
+
+static int parse_ini(void *dst, const char *text, size_t len) {
+    return rt__ini_parse(dst, text, len);
+}
+
+int rt__ini_load(rt_ini *ini, const char *path) {
+    return rt__load_file(path, parse_ini, ini);
 }
 
 const char *rt__ini_get(const rt_ini *ini, const char *section, const char *key) {

@@ -319,12 +319,10 @@ int rt_sim_profiles_parse_json(rt_sim_profiles *p, const char *text, size_t len)
     return rc;
 }
 
+static int parse_profiles(void *dst, const char *text, size_t len) {
+    return rt_sim_profiles_parse_json(dst, text, len);
+}
+
 int rt_sim_profiles_load_json(rt_sim_profiles *p, const char *path) {
-    char *text;
-    size_t len;
-    int rc = rt__read_text(path, &text, &len);
-    if (rc) return rc;
-    rc = rt_sim_profiles_parse_json(p, text, len);
-    free(text);
-    return rc ? fu_errorf(rc, "%s: %s", path, fu_last_error()) : FU_OK;
+    return rt__load_file(path, parse_profiles, p);
 }
