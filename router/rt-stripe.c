@@ -214,18 +214,20 @@ static void order_group(stripes *s, uint32_t roles, int g, int m) {
  * earliest on ties); the others hold nothing. */
 static int lay_group(rt_swarm *sw, const group *g, int a, int b) {
     int len = b - a, m = g->n < len ? g->n : len, left = len, blocks = 0, rc = FU_OK;
-    int k[STRIPE_MAX_SERVERS];
+    int k[STRIPE_MAX_SERVERS], mx[STRIPE_MAX_SERVERS];
     double frac[STRIPE_MAX_SERVERS];
-    for (int i = 0; i < m; i++) blocks += rt_swarm_max_layers(sw, g->seq[i]);
+    for (int i = 0; i < m; i++) blocks += mx[i] = rt_swarm_max_layers(sw, g->seq[i]);
     for (int i = 0; i < g->n; i++) {
-        double raw = i < m ? (double)len * rt_swarm_max_layers(sw, g->seq[i]) / blocks : 0;
-        k[i] = (int)floor(raw), frac[i] = i < m ? raw - k[i] : -1, left -= k[i];
+        double raw = i < m ? (double)len * mx[i] / blocks : 0;
+        k[i] = i < m && (int)floor(raw) > mx[i] ? mx[i] : (int)floor(raw); /* rounding: never over its limit */
+        frac[i] = i < m ? raw - k[i] : -1, left -= k[i];
     }
-    for (; left > 0; left--) {
-        int best = 0;
-        for (int i = 1; i < m; i++)
-            if (frac[i] > frac[best]) best = i;
-        k[best]++, frac[best] = -1;
+    for (; left > 0; left--) { /* fits: the m hold at least len (roles_fit, and each holds >= 1) */
+        int best = -1;
+        for (int i = 0; i < m; i++)
+            if (k[i] < mx[i] && (best < 0 || frac[i] > frac[best])) best = i;
+        if (best < 0) break;
+        k[best]++, frac[best] = -2;
     }
     for (int i = 0, at = a; i < g->n && !rc; at += k[i], i++)
         rc = rt_swarm_set_span(sw, g->seq[i], k[i] > 0 ? at : 0, k[i] > 0 ? at + k[i] : 0);
