@@ -964,7 +964,8 @@ static int info_view(const Fusion__InfoReply *r, shard_svc_info *v, rpc_status *
                           .n_prompt_steps = r->n_prompt_step_s, .n_decode_steps = r->n_decode_step_s};
     if (r->n_prompt_step_tokens != r->n_prompt_step_s || r->n_decode_step_tokens != r->n_decode_step_s ||
         r->n_prompt_step_s > SHARD_SVC_MAX_STEPS || r->n_decode_step_s > SHARD_SVC_MAX_STEPS)
-        return rpc_status_setf(st, RPC_INVALID_ARGUMENT, "info: step tables need as many times as token counts, at most %d of each",
+        return rpc_status_setf(st, RPC_INVALID_ARGUMENT,
+                               "info: step tables need as many times as token counts, at most %d of each",
                                SHARD_SVC_MAX_STEPS);
     svc_i32 f[] = {{"n_layers", r->n_layers, &v->n_layers},
                    {"first_block", r->first_block, &v->first_block},

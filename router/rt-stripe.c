@@ -205,7 +205,8 @@ static void order_group(stripes *s, uint32_t roles, int g, int m) {
     const link_pair *p = r == ROLE_HEAD || r == ROLE_TAIL ? best_pair(s, roles, g, r == ROLE_TAIL) : NULL;
     if (p && r == ROLE_TAIL) place_member(x, p->entry, 0);
     if (p && r == ROLE_HEAD) exit = p->exit;
-    if (r == ROLE_HEAD || r == ROLE_FULL) place_member(x, s->src[g][0] != exit || x->n == 1 ? s->src[g][0] : s->src[g][1], 0);
+    int entry = s->src[g][0] != exit || x->n == 1 ? s->src[g][0] : s->src[g][1];
+    if (r == ROLE_HEAD || r == ROLE_FULL) place_member(x, entry, 0);
     if (exit >= 0) place_member(x, exit, m - 1); /* after the entry, so that it stays last */
 }
 
@@ -282,7 +283,8 @@ static int descend(stripes *s, rt_swarm *tmp, int c, rt__stripe_score_fn score, 
     uint32_t roles = 0;
     for (int g = 0; g < s->n_groups; g++) {
         int b = s->g[g].blocks, head = g % 2 == 0;
-        roles = with_role(roles, g, b >= L ? ROLE_FULL : head && b >= c ? ROLE_HEAD : b >= L - c ? ROLE_TAIL : ROLE_NONE);
+        int r = b >= L ? ROLE_FULL : head && b >= c ? ROLE_HEAD : b >= L - c ? ROLE_TAIL : ROLE_NONE;
+        roles = with_role(roles, g, r);
     }
     double cur;
     rc = try_roles(s, tmp, roles, c, c, score, ctx, &cur);
