@@ -20,6 +20,8 @@ HANDWRITTEN = [
     "{% else %}none{% endfor %}{% filter upper %}{{ 'x' * 3 }}{% endfilter %}{{ eos_token|default('E') }}",
     "{% set x %}{% raw %}{{ raw }}{% endraw %}{% endset %}{{ x|length }} {{ (1, 2)|list }} {{ {'a': 1}.items()|list }}"
     " {{ '%s-%d'|format('a', 3) }} {{ range(5)|batch(2)|list }} {{ 7 // 2 }} {{ 2 ** 10 }} {{ 'abc'[::-1] }}",
+    # literals that fail while they are built, then called
+    "{{ {'a': i1tem.s}()|list }} {{ [1, x.y]() }} {{ (1, x.y)() }}",
 ]
 
 

@@ -178,6 +178,9 @@ static void test_runtime_errors(void **state) {
                  "No filter named 'nosuchfilter'");
     expect_render("{% if x %}{{ x|nosuchfilter }}{% endif %}ok", NULL, "ok");
     expect_error("{{ missing() }}", NULL, FU_ERR_TEMPLATE, "undefined");
+    /* a literal that fails while it is built, then called: its half-built value is freed once */
+    expect_error("{{ {'a': x.s}() }}", NULL, FU_ERR_TEMPLATE, "'x' is undefined");
+    expect_error("{{ [1, x.s]() }}", NULL, FU_ERR_TEMPLATE, "'x' is undefined");
     expect_error("{{ range(100001)|length }}", NULL, FU_ERR_TEMPLATE, "Range too big");
     expect_error("{% set n = 1 %}{% set n.a = 2 %}", NULL, FU_ERR_TEMPLATE, "non-namespace");
     expect_error("{% set ns = namespace() %}{% set ns.self = [ns] %}", NULL, FU_ERR_TEMPLATE, "inside itself");

@@ -51,7 +51,7 @@ static int list_of(tpl_rt *R, const tpl_val *v, size_t n, size_t cap, bool tuple
     for (size_t i = 0; i < n && !rc; i++)
         rc = push_ref(R, *out, v[i]);
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -387,7 +387,7 @@ static int do_split(tpl_rt *R, tpl_val s, tpl_val sepv, int64_t maxsplit, bool r
     if (rc)
         return rc;
     if (sepv.kind == TPL_STR && SL(sepv) == 0) {
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
         return tpl_type_error(R, "empty separator");
     }
     if (sepv.kind == TPL_STR)
@@ -397,7 +397,7 @@ static int do_split(tpl_rt *R, tpl_val s, tpl_val sepv, int64_t maxsplit, bool r
     if (right)
         list_reverse(tpl_as_list(*out));
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -430,7 +430,7 @@ static int do_splitlines(tpl_rt *R, tpl_val s, bool keepends, tpl_val *out) {
             rc = tpl_list_push(R, *out, piece);
     }
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -594,7 +594,7 @@ static int sorted_list(tpl_rt *R, tpl_val seq, tpl_val attr, bool case_sensitive
         for (size_t i = 0; i < n && !rc; i++)
             rc = push_ref(R, *out, its[i]);
         if (rc)
-            tpl_drop(R, *out);
+            tpl_drop_out(R, out);
     }
     for (size_t i = 0; i < made; i++)
         tpl_drop(R, keys[i]);
@@ -1033,7 +1033,7 @@ static int dict_view(tpl_rt *R, tpl_val d, int which, tpl_val *out) {
         }
     }
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -1264,7 +1264,7 @@ static int m_dict_copy(tpl_rt *R, tpl_val self, const bound *b, tpl_val *out) {
         rc = tpl_dict_set(R, *out, d->k[i], d->v[i]);
     }
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -1572,7 +1572,7 @@ static int f_batch(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
     if (!(rc = new_list(R, out, true))) {
         rc = batch_rows(R, tpl_as_list(items), (size_t)cnt, b->arg, arg_given(b, 1) ? &b->p[1] : NULL, *out);
         if (rc)
-            tpl_drop(R, *out);
+            tpl_drop_out(R, out);
     }
     tpl_drop(R, items);
     return rc;
@@ -1890,7 +1890,7 @@ static int f_map(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
     }
     tpl_drop(R, items);
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -1978,7 +1978,7 @@ static int f_select(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
     }
     tpl_drop(R, items);
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -2034,7 +2034,7 @@ static int f_reverse(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
         for (size_t i = l->len; i-- > 0 && !rc;)
             rc = push_ref(R, *out, l->v[i]);
         if (rc)
-            tpl_drop(R, *out);
+            tpl_drop_out(R, out);
     }
     tpl_drop(R, items);
     return rc;
@@ -2245,7 +2245,7 @@ static int f_unique(tpl_rt *R, tpl_val in, const bound *b, tpl_val *out) {
     tpl_drop(R, items);
     tpl_drop(R, seen);
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -2552,7 +2552,7 @@ static int fn_range(tpl_rt *R, tpl_val self, const bound *b, tpl_val *out) {
     for (int64_t i = 0; i < (int64_t)count && !rc; i++)
         rc = tpl_list_push(R, *out, tpl_int(start + i * step));
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
@@ -2598,7 +2598,7 @@ static int fn_dict(tpl_rt *R, tpl_val self, const bound *b, tpl_val *out) {
     if (rc)
         return rc;
     if ((rc = fill_dict(R, *out, b->a, b->name))) {
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
         return rc;
     }
     out->kind = b->arg;

@@ -316,7 +316,7 @@ static int do_slice(tpl_rt *R, tpl_val obj, const tpl_val *sv, tpl_val *out) {
         for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
             tpl_ref(l->v[i]);
             if ((rc = tpl_list_push(R, *out, l->v[i]))) {
-                tpl_drop(R, *out);
+                tpl_drop_out(R, out);
                 return rc;
             }
         }
@@ -409,7 +409,7 @@ static int repeat_seq(tpl_rt *R, tpl_val seq, int64_t times, tpl_val *out) {
         for (size_t j = 0; j < l->len; j++) {
             tpl_ref(l->v[j]);
             if ((rc = tpl_list_push(R, *out, l->v[j]))) {
-                tpl_drop(R, *out);
+                tpl_drop_out(R, out);
                 return rc;
             }
         }
@@ -462,7 +462,7 @@ static int seq_add(tpl_rt *R, tpl_val a, tpl_val b, tpl_val *out) {
             tpl_val v = i < x->len ? x->v[i] : y->v[i - x->len];
             tpl_ref(v);
             if ((rc = tpl_list_push(R, *out, v))) {
-                tpl_drop(R, *out);
+                tpl_drop_out(R, out);
                 return rc;
             }
         }
@@ -874,7 +874,7 @@ TPL_NOINLINE static int eval_seq(tpl_rt *R, const tpl_node *n, bool tuple, tpl_v
     for (size_t i = 0; i < n->body.n; i++) {
         tpl_val v;
         if ((rc = eval(R, n->body.v[i], &v)) || (rc = tpl_list_push(R, *out, v))) {
-            tpl_drop(R, *out);
+            tpl_drop_out(R, out);
             return rc;
         }
     }
@@ -1116,7 +1116,7 @@ TPL_NOINLINE static int eval_dict(tpl_rt *R, const tpl_node *n, tpl_val *out) {
     for (size_t i = 0; i < n->body.n && !rc; i++)
         rc = dict_item(R, n->body.v[i], n->alt.v[i], *out);
     if (rc)
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 

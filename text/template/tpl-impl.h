@@ -182,6 +182,11 @@ int tpl_rt_charge(tpl_rt *R, uint64_t units);
 
 void tpl_ref(tpl_val v);
 void tpl_drop(tpl_rt *R, tpl_val v);
+/* Drops *out and leaves it undefined: an error path's result, which its caller may drop too. */
+static inline void tpl_drop_out(tpl_rt *R, tpl_val *out) {
+    tpl_drop(R, *out);
+    *out = tpl_undef();
+}
 /* Frees an immortal value made at compile time (R == NULL allocations). */
 void tpl_free_immortal(tpl_val v);
 

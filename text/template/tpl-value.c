@@ -260,7 +260,7 @@ int tpl_str_cat(tpl_rt *R, const char *a, size_t alen, const char *b, size_t ble
     if (R && R->taint > 0 && s->len) {
         tpl_spans all = {0};
         if ((rc = tpl_spans_add(R, &all, 0, s->len)) || (rc = attach_spans(R, s, &all))) {
-            tpl_drop(R, *out);
+            tpl_drop_out(R, out);
             return rc;
         }
     }
@@ -285,7 +285,7 @@ int tpl_str_sub(tpl_rt *R, tpl_val s, size_t lo, size_t hi, tpl_val *out) {
     }
     if (rc || (rc = attach_spans(R, tpl_as_str(*out), &sp))) {
         tpl_spans_free(&sp);
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     }
     return rc;
 }
@@ -304,7 +304,7 @@ int tpl_list_new(tpl_rt *R, size_t cap, tpl_val *out) {
             rc = oom(R);
         }
         if (rc) {
-            tpl_drop(R, *out);
+            tpl_drop_out(R, out);
             return rc;
         }
         l->cap = cap;
@@ -381,7 +381,7 @@ int tpl_dict_new(tpl_rt *R, size_t cap, tpl_val *out) {
     out->kind = TPL_DICT;
     out->o = &d->h;
     if (cap && (rc = grow(R, &d->h, &d->k, &d->cap, cap, 2, &d->v))) {
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
         return rc;
     }
     return FU_OK;
@@ -607,8 +607,7 @@ static int from_json(tpl_rt *R, const json_t *j, tpl_val *out, int depth) {
         json_object_foreach((json_t *)j, key, val) {
             tpl_val v;
             if ((rc = from_json(R, val, &v, depth + 1)) || (rc = tpl_dict_set_cstr(R, *out, key, v))) {
-                tpl_drop(R, *out);
-                *out = tpl_undef(); /* the caller may drop it */
+                tpl_drop_out(R, out);
                 return rc;
             }
         }
@@ -622,8 +621,7 @@ static int from_json(tpl_rt *R, const json_t *j, tpl_val *out, int depth) {
         json_array_foreach(j, i, val) {
             tpl_val v;
             if ((rc = from_json(R, val, &v, depth + 1)) || (rc = tpl_list_push(R, *out, v))) {
-                tpl_drop(R, *out);
-                *out = tpl_undef();
+                tpl_drop_out(R, out);
                 return rc;
             }
         }
@@ -800,7 +798,7 @@ int tpl_iter_list(tpl_rt *R, tpl_val v, tpl_val *out) {
         for (size_t i = 0; i < d->len; i++) {
             tpl_ref(d->k[i]);
             if ((rc = tpl_list_push(R, *out, d->k[i]))) {
-                tpl_drop(R, *out);
+                tpl_drop_out(R, out);
                 return rc;
             }
         }
@@ -821,7 +819,7 @@ int tpl_iter_list(tpl_rt *R, tpl_val v, tpl_val *out) {
         }
         tpl_taint_end(R, taint);
         if (rc)
-            tpl_drop(R, *out);
+            tpl_drop_out(R, out);
         return rc;
     }
     default:
@@ -903,7 +901,7 @@ int tpl_buf_to_str_sp(tpl_rt *R, fu_buf *b, tpl_spans *sp, tpl_val *out) {
         return rc;
     }
     if ((rc = attach_spans(R, tpl_as_str(*out), sp)))
-        tpl_drop(R, *out);
+        tpl_drop_out(R, out);
     return rc;
 }
 
