@@ -134,6 +134,8 @@ uint64_t rt__rng_next(uint64_t *state); /* splitmix64 */
 double rt__rng_unit(uint64_t *state);   /* uniform [0, 1) */
 int rt__rng_int(uint64_t *state, int n); /* uniform 0 .. n-1 (n > 0) */
 
+/* 1 if server i may be given a span: not gone, and able to hold a block. */
+int rt__placeable(const rt_swarm *sw, int i);
 /* Per-block total throughput of serving servers ([n_layers], caller-allocated). */
 void rt__block_tput(const rt_swarm *sw, double *out);
 /* Petals' window choice: the start s in [0, L-k] whose sorted tput[s..s+k) is

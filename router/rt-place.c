@@ -10,7 +10,7 @@
 #include "status.h"
 
 /* Servers a placement may use: every non-GONE server (SPARE ones become ACTIVE). */
-static int placeable(const rt_swarm *sw, int i) {
+int rt__placeable(const rt_swarm *sw, int i) {
     return sw->servers[i].state != RT_SERVER_GONE && rt_swarm_max_layers(sw, i) > 0;
 }
 
@@ -70,7 +70,7 @@ int rt_place_petals(rt_swarm *sw) {
     for (int i = 0; i < n; i++) put_span(sw, i, 0, 0);
     /* joins in id order, each at its weakest window */
     for (int i = 0; i < n; i++) {
-        if (!placeable(sw, i)) continue;
+        if (!rt__placeable(sw, i)) continue;
         int k = rt_swarm_max_layers(sw, i);
         int s = rt__petals_best_start(bt, L, k, scratch);
         put_span(sw, i, s, s + k);
@@ -108,7 +108,7 @@ static int sort_by_tput(const rt_swarm *sw, int k, int *order) {
     ranked *r = malloc(((size_t)n + 1) * sizeof *r);
     if (!r) return fu_errorf(FU_ERR_NOMEM, "placement: out of memory");
     for (int i = 0; i < n; i++)
-        if (placeable(sw, i)) r[m++] = (ranked){rt_swarm_tput(sw, i, k), i};
+        if (rt__placeable(sw, i)) r[m++] = (ranked){rt_swarm_tput(sw, i, k), i};
     qsort(r, (size_t)m, sizeof *r, cmp_ranked);
     for (int a = 0; a < m; a++) order[a] = r[a].id;
     free(r);
@@ -120,7 +120,7 @@ int rt_place_swarm(rt_swarm *sw) {
     int L = sw->model.n_layers, n = sw->n_servers, s = 0;
     for (int i = 0; i < n; i++) {
         put_span(sw, i, 0, 0);
-        if (!placeable(sw, i)) continue;
+        if (!rt__placeable(sw, i)) continue;
         int k = rt_swarm_max_layers(sw, i);
         if (!s || k < s) s = k;
     }
@@ -159,7 +159,7 @@ typedef struct plc {
 
 static void plc_apply(rt_swarm *sw, const plc *p) {
     for (int i = 0; i < sw->n_servers; i++)
-        if (placeable(sw, i)) put_span(sw, i, p->first[i], p->first[i] + p->len[i]);
+        if (rt__placeable(sw, i)) put_span(sw, i, p->first[i], p->first[i] + p->len[i]);
 }
 
 static void plc_read(const rt_swarm *sw, plc *p) {
@@ -1000,7 +1000,7 @@ int rt_place_rebalance(rt_swarm *sw, const rt_flow_opts *opts, double min_gain, 
         double bflow = cur;
         for (int i = 0; i < n; i++) {
             rt_server *s = &sw->servers[i];
-            if (!placeable(sw, i)) continue;
+            if (!rt__placeable(sw, i)) continue;
             int of = s->first, ol = s->last;
             /* may i leave its span without uncovering a block? */
             put_span(sw, i, 0, 0);

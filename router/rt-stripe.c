@@ -53,17 +53,13 @@ static int find_root(int *parent, int i) {
     return i;
 }
 
-static int placeable(const rt_swarm *sw, int i) {
-    return sw->servers[i].state != RT_SERVER_GONE && rt_swarm_max_layers(sw, i) > 0;
-}
-
 /* site[i]: a representative of the servers linked to i (either way) within the site latency. */
 static void sites(const rt_swarm *sw, int *site) {
     int n = sw->n_servers;
     for (int i = 0; i < n; i++) site[i] = i;
     for (int i = 0; i < n; i++) {
-        for (int j = i + 1; j < n && placeable(sw, i); j++) {
-            if (!placeable(sw, j)) continue;
+        for (int j = i + 1; j < n && rt__placeable(sw, i); j++) {
+            if (!rt__placeable(sw, j)) continue;
             rt_link a = rt_swarm_link(sw, i, j), b = rt_swarm_link(sw, j, i);
             int near = (a.bandwidth > 0 && a.latency <= STRIPE_SITE_LATENCY_S) ||
                        (b.bandwidth > 0 && b.latency <= STRIPE_SITE_LATENCY_S);
@@ -88,7 +84,7 @@ static int make_groups(stripes *s, int *site) {
     const rt_swarm *sw = s->base;
     sites(sw, site);
     for (int i = 0; i < sw->n_servers; i++) {
-        if (!placeable(sw, i)) continue;
+        if (!rt__placeable(sw, i)) continue;
         int g = group_of(s, site, i);
         if (g < 0 && s->n_groups == STRIPE_MAX_GROUPS) {
             s->n_groups = 0; /* too many groups: no stripes */
