@@ -232,8 +232,12 @@ static int gw_move_candidates(const rt_swarm *sw, const int *movable, int n, int
     if (use && !rt_flow_compute(sw, NULL, &fl, NULL)) {
         for (int k = 0; k < n; k++) {
             int id = movable[k];
-            double cap = rt_swarm_serving(sw, id) ? rt_swarm_tput(sw, id, sw->servers[id].last - sw->servers[id].first) : 0;
-            use[k] = !rt_swarm_serving(sw, id) ? INFINITY : cap > 0 && id < fl.n ? fl.server_flow[id] / cap : 0;
+            if (!rt_swarm_serving(sw, id)) {
+                use[k] = INFINITY;
+                continue;
+            }
+            double cap = rt_swarm_tput(sw, id, sw->servers[id].last - sw->servers[id].first);
+            use[k] = cap > 0 && id < fl.n ? fl.server_flow[id] / cap : 0;
         }
         gw_move_rank r = {use};
         m = gw_top(n, gw_move_before, &r, cand);
@@ -668,6 +672,13 @@ static int gw_steps_check(const char *what, const gw_step_table *t) {
     return FU_OK;
 }
 
+/* A member's two step tables: each as gw_steps_check wants, and both or neither. */
+static int gw_steps_pair_check(const gw_step_table *prompt, const gw_step_table *decode) {
+    if (gw_steps_check("prompt", prompt) || gw_steps_check("decode", decode)) return FU_ERR_INVALID;
+    if ((prompt->n > 0) != (decode->n > 0)) return fu_errorf(FU_ERR_INVALID, "prompt and decode go together");
+    return FU_OK;
+}
+
 static int gw_report_check(const gw_swarm *s, const gw_member_report *r) {
     if (!r->address[0] || !strchr(r->address, ':'))
         return fu_errorf(FU_ERR_INVALID, "status.address: HOST:PORT required, got '%.100s'", r->address);
@@ -686,11 +697,8 @@ static int gw_report_check(const gw_swarm *s, const gw_member_report *r) {
     if (r->max_blocks < 0 || !isfinite(r->tokens_per_s) || r->tokens_per_s < 0 || !isfinite(r->block_tokens_per_s) ||
         r->block_tokens_per_s < 0 || r->n_links < 0 || r->n_links > GW_MAX_PEER_LINKS)
         return fu_errorf(FU_ERR_INVALID, "status: bad figures");
-    if (gw_steps_check("prompt", &r->prompt_steps) || gw_steps_check("decode", &r->decode_steps) ||
-        (r->prompt_steps.n > 0) != (r->decode_steps.n > 0))
-        return fu_errorf(FU_ERR_INVALID, "status: step tables: %s",
-                         (r->prompt_steps.n > 0) != (r->decode_steps.n > 0) ? "prompt and decode go together"
-                                                                           : fu_last_error());
+    if (gw_steps_pair_check(&r->prompt_steps, &r->decode_steps))
+        return fu_errorf(FU_ERR_INVALID, "status: step tables: %s", fu_last_error());
     for (int i = 0; i < r->n_links; i++)
         if (!isfinite(r->links[i].rtt_s) || r->links[i].rtt_s < 0 || r->links[i].rtt_s > 60 ||
             !isfinite(r->links[i].bandwidth) || r->links[i].bandwidth < 0)
@@ -909,17 +917,20 @@ static int gw_info_call(gw_swarm *s, rpc_channel *ch, shard_svc_info **out, char
     return FU_OK;
 }
 
+/* A received step table (the service bounds it to SWARM_SVC_MAX_STEPS points). */
+static void gw_steps_from(const swarm_svc_steps *in, gw_step_table *out) {
+    out->n = in->n <= GW_MAX_STEPS ? (int)in->n : -1; /* -1: refused by gw_steps_check */
+    for (int i = 0; i < out->n; i++) out->tokens[i] = in->tokens[i], out->seconds[i] = in->seconds[i];
+}
+
 /* A static member's step tables from its Info reply r, kept when they pass the checks a joined
- * member's report does (both tables or neither); otherwise it has none (locked). */
+ * member's report does (gw_steps_pair_check); otherwise it has none (locked). */
 static void gw_info_steps(const shard_svc_info *r, gw_member *mb) {
-    gw_step_table p = {.n = r->n_prompt_steps <= GW_MAX_STEPS ? (int)r->n_prompt_steps : -1},
-                  d = {.n = r->n_decode_steps <= GW_MAX_STEPS ? (int)r->n_decode_steps : -1};
-    for (int i = 0; i < p.n; i++) p.tokens[i] = r->prompt_step_tokens[i], p.seconds[i] = r->prompt_step_s[i];
-    for (int i = 0; i < d.n; i++) d.tokens[i] = r->decode_step_tokens[i], d.seconds[i] = r->decode_step_s[i];
-    if (gw_steps_check("prompt", &p) || gw_steps_check("decode", &d) || (p.n > 0) != (d.n > 0)) {
-        if (!mb->steps_refused)
-            FU_WARN("swarm: %s's step tables are left out: %s", mb->address,
-                    (p.n > 0) != (d.n > 0) ? "prompt and decode go together" : fu_last_error());
+    gw_step_table p, d;
+    gw_steps_from(&(swarm_svc_steps){r->n_prompt_steps, r->prompt_step_tokens, r->prompt_step_s}, &p);
+    gw_steps_from(&(swarm_svc_steps){r->n_decode_steps, r->decode_step_tokens, r->decode_step_s}, &d);
+    if (gw_steps_pair_check(&p, &d)) {
+        if (!mb->steps_refused) FU_WARN("swarm: %s's step tables are left out: %s", mb->address, fu_last_error());
         mb->steps_refused = true;
         p.n = d.n = 0;
     }
@@ -1060,12 +1071,6 @@ static void *gw_swarm_main(void *arg) {
 }
 
 /* ---- the fusion.Swarm service ------------------------------------------------------------- */
-
-/* A received step table (the service bounds it to SWARM_SVC_MAX_STEPS points). */
-static void gw_steps_from(const swarm_svc_steps *in, gw_step_table *out) {
-    out->n = in->n <= GW_MAX_STEPS ? (int)in->n : -1; /* -1: refused by gw_steps_check */
-    for (int i = 0; i < out->n; i++) out->tokens[i] = in->tokens[i], out->seconds[i] = in->seconds[i];
-}
 
 /* A member's report as the gateway keeps it (strings bounded; an address too long becomes ""). */
 static void gw_report_from_member(const swarm_svc_member *ms, gw_member_report *r) {

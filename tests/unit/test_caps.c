@@ -308,6 +308,18 @@ static int join_rpc(rpc_channel *ch, const char *address, double tps, rpc_status
     return swarm_svc_join(ch, &m, 5000, &jr, st);
 }
 
+/* Waits (up to 5 s) until swarm s shows `address` active. */
+static void wait_active(gw_swarm *s, const char *address) {
+    char *state = NULL;
+    for (int i = 0; i < 500 && !(state && !strcmp(state, "active")); i++) {
+        free(state);
+        state = state_of(s, address);
+        if (!state || strcmp(state, "active")) nap_ms(10);
+    }
+    assert_string_equal(state, "active");
+    free(state);
+}
+
 /* A real member of swarm s, joined over ch: a spare server (it answers Echo) claiming every block;
  * returns once the gateway has probed it and routes over it. */
 static shard_server *real_member(gw_swarm *s, rpc_channel *ch) {
@@ -317,14 +329,7 @@ static shard_server *real_member(gw_swarm *s, rpc_channel *ch) {
     assert_int_equal(shard_server_start(srv), FU_OK);
     rpc_status st;
     assert_int_equal(join_rpc(ch, shard_server_address(srv), 1.0, &st), RPC_OK);
-    char *state = NULL;
-    for (int i = 0; i < 500 && !(state && !strcmp(state, "active")); i++) {
-        free(state);
-        state = state_of(s, shard_server_address(srv));
-        if (!state || strcmp(state, "active")) nap_ms(10);
-    }
-    assert_string_equal(state, "active");
-    free(state);
+    wait_active(s, shard_server_address(srv));
     return srv;
 }
 
@@ -397,14 +402,7 @@ static void test_static_member_step_tables(void **state) {
         assert_int_equal(gw_config_set(&cfg, "shard", addr), FU_OK);
         gw_swarm *s;
         assert_int_equal(gw_swarm_new(&cfg, N_LAYERS, &s), FU_OK);
-        char *st = NULL;
-        for (int i = 0; i < 500 && !(st && !strcmp(st, "active")); i++) {
-            free(st);
-            st = state_of(s, addr);
-            if (!st || strcmp(st, "active")) nap_ms(10);
-        }
-        assert_string_equal(st, "active");
-        free(st);
+        wait_active(s, addr);
         json_t *doc = gw_swarm_json(s), *sv = json_array_get(json_object_get(doc, "servers"), 0);
         json_t *decode = json_object_get(json_object_get(sv, "step_ms"), "decode");
         assert_int_equal(json_array_size(decode), k ? 0 : 2);
