@@ -158,6 +158,7 @@ static void cuda_free(op_backend *be) {
     cu_rt_free(cb, cb->xh);
     cu_rt_free(cb, cb->wh);
     cu_rt_free(cb, cb->train);
+    cu_rt_free(cb, cb->attn);
     cu_rt_close(cb);
     free(cb->meta_host);
     free(cb->bufs);
@@ -247,8 +248,9 @@ static int cuda_reserve(op_backend *be, int64_t max_tokens, int64_t max_k) {
     size_t meta = (size_t)(max_tokens > 0 ? max_tokens : 1) * 64 + 4096;
     if (!cuda_meta_host(cb, meta)) return FU_ERR_NOMEM;
     if ((rc = cuda_scratch(cb, &cb->meta, &cb->meta_cap, meta))) return rc;
-    if (max_tokens <= CU_MV_MAX_T || max_k == 0) return FU_OK;
+    if (max_tokens == 0 || max_k == 0) return FU_OK;
     if ((rc = cuda_scratch(cb, &cb->xh, &cb->xh_cap, (size_t)max_tokens * (size_t)max_k * 2))) return rc;
+    if (max_tokens <= CU_MV_MAX_T) return FU_OK; /* dequantized chunks only beyond the matvec path */
     size_t rows = cb->chunk_elems / (size_t)max_k;
     return cuda_scratch(cb, &cb->wh, &cb->wh_cap, (rows ? rows : 1) * (size_t)max_k * 2);
 }

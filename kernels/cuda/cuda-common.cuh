@@ -45,7 +45,7 @@ extern "C" {
 #endif
 
 #define CU_WARP 32
-#define CU_MV_MAX_T 8       /* largest T of the matvec path; above it, cuBLAS */
+#define CU_MV_MAX_T 8       /* largest T of the matvec path (see matmul.cuh); above it, cuBLAS */
 #define CU_ATTN_MAX_HD 256  /* head_dim limit of the attention kernel */
 #define CU_GEMM_CHUNK_ELEMS ((size_t)1 << 24) /* dequantized weight elements per cuBLAS call */
 
@@ -73,6 +73,8 @@ typedef struct cuda_backend {
     size_t wh_cap;        /* bytes */
     void *train;          /* device: training ops' scratch (attention_back's softmax statistics) */
     size_t train_cap;     /* bytes */
+    void *attn;           /* device: attention's partial results of split positions */
+    size_t attn_cap;      /* bytes */
     size_t chunk_elems;   /* weight elements dequantized per cuBLAS call */
     bool bf16_gemm;       /* cuBLAS takes bf16 operands (compute capability >= 8.0) */
     char device_name[256]; /* e.g. "NVIDIA H100 80GB HBM3" */

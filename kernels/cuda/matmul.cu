@@ -3,7 +3,7 @@
 
 #define MV_WARPS 4 /* output rows (one per warp) per block */
 
-/* ---- matvec: y (T, N) = x (T, K) W (N, K)^T for T <= CU_MV_MAX_T ------------------------ */
+/* ---- matvec: y (T, N) = x (T, K) W (N, K)^T for small T (see cuda_matmul) -------------- */
 
 typedef struct mv_args {
     const uint8_t *w;       /* (N, K) rows of w_stride bytes */
@@ -110,7 +110,14 @@ static int mm_convert_x(cuda_backend *cb, const mv_args *m, int bf16) {
     return CU_LAUNCH(cb, mm_cvt, cu_dim(cu_blocks_for(a.t * a.k, 256), 1, 1), cu_dim(256, 1, 1), 0, a);
 }
 
-/* Prefill: cuBLAS on f32 / f16 / bf16 operands (see matmul.cuh). m->t is T here (> CU_MV_MAX_T). */
+/* Weights cuBLAS takes as they are, with no dequantization: F32, F16, and BF16 where the GPU
+ * multiplies bf16 (compute capability 8.0 on). */
+static bool mm_direct(const cuda_backend *cb, op_type type) {
+    return type == OP_TYPE_F32 || type == OP_TYPE_F16 || (type == OP_TYPE_BF16 && cb->bf16_gemm);
+}
+
+/* cuBLAS on f32 / f16 / bf16 operands (see matmul.cuh): every T of a direct type, and
+ * T > CU_MV_MAX_T of the others (through dequantized chunks). */
 static int mm_gemm(cuda_backend *cb, op_type type, const mv_args *m) {
     cu_gemm g;
     memset(&g, 0, sizeof g);
@@ -119,7 +126,7 @@ static int mm_gemm(cuda_backend *cb, op_type type, const mv_args *m) {
     g.n = m->t;
     g.k = m->k;
     int rc;
-    if (type == OP_TYPE_F32 || type == OP_TYPE_F16 || (type == OP_TYPE_BF16 && cb->bf16_gemm)) {
+    if (mm_direct(cb, type)) {
         g.type = type;
         g.a = m->w;
         g.lda = (int64_t)(m->w_stride / op_type_block_bytes(type));
@@ -213,6 +220,6 @@ CU_INTERNAL int cuda_matmul(op_backend *be, const op_tensor *w, const op_tensor 
         z.n = m.n;
         return CU_LAUNCH(cb, mm_zero, cu_dim(cu_blocks_for(z.t * z.n, 256), 1, 1), cu_dim(256, 1, 1), 0, z);
     }
-    if (m.t <= CU_MV_MAX_T) return mm_matvec(cb, w->type, &m);
+    if (m.t <= CU_MV_MAX_T && !mm_direct(cb, w->type)) return mm_matvec(cb, w->type, &m);
     return mm_gemm(cb, w->type, &m);
 }
