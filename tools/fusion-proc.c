@@ -109,8 +109,11 @@ void fz_last_line(const char *path, char *out, size_t cap) {
         size_t n = strcspn(line, "\r\n");
         line[n] = '\0';
         if (n == 0) continue;
-        if (n + 1 <= cap) snprintf(out, cap, "%s", line);
-        else if (cap > 4) snprintf(out, cap, "%.*s...", (int)(cap - 4), line);
+        if (n + 1 <= cap) memcpy(out, line, n + 1);
+        else if (cap > 4) { /* the line's first cap - 4 bytes, then "..." */
+            memcpy(out, line, cap - 4);
+            memcpy(out + cap - 4, "...", 4);
+        }
     }
     fclose(f);
 }
