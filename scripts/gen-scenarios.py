@@ -6,7 +6,7 @@ Usage: scripts/gen-scenarios.py [OUT_DIR]   (default: config/scenarios beside th
 Every scenario is a cluster in fusion's JSON format (router/router.h, rt_swarm_load_json) for
 LLaMA-2 70B, plus sections the loader ignores: "scenario" (what it stands for, its sources,
 precision, links and placement rule), "cards" (published memory bandwidth, FLOPs, VRAM),
-"efficiency" (the assumed share of those a kernel reaches), "derivation" (how the tables
+"efficiency" (the share of those fusion's kernels reach, as measured), "derivation" (how the tables
 below were computed), "step_profiles" (per-layer step time by batch size, for the simulator)
 and, for DT-FM's cases, "dtfm" (nodes, latency and bandwidth matrices as the paper gives them).
 
@@ -31,26 +31,40 @@ KV_BATCH_SHARE = 0.3         # Helix: share of the KV capacity a typical batch f
 MODEL = {"name": "llama2_70b", "n_layers": N_LAYERS, "token_bytes": 2, "activation_bytes": 2 * HIDDEN,
          "layer_bytes": LAYER_BYTES, "kv_bytes_per_token_layer": KV_BYTES, "weight_vram_fraction": 1.0}
 
-EFFICIENCY = {"bandwidth": 0.6, "flops": 0.5,
-              "basis": "assumed: llama.cpp-class kernels (0.6 of peak memory bandwidth in decode, 0.5 of "
-                       "peak tensor FLOPs in prefill); fusion's GPU kernels have not been measured yet, "
-                       "replace these with measured figures when they are"}
+# fusion's CUDA kernels as fusion-bench-kernels measured them on an H100 SXM (LLaMA-2 70B block,
+# fp16 weights and KV cache): each figure over the card's datasheet peak.
+EFFICIENCY = {"bandwidth": 0.80, "flops": 0.58, "kv_bandwidth": 0.028, "attention_flops": 0.0128,
+              "step_overhead_ms": 0.09,
+              "basis": "measured: fusion's CUDA kernels on an NVIDIA H100 80GB HBM3 (SXM), "
+                       "fusion-bench-kernels --device cuda --block llama2-70b --types f16, 2026-11-26: "
+                       "decode matmuls stream the weights at 2680 GB/s at T=1 (0.80 of the datasheet's "
+                       "3.35 TB/s; 0.79 at T=8, 0.77 at T=32); prefill matmuls reach 576 TFLOP/s at "
+                       "750 tokens (0.58 of 989.4 dense fp16); decode attention reads the KV cache at "
+                       "94.7 GB/s at T=32 over 870 positions (0.028 of the bandwidth); prefill attention "
+                       "runs at 0.86 TFLOP/s at 750 tokens on CUDA cores (0.0128 of the 67 TFLOPS fp32 "
+                       "peak); the norms, rope, KV stores, swiglu and residual adds add 0.07-0.12 ms a "
+                       "block step (0.09 taken). Applied to every card as fractions of its own "
+                       "datasheet (the overhead as it is): the same kernels, not measured on the others"}
 
 GA102 = ("NVIDIA Ampere GA102 GPU Architecture whitepaper, Appendix A (GeForce RTX 3080: 760 GB/s GDDR6X; "
-         "peak FP16 Tensor TFLOPS 119 with FP16 accumulate, 59.5 with FP32 accumulate)")
+         "peak FP16 Tensor TFLOPS 119 with FP16 accumulate, 59.5 with FP32 accumulate; peak FP32 TFLOPS "
+         "29.8)")
 CARDS = {
     "RTX3080": {"vram_bytes": 10 * GIB, "mem_bandwidth_bytes_per_s": 760e9, "fp16_flops": 59.5e12,
+                "fp32_flops": 29.8e12,
                 "flops_note": "dense FP16 tensor with FP32 accumulate (cuBLAS/PyTorch default for fp16 "
                               "GEMMs); 119 TFLOPS with FP16 accumulate",
                 "source": GA102},
     "H100-SXM": {"vram_bytes": 80 * GIB, "mem_bandwidth_bytes_per_s": 3.35e12, "fp16_flops": 989.4e12,
+                 "fp32_flops": 67e12,
                  "flops_note": "dense FP16 tensor (1979 TFLOPS with 2:4 sparsity)",
                  "source": "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM: 80 GB HBM3, 3.35 TB/s, "
-                           "FP16 Tensor Core 1979 TFLOPS with sparsity, half that dense)"},
+                           "FP16 Tensor Core 1979 TFLOPS with sparsity, half that dense; FP32 67 TFLOPS)"},
     "V100-SXM2": {"vram_bytes": 16 * GIB, "mem_bandwidth_bytes_per_s": 900e9, "fp16_flops": 125e12,
+                  "fp32_flops": 15.7e12,
                   "flops_note": "tensor (mixed precision, FP32 accumulate)",
                   "source": "NVIDIA Tesla V100 datasheet (V100 SXM2: 16 GB HBM2, 900 GB/s, 125 TFLOPS "
-                            "tensor); the GPU of AWS p3 instances used by DT-FM"},
+                            "tensor, 15.7 TFLOPS single precision); the GPU of AWS p3 instances used by DT-FM"},
 }
 
 FUSIONAI = ("FusionAI: Decentralized Training and Deploying LLMs with Massive Consumer-Level GPUs "
@@ -68,8 +82,9 @@ DERIVATION = {
     "kv_bytes_per_token_layer": KV_BYTES,
     "kv_reserve_bytes": KV_RESERVE,
     "step_time": "per block: max(layer_bytes / (BW * eff.bandwidth), 2 * layer_params * tokens / "
-                 "(FLOPs * eff.flops)) + decode only: tokens * context * kv_bytes / (BW * eff.bandwidth); "
-                 "prompt attention FLOPs (under 1% at 750 tokens) left out",
+                 "(FLOPs * eff.flops)) + eff.step_overhead_ms; decode adds tokens * context * kv_bytes / "
+                 "(BW * eff.kv_bandwidth); t prompt tokens add their causal attention as 750-token prompts, "
+                 "2 * hidden * t * 751 FLOPs, at FP32_FLOPs * eff.attention_flops",
     "kv_tokens_by_layers": "floor((VRAM - k * layer_bytes - reserve) / (kv_bytes * k)); a card holds k "
                            "blocks while that is at least one request (990 tokens)",
     "tokens_per_s_by_layers": "Helix's typical throughput, simplified: a homogeneous swarm, so the "
@@ -87,14 +102,27 @@ def sig(x, digits=6):
     return float(f"{x:.{digits}g}")
 
 
-def roofline_ms(card, tokens, ctx=0.0):
-    """Per-block step time in ms for `tokens` tokens attending to `ctx` tokens each."""
+def kv_rate(card):
+    """Bytes/s at which decode attention reads the KV cache."""
+    return card["mem_bandwidth_bytes_per_s"] * EFFICIENCY["kv_bandwidth"]
+
+
+def prompt_attention_ms(card, tokens):
+    """ms of the causal attention of `tokens` prompt tokens in one block, as 750-token prompts: the
+    step tables are indexed by a batch's tokens, whatever prompts they come from."""
+    flop = 2.0 * HIDDEN * tokens * (PROMPT + 1)
+    return flop / (card["fp32_flops"] * EFFICIENCY["attention_flops"]) * 1e3
+
+
+def roofline_ms(card, tokens, ctx=0.0, prompt=False):
+    """Per-block step time in ms for `tokens` tokens attending to `ctx` tokens each (decode), or
+    for a prompt of `tokens` tokens."""
     bw = card["mem_bandwidth_bytes_per_s"] * EFFICIENCY["bandwidth"]
     fl = card["fp16_flops"] * EFFICIENCY["flops"]
     if tokens <= 0:
         return 0.0
-    t = max(LAYER_BYTES / bw, 2.0 * LAYER_PARAMS * tokens / fl) + tokens * ctx * KV_BYTES / bw
-    return t * 1e3
+    t = max(LAYER_BYTES / bw, 2.0 * LAYER_PARAMS * tokens / fl) + tokens * ctx * KV_BYTES / kv_rate(card)
+    return t * 1e3 + EFFICIENCY["step_overhead_ms"] + (prompt_attention_ms(card, tokens) if prompt else 0.0)
 
 
 def kv_tokens(card, k):
@@ -113,7 +141,7 @@ def typical_tput(card, k):
     n_req = KV_BATCH_SHARE * kv_tokens(card, k) / REQ_TOKENS
     d = min(DECODE, max(1, round(n_req * k / N_LAYERS)))
     ctx = PROMPT + DECODE / 2
-    per_req_ms = roofline_ms(card, PROMPT) + DECODE * roofline_ms(card, d, ctx) / d
+    per_req_ms = roofline_ms(card, PROMPT, prompt=True) + DECODE * roofline_ms(card, d, ctx) / d
     return REQ_TOKENS / (k * per_req_ms * 1e-3)
 
 
@@ -121,10 +149,9 @@ def step_profile(kind):
     card = CARDS[kind]
     prompt = [0, 1, 16, 64, 128, 256, 512, 750, 1024, 2048, 4096, 8192]
     decode = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-    bw = card["mem_bandwidth_bytes_per_s"] * EFFICIENCY["bandwidth"]
-    return {"prompt": [[t, sig(roofline_ms(card, t))] for t in prompt],
+    return {"prompt": [[t, sig(roofline_ms(card, t, prompt=True))] for t in prompt],
             "decode": [[b, sig(roofline_ms(card, b))] for b in decode],
-            "decode_ctx_ms_per_token": sig(KV_BYTES / bw * 1e3),
+            "decode_ctx_ms_per_token": sig(KV_BYTES / kv_rate(card) * 1e3),
             "source": f"roofline of {card['source']}, efficiency as in \"efficiency\""}
 
 
