@@ -569,40 +569,48 @@ static void cmp_attention_case(op_type type, int nh, int kvh, int hd, bool head_
 
 /* Decode over a long cache: few (token, head) tasks, so the device splits each token's
  * positions over many warps and merges them; one token's positions end inside the first split,
- * leaving the others empty. f16 caches of 300 positions, filled from the host. */
-static void cmp_attention_long_case(void) {
-    enum { LEN = 300, H = 4, KVH = 2, HD = 64, NT = 2 };
-    const int64_t n = (int64_t)LEN * KVH * HD;
-    float *f = cmp_malloc((size_t)n * 4), *q = cmp_malloc((size_t)(NT * H * HD) * 4);
-    uint16_t *kh = cmp_malloc((size_t)n * 2), *vh = cmp_malloc((size_t)n * 2);
-    cmp_fill(f, n, 1.0);
-    for (int64_t i = 0; i < n; i++) kh[i] = op_f32_to_f16(f[i]);
-    cmp_fill(f, n, 1.5);
-    for (int64_t i = 0; i < n; i++) vh[i] = op_f32_to_f16(f[i]);
-    cmp_fill(q, NT * H * HD, 2.0);
-    op_tensor k = op_tensor_kv_cache(OP_TYPE_F16, kh, HD, KVH, LEN), v = op_tensor_kv_cache(OP_TYPE_F16, vh, HD, KVH, LEN);
+ * leaving the others empty. Caches of 300 positions of `type`, filled from the host. */
+static void cmp_attention_long_case(op_type type, int hd) {
+    enum { LEN = 300, H = 4, KVH = 2, NT = 2 };
+    const int64_t n = (int64_t)LEN * KVH * hd, qn = (int64_t)NT * H * hd;
+    const size_t es = type == OP_TYPE_F16 ? 2 : 4;
+    float *f = cmp_malloc((size_t)n * 4), *q = cmp_malloc((size_t)qn * 4), *want = cmp_malloc((size_t)qn * 4),
+          *got = cmp_malloc((size_t)qn * 4);
+    uint8_t *kh = cmp_malloc((size_t)n * es), *vh = cmp_malloc((size_t)n * es);
+    for (int kv = 0; kv < 2; kv++) {
+        cmp_fill(f, n, kv ? 1.5 : 1.0);
+        for (int64_t i = 0; i < n; i++) {
+            if (es == 2) ((uint16_t *)(kv ? vh : kh))[i] = op_f32_to_f16(f[i]);
+            else ((float *)(kv ? vh : kh))[i] = f[i];
+        }
+    }
+    cmp_fill(q, qn, 2.0);
+    op_tensor k = op_tensor_kv_cache(type, kh, hd, KVH, LEN), v = op_tensor_kv_cache(type, vh, hd, KVH, LEN);
     op_tensor kd = k, vd = v;
-    kd.data = cmp_put(kh, (size_t)n * 2);
-    vd.data = cmp_put(vh, (size_t)n * 2);
+    kd.data = cmp_put(kh, (size_t)n * es);
+    vd.data = cmp_put(vh, (size_t)n * es);
     const int32_t seq[NT] = {0, 0}, pos[NT] = {LEN - 1, 7};
-    op_attn a = {H, KVH, HD, 0.125f, 1, seq, pos, &k, &v}, ad = a;
+    op_attn a = {H, KVH, hd, 1.0f / sqrtf((float)hd), 1, seq, pos, &k, &v}, ad = a;
     ad.k = &kd;
     ad.v = &vd;
-    float want[NT * H * HD], got[NT * H * HD];
-    op_tensor qt = op_tensor_3d(OP_TYPE_F32, q, HD, H, NT), ot = op_tensor_3d(OP_TYPE_F32, want, HD, H, NT);
+    op_tensor qt = op_tensor_3d(OP_TYPE_F32, q, hd, H, NT), ot = op_tensor_3d(OP_TYPE_F32, want, hd, H, NT);
     cmp_ok(op_attention(cmp_cpu, &qt, &a, &ot), "attention cpu");
     op_tensor qdv = qt, odv = ot;
-    qdv.data = cmp_put(q, sizeof got);
-    odv.data = op_buffer_alloc(cmp_dev, sizeof got);
+    qdv.data = cmp_put(q, (size_t)qn * 4);
+    odv.data = op_buffer_alloc(cmp_dev, (size_t)qn * 4);
     cmp_ok(op_attention(cmp_dev, &qdv, &ad, &odv), "attention");
-    cmp_get(got, odv.data, sizeof got);
-    cmp_close("attention f16, 300 positions split", got, want, NT * H * HD, NULL, 1.5e-4);
+    cmp_get(got, odv.data, (size_t)qn * 4);
+    char what[80];
+    snprintf(what, sizeof what, "attention %s hd=%d, 300 positions split", op_type_name(type), hd);
+    cmp_close(what, got, want, qn, NULL, 1.5e-4);
     op_buffer_free(cmp_dev, kd.data);
     op_buffer_free(cmp_dev, vd.data);
     op_buffer_free(cmp_dev, qdv.data);
     op_buffer_free(cmp_dev, odv.data);
     free(f);
     free(q);
+    free(want);
+    free(got);
     free(kh);
     free(vh);
 }
@@ -616,7 +624,8 @@ static void cmp_test_attention(void **state) {
     cmp_attention_case(OP_TYPE_F16, 6, 2, 40, false);
     cmp_attention_case(OP_TYPE_F32, 4, 2, 16, true);
     cmp_attention_case(OP_TYPE_F16, 6, 2, 40, true);
-    cmp_attention_long_case();
+    cmp_attention_long_case(OP_TYPE_F16, 64);
+    cmp_attention_long_case(OP_TYPE_F32, 40); /* head_dim not a multiple of 32 */
     /* head_dim beyond the kernel's limit */
     float *buf = op_buffer_alloc(cmp_dev, 300 * 4);
     assert_non_null(buf);
