@@ -99,7 +99,7 @@ static int kb_set_prefill(void *ctx, const char *v) {
 }
 
 static const fu_opt kb_options[] = {
-    {"device", 'D', FU_OPT_STRING, FU_OPT_TO(args.device), "cpu|cuda|cuda:N", .def = "cpu"},
+    {"device", 'D', FU_OPT_STRING, FU_OPT_TO(args.device), "cpu|cuda|cuda:N", "the backend", .def = "cpu"},
     {"threads", 't', FU_OPT_INT, FU_OPT_TO(args.threads), .help = "CPU threads (default: all CPUs)", .lo = 0,
      .hi = 4096},
     {"block", 'b', FU_OPT_CHOICE, FU_OPT_TO(args.block), .help = "the block's dimensions", .def = "llama2-70b",

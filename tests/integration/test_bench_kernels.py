@@ -81,3 +81,11 @@ def test_cuda_without_a_gpu_is_refused_or_runs():
         assert re.search(r"^efficiency f16 bandwidth [\d.]+ flops 0\.000", out.stdout, re.M)
     else:
         assert out.returncode == 1 and out.stderr.startswith("fusion-bench-kernels: ")
+
+
+def test_help_names_every_option():
+    out = bench("--help")
+    assert out.returncode == 0
+    for opt in ("--device", "--threads", "--block", "--types", "--decode-t", "--prefill-t", "--context", "--peak-gbs",
+                "--peak-tflops", "--min-s", "--stream-mib"):
+        assert opt in out.stdout, opt
