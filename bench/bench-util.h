@@ -1,4 +1,4 @@
-/* bench-util.h -- what the benchmarks share: measured read bandwidth, peak RSS. */
+/* bench-util.h -- what the benchmarks share: random inputs, measured read bandwidth, peak RSS. */
 #ifndef FU_BENCH_UTIL_H
 #define FU_BENCH_UTIL_H
 
@@ -11,6 +11,16 @@
 #include <immintrin.h>
 
 #include "clock.h"
+
+/* Uniform in [-1, 1): a xorshift stream with a fixed seed, so that every run draws the same
+ * inputs (one stream per program). */
+static inline float bench_randf(void) {
+    static uint64_t rng = 0x9e3779b97f4a7c15ull;
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) * (1.0 / 8388608.0) - 1.0);
+}
 
 /* Peak resident set size of this process, in MiB. */
 static inline double bench_peak_rss_mib(void) {

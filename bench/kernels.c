@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench-util.h"
 #include "clock.h"
 #include "ops.h"
 #include "options.h"
@@ -148,15 +149,6 @@ typedef struct kb_block {
 
 enum { KB_X, KB_XN, KB_AQ, KB_AK, KB_AV, KB_ATT, KB_TMP, KB_AGATE, KB_AUP };
 
-static uint64_t kb_rng = 0x9e3779b97f4a7c15ull;
-
-static float kb_randf(void) { /* uniform in [-1, 1) */
-    kb_rng ^= kb_rng << 13;
-    kb_rng ^= kb_rng >> 7;
-    kb_rng ^= kb_rng << 17;
-    return (float)((kb_rng >> 40) * (1.0 / 8388608.0) - 1.0);
-}
-
 static void kb_tensor_free(op_backend *be, kb_tensor *t) {
     if (t->dev) op_buffer_free(be, t->t.data);
     else free(t->t.data);
@@ -189,7 +181,7 @@ static int kb_weight(op_backend *be, op_type type, int64_t n, int64_t k, kb_tens
     }
     for (int64_t r = 0; r < n; r++) {
         if (r < 16) {
-            for (int64_t i = 0; i < k; i++) row[i] = kb_randf() / sqrtf((float)k);
+            for (int64_t i = 0; i < k; i++) row[i] = bench_randf() / sqrtf((float)k);
             op_quantize_row(type, row, k, data + (size_t)r * rb, NULL);
         } else {
             memcpy(data + (size_t)r * rb, data + (size_t)(r % 16) * rb, rb);
@@ -236,7 +228,7 @@ static int kb_block_buffers(kb_block *b) {
             return fu_errorf(FU_ERR_NOMEM, "out of backend memory for activations");
     float *x = malloc((size_t)(b->max_t * s->dim) * sizeof *x);
     if (!x) return fu_errorf(FU_ERR_NOMEM, "out of memory");
-    for (int64_t i = 0; i < b->max_t * s->dim; i++) x[i] = kb_randf();
+    for (int64_t i = 0; i < b->max_t * s->dim; i++) x[i] = bench_randf();
     int rc = op_buffer_set(b->be, b->act[KB_X], x, (size_t)(b->max_t * s->dim) * sizeof *x);
     free(x);
     if (rc) return rc;
@@ -347,49 +339,72 @@ static void kb_set_tokens(kb_block *b, int64_t t, bool decode, int64_t context) 
     }
 }
 
-/* Seconds per block step of `part`: best of three passes of at least min_s each, every
- * pass synchronized once at its end. -1 on an op error (reported). */
-static double kb_time(kb_block *b, int64_t t, int n_seqs, kb_part part, double min_s) {
+/* One call of the work a timing repeats: FU_OK or an op's error. */
+typedef int (*kb_call_fn)(void *ctx);
+
+/* Seconds per call of fn(ctx): a warm-up pass sizes the others to at least min_s each, every
+ * pass ends with one synchronization of be, and the best of three passes counts. -1 on an
+ * error (reported). */
+static double kb_best_s(op_backend *be, kb_call_fn fn, void *ctx, double min_s) {
     int reps = 1, rc = FU_OK;
     double best = 1e30;
     for (int pass = -1; pass < 3 && !rc; pass++) {
         double t0 = fu_now_s();
-        for (int r = 0; r < reps && !rc; r++)
-            if (!(rc = kb_attention_half(b, t, n_seqs, part))) rc = kb_mlp_half(b, t, part);
-        if (!rc) rc = op_synchronize(b->be);
-        double dt = fu_now_s() - t0;
-        if (pass < 0) { /* the warm-up pass sizes the others */
-            reps = dt > 0 ? (int)(min_s / dt) + 1 : 1000;
-            continue;
-        }
-        if (dt / reps < best) best = dt / reps;
-    }
-    if (rc) fprintf(stderr, "fusion-bench-kernels: %s\n", fu_last_error());
-    return rc ? -1 : best;
-}
-
-/* ---- the run --------------------------------------------------------------------------- */
-
-/* GB/s of op_add over two operands of `mib` MiB (2 read + 1 written), best of three passes. */
-static double kb_stream_gbs(op_backend *be, int mib, double min_s) {
-    const int64_t cols = 1024, rows = (int64_t)mib * 256;
-    const size_t bytes = (size_t)(rows * cols) * sizeof(float);
-    float *x = op_buffer_alloc(be, bytes), *y = op_buffer_alloc(be, bytes);
-    double best = 1e30;
-    op_tensor xt = op_tensor_2d(OP_TYPE_F32, x, cols, rows), yt = op_tensor_2d(OP_TYPE_F32, y, cols, rows);
-    int reps = 1, rc = x && y ? FU_OK : fu_errorf(FU_ERR_NOMEM, "out of backend memory for the stream");
-    for (int pass = -1; pass < 3 && !rc; pass++) {
-        double t0 = fu_now_s();
-        for (int r = 0; r < reps && !rc; r++) rc = op_add(be, &xt, &yt);
+        for (int r = 0; r < reps && !rc; r++) rc = fn(ctx);
         if (!rc) rc = op_synchronize(be);
         double dt = fu_now_s() - t0;
         if (pass < 0) reps = dt > 0 ? (int)(min_s / dt) + 1 : 1000;
         else if (dt / reps < best) best = dt / reps;
     }
+    if (rc) fprintf(stderr, "fusion-bench-kernels: %s\n", fu_last_error());
+    return rc ? -1 : best;
+}
+
+/* One block step of `part` for t tokens over n_seqs caches. */
+typedef struct kb_step {
+    kb_block *b;
+    int64_t t;
+    int n_seqs;
+    kb_part part;
+} kb_step;
+
+static int kb_step_call(void *ctx) {
+    kb_step *s = ctx;
+    int rc = kb_attention_half(s->b, s->t, s->n_seqs, s->part);
+    return rc ? rc : kb_mlp_half(s->b, s->t, s->part);
+}
+
+/* Seconds per block step of `part` (kb_best_s). */
+static double kb_time(kb_block *b, int64_t t, int n_seqs, kb_part part, double min_s) {
+    kb_step s = {b, t, n_seqs, part};
+    return kb_best_s(b->be, kb_step_call, &s, min_s);
+}
+
+/* ---- the run --------------------------------------------------------------------------- */
+
+/* x += y over the stream's operands. */
+typedef struct kb_stream {
+    op_backend *be;
+    op_tensor x, y;
+} kb_stream;
+
+static int kb_stream_call(void *ctx) {
+    kb_stream *s = ctx;
+    return op_add(s->be, &s->x, &s->y);
+}
+
+/* GB/s of op_add over two operands of `mib` MiB (2 read + 1 written), timed by kb_best_s. */
+static double kb_stream_gbs(op_backend *be, int mib, double min_s) {
+    const int64_t cols = 1024, rows = (int64_t)mib * 256;
+    const size_t bytes = (size_t)(rows * cols) * sizeof(float);
+    float *x = op_buffer_alloc(be, bytes), *y = op_buffer_alloc(be, bytes);
+    kb_stream s = {be, op_tensor_2d(OP_TYPE_F32, x, cols, rows), op_tensor_2d(OP_TYPE_F32, y, cols, rows)};
+    double sec = -1;
+    if (x && y) sec = kb_best_s(be, kb_stream_call, &s, min_s);
+    else fprintf(stderr, "fusion-bench-kernels: out of backend memory for the stream\n");
     op_buffer_free(be, x);
     op_buffer_free(be, y);
-    if (rc) fprintf(stderr, "fusion-bench-kernels: %s\n", fu_last_error());
-    return rc ? -1 : 3.0 * (double)bytes / best * 1e-9;
+    return sec > 0 ? 3.0 * (double)bytes / sec * 1e-9 : -1;
 }
 
 /* Bytes of the block's weights of `type`, and their count. */

@@ -40,15 +40,6 @@
 #include "parse.h"
 #include "status.h"
 
-static uint64_t bench_rng = 0x9e3779b97f4a7c15ull;
-
-static float bench_randf(void) { /* uniform in [-1, 1) */
-    bench_rng ^= bench_rng << 13;
-    bench_rng ^= bench_rng >> 7;
-    bench_rng ^= bench_rng << 17;
-    return (float)((bench_rng >> 40) * (1.0 / 8388608.0) - 1.0);
-}
-
 /* ---- machine limits -------------------------------------------------------- */
 
 typedef struct bench_sum_list {

@@ -250,8 +250,9 @@ static const double sweep_rtt[] = {10, 30, 50, 100, 200};
 #define N_RTT ((int)(sizeof sweep_rtt / sizeof sweep_rtt[0]))
 
 /* At `mbit` Mbit/s and rtt_ms: every placement rule, placed again; out->flow is the search's max
- * flow, out->decode the best simulated decode of any rule. */
-static int measure_at(const rt_swarm *base, double mbit, double rtt_ms, const bench_args *a, figures *out) {
+ * flow, out->decode the best simulated decode of any rule, and *best (if not NULL) that rule. */
+static int measure_at(const rt_swarm *base, double mbit, double rtt_ms, const bench_args *a, figures *out,
+                      int *best) {
     *out = (figures){0};
     for (int pl = 0; pl < PL_COUNT; pl++) {
         rt_swarm sw;
@@ -262,7 +263,10 @@ static int measure_at(const rt_swarm *base, double mbit, double rtt_ms, const be
         rt_swarm_free(&sw);
         if (rc) return rc;
         if (pl == PL_SEARCH) out->flow = f.flow;
-        if (f.decode > out->decode) out->decode = f.decode;
+        if (f.decode > out->decode) {
+            out->decode = f.decode;
+            if (best) *best = pl;
+        }
     }
     return FU_OK;
 }
@@ -274,7 +278,7 @@ static int sweep_speed(const rt_swarm *base, double rtt_ms, const bench_args *a,
            "simulated decode of the best rule):\n", rtt_ms);
     printf("  %12s %12s %9s %14s %9s\n", "link Mbit/s", "flow tok/s", "vs H100", "sim decode/s", "vs H100");
     for (int i = 0; i < N_MBIT; i++) {
-        int rc = measure_at(base, sweep_mbit[i], rtt_ms, a, &at[i]);
+        int rc = measure_at(base, sweep_mbit[i], rtt_ms, a, &at[i], NULL);
         if (rc) return rc;
         char label[32];
         snprintf(label, sizeof label, sweep_mbit[i] > 0 ? "%g" : "unlimited", sweep_mbit[i]);
@@ -290,19 +294,8 @@ static int sweep_speed(const rt_swarm *base, double rtt_ms, const bench_args *a,
 static int sweep_rtt_at(const rt_swarm *base, double mbit, const bench_args *a) {
     rt_swarm sw;
     figures f = {0};
-    int rc, best = 0;
-    for (int pl = 0; pl < PL_COUNT; pl++) {
-        figures g = {0};
-        if ((rc = rt_swarm_clone(&sw, base))) return rc;
-        if (!(rc = set_home_links(&sw, mbit, sweep_rtt[0]))) rc = place_and_measure(&sw, pl, a, &g);
-        rt_swarm_free(&sw);
-        if (rc) return rc;
-        if (g.decode > f.decode) {
-            f = g;
-            best = pl;
-        }
-    }
-    if ((rc = rt_swarm_clone(&sw, base))) return rc;
+    int best = 0, rc = measure_at(base, mbit, sweep_rtt[0], a, &f, &best);
+    if (rc || (rc = rt_swarm_clone(&sw, base))) return rc;
     if (!(rc = set_home_links(&sw, mbit, sweep_rtt[0]))) rc = place_and_measure(&sw, best, a, &f);
     printf("\n  RTT sweep at %g Mbit/s (%s, the fastest rule at %g ms; max flow %.1f tok/s whatever the RTT):\n",
            mbit, pl_names[best], sweep_rtt[0], f.flow);

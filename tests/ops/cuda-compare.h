@@ -456,6 +456,23 @@ static void cmp_test_rope(void **state) {
 #define CMP_SEQS 3
 #define CMP_LEN 48
 
+/* Attention of host q (T, H, hd) on the CPU over the caches of `a` into want, and on the device
+ * over those of `ad` into got; *qdv and *odv are left describing the device's copy of q and its
+ * output (the caller frees their data). */
+static void cmp_attention_run(const op_tensor *qt, const op_attn *a, const op_attn *ad, float *want, float *got,
+                              op_tensor *qdv, op_tensor *odv) {
+    const size_t bytes = (size_t)op_tensor_nelems(qt) * 4;
+    op_tensor ot = *qt;
+    ot.data = want;
+    cmp_ok(op_attention(cmp_cpu, qt, a, &ot), "attention cpu");
+    *qdv = *qt;
+    *odv = *qt;
+    qdv->data = cmp_put(qt->data, bytes);
+    odv->data = op_buffer_alloc(cmp_dev, bytes);
+    cmp_ok(op_attention(cmp_dev, qdv, ad, odv), "attention");
+    cmp_get(got, odv->data, bytes);
+}
+
 /* Fills CMP_SEQS caches of (CMP_LEN, kvh, hd) of `type` on both backends
  * through op_kv_store (prefill of lens[s] positions), checks the device caches
  * equal the CPU's bit for bit, then runs a mixed batch of attention.
@@ -529,17 +546,11 @@ static void cmp_attention_case(op_type type, int nh, int kvh, int hd, bool head_
     const int64_t qn = (int64_t)NT * nh * hd;
     float *q = cmp_malloc((size_t)qn * 4), *out = cmp_malloc((size_t)qn * 4), *outd = cmp_malloc((size_t)qn * 4);
     cmp_fill(q, qn, 2.0);
-    op_attn a = {nh, kvh, hd, 1.0f / sqrtf((float)hd), CMP_SEQS, aseq, apos, kt, vt};
-    op_tensor qt = op_tensor_3d(OP_TYPE_F32, q, hd, nh, NT), ot = op_tensor_3d(OP_TYPE_F32, out, hd, nh, NT);
-    cmp_ok(op_attention(cmp_cpu, &qt, &a, &ot), "attention cpu");
-    op_attn ad = a;
+    op_attn a = {nh, kvh, hd, 1.0f / sqrtf((float)hd), CMP_SEQS, aseq, apos, kt, vt}, ad = a;
     ad.k = kdt;
     ad.v = vdt;
-    op_tensor qdv = qt, odv = ot;
-    qdv.data = cmp_put(q, (size_t)qn * 4);
-    odv.data = op_buffer_alloc(cmp_dev, (size_t)qn * 4);
-    cmp_ok(op_attention(cmp_dev, &qdv, &ad, &odv), "attention");
-    cmp_get(outd, odv.data, (size_t)qn * 4);
+    op_tensor qt = op_tensor_3d(OP_TYPE_F32, q, hd, nh, NT), qdv, odv;
+    cmp_attention_run(&qt, &a, &ad, out, outd, &qdv, &odv);
     char what[80];
     snprintf(what, sizeof what, "attention %s H=%d KVH=%d hd=%d%s", op_type_name(type), nh, kvh, hd,
              head_major ? " head-major" : "");
@@ -593,13 +604,8 @@ static void cmp_attention_long_case(op_type type, int hd) {
     op_attn a = {H, KVH, hd, 1.0f / sqrtf((float)hd), 1, seq, pos, &k, &v}, ad = a;
     ad.k = &kd;
     ad.v = &vd;
-    op_tensor qt = op_tensor_3d(OP_TYPE_F32, q, hd, H, NT), ot = op_tensor_3d(OP_TYPE_F32, want, hd, H, NT);
-    cmp_ok(op_attention(cmp_cpu, &qt, &a, &ot), "attention cpu");
-    op_tensor qdv = qt, odv = ot;
-    qdv.data = cmp_put(q, (size_t)qn * 4);
-    odv.data = op_buffer_alloc(cmp_dev, (size_t)qn * 4);
-    cmp_ok(op_attention(cmp_dev, &qdv, &ad, &odv), "attention");
-    cmp_get(got, odv.data, (size_t)qn * 4);
+    op_tensor qt = op_tensor_3d(OP_TYPE_F32, q, hd, H, NT), qdv, odv;
+    cmp_attention_run(&qt, &a, &ad, want, got, &qdv, &odv);
     char what[80];
     snprintf(what, sizeof what, "attention %s hd=%d, 300 positions split", op_type_name(type), hd);
     cmp_close(what, got, want, qn, NULL, 1.5e-4);
