@@ -449,10 +449,20 @@ double rt_step_seconds(const rt_step_profile *p, int prompt_tokens, int decode_t
 /* Simulator                                                                                  */
 
 typedef struct rt_sim_request {
-    double arrival_s;
+    double arrival_s; /* 0 in a set of lengths */
     int prompt_len;
     int output_len;
 } rt_sim_request;
+
+/* Parses request lines from `text` (`len` bytes): "arrival_seconds prompt_len output_len"
+ * (with_arrival; sorted by arrival on return) or "prompt_len output_len" (a set of lengths).
+ * Blank lines and '#' comments are skipped; prompts are >= 1 token, outputs >= 0. *out is
+ * malloc'ed (free it), with at least one request. FU_ERR_FORMAT names the bad line. */
+int rt_sim_requests_parse(const char *text, size_t len, int with_arrival, rt_sim_request **out, int *n);
+/* The same from the file at `path` (errors are prefixed with the path). */
+int rt_sim_requests_load(const char *path, int with_arrival, rt_sim_request **out, int *n);
+/* The mean prompt and output lengths of v[n] (0 when n is 0). */
+void rt_sim_requests_mean(const rt_sim_request *v, int n, double *prompt, double *output);
 
 typedef enum rt_sim_feed {
     /* Closed loop: `concurrency` requests in flight, each replaced when it finishes. */
@@ -483,6 +493,10 @@ typedef struct rt_sim_opts {
                               sigma, within [4, max_prompt_len]; 0: all prompt_len */
     double output_sigma;   /* the same for output lengths */
     int max_prompt_len, max_output_len; /* (default 2047 / 1000, Helix's Azure Conversation set) */
+    const rt_sim_request *lengths; /* when set, synthetic requests draw their lengths from these
+                                      pairs, uniformly with replacement (Helix's LengthSampler);
+                                      prompt_len, output_len and the sigmas are then unused */
+    int n_lengths;
     double kv_hwm;         /* a server admits requests while its KV stays within this share of
                               its capacity (default 0.85, Helix's offline setting) */
     int kv_output_tokens;  /* a request reserves KV for its prompt and this many outputs, as
@@ -518,8 +532,9 @@ typedef struct rt_sim_result {
  *   plus the host copy cost of the tokens it received; a server whose kind has no profile
  *   runs (batch tokens) x (blocks run / blocks held) / tput(k).
  * - Links: a transfer of w tokens (tok bytes to/from the coordinator, tok + act between
- *   servers) occupies the link, the sender's outbound NIC and the receiver's inbound NIC for
- *   bytes / min(bandwidths), in FIFO order, then arrives one latency later.
+ *   servers) passes the link, the sender's outbound NIC and the receiver's inbound NIC, each a
+ *   FIFO at its own bandwidth (so a NIC's links share it, as Helix's NIC bandwidth pools do),
+ *   ends when the slowest has passed it, then arrives one latency later.
  * A batch takes at least 1 us. Figures cover [warmup_s, duration_s]. Deterministic for the
  * same inputs and seed. FU_ERR_RANGE when a run exceeds 4e8 events (near-zero step times and
  * links over a long run). */

@@ -177,13 +177,18 @@ static double *link_free_at(sim *s, int from, int to) {
     return &s->links[i].free_at;
 }
 
-static double rate_min(double a, double b) {
-    if (!(a > 0)) return b;
-    if (!(b > 0)) return a;
-    return a < b ? a : b;
+/* Passes `bytes` through one FIFO stage serving `rate` bytes/s (no limit when rate <= 0) that
+ * is next free at *free: returns when they are through, and moves *free there. */
+static double stage(double *free, double now, double bytes, double rate) {
+    double end = fmax(now, *free) + (rate > 0 ? bytes / rate : 0);
+    *free = end;
+    return end;
 }
 
-/* Sends w tokens from -> to at `now`; *arrive is when they are there. */
+/* Sends w tokens from -> to at `now`; *arrive is when they are there. The link, the sender's
+ * outbound NIC and the receiver's inbound NIC each pass the bytes in FIFO order at their own rate,
+ * so a NIC is shared by its links (a slow link does not hold it for the others); the transfer
+ * ends when the slowest of the three has passed it, and arrives one latency later. */
 static int transfer(sim *s, int from, int to, int w, double now, double *arrive) {
     const rt_swarm *sw = s->sw;
     double bytes = w * ((from == RT_SOURCE || to == RT_SINK) ? sw->model.token_bytes
@@ -191,13 +196,11 @@ static int transfer(sim *s, int from, int to, int w, double now, double *arrive)
     rt_link l = rt_swarm_link(sw, from, to);
     double nout = from >= 0 ? sw->servers[from].nic_out : sw->source_nic_out;
     double nin = to >= 0 ? sw->servers[to].nic_in : sw->sink_nic_in;
-    double rate = rate_min(rate_min(l.bandwidth, nout), nin);
     double *lf = link_free_at(s, from, to);
     if (!lf) return fu_errorf(FU_ERR_NOMEM, "sim: out of memory");
-    double *of = &s->nic_out_free[nic_index(s, from)], *inf = &s->nic_in_free[nic_index(s, to)];
-    double start = fmax(now, fmax(*lf, fmax(*of, *inf)));
-    double end = start + (rate > 0 ? bytes / rate : 0);
-    *lf = *of = *inf = end;
+    double end = stage(lf, now, bytes, l.bandwidth);
+    end = fmax(end, stage(&s->nic_out_free[nic_index(s, from)], now, bytes, nout));
+    end = fmax(end, stage(&s->nic_in_free[nic_index(s, to)], now, bytes, nin));
     *arrive = end + l.latency;
     return FU_OK;
 }
@@ -311,9 +314,14 @@ static int draw_len(sim *s, int mean, double sd, int cap) {
     return v > cap ? cap : (int)v;
 }
 
-/* A synthetic request: fixed lengths, or drawn as the options ask. */
+/* A synthetic request: lengths drawn from the options' set, fixed, or drawn around the means. */
 static int new_synthetic(sim *s, double now) {
     const rt_sim_opts *o = s->o;
+    if (o->lengths && o->n_lengths > 0) {
+        int i = (int)(rt__rng_unit(&s->rng) * o->n_lengths);
+        const rt_sim_request *q = &o->lengths[i < o->n_lengths ? i : o->n_lengths - 1];
+        return new_request(s, now, q->prompt_len, q->output_len);
+    }
     int pl = draw_len(s, s->prompt_len, o->prompt_sigma, o->max_prompt_len > 0 ? o->max_prompt_len : 2047);
     int ol = draw_len(s, s->output_len, o->output_sigma, o->max_output_len > 0 ? o->max_output_len : 1000);
     return new_request(s, now, pl, ol);

@@ -1,6 +1,5 @@
 /* sim-main.c -- fusion-sim: loads a cluster and a placement, prints the max flow and the
  * simulated throughput of IWRR routing over it. */
-#include <errno.h>
 #include <limits.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -8,7 +7,6 @@
 #include <string.h>
 
 #include "options.h"
-#include "parse.h"
 #include "router.h"
 #include "status.h"
 
@@ -17,7 +15,9 @@ enum { PLACE_NONE, PLACE_PETALS, PLACE_SWARM, PLACE_SEARCH, PLACE_THROUGHPUT };
 /* What the command line gives. */
 typedef struct sim_args {
     char *json, *cluster, *hdir, *model_name, *profiles, *capacity, *constants;
-    char *placement, *trace, *save;
+    char *placement, *trace, *save, *lengths_file;
+    rt_sim_request *lengths; /* --lengths, loaded */
+    int n_lengths;
     int place;           /* PLACE_* */
     uint64_t seed;
     bool no_sim, quiet, no_profiles;
@@ -61,6 +61,8 @@ static const fu_opt sim_options[] = {
     {"concurrency", 0, FU_OPT_INT, FU_OPT_TO(args.so.concurrency), .help = "closed loop with N requests in flight",
      .lo = 0, .hi = INT32_MAX},
     {"trace", 0, FU_OPT_STRING, FU_OPT_TO(args.trace), "FILE", "requests to replay"},
+    {"lengths", 0, FU_OPT_STRING, FU_OPT_TO(args.lengths_file), "FILE",
+     "draw synthetic requests' lengths from this set of \"prompt_len output_len\" lines"},
     {"feed-hwm", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.feed_hwm), "F",
      "without --rate/--concurrency/--trace: add requests while the busiest block's KV use is <= F (default 0.8)"},
     {"kv-hwm", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.kv_hwm), "F", "servers admit while KV use stays <= F (default 0.85)"},
@@ -95,7 +97,7 @@ static const fu_opt_spec sim_spec = {
     "                  [--placement SOL.ini | --place petals|swarm|search|throughput] [--time S] [--seed N]\n"
     "                  [--search-evals N] [--max-tpot S] [--max-hops H] [--evals N]\n"
     "                  [--prompt-sigma S] [--output-sigma S] [--max-prompt-len N] [--max-output-len N]\n"
-    "                  [--kv-output-tokens N]\n"
+    "                  [--kv-output-tokens N] [--lengths FILE]\n"
     "                  [--conv runtime|ilp] [--partial] [--rate R | --concurrency N | --trace FILE]\n"
     "                  [--feed-hwm F] [--kv-hwm F] [--no-step-profiles]\n"
     "                  [--duration S] [--warmup S] [--prompt-len N] [--output-len N] [--no-sim]\n"
@@ -104,61 +106,14 @@ static const fu_opt_spec sim_spec = {
     "Helix files default to DIR/simulator/model_manager/google_machine_profiles.ini,\n"
     "DIR/derived/node_capacity_by_layers.csv and DIR/derived/model_constants.json.\n"
     "A trace has one request per line: arrival_seconds prompt_len output_len.\n"
+    "A lengths file has one pair per line: prompt_len output_len; synthetic requests\n"
+    "draw from it uniformly (config/traces/azure-conv-lengths.txt is Helix's set).\n"
     "Without --rate, --concurrency or --trace, requests are fed as Helix's offline runs do.\n"
     "Step times come from Helix's per-GPU tables (--helix-cluster) or the file's\n"
     "\"step_profiles\" (--json); servers without one run at their throughput table.\n"
     "Prints key = value lines: servers, max_flow_tokens_per_s (runtime and ilp\n"
     "conventions), placement, the quick estimate of decode tokens/s (the surrogate\n"
     "--place throughput searches on), and simulated decode/prompt throughput.\n"};
-
-/* One trace line, "arrival_seconds prompt_len output_len", into q (the line is cut into fields). */
-static bool parse_trace_line(char *line, rt_sim_request *q) {
-    static const char blanks[] = " \t\r\n";
-    char *f[4];
-    int n = 0;
-    for (char *p = line + strspn(line, blanks); *p && n < 4; p += strspn(p, blanks)) {
-        f[n++] = p;
-        p += strcspn(p, blanks);
-        if (*p) *p++ = '\0';
-    }
-    long prompt, output;
-    if (n != 3 || fu_parse_double(f[0], &q->arrival_s) || !(q->arrival_s >= 0) ||
-        fu_parse_long(f[1], 1, INT_MAX, &prompt) || fu_parse_long(f[2], 0, INT_MAX, &output))
-        return false;
-    q->prompt_len = (int)prompt;
-    q->output_len = (int)output;
-    return true;
-}
-
-static int load_trace(const char *path, rt_sim_request **out, int *n) {
-    FILE *f = fopen(path, "r");
-    if (!f) return fu_errorf(FU_ERR_IO, "%s: %s", path, strerror(errno));
-    int cap = 1024, cnt = 0;
-    rt_sim_request *v = malloc((size_t)cap * sizeof *v);
-    char line[256], fields[256];
-    while (v && fgets(line, sizeof line, f)) {
-        if (line[0] == '#' || line[0] == '\n') continue;
-        rt_sim_request q;
-        memcpy(fields, line, sizeof line);
-        if (!parse_trace_line(fields, &q)) {
-            free(v);
-            fclose(f);
-            return fu_errorf(FU_ERR_FORMAT, "%s: bad line \"%.40s\"", path, line);
-        }
-        if (cnt == cap) {
-            cap *= 2;
-            rt_sim_request *nv = realloc(v, (size_t)cap * sizeof *v);
-            if (!nv) break;
-            v = nv;
-        }
-        v[cnt++] = q;
-    }
-    fclose(f);
-    if (!v) return fu_errorf(FU_ERR_NOMEM, "out of memory");
-    *out = v;
-    *n = cnt;
-    return FU_OK;
-}
 
 /* Helix's files as the command line names them (its own, else the --helix-dir's). */
 static rt_helix_files helix_files(const sim_args *a) {
@@ -178,6 +133,12 @@ static rt_sim_opts sim_options_of(const sim_args *a, const rt_sim_profiles *prof
     so.route.flow.allow_partial = a->se.flow.allow_partial;
     so.feed = a->trace ? RT_FEED_TRACE : so.arrival_rate > 0 ? RT_FEED_POISSON : so.concurrency > 0 ? RT_FEED_CLOSED : RT_FEED_KV;
     so.profiles = prof;
+    if (a->lengths) {
+        double pl, ol;
+        rt_sim_requests_mean(a->lengths, a->n_lengths, &pl, &ol);
+        so.lengths = a->lengths, so.n_lengths = a->n_lengths;
+        so.prompt_len = (int)(pl + 0.5), so.output_len = (int)(ol + 0.5); /* the estimate's means */
+    }
     return so;
 }
 
@@ -264,7 +225,7 @@ static void sim_print(const rt_sim_result *r) {
 static int sim_run(const sim_args *a, const rt_sim_profiles *prof, const rt_swarm *sw) {
     rt_sim_opts so = sim_options_of(a, prof);
     rt_sim_request *tr = NULL;
-    int rc = a->trace ? load_trace(a->trace, &tr, &so.n_trace) : FU_OK;
+    int rc = a->trace ? rt_sim_requests_load(a->trace, 1, &tr, &so.n_trace) : FU_OK;
     so.trace = tr;
     rt_sim_result res;
     double est = 0;
@@ -277,11 +238,12 @@ static int sim_run(const sim_args *a, const rt_sim_profiles *prof, const rt_swar
 }
 
 /* Does what `a` asks; the exit status. */
-static int simulate(const sim_args *a) {
+static int simulate(sim_args *a) {
     rt_swarm sw = {0};
     rt_sim_profiles prof = {0};
     rt_flow_opts fr = {RT_CONV_RUNTIME, a->se.flow.allow_partial};
-    int rc = sim_profiles(a, &prof);
+    int rc = a->lengths_file ? rt_sim_requests_load(a->lengths_file, 0, &a->lengths, &a->n_lengths) : FU_OK;
+    if (!rc) rc = sim_profiles(a, &prof);
     if (!rc) rc = sim_load(a, &prof, &sw);
     if (!rc) sim_print_flow(a, &sw, &fr);
     if (!rc && a->save) rc = rt_swarm_save_json(&sw, a->save);
@@ -289,6 +251,7 @@ static int simulate(const sim_args *a) {
     if (rc) fprintf(stderr, "fusion-sim: %s: %s\n", fu_status_str(rc), fu_last_error());
     rt_swarm_free(&sw);
     rt_sim_profiles_free(&prof);
+    free(a->lengths);
     return rc ? 1 : 0;
 }
 

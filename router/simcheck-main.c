@@ -11,14 +11,14 @@
 #include "status.h"
 
 /*
- * Usage: fusion-bench-sim [--helix-dir DIR] [--duration S] [--seed N]
+ * Usage: fusion-bench-sim [--helix-dir DIR] [--lengths FILE] [--duration S] [--seed N] [--seeds N]
  *
  * Each row loads a Helix cluster and placement, feeds requests as Helix's offline runs do
  * (RT_FEED_KV), routes them with IWRR over the max flow and prints the simulated decode
  * tokens/s next to the figure in derived/ae_results.csv, twice: with Helix's average lengths
- * (750 + 240 tokens, fixed), and with lengths drawn like Helix's workload (its filtered Azure
- * Conversation set: means 763.1 / 232.4, at most 2047 / 1000 tokens; the spread is not
- * published, so it is a lognormal of --prompt-sigma / --output-sigma). Helix's Swarm rows of its
+ * (750 + 240 tokens, fixed), and with lengths drawn as Helix draws them, uniformly from the
+ * pairs of its filtered Azure Conversation set (config/traces/azure-conv-lengths.txt: 16,657
+ * pairs, means 763.1 / 232.4, at most 2047 / 1000 tokens). Helix's Swarm rows of its
  * main runs (single cluster, and the first of two on 3 regions) used Swarm's own scheduler; its
  * placement study ran the same 3-region Swarm placement with max-flow scheduling too (the second).
  * Here every placement is routed by IWRR.
@@ -28,7 +28,7 @@
  * The online rows feed requests as Helix's online runs do, but by Poisson: Helix samples each
  * 3 s interval's rate from its (smooth) Azure Conversation arrival trace, rescaled so that the
  * average offers its cluster_token_throughput, i.e. that many tokens/s / 995.5 tokens a request
- * (the trace is a binary file not in the extract). 1800 s with no warm-up, Azure-like lengths,
+ * (the trace is a binary file not in the extract). 1800 s with no warm-up, Azure lengths,
  * and Helix's online KV setting: admission to 0.9 of KV, expecting 0.6 of the outputs.
  */
 
@@ -37,8 +37,8 @@ typedef struct check_row {
     int partial;
     double published;
     const char *published_note;
-    double fixed, sim, max_flow, hops; /* fixed: Helix's average lengths; sim: Azure-like lengths */
-    double estimate;                   /* the placement's quick estimate (Azure-like mean lengths) */
+    double fixed, sim, max_flow, hops; /* fixed: Helix's average lengths; sim: Azure lengths */
+    double estimate;                   /* the placement's quick estimate (Azure mean lengths) */
 } check_row;
 
 static check_row rows[] = {
@@ -85,26 +85,26 @@ static const char *pairs[][2] = {
 enum { N_PAIRS = sizeof pairs / sizeof pairs[0] };
 
 static struct {
-    char *hdir;
+    char *hdir, *lengths_file;
     double duration;
-    long seed;
-    double prompt_sigma, output_sigma;
+    long seed, seeds;
+    rt_sim_request *lengths;
+    int n_lengths;
 } args;
 
 static const fu_opt opts[] = {
     {"helix-dir", 0, FU_OPT_STRING, FU_OPT_TO(args.hdir), "DIR", "the Helix data", .def = FUSION_HELIX_DIR},
     {"duration", 0, FU_OPT_FLOAT, FU_OPT_TO(args.duration), "S", "simulated seconds", .def = "660"},
-    {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "simulation seed", .lo = 0, .hi = 1L << 30},
-    {"prompt-sigma", 0, FU_OPT_FLOAT, FU_OPT_TO(args.prompt_sigma), "S",
-     "the Azure-like run's lognormal spread of prompt lengths", .def = "0.5"},
-    {"output-sigma", 0, FU_OPT_FLOAT, FU_OPT_TO(args.output_sigma), "S",
-     "the Azure-like run's lognormal spread of output lengths", .def = "0.5"},
+    {"seed", 0, FU_OPT_INT, FU_OPT_TO(args.seed), .help = "the first simulation seed", .lo = 0, .hi = 1L << 30},
+    {"seeds", 0, FU_OPT_INT, FU_OPT_TO(args.seeds), .help = "runs per figure, their mean printed (seeds from --seed on)",
+     .def = "3", .lo = 1, .hi = 100},
+    {"lengths", 0, FU_OPT_STRING, FU_OPT_TO(args.lengths_file), "FILE",
+     "the request lengths to draw from (\"prompt_len output_len\" lines)", .def = FUSION_LENGTHS_FILE},
     FU_OPT_END,
 };
 
 static const fu_opt_spec spec = {"fusion-bench-sim",
-                                 "usage: fusion-bench-sim [--helix-dir DIR] [--duration S] [--seed N] [--prompt-sigma S] "
-                                 "[--output-sigma S]",
+                                 "usage: fusion-bench-sim [--helix-dir DIR] [--lengths FILE] [--duration S] [--seed N] [--seeds N]",
                                  opts, NULL};
 
 static int load(const char *cluster, const char *placement, rt_swarm *sw) {
@@ -119,30 +119,46 @@ static int load(const char *cluster, const char *placement, rt_swarm *sw) {
 
 enum { AZURE_PROMPT = 763, AZURE_OUTPUT = 232 }; /* Helix's Azure Conversation means, rounded */
 
+/* Lengths drawn from the set of --lengths, as Helix's LengthSampler draws them (the quick
+ * estimate reads their means). */
+static void azure_lengths(rt_sim_opts *so) {
+    so->lengths = args.lengths, so->n_lengths = args.n_lengths;
+    so->prompt_len = AZURE_PROMPT, so->output_len = AZURE_OUTPUT;
+}
+
 /* One simulation of a loaded placement: Helix's fixed average lengths (750 / 240), or lengths
- * drawn like Helix's Azure Conversation set (means 763.1 / 232.4, at most 2047 / 1000 tokens,
- * KV reserved for the prompt and 240 outputs as Helix expects). */
+ * drawn from Helix's Azure Conversation set (KV reserved for the prompt and 240 outputs as
+ * Helix expects). */
 static rt_sim_opts row_opts(const check_row *r, const rt_sim_profiles *prof, int azure) {
     rt_sim_opts so = {0};
     so.duration_s = args.duration;
     so.feed = RT_FEED_KV;
     so.profiles = prof;
-    so.seed = (uint64_t)args.seed;
     so.route.flow.allow_partial = r->partial;
-    if (azure) {
-        so.prompt_len = AZURE_PROMPT, so.output_len = AZURE_OUTPUT, so.kv_output_tokens = 240;
-        so.prompt_sigma = args.prompt_sigma, so.output_sigma = args.output_sigma;
-    }
+    if (azure) azure_lengths(&so), so.kv_output_tokens = 240;
     return so;
 }
 
+/* Runs `so` with --seeds seeds from --seed on; *res is the last run, its decode tokens/s and
+ * median TTFT and TPOT the means of all. */
+static int run_seeds(const rt_swarm *sw, rt_sim_opts so, rt_sim_result *res) {
+    double tps = 0, ttft = 0, tpot = 0;
+    int rc = FU_OK;
+    for (long i = 0; i < args.seeds && !rc; i++) {
+        so.seed = (uint64_t)(args.seed + i);
+        rc = rt_sim_run(sw, &so, res);
+        tps += res->decode_tps, ttft += res->ttft_p50, tpot += res->tpot_p50;
+    }
+    if (!rc) res->decode_tps = tps / args.seeds, res->ttft_p50 = ttft / args.seeds, res->tpot_p50 = tpot / args.seeds;
+    return rc;
+}
+
 static int simulate(const rt_swarm *sw, const check_row *r, const rt_sim_profiles *prof, int azure, rt_sim_result *res) {
-    rt_sim_opts so = row_opts(r, prof, azure);
-    return rt_sim_run(sw, &so, res);
+    return run_seeds(sw, row_opts(r, prof, azure), res);
 }
 
 /* The throughput placement's quick estimate of the row (rt_estimate_decode_tps), for the
- * Azure-like run's workload (it reads the mean lengths only). */
+ * Azure run's workload (it reads the mean lengths only). */
 static int estimate(const rt_swarm *sw, const check_row *r, const rt_sim_profiles *prof, double *out) {
     rt_sim_opts so = row_opts(r, prof, 1);
     return rt_estimate_decode_tps(sw, &so, out);
@@ -170,10 +186,8 @@ static int run_online(online_row *r, const rt_sim_profiles *prof) {
         so.duration_s = 1800, so.warmup_s = -1;
         so.feed = RT_FEED_POISSON, so.arrival_rate = r->offered / (763.1 + 232.4);
         so.profiles = prof;
-        so.seed = (uint64_t)args.seed;
-        so.prompt_len = AZURE_PROMPT, so.output_len = AZURE_OUTPUT, so.kv_output_tokens = 144, so.kv_hwm = 0.9;
-        so.prompt_sigma = args.prompt_sigma, so.output_sigma = args.output_sigma;
-        rc = rt_sim_run(&sw, &so, &res);
+        azure_lengths(&so), so.kv_output_tokens = 144, so.kv_hwm = 0.9;
+        rc = run_seeds(&sw, so, &res);
     }
     if (!rc) r->sim = res.decode_tps, r->ttft_p50 = res.ttft_p50, r->tpot_p50 = res.tpot_p50;
     rt_swarm_free(&sw);
@@ -182,7 +196,7 @@ static int run_online(online_row *r, const rt_sim_profiles *prof) {
 
 static void print_online(void) {
     int within = 0;
-    printf("\nonline (Poisson at Helix's offered load, 1800 s, Azure-like lengths):\n");
+    printf("\nonline (Poisson at Helix's offered load, 1800 s, Azure lengths):\n");
     printf("%-28s %8s %9s %9s %6s %12s %12s  %s\n", "placement", "offered", "published", "fusion", "ratio",
            "prompt p50", "decode p50", "source");
     for (int i = 0; i < N_ONLINE; i++) {
@@ -232,7 +246,7 @@ static void print_table(void) {
                r->fixed, r->fixed / r->published, r->sim, ratio, r->hops, r->estimate, r->published_note,
                fabs(ratio - 1) <= 0.15 ? "" : "  (outside 15%)");
     }
-    printf("azure-like lengths within 15%%: %d of %d\n\npairs (published order), Azure-like lengths:\n", within, N_ROWS);
+    printf("azure lengths within 15%%: %d of %d\n\npairs (published order), Azure lengths:\n", within, N_ROWS);
     int same = pairs_in_order(BY_AZURE);
     printf("pairs in the published order: %d of %d\n\npairs (published order), fixed lengths:\n", same, N_PAIRS);
     same = pairs_in_order(BY_FIXED);
@@ -247,10 +261,12 @@ int main(int argc, char **argv) {
     if (status >= 0) return status;
     rt_helix_files f = {args.hdir, "llama2_70b", NULL, NULL, NULL};
     rt_sim_profiles prof = {0};
-    int rc = rt_helix_load_step_profiles(&prof, &f);
+    int rc = rt_sim_requests_load(args.lengths_file, 0, &args.lengths, &args.n_lengths);
+    if (!rc) rc = rt_helix_load_step_profiles(&prof, &f);
     for (int i = 0; i < N_ROWS && !rc; i++) rc = run_row(&rows[i], &prof);
     for (int i = 0; i < N_ONLINE && !rc; i++) rc = run_online(&online[i], &prof);
     rt_sim_profiles_free(&prof);
+    free(args.lengths);
     if (!rc) print_table(), print_online();
     else fprintf(stderr, "fusion-bench-sim: %s\n", fu_last_error());
     fu_opt_free(opts);

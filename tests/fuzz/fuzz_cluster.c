@@ -1,6 +1,7 @@
 /* fuzz_cluster.c -- libFuzzer target: arbitrary bytes as a cluster file (router/rt-json.c: fusion's
  * JSON cluster, compact or object links, kinds, default link), its step profiles
- * (router/rt-profile.c) and as Helix's INI files and value expressions (router/rt-load.c). A
+ * (router/rt-profile.c), as Helix's INI files and value expressions (router/rt-load.c) and as
+ * the simulator's traces and length sets (router/rt-requests.c). A
  * cluster that parses is simulated briefly, saved and read back, which must give the same servers
  * and max flow. */
 #include <math.h>
@@ -58,6 +59,20 @@ static void ini(const char *text, size_t len) {
     }
 }
 
+/* Both request-file forms; what parses is sorted (traces) and in range. */
+static void requests(const char *text, size_t len) {
+    for (int with_arrival = 0; with_arrival < 2; with_arrival++) {
+        rt_sim_request *v;
+        int n;
+        if (rt_sim_requests_parse(text, len, with_arrival, &v, &n)) continue;
+        for (int i = 0; i < n; i++)
+            if (n < 1 || v[i].prompt_len < 1 || v[i].output_len < 0 || !(v[i].arrival_s >= 0) ||
+                (i > 0 && v[i].arrival_s < v[i - 1].arrival_s))
+                abort();
+        free(v);
+    }
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const char *text = (const char *)data;
     rt_swarm sw;
@@ -73,6 +88,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(z, data, size);
     z[size] = '\0';
     ini(z, size);
+    requests(text, size);
     free(z);
     unlink(path);
     return 0;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes seed inputs for fuzz_cluster: the small cluster files of config/, a compact-form cluster
-with step profiles, and Helix-style INI text."""
+with step profiles, Helix-style INI text, a trace and a set of lengths."""
 import json
 import os
 import sys
@@ -23,6 +23,8 @@ seeds += [
     "[NodeNames]\ntotal_compute_nodes=2\n[ComputeNode-0]\ntype=A100\nconnected_nodes=[1, 'source', 'sink']\n"
     "[Link-0-1]\nbandwidth=1250 * mbps\nlatency=1 * MilliSec\n",
     "[Settings]\noffset=2\n[Solution]\ncompute_node_2=[0, 1, 2]\ncompute_node_3=[3]\n",
+    "# arrival prompt output\n0.5 120 30\n0.1 7 1\n\n2.25\t900 0\n",
+    "374 44\n396 109\n# a comment\n879 55\r\n91 16",
 ]
 for i, s in enumerate(seeds):
     with open(os.path.join(out, f"seed-{i}.json"), "w") as f:

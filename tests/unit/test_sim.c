@@ -241,6 +241,65 @@ static void test_lengths_and_kv_expectation(void **st) {
     rt_swarm_free(&sw);
 }
 
+/* Request files: traces sorted by arrival, length sets, and clear errors naming the line. */
+static void test_request_files(void **st) {
+    (void)st;
+    static const char trace[] = "# arrival prompt output\n2.5 100 4\n\n0.5\t7 0\r\n1 9 9";
+    rt_sim_request *v;
+    int n;
+    assert_int_equal(rt_sim_requests_parse(trace, strlen(trace), 1, &v, &n), FU_OK);
+    assert_int_equal(n, 3);
+    NEAR(v[0].arrival_s, 0.5, 0), NEAR(v[1].arrival_s, 1, 0), NEAR(v[2].arrival_s, 2.5, 0);
+    assert_int_equal(v[0].prompt_len, 7), assert_int_equal(v[0].output_len, 0), assert_int_equal(v[2].prompt_len, 100);
+    free(v);
+    static const char pairs[] = "374 44\n91 16\n";
+    assert_int_equal(rt_sim_requests_parse(pairs, strlen(pairs), 0, &v, &n), FU_OK);
+    double pm, om;
+    rt_sim_requests_mean(v, n, &pm, &om);
+    NEAR(pm, 232.5, 1e-9), NEAR(om, 30, 1e-9);
+    free(v);
+    static const char *bad[] = {"", "# only\n", "1 2 3\n", "0 5\n", "5 -1\n", "5 x\n", "5\n", "1 2\0 3\n"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        assert_int_equal(rt_sim_requests_parse(bad[i], i == 7 ? 8 : strlen(bad[i]), 0, &v, &n), FU_ERR_FORMAT);
+    static const char blanks[2] = {' ', '\t'}; /* no NUL after the text: the parser stays within len */
+    assert_int_equal(rt_sim_requests_parse(blanks, sizeof blanks, 0, &v, &n), FU_ERR_FORMAT);
+    assert_int_equal(rt_sim_requests_parse("1 2\n1 2 x\n", 10, 1, &v, &n), FU_ERR_FORMAT);
+    assert_non_null(strstr(fu_last_error(), "line 1"));
+    assert_int_equal(rt_sim_requests_parse(pairs, strlen(pairs), 1, &v, &n), FU_ERR_FORMAT);
+    assert_int_not_equal(rt_sim_requests_load("/nonexistent/lengths.txt", 0, &v, &n), FU_OK);
+}
+
+/* One request at a time for 100 s on profile p: prompt/output lengths, or drawn from set[n]. */
+static rt_sim_result one_at_a_time(const rt_swarm *sw, const rt_sim_profiles *p, int prompt, int output,
+                                   const rt_sim_request *set, int n) {
+    rt_sim_opts so = opts(100, 10, prompt, output);
+    so.concurrency = 1, so.profiles = p, so.lengths = set, so.n_lengths = n;
+    rt_sim_result r;
+    assert_int_equal(rt_sim_run(sw, &so, &r), FU_OK);
+    return r;
+}
+
+/* A length set draws each request's pair: one pair runs as those fixed lengths do (whatever the
+ * fixed ones say); two pairs of short and long prompts give prompt latencies of both. */
+static void test_length_sets(void **st) {
+    (void)st;
+    rt_swarm sw;
+    one_server(&sw, 2, 0);
+    rt_sim_profiles p = {0};
+    assert_int_equal(rt_sim_profiles_parse_json(&p, PROFILE_JSON, strlen(PROFILE_JSON)), FU_OK);
+    rt_sim_request one = {0, 100, 3}, two[2] = {{0, 10, 3}, {0, 1000, 3}};
+    rt_sim_result a = one_at_a_time(&sw, &p, 100, 3, NULL, 0), b = one_at_a_time(&sw, &p, 7, 70, &one, 1);
+    NEAR(a.decode_tps, b.decode_tps, 1e-9), NEAR(a.ttft_p50, b.ttft_p50, 1e-12);
+    assert_int_equal(a.completed, b.completed);
+    rt_sim_result mix = one_at_a_time(&sw, &p, 7, 70, two, 2);
+    rt_sim_result lo = one_at_a_time(&sw, &p, 10, 3, NULL, 0), hi = one_at_a_time(&sw, &p, 1000, 3, NULL, 0);
+    NEAR(mix.ttft_p99, hi.ttft_p99, 1e-9); /* the longest prompts are the long pair's */
+    assert_true(mix.mean_prompt_latency_s > 2 * lo.mean_prompt_latency_s &&
+                mix.mean_prompt_latency_s < 0.8 * hi.mean_prompt_latency_s);
+    rt_sim_profiles_free(&p);
+    rt_swarm_free(&sw);
+}
+
 /* Step times of zero over instant links: a batch still takes 1 us, so simulated time advances and
  * the run ends (at most one step per microsecond: 1e6 tokens/s for one sequence). */
 static void test_zero_times_advance(void **st) {
@@ -440,7 +499,8 @@ int main(void) {
         cmocka_unit_test(test_deterministic_and_poisson), cmocka_unit_test(test_place_throughput),
         cmocka_unit_test(test_lengths_and_kv_expectation), cmocka_unit_test(test_zero_times_advance),
         cmocka_unit_test(test_join_throughput), cmocka_unit_test(test_join_aligned_windows),
-        cmocka_unit_test(test_profiles_add),
+        cmocka_unit_test(test_profiles_add), cmocka_unit_test(test_request_files),
+        cmocka_unit_test(test_length_sets),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
