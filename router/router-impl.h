@@ -116,17 +116,26 @@ int rt__graph_reset(rt_graph *g, int n_nodes);
 
 /* Scores a candidate placement for rt__stripe_best: *score higher is better, < 0 unusable. */
 typedef int (*rt__stripe_score_fn)(void *ctx, const rt_swarm *sw, double *score);
-/* Stripe placements of `base`: its placeable servers grouped by kind and site (servers linked
- * within 5 ms), each group one pipeline over a head [0, c), a tail [c, L), the whole model or
- * nothing, every group at the same cut c (multiples of L / 20), each server's share of its
- * group's range in proportion to the most blocks it holds, its members ordered for the links
- * into and out of it. With up to 5 groups every choice of roles that covers the model within
- * the groups' limits is scored; with up to 16, a descent from each group's widest role changes
- * one group's role at a time while the score rises (4000 scores at most in all, cuts in
- * ascending order). The k best (at most 16), best first, are
- * written as copies of `base` into out[0 .. *n) (the caller frees each). *n = 0 when the swarm
- * has more than 512 servers or 16 groups. Deterministic. */
-int rt__stripe_best(const rt_swarm *base, rt__stripe_score_fn score, void *ctx, int k, rt_swarm *out, int *n);
+/* How rt__stripe_best groups the servers: by kind and site, or by site alone. */
+typedef enum rt__stripe_groups { RT__STRIPE_KIND_SITE, RT__STRIPE_SITE } rt__stripe_groups;
+/* Stripe placements of `base`: its placeable servers grouped by kind and site, or by site alone
+ * (a site: servers linked within 5 ms), each group one pipeline over a head [0, c), a tail
+ * [c, L), the whole model or nothing, every group at the same cut c (multiples of L / 20).
+ * A group's pipeline takes its members in id order (at most one a block), or, by site, also
+ * the lean way: the fewest members that hold its range, those that hold the most first. Each
+ * member's share of the range is in proportion to the most blocks it holds; a head's last
+ * member is the one best linked into the tails, a tail's first the one best linked from the
+ * heads' last members, and the ends of the model the ones best linked from and back to the
+ * coordinator. A boundary between two members that meets another site's moves by up to 2
+ * blocks where the limits allow, so that chains do not cross between sites midway. When the
+ * choices at a cut number at most 1024 (5 groups by kind and site, 3 by site) every one that
+ * covers the model within the groups' limits is scored; with up to 16 groups, a descent from
+ * each group's widest role changes one group's choice at a time while the score rises (4000
+ * scores at most in all, cuts in ascending order). The k best (at most 16) with distinct
+ * spans, best first, are written as copies of `base` into out[0 .. *n) (the caller frees
+ * each). *n = 0 when the swarm has more than 512 servers or 16 groups. Deterministic. */
+int rt__stripe_best(const rt_swarm *base, rt__stripe_groups by, rt__stripe_score_fn score, void *ctx, int k,
+                    rt_swarm *out, int *n);
 
 /* --- misc ------------------------------------------------------------------------------- */
 

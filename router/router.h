@@ -567,12 +567,16 @@ typedef struct rt_tplace_stats {
  * block). Each seed is simulated (rt_sim_run), and so is each of `restarts` local searches from
  * it on a quick estimate (max flow shares, the KV bound on requests in flight, a fixed point of
  * batch cycles by Little's law with the servers' batch and prompt limits, M/G/1 link waits);
- * then the 6 stripe placements the estimate ranks first are simulated too (servers grouped by
- * kind and site, each group one pipeline over a head, a tail or the whole model at a common
- * cut, ordered for its links; swarms of at most 512 servers in at most 16 groups);
- * the moves (resize, shift, start where another ends, copy another's span, become a spare, swap
- * two) are repaired to keep every block covered. The best is refined by max_evals simulated
- * moves, each kept when the simulated decode tokens/s rise. A placement whose median TPOT
+ * then the stripe placements are simulated too, the 6 the estimate ranks first of each grouping
+ * (servers grouped by kind and site, or by site alone with kinds mixed and, the lean way, only
+ * the fewest members that hold the range; each group one pipeline over a head, a tail or the
+ * whole model at a common cut, its ends chosen by their links; swarms of at most 512 servers in
+ * at most 16 groups); the moves (resize, shift, start where another ends, copy another's span,
+ * become a spare, swap two) are repaired to keep every block covered. The best is refined by
+ * simulated moves while the evaluations (max_evals, the seeds' simulations included) last: first
+ * a sweep that moves each boundary between spans a block either way, then random moves (a
+ * boundary by one or two blocks, a swap with a server of the same kind, or a perturbation),
+ * each kept when the simulated decode tokens/s rise. A placement whose median TPOT
  * exceeds max_tpot_s, or whose mean hops exceed max_hops, scores its throughput scaled down by
  * the excess. Deterministic for the same inputs and seeds when search.max_evals > 0 (then the
  * max-flow search runs no clock). Writes the best placement into `sw`. */

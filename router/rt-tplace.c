@@ -1,6 +1,7 @@
 /* rt-tplace.c -- placement for simulated throughput: the max-flow search's, Petals', Swarm's and
- * the current placement, each improved by annealing on a quick estimate, the best of them by the
- * simulator, then refined one simulated move at a time. Single-threaded, like the router. */
+ * the current placement, each improved by annealing on a quick estimate, and the stripe
+ * placements; the best of them by the simulator, then refined by simulated moves (a sweep of the
+ * boundaries between spans, then random moves). Single-threaded, like the router. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -204,13 +205,18 @@ static int stripe_score(void *ctx, const rt_swarm *sw, double *out) {
     return quick_score(ctx, sw, out);
 }
 
-/* The STRIPE_SEEDS stripe placements the quick estimate ranks first, each simulated. */
+/* The STRIPE_SEEDS stripe placements of each grouping (by kind and site, by site) that the quick
+ * estimate ranks first, each simulated. */
 static int stripe_seeds(tplace *t, const rt_swarm *base, rt_swarm *sw, double *best, int *which) {
     rt_swarm cand[STRIPE_SEEDS];
-    int n = 0, rc = rt__stripe_best(base, stripe_score, t, STRIPE_SEEDS, cand, &n);
-    for (int i = 0; i < n; i++) {
-        if (!rc) rc = keep_if_better(t, sw, &cand[i], best, which, 4);
-        rt_swarm_free(&cand[i]);
+    int rc = FU_OK;
+    for (int by = RT__STRIPE_KIND_SITE; by <= RT__STRIPE_SITE && !rc; by++) {
+        int n = 0;
+        rc = rt__stripe_best(base, (rt__stripe_groups)by, stripe_score, t, STRIPE_SEEDS, cand, &n);
+        for (int i = 0; i < n; i++) {
+            if (!rc) rc = keep_if_better(t, sw, &cand[i], best, which, 4);
+            rt_swarm_free(&cand[i]);
+        }
     }
     return rc;
 }
@@ -345,10 +351,81 @@ static int perturb(rt_swarm *sw, uint64_t *rng) {
     return repair(sw, rng);
 }
 
-/* One local-search step: a perturbation, kept when the score rises. */
+/* Moves the boundary at block b by d blocks: every serving server that ends at b ends at b + d,
+ * and every one that starts there starts at b + d, when each then holds at least one block
+ * within its limit and both kinds exist; 1 if it moved (0 may leave spans changed: the caller
+ * restores them). */
+static int shift_boundary(rt_swarm *sw, int b, int d) {
+    int ends = 0, starts = 0;
+    for (int i = 0; i < sw->n_servers; i++) {
+        const rt_server *s = &sw->servers[i];
+        if (!rt_swarm_serving(sw, i) || (s->last != b && s->first != b)) continue;
+        int k = s->last == b ? b + d - s->first : s->last - b - d;
+        if (k < 1 || k > rt_swarm_max_layers(sw, i)) return 0;
+        ends += s->last == b, starts += s->first == b;
+    }
+    if (!ends || !starts) return 0;
+    for (int i = 0; i < sw->n_servers; i++) {
+        const rt_server *s = &sw->servers[i];
+        if (!rt_swarm_serving(sw, i)) continue;
+        int rc = s->last == b ? rt_swarm_set_span(sw, i, s->first, b + d)
+                 : s->first == b ? rt_swarm_set_span(sw, i, b + d, s->last) : FU_OK;
+        if (rc) return 0;
+    }
+    return 1;
+}
+
+/* Exchanges the spans of serving server i and another placeable server of its kind (one that
+ * holds nothing takes i's span, and i then holds nothing), so that the pipelines keep their
+ * shape over other links; 1 if it did. */
+static int swap_kind(rt_swarm *sw, int i, uint64_t *rng) {
+    int n = sw->n_servers, off = rt__rng_int(rng, n);
+    for (int t = 0; t < n; t++) {
+        int j = (t + off) % n;
+        if (j == i || !rt__placeable(sw, j) || strcmp(sw->servers[j].kind, sw->servers[i].kind)) continue;
+        span a = {sw->servers[i].first, sw->servers[i].last}, b = {sw->servers[j].first, sw->servers[j].last};
+        if (!rt_swarm_serving(sw, j)) b.first = b.last = 0;
+        return !rt_swarm_set_span(sw, j, a.first, a.last) && !rt_swarm_set_span(sw, i, b.first, b.last);
+    }
+    return 0;
+}
+
+/* A refining move: a third of the time the boundary after a random serving server moves by one
+ * or two blocks either way, a third it trades places with a server of its kind (the pipelines
+ * keep their shape), else a perturbation. */
+static int refine_move(rt_swarm *sw, uint64_t *rng) {
+    int kind = rt__rng_int(rng, 3), i = pick_serving(sw, rng), d = 1 + rt__rng_int(rng, 2);
+    if (kind == 0 || i < 0) return perturb(sw, rng);
+    if (kind == 1) return swap_kind(sw, i, rng);
+    return shift_boundary(sw, sw->servers[i].last, rt__rng_int(rng, 2) ? d : -d);
+}
+
+/* Tries moving each boundary between two spans by one block later, then earlier, in block
+ * order, keeping the first move at a boundary that raises the simulated score, while
+ * evaluations last. The stripes' shares follow the servers' limits, not their speed or KV, so
+ * a pipeline is often one block from balance. */
+static int sweep_boundaries(tplace *t, rt_swarm *sw, span *saved, double *best) {
+    int rc = FU_OK;
+    for (int b = 1; b < sw->model.n_layers && !rc && t->evals < t->max_evals; b++) {
+        for (int d = 1; d >= -1 && !rc && t->evals < t->max_evals; d -= 2) {
+            save_spans(sw, saved);
+            double s = -1;
+            int moved = shift_boundary(sw, b, d);
+            if (moved) rc = score(t, sw, &s);
+            if (moved && !rc && s > *best * (1 + 1e-6)) {
+                *best = s;
+                break;
+            }
+            restore_spans(sw, saved);
+        }
+    }
+    return rc;
+}
+
+/* One simulated refining step: a move, kept when the score rises. */
 static int try_move(tplace *t, rt_swarm *sw, span *saved, double *best) {
     save_spans(sw, saved);
-    if (!perturb(sw, &t->rng)) {
+    if (!refine_move(sw, &t->rng)) {
         restore_spans(sw, saved);
         return FU_OK;
     }
@@ -413,6 +490,7 @@ int rt_place_throughput(rt_swarm *sw, const rt_tplace_opts *opts, rt_tplace_stat
     int which = -1, rc = saved && t.layer_kv ? FU_OK : fu_errorf(FU_ERR_NOMEM, "placement: out of memory");
     if (!rc) rc = best_seed(&t, sw, saved, &best, &which);
     start = best;
+    if (!rc) rc = sweep_boundaries(&t, sw, saved, &best);
     /* moves that cannot apply (no span change, over a limit) cost no simulation; bound them too */
     for (long tries = 0; !rc && t.evals < t.max_evals && tries < 50L * t.max_evals; tries++)
         rc = try_move(&t, sw, saved, &best);

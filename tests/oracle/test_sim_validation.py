@@ -83,21 +83,13 @@ def sim(*args):
 AZURE = ("--lengths", os.path.join(SRC, "config", "traces", "azure-conv-lengths.txt"), "--kv-output-tokens", "240")
 
 
-# The throughput placement's decode tokens/s over the MILP's. The target is 1.2x; on the 3-region
-# cluster it holds neither with fixed lengths (0.90x) nor with Azure ones (1.17x) since servers share
-# their NICs across links (before, a slow cross-region transfer held the whole NIC and the MILP's
-# fan-in read 115.8 tokens/s with fixed lengths; now 211.0), so there these guard what it reaches.
-MILP_RATIO = {("single_cluster", "fixed"): 1.2, ("single_cluster", "azure"): 1.2,
-              ("distributed_clusters", "fixed"): 0.85, ("distributed_clusters", "azure"): 1.1}
-
-
 @pytest.mark.parametrize("cluster", ["single_cluster", "distributed_clusters"])
 @pytest.mark.parametrize("lengths", ["fixed", "azure"])
 def test_throughput_placement_beats_the_milp(cluster, lengths):
     """On the single-region and the 3-region cluster, with fixed lengths (750 / 240) and with
     Helix's Azure Conversation ones, fusion's placement for throughput (no clock: the same placement
-    on any machine) decodes at least MILP_RATIO x Helix's MILP placement in fusion-sim, with no
-    more mean hops."""
+    on any machine) decodes at least 1.2x Helix's MILP placement in fusion-sim, with no more mean
+    hops."""
     ae = os.path.join(HELIX, "artifact_evaluation", cluster)
     config = os.path.join(ae, "config", "cluster24.ini" if cluster == "single_cluster" else "3cluster24.ini")
     workload = AZURE if lengths == "azure" else ()
@@ -107,5 +99,4 @@ def test_throughput_placement_beats_the_milp(cluster, lengths):
     ours = sim("--helix-cluster", config, "--place", "throughput", "--search-evals", "3000", "--seed", "1",
                "--max-hops", f"{hops:.2f}", *workload)
     assert float(ours["sim_mean_hops"]) <= hops + 1e-9
-    ratio = MILP_RATIO[(cluster, lengths)]
-    assert float(ours["sim_decode_tokens_per_s"]) >= ratio * float(milp["sim_decode_tokens_per_s"]), (ours, milp)
+    assert float(ours["sim_decode_tokens_per_s"]) >= 1.2 * float(milp["sim_decode_tokens_per_s"]), (ours, milp)

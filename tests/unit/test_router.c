@@ -1058,19 +1058,24 @@ static void stripe_swarm(rt_swarm *sw) {
     }
 }
 
+/* Servers 0 .. n-1 of sw hold want[i] = [first, last). */
+static void expect_spans(const rt_swarm *sw, const int (*want)[2], int n) {
+    for (int i = 0; i < n; i++) {
+        assert_int_equal(sw->servers[i].first, want[i][0]);
+        assert_int_equal(sw->servers[i].last, want[i][1]);
+    }
+}
+
 static void test_stripes(void **st) {
     (void)st;
     rt_swarm sw, out[3];
     stripe_swarm(&sw);
     int n = 0, calls = 0;
-    assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 3, out, &n), FU_OK);
+    assert_int_equal(rt__stripe_best(&sw, RT__STRIPE_KIND_SITE, stripe_test_score, &calls, 3, out, &n), FU_OK);
     assert_int_equal(n, 3);
     assert_true(calls > 3);
     static const int want[5][2] = {{2, 4}, {0, 2}, {6, 7}, {4, 6}, {7, 8}};
-    for (int i = 0; i < 5; i++) {
-        assert_int_equal(out[0].servers[i].first, want[i][0]);
-        assert_int_equal(out[0].servers[i].last, want[i][1]);
-    }
+    expect_spans(&out[0], want, 5);
     double score[3];
     for (int k = 0; k < n; k++) { /* best first, each within every server's limit */
         assert_int_equal(stripe_test_score(&calls, &out[k], &score[k]), FU_OK);
@@ -1081,21 +1086,87 @@ static void test_stripes(void **st) {
     }
     /* a server that left is not placed; seven groups take the descent, seventeen no stripes */
     assert_int_equal(rt_swarm_remove_server(&sw, 4), FU_OK);
-    assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 1, out, &n), FU_OK);
+    assert_int_equal(rt__stripe_best(&sw, RT__STRIPE_KIND_SITE, stripe_test_score, &calls, 1, out, &n), FU_OK);
     assert_int_equal(n, 1);
     assert_int_equal(out[0].servers[4].last - out[0].servers[4].first, 0);
     rt_swarm_free(&out[0]);
     static const char *more[15] = {"a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o"};
     for (int i = 0; i < 5; i++) add_kind(&sw, more[i], more[i], 2);
-    assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 1, out, &n), FU_OK);
+    assert_int_equal(rt__stripe_best(&sw, RT__STRIPE_KIND_SITE, stripe_test_score, &calls, 1, out, &n), FU_OK);
     assert_int_equal(n, 1);
     double v;
     assert_int_equal(stripe_test_score(&calls, &out[0], &v), FU_OK);
     NEAR(v, 100, 0); /* X on [0, 4) and no other kind in the head, found by the descent */
     rt_swarm_free(&out[0]);
     for (int i = 5; i < 15; i++) add_kind(&sw, more[i], more[i], 2);
-    assert_int_equal(rt__stripe_best(&sw, stripe_test_score, &calls, 1, out, &n), FU_OK);
+    assert_int_equal(rt__stripe_best(&sw, RT__STRIPE_KIND_SITE, stripe_test_score, &calls, 1, out, &n), FU_OK);
     assert_int_equal(n, 0);
+    rt_swarm_free(&sw);
+}
+
+/*
+ * L = 8, three sites 50 ms apart (1 ms within): a0, a1 of kind A (4 blocks each); b2 of kind B
+ * (3) with b3, b4 of kind C (2); c5 of kind B (3) with c6, c7 of kind C (2). Links across sites
+ * and from and to the coordinator are alike, but for c5 -> a0, the best.
+ */
+static void site_swarm(rt_swarm *sw) {
+    rt_model m = tiny_model(8);
+    assert_int_equal(rt_swarm_init(sw, &m), FU_OK);
+    static const char *names[8] = {"a0", "a1", "b2", "b3", "b4", "c5", "c6", "c7"};
+    static const char *kinds[8] = {"A", "A", "B", "C", "C", "B", "C", "C"};
+    static const int blocks[8] = {4, 4, 3, 2, 2, 3, 2, 2};
+    for (int i = 0; i < 8; i++) add_kind(sw, names[i], kinds[i], blocks[i]);
+    for (int i = 0; i < 8; i++) {
+        assert_int_equal(rt_swarm_set_link(sw, RT_SOURCE, i, 1e6, 0.05), FU_OK);
+        assert_int_equal(rt_swarm_set_link(sw, i, RT_SINK, 1e6, 0.05), FU_OK);
+        for (int j = 0; j < 8; j++) {
+            int near = names[i][0] == names[j][0];
+            double bw = near ? 1e9 : i == 5 && j == 0 ? 1e8 : 1e6;
+            if (i != j) assert_int_equal(rt_swarm_set_link(sw, i, j, bw, near ? 0.001 : 0.05), FU_OK);
+        }
+    }
+}
+
+/* Prefers kind A on 4 blocks, block 0 at two sites, and few servers: 100 less 10 a block of A
+ * away from 4, less 1 a serving server, less 20 when one site alone holds block 0; -1 when a
+ * block is uncovered. */
+static int site_test_score(void *ctx, const rt_swarm *sw, double *out) {
+    ++*(int *)ctx;
+    int a = 0, serving = 0;
+    char first_site = 0, two_sites = 0;
+    for (int i = 0; i < sw->n_servers; i++) {
+        const rt_server *v = &sw->servers[i];
+        if (!rt_swarm_serving(sw, i)) continue;
+        serving++;
+        if (!strcmp(v->kind, "A")) a += v->last - v->first;
+        if (v->first == 0 && first_site && first_site != v->name[0]) two_sites = 1;
+        if (v->first == 0) first_site = v->name[0];
+    }
+    *out = rt_swarm_uncovered(sw, NULL) ? -1 : 100 - 10 * abs(a - 4) - serving - (two_sites ? 0 : 20);
+    return FU_OK;
+}
+
+/* By site, the best stripes are a fan-in: sites b and c each hold the head [0, 4) with their
+ * fewest members (the kind B server, which holds the most, and one of kind C), and a0 alone
+ * holds the tail [4, 8). b's pipeline splits 4 blocks 2 + 2 in proportion to 3 and 2; c's ends
+ * with c5, best linked into a0, and its boundary moves off b's at 2 to 1. */
+static void test_stripes_by_site(void **st) {
+    (void)st;
+    rt_swarm sw, out[2];
+    site_swarm(&sw);
+    int n = 0, calls = 0;
+    assert_int_equal(rt__stripe_best(&sw, RT__STRIPE_SITE, site_test_score, &calls, 2, out, &n), FU_OK);
+    assert_int_equal(n, 2);
+    static const int want[8][2] = {{4, 8}, {0, 0}, {0, 2}, {2, 4}, {0, 0}, {1, 4}, {0, 1}, {0, 0}};
+    expect_spans(&out[0], want, 8);
+    double v[2];
+    for (int k = 0; k < n; k++) assert_int_equal(site_test_score(&calls, &out[k], &v[k]), FU_OK);
+    NEAR(v[0], 95, 0);
+    assert_true(v[1] <= v[0]);
+    int same = 1; /* the same spans are kept once */
+    for (int i = 0; i < 8; i++) same &= out[0].servers[i].first == out[1].servers[i].first;
+    assert_false(same);
+    for (int k = 0; k < n; k++) rt_swarm_free(&out[k]);
     rt_swarm_free(&sw);
 }
 
@@ -1112,6 +1183,7 @@ int main(void) {
         cmocka_unit_test(test_links_slot_reuse),    cmocka_unit_test(test_json_compact_round_trip),
         cmocka_unit_test(test_json_large_file),     cmocka_unit_test(test_search_max_evals),
         cmocka_unit_test(test_route_wide_fanout),   cmocka_unit_test(test_stripes),
+        cmocka_unit_test(test_stripes_by_site),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
