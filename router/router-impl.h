@@ -112,6 +112,23 @@ void rt__flow_ws_free(rt_flow_ws *ws);
 /* Graph reset for reuse: drops all edges, keeps the allocation; grows to n_nodes. */
 int rt__graph_reset(rt_graph *g, int n_nodes);
 
+/* --- Swarm's adaptive routing (rt-swroute.c) ---------------------------------------------- */
+
+typedef struct rt__swroute rt__swroute;
+/* Next-hop choosers for every node of `sw` (borrowed; its spans and links as they are now):
+ * the coordinator and each serving server pick among the serving servers that hold the block
+ * where they end and that they link to. Each candidate starts at priority and weight
+ * `initial_s`; `smoothing` is the weight of a new observation. *out: rt__swroute_free. */
+int rt__swroute_init(rt__swroute **out, const rt_swarm *sw, double initial_s, double smoothing);
+void rt__swroute_free(rt__swroute *r);
+/* The next server for a request leaving `from` (RT_SOURCE or a server): the candidate of least
+ * priority, whose priority then grows by its weight (interleaved weighted round robin); -1 when
+ * `from` has none. */
+int rt__swroute_next(rt__swroute *r, int from);
+/* A request sent from `from` took `seconds` until it had been through `to`: `to`'s weight at
+ * `from` moves toward it. */
+void rt__swroute_observe(rt__swroute *r, int from, int to, double seconds);
+
 /* --- stripe placements (rt-stripe.c) ------------------------------------------------------ */
 
 /* Scores a candidate placement for rt__stripe_best: *score higher is better, < 0 unusable. */

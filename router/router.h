@@ -477,6 +477,17 @@ typedef enum rt_sim_feed {
     RT_FEED_TRACE = 3,
 } rt_sim_feed;
 
+typedef enum rt_sim_routing {
+    /* The gateway's: IWRR over the max flow, a request's whole chain chosen when it is admitted
+     * within the servers' KV room. */
+    RT_SIM_ROUTE_IWRR = 0,
+    /* Swarm's (as Helix simulates it): each node sends a prompt on to the server that can go on
+     * from its last block by IWRR weighted by the smoothed time its requests took through each
+     * (start 0.05 s, new observations weigh 0.8); decode steps follow the prompt's servers.
+     * Every request is admitted (no KV bound), so feed it a closed loop. */
+    RT_SIM_ROUTE_SWARM = 1,
+} rt_sim_routing;
+
 typedef struct rt_sim_opts {
     double duration_s;     /* simulated seconds (default 660) */
     double warmup_s;       /* excluded from the figures (default 60; < 0: none) */
@@ -505,7 +516,8 @@ typedef struct rt_sim_opts {
                               (default Helix's 1/4e9 + 1/5e9 s; < 0: none) */
     const rt_sim_profiles *profiles; /* step times by server kind (NULL: throughput tables only) */
     uint64_t seed;
-    rt_route_opts route;
+    rt_sim_routing routing;
+    rt_route_opts route;   /* RT_SIM_ROUTE_IWRR's options */
 } rt_sim_opts;
 
 typedef struct rt_sim_result {

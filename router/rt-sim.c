@@ -22,8 +22,8 @@ typedef struct sim_event {
 } sim_event;
 
 typedef struct sim_req {
-    rt_path *path;
-    double arrival, step_start;
+    rt_path *path;               /* the router's, or the simulator's own under Swarm's routing */
+    double arrival, step_start, sent_at; /* sent_at: when it left its last node */
     int prompt_len, output_len, step, w, ctx;
     int next_free;
 } sim_req;
@@ -59,6 +59,7 @@ typedef struct sim {
     const rt_swarm *sw; /* the caller's swarm */
     rt_swarm kv;        /* a copy with KV capacities scaled by kv_hwm (the router's view) */
     rt_router *router;
+    rt__swroute *swr; /* Swarm's routing (RT_SIM_ROUTE_SWARM), else NULL */
     const rt_sim_opts *o;
     rt_sim_result *res;
     sim_event *heap;
@@ -269,18 +270,53 @@ static void req_free(sim *s, int id) {
     s->free_head = id;
 }
 
+/* --- Swarm's routing: paths grow a hop at a time during the prompt ---------------------------- */
+
+/* An empty path the simulator owns, room for a hop per block. */
+static rt_path *own_path(const sim *s) {
+    int L = s->sw->model.n_layers;
+    rt_path *p = calloc(1, sizeof *p + 3 * (size_t)L * sizeof(int));
+    if (!p) return NULL;
+    p->servers = (int *)(p + 1), p->first = p->servers + L, p->last = p->first + L;
+    return p;
+}
+
+static void release_path(sim *s, sim_req *r) {
+    if (r->path && s->swr) free(r->path);
+    else if (r->path) rt_release(r->path);
+    r->path = NULL;
+}
+
+/* Appends the hop Swarm's routing picks after `from` (RT_SOURCE or the path's last server). */
+static int grow_path(sim *s, rt_path *p, int from) {
+    int v = rt__swroute_next(s->swr, from), start = from == RT_SOURCE ? 0 : s->sw->servers[from].last;
+    if (v < 0 || p->n_hops >= s->sw->model.n_layers)
+        return fu_errorf(FU_ERR_NOT_FOUND, "sim: no server goes on from block %d", start);
+    p->servers[p->n_hops] = v, p->first[p->n_hops] = start, p->last[p->n_hops] = s->sw->servers[v].last;
+    p->n_hops++;
+    return FU_OK;
+}
+
 static int start_step(sim *s, int id, double now) {
     sim_req *r = &s->req[id];
-    r->step_start = now;
+    r->step_start = r->sent_at = now;
     r->w = r->step == 0 ? r->prompt_len : 1;
+    int rc = s->swr && r->step == 0 ? grow_path(s, r->path, RT_SOURCE) : FU_OK;
     double at;
-    int rc = transfer(s, RT_SOURCE, r->path->servers[0], r->w, now, &at);
+    if (!rc) rc = transfer(s, RT_SOURCE, r->path->servers[0], r->w, now, &at);
     return rc ? rc : heap_push(s, at, EV_ARRIVE, id, 0);
 }
 
-/* Routes request id: 1 started, 0 queued or rejected, 2 full (when !may_queue), < 0 error. */
+/* Routes request id: 1 started, 0 queued or rejected, 2 full (when !may_queue), < 0 error.
+ * Swarm's routing admits every request (its path grows as its prompt goes). */
 static int admit(sim *s, int id, double now, int may_queue) {
     sim_req *r = &s->req[id];
+    if (s->swr) {
+        if (!(r->path = own_path(s))) return fu_errorf(FU_ERR_NOMEM, "sim: out of memory");
+        track_in_flight(s, now, 1);
+        int rc = start_step(s, id, now);
+        return rc ? rc : 1;
+    }
     int expect = s->o->kv_output_tokens > 0 ? s->o->kv_output_tokens : r->output_len;
     int rc = rt_route(s->router, r->prompt_len + expect, &r->path);
     if (rc == FU_ERR_EXHAUSTED) return may_queue ? items_push(&s->wait, id, 0) : 2;
@@ -353,9 +389,8 @@ static int feed(sim *s, double now, int finished) {
 static int finish_request(sim *s, int id, double now) {
     sim_req *r = &s->req[id];
     if (now >= s->t0 && now <= s->t1) s->res->completed++;
-    kv_account(s, r->path, -1);
-    rt_release(r->path);
-    r->path = NULL;
+    if (!s->swr) kv_account(s, r->path, -1);
+    release_path(s, r);
     track_in_flight(s, now, -1);
     req_free(s, id);
     int rc = admit_waiting(s, now);
@@ -368,6 +403,7 @@ static int step_done(sim *s, int id, double now) {
     int in_window = now >= s->t0 && now <= s->t1, rc = FU_OK;
     if (r->step == 0) {
         if (in_window) s->res->prompt_tps += r->prompt_len, rc = sample_add(&s->ttft, now - r->arrival);
+        if (s->swr) s->hops_sum += r->path->n_hops, s->admitted++; /* its path is whole now */
         r->ctx = r->prompt_len;
     } else {
         if (in_window) s->res->decode_tps += 1, rc = sample_add(&s->tpot, now - r->step_start);
@@ -456,14 +492,25 @@ static int server_start(sim *s, int v, double now) {
     return heap_push(s, now + batch_seconds(s, v, p, k), EV_BATCH, v, 0);
 }
 
+/* Under Swarm's routing, a step through server v (hop h) tells the node that sent it how long it
+ * took, and a prompt at its path's end that more blocks remain picks its next hop. */
+static int swarm_hop_done(sim *s, sim_req *r, int v, int h, double now) {
+    rt__swroute_observe(s->swr, h > 0 ? r->path->servers[h - 1] : RT_SOURCE, v, now - r->sent_at);
+    if (r->step > 0 || h + 1 < r->path->n_hops || r->path->last[h] >= s->sw->model.n_layers) return FU_OK;
+    return grow_path(s, r->path, v);
+}
+
 static int on_batch(sim *s, int v, double now) {
     srv_state *st = &s->srv[v];
     for (int i = 0; i < st->batch.n; i++) {
         item it = st->batch.v[i];
-        const sim_req *r = &s->req[it.req];
+        sim_req *r = &s->req[it.req];
+        int rc = s->swr ? swarm_hop_done(s, r, v, it.hop, now) : FU_OK;
+        if (rc) return rc;
         int next = it.hop + 1 < r->path->n_hops ? r->path->servers[it.hop + 1] : RT_SINK;
         double at;
-        int rc = transfer(s, v, next, r->w, now, &at);
+        r->sent_at = now;
+        rc = transfer(s, v, next, r->w, now, &at);
         if (!rc) rc = heap_push(s, at, EV_ARRIVE, it.req, it.hop + 1);
         if (rc) return rc;
     }
@@ -546,15 +593,16 @@ static int sim_init(sim *s, const rt_swarm *sw, const rt_sim_opts *o, rt_sim_res
     if (!s->srv || !s->nic_out_free || !s->nic_in_free || !s->layer_used || !s->layer_cap)
         return fu_errorf(FU_ERR_NOMEM, "sim: out of memory");
     kv_init(s);
+    if (o->routing == RT_SIM_ROUTE_SWARM && (rc = rt__swroute_init(&s->swr, sw, 0.05, 0.8))) return rc;
     if ((rc = rt_router_init(&s->router, &s->kv, &o->route))) return rc;
     res->max_flow = rt_router_flow(s->router)->value;
     return FU_OK;
 }
 
 static void sim_free(sim *s) {
-    for (int i = 0; i < s->nreq; i++)
-        if (s->req[i].path) rt_release(s->req[i].path);
+    for (int i = 0; i < s->nreq; i++) release_path(s, &s->req[i]);
     rt_router_free(s->router);
+    rt__swroute_free(s->swr);
     rt_swarm_free(&s->kv);
     for (int i = 0; s->srv && i < s->sw->n_servers; i++) free(s->srv[i].queue.v), free(s->srv[i].batch.v);
     free(s->heap), free(s->req), free(s->wait.v), free(s->srv), free(s->links);

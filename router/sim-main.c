@@ -32,6 +32,7 @@ static sim_args args;
 static const fu_opt_choice place_choices[] = {
     {"petals", PLACE_PETALS}, {"swarm", PLACE_SWARM}, {"search", PLACE_SEARCH}, {"throughput", PLACE_THROUGHPUT},
     {NULL, 0}};
+static const fu_opt_choice routing_choices[] = {{"iwrr", RT_SIM_ROUTE_IWRR}, {"swarm", RT_SIM_ROUTE_SWARM}, {NULL, 0}};
 static const fu_opt_choice conv_choices[] = {{"runtime", RT_CONV_RUNTIME}, {"ilp", RT_CONV_ILP}, {NULL, 0}};
 
 static const fu_opt sim_options[] = {
@@ -61,6 +62,9 @@ static const fu_opt sim_options[] = {
     {"concurrency", 0, FU_OPT_INT, FU_OPT_TO(args.so.concurrency), .help = "closed loop with N requests in flight",
      .lo = 0, .hi = INT32_MAX},
     {"trace", 0, FU_OPT_STRING, FU_OPT_TO(args.trace), "FILE", "requests to replay"},
+    {"routing", 0, FU_OPT_CHOICE, FU_OPT_TO(args.so.routing),
+     .help = "iwrr: the gateway's, over the max flow; swarm: Swarm's adaptive next hops (give --concurrency)",
+     .def = "iwrr", .choices = routing_choices},
     {"lengths", 0, FU_OPT_STRING, FU_OPT_TO(args.lengths_file), "FILE",
      "draw synthetic requests' lengths from this set of \"prompt_len output_len\" lines"},
     {"feed-hwm", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.feed_hwm), "F",
@@ -99,6 +103,7 @@ static const fu_opt_spec sim_spec = {
     "                  [--prompt-sigma S] [--output-sigma S] [--max-prompt-len N] [--max-output-len N]\n"
     "                  [--kv-output-tokens N] [--lengths FILE]\n"
     "                  [--conv runtime|ilp] [--partial] [--rate R | --concurrency N | --trace FILE]\n"
+    "                  [--routing iwrr|swarm]\n"
     "                  [--feed-hwm F] [--kv-hwm F] [--no-step-profiles]\n"
     "                  [--duration S] [--warmup S] [--prompt-len N] [--output-len N] [--no-sim]\n"
     "                  [--save-json OUT.json] [--quiet]",

@@ -19,9 +19,10 @@
  * (750 + 240 tokens, fixed), and with lengths drawn as Helix draws them, uniformly from the
  * pairs of its filtered Azure Conversation set (config/traces/azure-conv-lengths.txt: 16,657
  * pairs, means 763.1 / 232.4, at most 2047 / 1000 tokens). Helix's Swarm rows of its
- * main runs (single cluster, and the first of two on 3 regions) used Swarm's own scheduler; its
- * placement study ran the same 3-region Swarm placement with max-flow scheduling too (the second).
- * Here every placement is routed by IWRR.
+ * main runs (single cluster, and the first of two on 3 regions) used Swarm's own scheduler with
+ * 180 requests in flight, and so do they here (RT_SIM_ROUTE_SWARM, a closed loop of 180); its
+ * placement study ran the same 3-region Swarm placement with max-flow scheduling too (the second),
+ * fed and routed as the others: by KV and IWRR.
  * Each row also gets the quick estimate the throughput placement searches on
  * (rt_estimate_decode_tps), and the published pairs are ranked by it too.
  *
@@ -35,6 +36,7 @@
 typedef struct check_row {
     const char *id, *label, *cluster, *placement;
     int partial;
+    int swarm; /* run as Helix ran Swarm's scheduler: its routing, 180 requests in flight */
     double published;
     const char *published_note;
     double fixed, sim, max_flow, hops; /* fixed: Helix's average lengths; sim: Azure lengths */
@@ -43,20 +45,20 @@ typedef struct check_row {
 
 static check_row rows[] = {
     {"single-helix", "single 24, Helix MILP", "single_cluster/config/cluster24.ini",
-     "single_cluster/layout_llama70b/ilp/ilp_sol.ini", 0, 252.1, "ae line 262", 0, 0, 0, 0, 0},
+     "single_cluster/layout_llama70b/ilp/ilp_sol.ini", 0, 0, 252.1, "ae line 262", 0, 0, 0, 0, 0},
     {"single-swarm", "single 24, Swarm", "single_cluster/config/cluster24.ini",
-     "single_cluster/layout_llama70b/swarm/swarm_sol.ini", 0, 124.7, "ae line 275, Swarm scheduler", 0, 0, 0, 0, 0},
+     "single_cluster/layout_llama70b/swarm/swarm_sol.ini", 0, 1, 124.7, "ae line 275, Swarm scheduler", 0, 0, 0, 0, 0},
     {"geo-helix", "3-region 24, Helix MILP", "distributed_clusters/config/3cluster24.ini",
-     "distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", 0, 98.0, "ae line 1634", 0, 0, 0, 0, 0},
+     "distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", 0, 0, 98.0, "ae line 1634", 0, 0, 0, 0, 0},
     {"geo-swarm-own", "3-region 24, Swarm", "distributed_clusters/config/3cluster24.ini",
-     "distributed_clusters/layout_llama70b/swarm/swarm_sol.ini", 0, 51.9, "ae line 1647, Swarm scheduler", 0, 0, 0,
-     0, 0},
+     "distributed_clusters/layout_llama70b/swarm/swarm_sol.ini", 0, 1, 51.9, "ae line 1647, Swarm scheduler", 0, 0,
+     0, 0, 0},
     {"geo-swarm", "3-region 24, Swarm, max-flow", "distributed_clusters/config/3cluster24.ini",
-     "model_placement/layout_distributed/swarm/swarm_sol.ini", 0, 41.6, "ae line 2173", 0, 0, 0, 0, 0},
+     "model_placement/layout_distributed/swarm/swarm_sol.ini", 0, 0, 41.6, "ae line 2173", 0, 0, 0, 0, 0},
     {"geo-petals", "3-region 24, Petals", "distributed_clusters/config/3cluster24.ini",
-     "model_placement/layout_distributed/petals/petals_sol.ini", 1, 66.6, "ae line 2186", 0, 0, 0, 0, 0},
+     "model_placement/layout_distributed/petals/petals_sol.ini", 1, 0, 66.6, "ae line 2186", 0, 0, 0, 0, 0},
     {"geo-noprune", "3-region 24, MILP unpruned", "ablation/config/3cluster24.ini",
-     "ablation/layouts/no_prune_24/ilp_sol.ini", 0, 74.9, "ae line 2512", 0, 0, 0, 0, 0},
+     "ablation/layouts/no_prune_24/ilp_sol.ini", 0, 0, 74.9, "ae line 2512", 0, 0, 0, 0, 0},
 };
 enum { N_ROWS = sizeof rows / sizeof rows[0] };
 
@@ -132,7 +134,9 @@ static void azure_lengths(rt_sim_opts *so) {
 static rt_sim_opts row_opts(const check_row *r, const rt_sim_profiles *prof, int azure) {
     rt_sim_opts so = {0};
     so.duration_s = args.duration;
-    so.feed = RT_FEED_KV;
+    so.feed = r->swarm ? RT_FEED_CLOSED : RT_FEED_KV;
+    so.concurrency = 180;
+    so.routing = r->swarm ? RT_SIM_ROUTE_SWARM : RT_SIM_ROUTE_IWRR;
     so.profiles = prof;
     so.route.flow.allow_partial = r->partial;
     if (azure) azure_lengths(&so), so.kv_output_tokens = 240;

@@ -416,6 +416,34 @@ static double sim_with(const rt_swarm *sw, const rt_sim_opts *so, int f, int l) 
     return r.decode_tps;
 }
 
+/* Swarm's routing on a [0, 4) then b or c [4, 8), 8 requests in flight, fluid servers: max flow
+ * needs only b, so IWRR leaves c idle while Swarm's routing uses both and decodes faster. With a
+ * 0.5 s link to c, an even split would decode slower than b alone (the slow requests pile up in
+ * flight); steering new prompts by the time they took keeps it faster. On the single chain a, b
+ * it runs exactly as IWRR does. */
+static void test_swarm_routing(void **st) {
+    (void)st;
+    rt_swarm sw;
+    join_swarm(&sw, 0.001);
+    rt_sim_opts so = opts(300, 30, 100, 20);
+    so.concurrency = 8;
+    rt_sim_result iwrr, even, slow, one;
+    assert_int_equal(rt_sim_run(&sw, &so, &iwrr), FU_OK);
+    so.routing = RT_SIM_ROUTE_SWARM;
+    assert_int_equal(rt_sim_run(&sw, &so, &even), FU_OK);
+    assert_int_equal(rt_swarm_set_link(&sw, 0, 2, 1e9, 0.5), FU_OK);
+    assert_int_equal(rt_sim_run(&sw, &so, &slow), FU_OK);
+    assert_int_equal(rt_swarm_set_span(&sw, 2, 0, 0), FU_OK); /* a single chain a, b */
+    assert_int_equal(rt_sim_run(&sw, &so, &one), FU_OK);
+    so.routing = RT_SIM_ROUTE_IWRR;
+    assert_int_equal(rt_sim_run(&sw, &so, &iwrr), FU_OK);
+    assert_true(even.decode_tps > 1.3 * iwrr.decode_tps && slow.decode_tps > iwrr.decode_tps);
+    assert_true(slow.decode_tps < even.decode_tps);
+    NEAR(one.decode_tps, iwrr.decode_tps, 1e-9), NEAR(one.tpot_p50, iwrr.tpot_p50, 1e-12);
+    NEAR(even.mean_hops, 2, 1e-9);
+    rt_swarm_free(&sw);
+}
+
 /* A join by the estimate: where links are slow, the spare takes the whole model (one-hop chains,
  * less flow) rather than the half the max flow prefers (more flow over two-hop chains), and the
  * simulator agrees; where links are fast, both take the half. */
@@ -500,7 +528,7 @@ int main(void) {
         cmocka_unit_test(test_lengths_and_kv_expectation), cmocka_unit_test(test_zero_times_advance),
         cmocka_unit_test(test_join_throughput), cmocka_unit_test(test_join_aligned_windows),
         cmocka_unit_test(test_profiles_add), cmocka_unit_test(test_request_files),
-        cmocka_unit_test(test_length_sets),
+        cmocka_unit_test(test_length_sets), cmocka_unit_test(test_swarm_routing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
