@@ -625,7 +625,7 @@ static void sim_results(sim *s) {
         double sum = 0;
         for (long j = 0; j < sm[i]->n; j++) sum += sm[i]->v[j];
         *mean[i] = sm[i]->n ? sum / (double)sm[i]->n : 0;
-        qsort(sm[i]->v, (size_t)sm[i]->n, sizeof(double), cmp_double);
+        if (sm[i]->n > 0) qsort(sm[i]->v, (size_t)sm[i]->n, sizeof(double), cmp_double); /* v may be NULL */
         *out[i][0] = pct(sm[i], 0.50), *out[i][1] = pct(sm[i], 0.95), *out[i][2] = pct(sm[i], 0.99);
     }
 }
