@@ -17,6 +17,7 @@ typedef struct tplace {
     int evals, max_evals;
     long quick_evals, quick_moves;
     double out_len; /* tokens each request decodes */
+    double p2;      /* mean squared prompt length */
     int restarts;
     rt_sim_result last;
     rt_flow fl;
@@ -100,7 +101,8 @@ static double kv_bound(tplace *t, const rt_swarm *sw, double req_len) {
 /* The share-weighted delay of the hops at X steps/s in all: latency plus an M/G/1 wait on each
  * link, whose transfers are decode steps of one token and, once per output_len of them, a
  * prompt of prompt_len tokens (tok bytes a token to or from the coordinator, tok + act between
- * servers). A link at or over capacity counts 10 s. */
+ * servers; the prompts' second moment is the length set's when there is one). A link at or over
+ * capacity counts 10 s. */
 static double link_delay(const tplace *t, const rt_swarm *sw, double x) {
     double d = 0, F = t->fl.value;
     double pl = t->sim.prompt_len > 0 ? t->sim.prompt_len : 750, ol = t->sim.output_len > 0 ? t->sim.output_len : 240;
@@ -112,7 +114,7 @@ static double link_delay(const tplace *t, const rt_swarm *sw, double x) {
         double b = (hp->from == RT_SOURCE || hp->to == RT_SINK) ? sw->model.token_bytes
                                                                  : sw->model.token_bytes + sw->model.act_bytes;
         double sd = l.bandwidth > 0 ? b / l.bandwidth : 0, sp = pl * sd;
-        double lam = x * share * (1 + 1 / ol), es = (ol * sd + sp) / (ol + 1), es2 = (ol * sd * sd + sp * sp) / (ol + 1);
+        double lam = x * share * (1 + 1 / ol), es = (ol * sd + sp) / (ol + 1), es2 = (ol * sd * sd + t->p2 * sd * sd) / (ol + 1);
         double rho = lam * es, w = rho < 0.999 ? lam * es2 / (2 * (1 - rho)) : 10;
         d += share * (l.latency + sd + w);
     }
@@ -468,6 +470,14 @@ static int quick_search(tplace *t, rt_swarm *sw, span *saved, long moves) {
     return rc;
 }
 
+/* E[prompt_len^2] of the workload: the length set's, else the fixed prompt's square. */
+static double prompt_second_moment(const rt_sim_opts *so) {
+    double pl = so->prompt_len > 0 ? so->prompt_len : 750, q = 0;
+    if (!so->lengths || so->n_lengths <= 0) return pl * pl;
+    for (int i = 0; i < so->n_lengths; i++) q += (double)so->lengths[i].prompt_len * so->lengths[i].prompt_len;
+    return q / so->n_lengths;
+}
+
 static void tplace_init(tplace *t, const rt_tplace_opts *o) {
     memset(t, 0, sizeof *t);
     t->o = o;
@@ -477,6 +487,7 @@ static void tplace_init(tplace *t, const rt_tplace_opts *o) {
     t->max_evals = o->max_evals > 0 ? o->max_evals : 60;
     t->quick_moves = 6000;
     t->out_len = t->sim.output_len > 0 ? t->sim.output_len : 240;
+    t->p2 = prompt_second_moment(&t->sim);
     t->restarts = o->restarts > 0 ? o->restarts : 4;
 }
 

@@ -416,6 +416,23 @@ static double sim_with(const rt_swarm *sw, const rt_sim_opts *so, int f, int l) 
     return r.decode_tps;
 }
 
+/* The quick estimate reads the spread of a length set: over links slow enough to queue, prompts
+ * of 10 and 190 tokens wait longer than prompts all of 100, so it estimates less. */
+static void test_estimate_length_spread(void **st) {
+    (void)st;
+    rt_swarm sw;
+    join_swarm(&sw, 0.001);
+    for (int j = 1; j < 3; j++) assert_int_equal(rt_swarm_set_link(&sw, 0, j, 2e5, 0.001), FU_OK);
+    rt_sim_request set[2] = {{0, 10, 20}, {0, 190, 20}};
+    rt_sim_opts so = opts(300, 30, 100, 20);
+    double fixed, spread;
+    assert_int_equal(rt_estimate_decode_tps(&sw, &so, &fixed), FU_OK);
+    so.lengths = set, so.n_lengths = 2;
+    assert_int_equal(rt_estimate_decode_tps(&sw, &so, &spread), FU_OK);
+    assert_true(fixed > 0 && spread < fixed);
+    rt_swarm_free(&sw);
+}
+
 /* Swarm's routing on a [0, 4) then b or c [4, 8), 8 requests in flight, fluid servers: max flow
  * needs only b, so IWRR leaves c idle while Swarm's routing uses both and decodes faster. With a
  * 0.5 s link to c, an even split would decode slower than b alone (the slow requests pile up in
@@ -529,6 +546,7 @@ int main(void) {
         cmocka_unit_test(test_join_throughput), cmocka_unit_test(test_join_aligned_windows),
         cmocka_unit_test(test_profiles_add), cmocka_unit_test(test_request_files),
         cmocka_unit_test(test_length_sets), cmocka_unit_test(test_swarm_routing),
+        cmocka_unit_test(test_estimate_length_spread),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
