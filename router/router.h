@@ -484,7 +484,8 @@ typedef enum rt_sim_routing {
     /* Swarm's (as Helix simulates it): each node sends a prompt on to the server that can go on
      * from its last block by IWRR weighted by the smoothed time its requests took through each
      * (start 0.05 s, new observations weigh 0.8); decode steps follow the prompt's servers.
-     * Every request is admitted (no KV bound), so feed it a closed loop. */
+     * Every request is admitted (no KV bound): feed it a closed loop, Poisson arrivals or a
+     * trace (RT_FEED_KV is refused). */
     RT_SIM_ROUTE_SWARM = 1,
 } rt_sim_routing;
 

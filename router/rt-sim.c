@@ -634,6 +634,9 @@ int rt_sim_run(const rt_swarm *sw, const rt_sim_opts *opts, rt_sim_result *res) 
     if (!sw || !opts || !res) return fu_errorf(FU_ERR_INVALID, "rt_sim_run: NULL argument");
     if (opts->feed == RT_FEED_TRACE && (!opts->trace || opts->n_trace <= 0))
         return fu_errorf(FU_ERR_INVALID, "sim: a trace feed needs requests");
+    if (opts->routing == RT_SIM_ROUTE_SWARM && opts->feed == RT_FEED_KV)
+        return fu_errorf(FU_ERR_INVALID, "sim: Swarm's routing keeps no KV account to feed by; use a closed loop, "
+                                         "Poisson arrivals or a trace");
     memset(res, 0, sizeof *res);
     sim s;
     int rc = sim_init(&s, sw, opts, res);

@@ -458,6 +458,8 @@ static void test_swarm_routing(void **st) {
     assert_true(slow.decode_tps < even.decode_tps);
     NEAR(one.decode_tps, iwrr.decode_tps, 1e-9), NEAR(one.tpot_p50, iwrr.tpot_p50, 1e-12);
     NEAR(even.mean_hops, 2, 1e-9);
+    so.routing = RT_SIM_ROUTE_SWARM, so.feed = RT_FEED_KV; /* no KV account to feed by */
+    assert_int_equal(rt_sim_run(&sw, &so, &one), FU_ERR_INVALID);
     rt_swarm_free(&sw);
 }
 
