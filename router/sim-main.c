@@ -63,7 +63,7 @@ static const fu_opt sim_options[] = {
      .lo = 0, .hi = INT32_MAX},
     {"trace", 0, FU_OPT_STRING, FU_OPT_TO(args.trace), "FILE", "requests to replay"},
     {"routing", 0, FU_OPT_CHOICE, FU_OPT_TO(args.so.routing),
-     .help = "iwrr: the gateway's, over the max flow; swarm: Swarm's adaptive next hops (give --concurrency)",
+     .help = "iwrr: the gateway's, over the max flow; swarm: Swarm's adaptive next hops (with --concurrency, --rate or --trace)",
      .def = "iwrr", .choices = routing_choices},
     {"lengths", 0, FU_OPT_STRING, FU_OPT_TO(args.lengths_file), "FILE",
      "draw synthetic requests' lengths from this set of \"prompt_len output_len\" lines"},
