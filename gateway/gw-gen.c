@@ -1042,20 +1042,28 @@ static const gm_vocab *gw_engine_gm_vocab(gw_engine *e) {
     return v;
 }
 
+/* Fails the choice over its grammar: 400 when a step forks past the matcher's bounds (a
+ * grammar too ambiguous to follow is the request's), else 500. Returns rc. */
+static int gw_run_grammar_fail(gw_run *r, int rc) {
+    if (rc != FU_ERR_EXHAUSTED) return gw_run_fail(r, rc, "grammar");
+    gw_error_set(&r->err, 400, NULL, "invalid_value", "the grammar cannot be followed: %s", fu_last_error());
+    return rc;
+}
+
 /* Starts the choice's matcher at the grammar's start, with its mask buffer. */
 static int gw_run_grammar_init(gw_run *r) {
     const gm_vocab *v = gw_engine_gm_vocab(r->j->e);
     int rc = v ? gm_matcher_new(r->j->req.grammar, v, &r->gm) : FU_ERR_NOMEM;
     r->mask_bytes = v ? gm_vocab_mask_bytes(v) : 0;
     if (!rc && !(r->mask = malloc(r->mask_bytes))) rc = FU_ERR_NOMEM;
-    return rc ? gw_run_fail(r, rc, "grammar") : FU_OK;
+    return rc ? gw_run_grammar_fail(r, rc) : FU_OK;
 }
 
 /* Sets the next step's allowed tokens from the grammar's state. A state that allows nothing
  * (the grammar is complete and the model has no end-of-generation token) ends the choice. */
 static int gw_run_grammar_mask(gw_run *r) {
     int n = gm_matcher_mask(r->gm, r->mask, r->mask_bytes);
-    if (n < 0) return gw_run_fail(r, n, "grammar");
+    if (n < 0) return gw_run_grammar_fail(r, n);
     if (n == 0) return gw_run_end(r, "stop");
     r->spec.sampling.allowed = r->mask;
     r->spec.sampling.n_allowed = r->mask_bytes;

@@ -466,6 +466,16 @@ static int grammar_error(gw_error *err, const char *param, int rc) {
     return gw_error_set(err, 400, param, "invalid_value", "Invalid '%s': %s", param, fu_last_error());
 }
 
+/* After building r->grammar (rc its status): the error for `param`, or, when it was built, one
+ * if a matcher cannot start on it (a grammar too ambiguous to follow: FU_ERR_EXHAUSTED). */
+static int grammar_ready(gw_request *r, gw_error *err, const char *param, int rc) {
+    if (rc) return grammar_error(err, param, rc);
+    gm_matcher *m = NULL;
+    rc = gm_matcher_new(r->grammar, NULL, &m); /* the start state needs no vocabulary */
+    gm_matcher_free(m);
+    return rc ? grammar_error(err, param, rc) : 0;
+}
+
 /* response_format {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}. */
 static int parse_json_schema_format(const json_t *rf, gw_request *r, gw_error *err) {
     const json_t *js = json_object_get(rf, "json_schema");
@@ -478,8 +488,7 @@ static int parse_json_schema_format(const json_t *rf, gw_request *r, gw_error *e
         return gw_error_set(err, 400, "response_format", "invalid_type",
                             "'response_format.json_schema': 'name' must be a string and 'strict' a boolean");
     if (!schema) return gw_error_set(err, 400, "response_format", "invalid_value", "'response_format.json_schema.schema' is required");
-    int rc = js_schema_grammar(schema, &r->grammar);
-    return rc ? grammar_error(err, "response_format", rc) : 0;
+    return grammar_ready(r, err, "response_format", js_schema_grammar(schema, &r->grammar));
 }
 
 /* response_format: {"type": "text" | "json_object" | "json_schema", ...}. */
@@ -496,8 +505,7 @@ static int parse_response_format(const json_t *body, gw_request *r, gw_error *er
     if (strcmp(t, "json_object"))
         return gw_error_set(err, 400, "response_format", "invalid_value",
                             "Invalid value: '%.100s'. Supported values are: 'text', 'json_object', and 'json_schema'.", t);
-    int rc = js_object_grammar(&r->grammar);
-    return rc ? grammar_error(err, "response_format", rc) : 0;
+    return grammar_ready(r, err, "response_format", js_object_grammar(&r->grammar));
 }
 
 /* llama.cpp's `grammar` (GBNF text) and `json_schema` (a schema), each exclusive with response_format. */
@@ -513,7 +521,7 @@ static int parse_grammar(const json_t *body, gw_request *r, gw_error *err) {
             return gw_error_set(err, 400, "grammar", "invalid_type", "'grammar' must be a string (GBNF)");
         int rc = k == 0 ? gm_grammar_parse(json_string_value(v), json_string_length(v), "root", &r->grammar)
                         : js_schema_grammar(v, &r->grammar);
-        if (rc) return grammar_error(err, keys[k], rc);
+        if ((rc = grammar_ready(r, err, keys[k], rc))) return rc;
     }
     return 0;
 }

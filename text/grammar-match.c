@@ -186,6 +186,7 @@ struct gm_matcher {
     gm_set tmp[2];            /* accept_bytes' scratch */
     uint32_t *scr;            /* expansion frames */
     size_t cap_scr;
+    long budget;              /* expansions the current step may still take */
     /* the automaton: sets met by the mask walks, interned, with their transitions; cleared when it
      * grows past GM_DFA_STATES */
     gm_dstate *ds;
@@ -240,10 +241,14 @@ static int gm_set_wide(const gm_grammar *g, const gm_set *s) {
 
 /* Expands the stack scr[off .. off + n) (this frame's to change) until its top is a set or it is
  * empty, adding each result to out; a rule reference forks one stack per alternative. Stacks
- * deeper than GM_MAX_DEPTH or nested past GM_MAX_NEST references are dropped. */
+ * deeper than GM_MAX_DEPTH or nested past GM_MAX_NEST references are dropped. A step that takes
+ * more than m->budget expansions fails with FU_ERR_EXHAUSTED: alternatives that fork at every
+ * level (a ::= b | b, b ::= c | c, ...) grow exponentially even when they end in the same stacks. */
 static int gm_expand(gm_matcher *m, gm_set *out, size_t off, uint32_t n, int depth) {
     const gm_grammar *g = m->g;
     const size_t own = n;
+    if (--m->budget < 0)
+        return fu_errorf(FU_ERR_EXHAUSTED, "grammar: a step takes over %d rule expansions (too ambiguous)", GM_MAX_EXPAND);
     for (;;) {
         if (!n) return gm_set_add(out, NULL, 0);
         uint32_t p = m->scr[off + n - 1];
@@ -273,6 +278,7 @@ static int gm_advance(gm_matcher *m, const gm_set *in, uint32_t c, gm_set *out) 
     const gm_grammar *g = m->g;
     out->len = 0;
     out->n = 0;
+    m->budget = GM_MAX_EXPAND;
     for (size_t i = 0; i < in->len; i += 1 + in->buf[i]) {
         uint32_t n = in->buf[i];
         if (!n) continue;
@@ -319,6 +325,7 @@ int gm_matcher_new(const gm_grammar *g, const gm_vocab *v, gm_matcher **out) {
     m->v = v;
     for (int i = 0; i < GM_CACHE; i++) m->cache[i].state = -1;
     uint32_t root = 0;
+    m->budget = GM_MAX_EXPAND;
     int rc = fu_grow((void **)&m->scr, &m->cap_scr, 64, sizeof *m->scr) ? fu_errorf(FU_ERR_NOMEM, "grammar") : FU_OK;
     for (uint32_t a = g->rule_alt[g->root]; !rc && a < g->rule_alt[g->root + 1]; a++) {
         root = g->alts[a];

@@ -27,6 +27,7 @@
 #define GM_MAX_ELEMS (1u << 22)
 #define GM_MAX_STACKS 512
 #define GM_MAX_DEPTH 1024
+#define GM_MAX_EXPAND 50000 /* rule expansions one step of a matcher may take */
 #define GM_MAX_REPEAT 1000   /* most copies a {m,n} quantifier may expand into */
 #define GM_MAX_TOKEN_BYTES 256 /* longer tokens are never allowed */
 
@@ -54,7 +55,9 @@ int gm_vocab_size(const gm_vocab *v);
 /* Bytes of a packed mask for this vocabulary: (size + 7) / 8, bit (i & 7) of byte i / 8 is token i. */
 size_t gm_vocab_mask_bytes(const gm_vocab *v);
 
-/* A matcher at the start of g over vocabulary v (both borrowed). */
+/* A matcher at the start of g over vocabulary v (both borrowed). It and the calls below fail
+ * with FU_ERR_EXHAUSTED when one step forks into more than GM_MAX_STACKS stacks or takes more
+ * than GM_MAX_EXPAND rule expansions (a grammar too ambiguous to follow). */
 int gm_matcher_new(const gm_grammar *g, const gm_vocab *v, gm_matcher **out);
 void gm_matcher_free(gm_matcher *m);
 

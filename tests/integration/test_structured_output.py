@@ -250,6 +250,11 @@ def test_bad_arguments(cluster, client, model):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=5, extra_body={"grammar": "root ::= x"})
     assert e.value.body["param"] == "grammar"
+    # a grammar whose every rule forks into two copies of the next: 2^40 ways to the same string
+    forks = "root ::= a0\n" + "".join(f"a{i} ::= a{i + 1} | a{i + 1}\n" for i in range(40)) + 'a40 ::= "x"\n'
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=5, extra_body={"grammar": forks})
+    assert e.value.body["param"] == "grammar" and "too ambiguous" in e.value.body["message"]
     st, body = api_request(gw, "POST", "/v1/chat/completions", {"messages": ASK, "max_tokens": 2}, key=KEY)
     assert st == 400 and body["error"]["param"] == "model", body
     st, body = api_request(gw, "POST", "/v1/chat/completions",

@@ -292,6 +292,31 @@ static void test_whitespace_bounded(void **state) {
     gm_grammar_free(g);
 }
 
+/* Rules whose two alternatives are the same rule, `levels` deep: 2^levels expansions that all
+ * end in the same stack. */
+static gm_grammar *doubling(int levels) {
+    char text[4096];
+    size_t at = (size_t)snprintf(text, sizeof text, "root ::= a0\n");
+    for (int i = 0; i < levels; i++) at += (size_t)snprintf(text + at, sizeof text - at, "a%d ::= a%d | a%d\n", i, i + 1, i + 1);
+    snprintf(text + at, sizeof text - at, "a%d ::= \"x\"\n", levels);
+    return gbnf(text);
+}
+
+/* A grammar that forks at every level stops with FU_ERR_EXHAUSTED in bounded time, not after
+ * 2^40 expansions; a shallow one (2^10) still matches. */
+static void test_expansion_budget(void **state) {
+    (void)state;
+    gm_vocab *v = small_vocab();
+    gm_grammar *shallow = doubling(10), *deep = doubling(40);
+    assert_true(accepts(shallow, v, "x"));
+    gm_matcher *m = NULL;
+    assert_int_equal(gm_matcher_new(deep, v, &m), FU_ERR_EXHAUSTED);
+    assert_null(m);
+    assert_non_null(strstr(fu_last_error(), "too ambiguous"));
+    gm_grammar_free(shallow), gm_grammar_free(deep);
+    gm_vocab_free(v);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gbnf_parse_and_match),
@@ -303,6 +328,7 @@ int main(void) {
         cmocka_unit_test(test_schema_bounds),
         cmocka_unit_test(test_masks),
         cmocka_unit_test(test_whitespace_bounded),
+        cmocka_unit_test(test_expansion_budget),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
