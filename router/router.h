@@ -521,6 +521,10 @@ typedef struct rt_sim_opts {
     rt_route_opts route;   /* RT_SIM_ROUTE_IWRR's options */
 } rt_sim_opts;
 
+/* Makes so's synthetic requests draw their lengths from v[n] (borrowed), and sets its
+ * prompt_len / output_len to the set's means, rounded, which the quick estimate reads. */
+void rt_sim_opts_draw_lengths(rt_sim_opts *so, const rt_sim_request *v, int n);
+
 typedef struct rt_sim_result {
     double max_flow;          /* tokens/s of the placement */
     double decode_tps;        /* decode tokens/s in the measured window */

@@ -117,3 +117,10 @@ void rt_sim_requests_mean(const rt_sim_request *v, int n, double *prompt, double
     *prompt = n > 0 ? p / n : 0;
     *output = n > 0 ? o / n : 0;
 }
+
+void rt_sim_opts_draw_lengths(rt_sim_opts *so, const rt_sim_request *v, int n) {
+    double pl, ol;
+    rt_sim_requests_mean(v, n, &pl, &ol);
+    so->lengths = v, so->n_lengths = n;
+    so->prompt_len = (int)(pl + 0.5), so->output_len = (int)(ol + 0.5);
+}

@@ -25,23 +25,26 @@ static sw_node *node_of(rt__swroute *r, int from) {
     return &r->node[from == RT_SOURCE ? r->sw->n_servers : from];
 }
 
-/* The servers a request leaving `from` at block `end` can go to: serving, holding block `end`,
- * and linked from `from`. */
+/* Whether a request leaving `from` at block `end` can go to server j: serving, holding block
+ * `end`, and linked from `from`. */
+static int can_go(const rt_swarm *sw, int from, int end, int j) {
+    const rt_server *s = &sw->servers[j];
+    return j != from && end < sw->model.n_layers && rt_swarm_serving(sw, j) && s->first <= end && s->last > end &&
+           rt_swarm_link(sw, from, j).bandwidth > 0;
+}
+
+/* The candidates of `from` (ending at block `end`), in server order, each at `initial`. */
 static int fill_node(rt__swroute *r, int from, int end, double initial) {
     const rt_swarm *sw = r->sw;
     sw_node *x = node_of(r, from);
-    int n = sw->n_servers;
+    int n = 0;
+    for (int j = 0; j < sw->n_servers; j++) n += can_go(sw, from, end, j);
     x->next = malloc((size_t)(n > 0 ? n : 1) * sizeof *x->next);
     x->prio = malloc((size_t)(n > 0 ? n : 1) * sizeof *x->prio);
     x->ema = malloc((size_t)(n > 0 ? n : 1) * sizeof *x->ema);
     if (!x->next || !x->prio || !x->ema) return fu_errorf(FU_ERR_NOMEM, "swarm routing: out of memory");
-    for (int j = 0; j < n && end < sw->model.n_layers; j++) {
-        const rt_server *s = &sw->servers[j];
-        if (j == from || !rt_swarm_serving(sw, j) || s->first > end || s->last <= end) continue;
-        if (!(rt_swarm_link(sw, from, j).bandwidth > 0)) continue;
-        x->next[x->n] = j, x->prio[x->n] = initial, x->ema[x->n] = initial;
-        x->n++;
-    }
+    for (int j = 0; j < sw->n_servers; j++)
+        if (can_go(sw, from, end, j)) x->next[x->n] = j, x->prio[x->n] = initial, x->ema[x->n] = initial, x->n++;
     return FU_OK;
 }
 

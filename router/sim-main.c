@@ -138,12 +138,7 @@ static rt_sim_opts sim_options_of(const sim_args *a, const rt_sim_profiles *prof
     so.route.flow.allow_partial = a->se.flow.allow_partial;
     so.feed = a->trace ? RT_FEED_TRACE : so.arrival_rate > 0 ? RT_FEED_POISSON : so.concurrency > 0 ? RT_FEED_CLOSED : RT_FEED_KV;
     so.profiles = prof;
-    if (a->lengths) {
-        double pl, ol;
-        rt_sim_requests_mean(a->lengths, a->n_lengths, &pl, &ol);
-        so.lengths = a->lengths, so.n_lengths = a->n_lengths;
-        so.prompt_len = (int)(pl + 0.5), so.output_len = (int)(ol + 0.5); /* the estimate's means */
-    }
+    if (a->lengths) rt_sim_opts_draw_lengths(&so, a->lengths, a->n_lengths);
     return so;
 }
 

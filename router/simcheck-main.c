@@ -119,13 +119,10 @@ static int load(const char *cluster, const char *placement, rt_swarm *sw) {
     return rc;
 }
 
-enum { AZURE_PROMPT = 763, AZURE_OUTPUT = 232 }; /* Helix's Azure Conversation means, rounded */
-
 /* Lengths drawn from the set of --lengths, as Helix's LengthSampler draws them (the quick
  * estimate reads their means). */
 static void azure_lengths(rt_sim_opts *so) {
-    so->lengths = args.lengths, so->n_lengths = args.n_lengths;
-    so->prompt_len = AZURE_PROMPT, so->output_len = AZURE_OUTPUT;
+    rt_sim_opts_draw_lengths(so, args.lengths, args.n_lengths);
 }
 
 /* One simulation of a loaded placement: Helix's fixed average lengths (750 / 240), or lengths

@@ -257,6 +257,10 @@ static void test_request_files(void **st) {
     double pm, om;
     rt_sim_requests_mean(v, n, &pm, &om);
     NEAR(pm, 232.5, 1e-9), NEAR(om, 30, 1e-9);
+    rt_sim_opts so = opts(10, 1, 7, 7);
+    rt_sim_opts_draw_lengths(&so, v, n);
+    assert_ptr_equal(so.lengths, v), assert_int_equal(so.n_lengths, 2);
+    assert_int_equal(so.prompt_len, 233), assert_int_equal(so.output_len, 30); /* the means, rounded */
     free(v);
     static const char *bad[] = {"", "# only\n", "1 2 3\n", "0 5\n", "5 -1\n", "5 x\n", "5\n", "1 2\0 3\n"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
