@@ -328,11 +328,21 @@ int rt_place_rebalance(rt_swarm *sw, const rt_flow_opts *opts, double min_gain, 
 
 typedef struct rt_router rt_router;
 
+/* What a hop's IWRR load counts. */
+typedef enum rt_iwrr_load {
+    RT_IWRR_LIVE = 0,   /* the work of the requests routed over it now: each request's
+                           request_len, held until rt_release (the gateway's) */
+    RT_IWRR_CUMULATIVE  /* every token routed over it so far: each request's prompt when it is
+                           routed, then each decode step's (rt_path_step); never released, so
+                           each hop's share of all tokens follows its flow (Helix's scheduler) */
+} rt_iwrr_load;
+
 typedef struct rt_route_opts {
     rt_flow_opts flow;
     double min_share;     /* skip hops carrying less than this share of a node's out-flow
                              (default 0.05 when <= 0); where the flow fans out so widely that
                              no hop reaches it, less than this share of the strongest hop */
+    rt_iwrr_load load;    /* RT_IWRR_LIVE by default */
 } rt_route_opts;
 
 typedef struct rt_path {
@@ -342,6 +352,7 @@ typedef struct rt_path {
     int *servers;        /* [n_hops] server ids in order */
     int *first, *last;   /* [n_hops] blocks each hop runs ([first, last), contiguous) */
     int request_len;     /* tokens reserved in each hop's KV cache */
+    int work;            /* tokens of IWRR load it added to each hop when routed */
 } rt_path;
 
 /* A router over `sw` (borrowed: it must outlive the router; call rt_router_update after
@@ -366,11 +377,21 @@ int rt_route_cached(rt_router *r, int request_len, const int *cached, rt_path **
  * source, at each hop among next servers whose hop carries >= min_share of the flow out of the
  * current node and whose KV cache can admit request_len more tokens, the one minimising
  * (load + request_len) / flow, where load is the work currently routed over that hop
- * (interleaved weighted round-robin); backtracks on dead ends. Reserves KV and load until
+ * (interleaved weighted round-robin; rt_iwrr_load); backtracks on dead ends. Reserves KV and load until
  * rt_release. *path is owned by the caller. FU_ERR_EXHAUSTED: no chain can admit it now
  * (caller may queue or return 503); FU_ERR_NOT_FOUND: no chain at all. Decode steps of the
  * request reuse the same path. */
 int rt_route(rt_router *r, int request_len, rt_path **path);
+/* As rt_route_cached (cached may be NULL), for a request whose prompt is prompt_len of its
+ * request_len tokens (1 <= prompt_len <= request_len): under RT_IWRR_CUMULATIVE a hop's score
+ * weighs the prompt, (load + prompt_len) / flow, and the prompt is what the path adds to each
+ * hop's load; under RT_IWRR_LIVE, request_len as rt_route. rt_route(r, n, p) is
+ * rt_route_request(r, n, n, NULL, p). */
+int rt_route_request(rt_router *r, int prompt_len, int request_len, const int *cached, rt_path **path);
+/* Counts `tokens` more routed over each hop of the path (a decode step) under
+ * RT_IWRR_CUMULATIVE; no-op under RT_IWRR_LIVE, for NULL, or for tokens <= 0. FU_OK, or
+ * FU_ERR_NOMEM. */
+int rt_path_step(rt_path *p, int tokens);
 /* Releases the path's reservations and frees it. NULL is a no-op. */
 void rt_release(rt_path *path);
 /* Work currently routed over server `id` (tokens); for tests and /v1/swarm. */
@@ -540,10 +561,11 @@ typedef struct rt_sim_result {
     long events;              /* events processed */
 } rt_sim_result;
 
-/* Discrete-event simulation of serving over `sw`, requests routed by rt_route (the gateway's
- * IWRR) on servers whose KV capacity is scaled by kv_hwm; a request that cannot be admitted
- * waits (FIFO) for a release. Each request runs its prompt step, then output_len decode steps,
- * each step going source -> its chain's servers -> sink.
+/* Discrete-event simulation of serving over `sw`, requests routed by rt_route_request (the
+ * gateway's IWRR, counting load as route.load says; each decode step is counted with
+ * rt_path_step) on servers whose KV capacity is scaled by kv_hwm; a request that cannot be
+ * admitted waits (FIFO) for a release. Each request runs its prompt step, then output_len
+ * decode steps, each step going source -> its chain's servers -> sink.
  * - Servers: continuous batching. An idle server takes, in arrival order, every queued step
  *   within its profile's batch limits, and runs the batch in (blocks run) x rt_step_seconds
  *   plus the host copy cost of the tokens it received; a server whose kind has no profile

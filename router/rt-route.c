@@ -1,5 +1,6 @@
 /* rt-route.c -- request routing: interleaved weighted round-robin over the swarm's max flow,
- * with KV admission, backtracking, and per-hop load accounting released with the path. */
+ * with KV admission, backtracking, and per-hop load accounting: live (released with the path)
+ * or cumulative (every token routed so far, as Helix counts). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,8 +9,8 @@
 #include "status.h"
 
 /* Work routed over each hop, keyed by its ends (0 = source, 1 = sink, 2 + i = server i):
- * open addressing with linear probing; an entry leaves when its work returns to 0, so the
- * table holds only hops of paths in flight and survives rt_router_update. */
+ * open addressing with linear probing; an entry leaves when its work returns to 0, so under
+ * live accounting the table holds only hops of paths in flight; it survives rt_router_update. */
 #define HX(i) ((i) + 2)
 #define LOAD_EMPTY UINT64_MAX
 
@@ -33,7 +34,8 @@ struct rt_router {
     double *kv_used;    /* [n] KV tokens reserved on each server */
     uint64_t next_id;
     long live_paths;
-    const int *cached;  /* during rt_route_cached: tokens each server likely holds cached */
+    const int *cached;  /* during rt_route_request: tokens each server likely holds cached */
+    int work;           /* during rt_route_request: the work a hop's score adds */
     /* scratch for the search: a chain has at most n_layers hops (each ends further on) */
     int depth_cap, deg_cap;
     int *stack_srv;     /* [depth_cap] */
@@ -237,9 +239,10 @@ static int dfs(rt_router *r, int u, int depth, int len, int *budget, int *saw_fu
             *saw_full = 1;
             continue;
         }
-        double saved = r->cached && r->cached[v] > 0 ? (r->cached[v] < len ? r->cached[v] : len) : 0;
+        int w = r->work;
+        double saved = r->cached && r->cached[v] > 0 ? (r->cached[v] < w ? r->cached[v] : w) : 0;
         cand[nc] = v;
-        score[nc++] = (load_get(&r->hop_load, u, v) + len - saved) / f;
+        score[nc++] = (load_get(&r->hop_load, u, v) + w - saved) / f;
     }
     for (int c; (c = cand_pick(score, nc)) >= 0;) {
         int v = cand[c];
@@ -252,26 +255,35 @@ static int dfs(rt_router *r, int u, int depth, int len, int *budget, int *saw_fu
 }
 
 int rt_route_cached(rt_router *r, int request_len, const int *cached, rt_path **path) {
-    if (r) r->cached = cached;
-    int rc = rt_route(r, request_len, path);
-    if (r) r->cached = NULL;
-    return rc;
+    return rt_route_request(r, request_len, request_len, cached, path);
 }
 
 int rt_route(rt_router *r, int request_len, rt_path **path) {
-    if (!r || !path || request_len <= 0)
-        return fu_errorf(FU_ERR_INVALID, "rt_route: bad arguments");
-    *path = NULL;
+    return rt_route_request(r, request_len, request_len, NULL, path);
+}
+
+/* The chain's search: fills r->stack_srv and returns its length, or an error. */
+static int search(rt_router *r, int request_len) {
     if (!(r->flow.value > 0)) return fu_errorf(FU_ERR_NOT_FOUND, "no chain covers every block");
     if (r->flow.n != r->sw->n_servers || r->n < r->flow.n)
         return fu_errorf(FU_ERR_INVALID, "rt_route: swarm changed; call rt_router_update");
     int budget = 64 * (r->flow.n + 4), saw_full = 0;
     int depth = dfs(r, RT_SOURCE, 0, request_len, &budget, &saw_full);
-    if (depth <= 0) {
-        if (saw_full || depth < 0)
-            return fu_errorf(FU_ERR_EXHAUSTED, "no chain can admit %d more tokens now", request_len);
-        return fu_errorf(FU_ERR_NOT_FOUND, "no usable chain");
-    }
+    if (depth > 0) return depth;
+    if (saw_full || depth < 0)
+        return fu_errorf(FU_ERR_EXHAUSTED, "no chain can admit %d more tokens now", request_len);
+    return fu_errorf(FU_ERR_NOT_FOUND, "no usable chain");
+}
+
+int rt_route_request(rt_router *r, int prompt_len, int request_len, const int *cached, rt_path **path) {
+    if (!r || !path || request_len <= 0 || prompt_len <= 0 || prompt_len > request_len)
+        return fu_errorf(FU_ERR_INVALID, "rt_route: bad arguments");
+    *path = NULL;
+    r->cached = cached;
+    r->work = r->opts.load == RT_IWRR_CUMULATIVE ? prompt_len : request_len;
+    int depth = search(r, request_len);
+    r->cached = NULL;
+    if (depth < 0) return depth;
     rt_path *p = calloc(1, sizeof *p);
     int *buf = malloc((size_t)depth * 3 * sizeof(int));
     if (!p || !buf) {
@@ -285,6 +297,7 @@ int rt_route(rt_router *r, int request_len, rt_path **path) {
     p->first = buf + depth;
     p->last = buf + 2 * depth;
     p->request_len = request_len;
+    p->work = r->work;
     int prev = RT_SOURCE, pos = 0;
     for (int d = 0; d < depth; d++) {
         int v = r->stack_srv[d];
@@ -293,12 +306,12 @@ int rt_route(rt_router *r, int request_len, rt_path **path) {
         p->first[d] = d == 0 ? s->first : pos; /* partial execution starts where prev ended */
         p->last[d] = s->last;
         pos = s->last;
-        load_add(&r->hop_load, prev, v, request_len);
+        load_add(&r->hop_load, prev, v, p->work);
         r->srv_load[v] += request_len;
         r->kv_used[v] += request_len;
         prev = v;
     }
-    load_add(&r->hop_load, prev, RT_SINK, request_len);
+    load_add(&r->hop_load, prev, RT_SINK, p->work);
     r->live_paths++;
     *path = p;
     return FU_OK;
@@ -307,19 +320,32 @@ int rt_route(rt_router *r, int request_len, rt_path **path) {
 void rt_release(rt_path *p) {
     if (!p) return;
     rt_router *r = p->router;
+    int live = r->opts.load != RT_IWRR_CUMULATIVE;
     int prev = RT_SOURCE;
     for (int d = 0; d < p->n_hops; d++) {
         int v = p->servers[d];
         if (v >= 0 && v < r->n) {
-            load_add(&r->hop_load, prev, v, -p->request_len);
+            if (live) load_add(&r->hop_load, prev, v, -p->work);
             r->srv_load[v] -= p->request_len;
             r->kv_used[v] -= p->request_len;
             if (r->kv_used[v] < 0) r->kv_used[v] = 0;
         }
         prev = v;
     }
-    load_add(&r->hop_load, prev, RT_SINK, -p->request_len);
+    if (live) load_add(&r->hop_load, prev, RT_SINK, -p->work);
     r->live_paths--;
     free(p->servers);
     free(p);
+}
+
+int rt_path_step(rt_path *p, int tokens) {
+    if (!p || !p->router || tokens <= 0 || p->router->opts.load != RT_IWRR_CUMULATIVE) return FU_OK;
+    rt_router *r = p->router;
+    int prev = RT_SOURCE, rc = FU_OK;
+    for (int d = 0; d < p->n_hops && !rc; d++) {
+        if (p->servers[d] < 0 || p->servers[d] >= r->n) return FU_OK;
+        rc = load_add(&r->hop_load, prev, p->servers[d], tokens);
+        prev = p->servers[d];
+    }
+    return rc ? rc : load_add(&r->hop_load, prev, RT_SINK, tokens);
 }

@@ -302,6 +302,7 @@ static int start_step(sim *s, int id, double now) {
     r->step_start = r->sent_at = now;
     r->w = r->step == 0 ? r->prompt_len : 1;
     int rc = s->swr && r->step == 0 ? grow_path(s, r->path, RT_SOURCE) : FU_OK;
+    if (!rc && !s->swr && r->step > 0) rc = rt_path_step(r->path, r->w);
     double at;
     if (!rc) rc = transfer(s, RT_SOURCE, r->path->servers[0], r->w, now, &at);
     return rc ? rc : heap_push(s, at, EV_ARRIVE, id, 0);
@@ -318,7 +319,7 @@ static int admit(sim *s, int id, double now, int may_queue) {
         return rc ? rc : 1;
     }
     int expect = s->o->kv_output_tokens > 0 ? s->o->kv_output_tokens : r->output_len;
-    int rc = rt_route(s->router, r->prompt_len + expect, &r->path);
+    int rc = rt_route_request(s->router, r->prompt_len, r->prompt_len + expect, NULL, &r->path);
     if (rc == FU_ERR_EXHAUSTED) return may_queue ? items_push(&s->wait, id, 0) : 2;
     if (rc) {
         s->res->rejected++;

@@ -33,6 +33,7 @@ static const fu_opt_choice place_choices[] = {
     {"petals", PLACE_PETALS}, {"swarm", PLACE_SWARM}, {"search", PLACE_SEARCH}, {"throughput", PLACE_THROUGHPUT},
     {NULL, 0}};
 static const fu_opt_choice routing_choices[] = {{"iwrr", RT_SIM_ROUTE_IWRR}, {"swarm", RT_SIM_ROUTE_SWARM}, {NULL, 0}};
+static const fu_opt_choice load_choices[] = {{"live", RT_IWRR_LIVE}, {"cumulative", RT_IWRR_CUMULATIVE}, {NULL, 0}};
 static const fu_opt_choice conv_choices[] = {{"runtime", RT_CONV_RUNTIME}, {"ilp", RT_CONV_ILP}, {NULL, 0}};
 
 static const fu_opt sim_options[] = {
@@ -65,6 +66,10 @@ static const fu_opt sim_options[] = {
     {"routing", 0, FU_OPT_CHOICE, FU_OPT_TO(args.so.routing),
      .help = "iwrr: the gateway's, over the max flow; swarm: Swarm's adaptive next hops (with --concurrency, --rate or --trace)",
      .def = "iwrr", .choices = routing_choices},
+    {"iwrr-load", 0, FU_OPT_CHOICE, FU_OPT_TO(args.so.route.load),
+     .help = "what a hop's IWRR load counts: live, the work routed over it now (the gateway's); cumulative, every "
+             "token routed over it so far (Helix's scheduler)",
+     .def = "live", .choices = load_choices},
     {"lengths", 0, FU_OPT_STRING, FU_OPT_TO(args.lengths_file), "FILE",
      "draw synthetic requests' lengths from this set of \"prompt_len output_len\" lines"},
     {"feed-hwm", 0, FU_OPT_FLOAT, FU_OPT_TO(args.so.feed_hwm), "F",
@@ -103,7 +108,7 @@ static const fu_opt_spec sim_spec = {
     "                  [--prompt-sigma S] [--output-sigma S] [--max-prompt-len N] [--max-output-len N]\n"
     "                  [--kv-output-tokens N] [--lengths FILE]\n"
     "                  [--conv runtime|ilp] [--partial] [--rate R | --concurrency N | --trace FILE]\n"
-    "                  [--routing iwrr|swarm]\n"
+    "                  [--routing iwrr|swarm] [--iwrr-load live|cumulative]\n"
     "                  [--feed-hwm F] [--kv-hwm F] [--no-step-profiles]\n"
     "                  [--duration S] [--warmup S] [--prompt-len N] [--output-len N] [--no-sim]\n"
     "                  [--save-json OUT.json] [--quiet]",

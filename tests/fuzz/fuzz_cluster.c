@@ -25,8 +25,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     return 0;
 }
 
-/* Short simulations of a parsed cluster with its profiles, routed by IWRR and by Swarm's rule,
- * when every block is covered. */
+/* Short simulations of a parsed cluster with its profiles, routed by IWRR (live and cumulative
+ * load) and by Swarm's rule, when every block is covered. */
 static void simulate(const rt_swarm *sw, const rt_sim_profiles *prof) {
     if (sw->n_servers > 64 || sw->model.n_layers > 256 || rt_swarm_uncovered(sw, NULL) > 0) return;
     rt_sim_opts so;
@@ -34,6 +34,8 @@ static void simulate(const rt_swarm *sw, const rt_sim_profiles *prof) {
     so.duration_s = 5, so.warmup_s = 1, so.concurrency = 4, so.prompt_len = 16, so.output_len = 4;
     so.profiles = prof;
     rt_sim_result r;
+    rt_sim_run(sw, &so, &r);
+    so.route.load = RT_IWRR_CUMULATIVE;
     rt_sim_run(sw, &so, &r);
     so.routing = RT_SIM_ROUTE_SWARM;
     rt_sim_run(sw, &so, &r);

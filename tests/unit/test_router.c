@@ -300,6 +300,56 @@ static void test_join_leave(void **st) {
 
 /* --- routing ------------------------------------------------------------------------------ */
 
+/* Routes `n` requests of 10 tokens, each released at once; counts the first server chosen. */
+static void route_released(rt_router *r, int n, int *cnt) {
+    for (int i = 0; i < n; i++) {
+        rt_path *p;
+        assert_int_equal(rt_route_request(r, 10, 10, NULL, &p), FU_OK);
+        cnt[p->servers[0]]++;
+        rt_release(p);
+    }
+}
+
+/* A [0,2) 300 and B [0,2) 100 feed C [2,4): live load forgets a released request, cumulative
+ * load keeps every token (prompts and decode steps), so the split follows the flow 3:1. */
+static void test_iwrr_cumulative(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double ta[] = {600, 300}, tb[] = {200, 100}, tc[] = {2000, 1000};
+    int a = add(&sw, "A", 2, ta, 0, 2), b = add(&sw, "B", 2, tb, 0, 2);
+    add(&sw, "C", 2, tc, 2, 4);
+    link_all(&sw, 1e9);
+    for (int mode = RT_IWRR_LIVE; mode <= RT_IWRR_CUMULATIVE; mode++) {
+        rt_route_opts ro = {{RT_CONV_RUNTIME, 0}, 0, (rt_iwrr_load)mode};
+        rt_router *r;
+        assert_int_equal(rt_router_init(&r, &sw, &ro), FU_OK);
+        int cnt[3] = {0};
+        route_released(r, 40, cnt);
+        assert_int_equal(cnt[a], mode == RT_IWRR_LIVE ? 40 : 30);
+        assert_int_equal(cnt[b], mode == RT_IWRR_LIVE ? 0 : 10);
+        rt_router_free(r);
+        /* decode steps: 50 one-token steps on A's request count only when cumulative */
+        assert_int_equal(rt_router_init(&r, &sw, &ro), FU_OK);
+        rt_path *p, *q;
+        assert_int_equal(rt_route_request(r, 10, 250, NULL, &p), FU_OK);
+        assert_int_equal(p->servers[0], a);
+        for (int i = 0; i < 50; i++) assert_int_equal(rt_path_step(p, 1), FU_OK);
+        /* live: A holds 250 ((250 + 250) / 300 < 250 / 100); cumulative: A counts 60 tokens
+         * ((60 + 10) / 300 > 10 / 100) */
+        assert_int_equal(rt_route_request(r, 10, 250, NULL, &q), FU_OK);
+        assert_int_equal(q->servers[0], mode == RT_IWRR_LIVE ? a : b);
+        NEAR(rt_router_load(r, a), mode == RT_IWRR_LIVE ? 500 : 250, 1e-9); /* server load stays live */
+        rt_release(p), rt_release(q);
+        assert_int_equal(rt_route_request(r, 0, 10, NULL, &p), FU_ERR_INVALID);
+        assert_int_equal(rt_route_request(r, 11, 10, NULL, &p), FU_ERR_INVALID);
+        assert_int_equal(rt_path_step(NULL, 1), FU_OK);
+        rt_router_free(r);
+    }
+    rt_swarm_free(&sw);
+}
+
 /* A [0,2) 300 and B [0,2) 100 feed C [2,4) 1000; W [0,2) carries 1% of the flow (skipped). */
 static void test_iwrr(void **st) {
     (void)st;
@@ -313,7 +363,7 @@ static void test_iwrr(void **st) {
     memcpy(sw.servers[c].kv_tokens, kvc, sizeof kvc); /* the swarm's own copy of the table */
     link_all(&sw, 1e9);
     rt_router *r;
-    rt_route_opts ro = {{RT_CONV_RUNTIME, 0}, 0};
+    rt_route_opts ro = {{RT_CONV_RUNTIME, 0}, 0, RT_IWRR_LIVE};
     assert_int_equal(rt_router_init(&r, &sw, &ro), FU_OK);
     NEAR(rt_router_flow(r)->value, 404, 1e-9);
     rt_path *paths[400];
@@ -614,7 +664,7 @@ static void test_iwrr_cache_affinity(void **st) {
     int a = add(&sw, "A", 2, t, 0, 2), b = add(&sw, "B", 2, t, 0, 2), c = add(&sw, "C", 2, tc, 2, 4);
     link_all(&sw, 1e9);
     rt_router *r;
-    rt_route_opts ro = {{RT_CONV_RUNTIME, 0}, 0};
+    rt_route_opts ro = {{RT_CONV_RUNTIME, 0}, 0, RT_IWRR_LIVE};
     assert_int_equal(rt_router_init(&r, &sw, &ro), FU_OK);
     int cached[3] = {0, 0, 0};
     cached[b] = 60;
@@ -1176,6 +1226,7 @@ int main(void) {
         cmocka_unit_test(test_flow_network_tiny),   cmocka_unit_test(test_vram_limit),
         cmocka_unit_test(test_placements),          cmocka_unit_test(test_join_leave),
         cmocka_unit_test(test_iwrr),                cmocka_unit_test(test_sim),
+        cmocka_unit_test(test_iwrr_cumulative),
         cmocka_unit_test(test_iwrr_cache_affinity),
         cmocka_unit_test(test_ini_and_exprs),       cmocka_unit_test(test_json_format),
         cmocka_unit_test(test_helix_files),         cmocka_unit_test(test_slot_reuse),
