@@ -246,7 +246,10 @@ typedef struct rt_flow {
 double rt_flow_hop_value(const rt_flow *flow, int from, int to);
 
 /* Builds the flow network of `sw` and computes its max flow. `flow` may be NULL (value only,
- * returned through `value`); otherwise it is (re)filled and must be freed with rt_flow_free.
+ * returned through `value`); otherwise it is (re)filled and must be freed with rt_flow_free,
+ * and among the max flows it is the one whose servers are least busy in sum (sum of flow /
+ * capacity: flow a fast server can carry does not go through a slow one), refined within a
+ * fixed amount of work, so a very large swarm may get a max flow short of the least busy.
  * `opts` NULL means RT_CONV_RUNTIME without partial execution. */
 int rt_flow_compute(const rt_swarm *sw, const rt_flow_opts *opts, rt_flow *flow, double *value);
 /* Max flow value of `sw`, or 0 on error. */

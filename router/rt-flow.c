@@ -1,5 +1,6 @@
 /* rt-flow.c -- Dinic's max flow on real-valued capacities and the swarm's flow network
- * (Helix's in -> start -> end -> out construction, runtime and MILP conventions). */
+ * (Helix's in -> start -> end -> out construction, runtime and MILP conventions), refined to
+ * the least busy max flow by cycle canceling when the flow itself is wanted. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -257,6 +258,87 @@ static int build_network(const rt_swarm *sw, const rt_flow_opts *o, const rt_hop
     return rc;
 }
 
+/*
+ * Among maximum flows, one whose servers are least busy in sum: sum over servers of flow /
+ * capacity, so that flow a fast server can carry does not go through a slow one (a max flow
+ * leaves that choice to the order it finds paths in, and IWRR sends nothing where the flow is
+ * zero). Cycle canceling: Bellman-Ford over the residual network, with each server's compute
+ * edge costing 1 / capacity per token/s (its reverse the negative), finds a negative cycle; the
+ * flow around it moves to cheaper servers, the value unchanged. Stops when none is left or after
+ * LEAST_BUSY_BUDGET edge relaxations (a large swarm keeps the flow it has, still a max flow;
+ * by count, not clock, so the result is the same on any machine).
+ */
+#define LEAST_BUSY_BUDGET 20000000L
+
+typedef struct cycle_ws {
+    const double *cost; /* [ne / 2] per forward edge */
+    double *dist, tol;  /* [n] */
+    int *pred;          /* [n] residual edge into each node on the best walk */
+    long budget;
+} cycle_ws;
+
+static double res_cost(const cycle_ws *w, int k) { return k & 1 ? -w->cost[k / 2] : w->cost[k / 2]; }
+
+/* One Bellman-Ford pass over every residual edge; the last node it relaxed, or -1. */
+static int relax_pass(rt_graph *g, cycle_ws *w) {
+    int last = -1;
+    for (int u = 0; u < g->n; u++)
+        for (int k = g->head[u]; k >= 0; k = g->e[k].next, w->budget--) {
+            int v = g->e[k].to;
+            double d = w->dist[u] + res_cost(w, k);
+            if (g->e[k].res > g->eps && d < w->dist[v] - w->tol) w->dist[v] = d, w->pred[v] = k, last = v;
+        }
+    return last;
+}
+
+/* A node on a negative-cost residual cycle, or -1 when there is none (or the budget ran out). */
+static int negative_cycle(rt_graph *g, cycle_ws *w) {
+    for (int i = 0; i < g->n; i++) w->dist[i] = 0, w->pred[i] = -1;
+    int x = -1;
+    for (int pass = 0; pass < g->n && w->budget > 0; pass++)
+        if ((x = relax_pass(g, w)) < 0) return -1;
+    if (x < 0 || w->budget <= 0) return -1;
+    for (int i = 0; i < g->n && x >= 0; i++) /* walk back onto the cycle */
+        x = w->pred[x] >= 0 ? g->e[w->pred[x] ^ 1].to : -1;
+    return x;
+}
+
+/* Pushes the most the residual cycle through x takes around it. */
+static void cancel_cycle(rt_graph *g, const cycle_ws *w, int x) {
+    double f = RT_INF_CAP;
+    int v = x;
+    do {
+        int k = w->pred[v];
+        if (g->e[k].res < f) f = g->e[k].res;
+        v = g->e[k ^ 1].to;
+    } while (v != x);
+    do {
+        int k = w->pred[v];
+        g->e[k].res -= f, g->e[k ^ 1].res += f;
+        v = g->e[k ^ 1].to;
+    } while (v != x);
+}
+
+static int least_busy(rt_graph *g, const flow_map *map) {
+    int ne = g->ne / 2;
+    cycle_ws w = {NULL, malloc((size_t)g->n * sizeof(double)), 0, malloc((size_t)g->n * sizeof(int)),
+                  LEAST_BUSY_BUDGET};
+    double *cost = calloc((size_t)ne + 1, sizeof(double)), top = 0;
+    if (!w.dist || !w.pred || !cost) {
+        free(w.dist), free(w.pred), free(cost);
+        return fu_errorf(FU_ERR_NOMEM, "flow: out of memory");
+    }
+    for (int e = 0; e < ne; e++) {
+        double c = g->e[2 * e].cap;
+        if (map->tag[e].v == FLOW_COMPUTE && c > 0 && c < RT_INF_CAP) cost[e] = 1 / c;
+        if (cost[e] > top) top = cost[e];
+    }
+    w.cost = cost, w.tol = top * 1e-9;
+    for (int x; w.budget > 0 && (x = negative_cycle(g, &w)) >= 0;) cancel_cycle(g, &w, x);
+    free(w.dist), free(w.pred), free(cost);
+    return FU_OK;
+}
+
 static const rt_flow_opts default_opts = {RT_CONV_RUNTIME, 0};
 
 /* Hops, scratch and network of `sw` into ws->g (grown as needed). */
@@ -344,7 +426,8 @@ int rt_flow_compute(const rt_swarm *sw, const rt_flow_opts *opts, rt_flow *flow,
         double f = rt_graph_max_flow(ws.g, RT_N_SOURCE, RT_N_SINK);
         if (f < 0) f = 0;
         if (value) *value = f;
-        if (flow) rc = read_flow(ws.g, &map, sw->n_servers, f, flow);
+        if (flow) rc = least_busy(ws.g, &map);
+        if (flow && !rc) rc = read_flow(ws.g, &map, sw->n_servers, f, flow);
     }
     free(map.tag);
     rt__flow_ws_free(&ws);

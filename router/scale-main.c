@@ -27,13 +27,14 @@
  * regions (12.5-125 MB/s, 40 ms), both ways; the coordinator reaches every server. Then each
  * server's K best links are kept (rt_swarm_prune_links). Per size it prints the build + prune
  * time, one max flow, the placement (rt_place_search with a fixed number of evaluations and no
- * clock), the mean hops of routed requests, routing N requests, peak RSS, the JSON file's size
- * and its save and load times; then each figure's growth exponent between sizes.
+ * clock), the router's flow (rt_router_init: the max flow with its least-busy refinement), the
+ * mean hops of routed requests, routing N requests, peak RSS, the JSON file's size and its
+ * save and load times; then each figure's growth exponent between sizes.
  */
 
 typedef struct figures {
     int n;
-    double build_s, flow_s, place_s, hops, route_s, save_s, load_s;
+    double build_s, flow_s, place_s, router_s, hops, route_s, save_s, load_s;
     double rss_mb, file_mb, flow, links;
     long evals;
 } figures;
@@ -118,10 +119,13 @@ static int build(rt_swarm *sw, int n, int keep, uint64_t seed) {
     return rc;
 }
 
-/* Routes `count` requests (held, then released): seconds, and the mean hops into *hops. */
-static int route_many(const rt_swarm *sw, long count, double *secs, double *hops) {
+/* Routes `count` requests (held, then released): seconds, and the mean hops into *hops; the
+ * router's set-up into *init_s. */
+static int route_many(const rt_swarm *sw, long count, double *init_s, double *secs, double *hops) {
     rt_router *r;
+    double t_init = fu_now_s();
     int rc = rt_router_init(&r, sw, NULL);
+    *init_s = fu_now_s() - t_init;
     if (rc) return rc;
     rt_path **p = calloc((size_t)count, sizeof *p);
     if (!p) {
@@ -181,7 +185,7 @@ static int measure(int n, figures *f) {
         t0 = fu_now_s();
         f->flow = rt_max_flow(&sw, NULL);
         f->flow_s = fu_now_s() - t0;
-        rc = route_many(&sw, args.requests, &f->route_s, &f->hops);
+        rc = route_many(&sw, args.requests, &f->router_s, &f->route_s, &f->hops);
     }
     if (!rc) rc = file_round_trip(&sw, f);
     struct rusage ru;
@@ -229,9 +233,9 @@ static void print_cpu(void) {
 }
 
 static void print_row(const figures *f) {
-    printf("%7d %8.0f %9.3f %9.4f %9.3f %5ld %6.2f %9.4f %10.1f %8.2f %8.3f %8.3f %10.1f\n", f->n, f->links,
-           f->build_s, f->flow_s, f->place_s, f->evals, f->hops, f->route_s, f->rss_mb, f->file_mb, f->save_s,
-           f->load_s, f->flow);
+    printf("%7d %8.0f %9.3f %9.4f %9.3f %5ld %9.4f %6.2f %9.4f %10.1f %8.2f %8.3f %8.3f %10.1f\n", f->n, f->links,
+           f->build_s, f->flow_s, f->place_s, f->evals, f->router_s, f->hops, f->route_s, f->rss_mb, f->file_mb,
+           f->save_s, f->load_s, f->flow);
 }
 
 static double expo(double a, double b, int n1, int n2) {
@@ -239,9 +243,10 @@ static double expo(double a, double b, int n1, int n2) {
 }
 
 static void print_growth(const figures *a, const figures *b) {
-    printf("%7d->%-7d %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f\n", a->n, b->n,
+    printf("%7d->%-7d %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f\n", a->n, b->n,
            expo(a->build_s, b->build_s, a->n, b->n), expo(a->flow_s, b->flow_s, a->n, b->n),
-           expo(a->place_s, b->place_s, a->n, b->n), expo(a->route_s, b->route_s, a->n, b->n),
+           expo(a->place_s, b->place_s, a->n, b->n), expo(a->router_s, b->router_s, a->n, b->n),
+           expo(a->route_s, b->route_s, a->n, b->n),
            expo(a->rss_mb, b->rss_mb, a->n, b->n), expo(a->file_mb, b->file_mb, a->n, b->n),
            expo(a->save_s, b->save_s, a->n, b->n), expo(a->load_s, b->load_s, a->n, b->n));
 }
@@ -269,8 +274,9 @@ static int bench(void) {
     print_cpu();
     printf("search: %ld evaluations, no clock; %ld links kept per server; %ld requests of 990 tokens\n",
            args.evals, args.keep, args.requests);
-    printf("%7s %8s %9s %9s %9s %5s %6s %9s %10s %8s %8s %8s %10s\n", "servers", "links", "build s", "flow s",
-           "place s", "evals", "hops", "route s", "peakRSS MB", "file MB", "save s", "load s", "flow tok/s");
+    printf("%7s %8s %9s %9s %9s %5s %9s %6s %9s %10s %8s %8s %8s %10s\n", "servers", "links", "build s", "flow s",
+           "place s", "evals", "router s", "hops", "route s", "peakRSS MB", "file MB", "save s", "load s",
+           "flow tok/s");
     for (char *p = args.sizes; p && *p && nf < 16 && !rc; p += strspn(p, ",")) {
         char *e;
         long n = strtol(p, &e, 10);
@@ -279,8 +285,8 @@ static int bench(void) {
         if (!(rc = measure_apart((int)n, &f[nf]))) print_row(&f[nf++]);
     }
     if (nf > 1) {
-        printf("\ngrowth exponents log(x2/x1)/log(n2/n1):\n%15s %9s %9s %9s %9s %9s %8s %8s %8s\n", "sizes", "build",
-               "flow", "place", "route", "peakRSS", "file", "save", "load");
+        printf("\ngrowth exponents log(x2/x1)/log(n2/n1):\n%15s %9s %9s %9s %9s %9s %9s %8s %8s %8s\n", "sizes",
+               "build", "flow", "place", "router", "route", "peakRSS", "file", "save", "load");
         for (int i = 1; i < nf; i++) print_growth(&f[i - 1], &f[i]);
     }
     if (rc) fprintf(stderr, "fusion-bench-scale: %s\n", fu_last_error());

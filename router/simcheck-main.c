@@ -49,20 +49,20 @@ typedef struct check_row {
 
 static check_row rows[] = {
     {"single-helix", "single 24, Helix MILP", "single_cluster/config/cluster24.ini",
-     "single_cluster/layout_llama70b/ilp/ilp_sol.ini", 0, 0, 252.1, "ae line 262", 0, 0, 0, 0, 0},
+     "single_cluster/layout_llama70b/ilp/ilp_sol.ini", 0, 0, 252.1, "ae line 262", 0, 0, 0, 0, 0, 0},
     {"single-swarm", "single 24, Swarm", "single_cluster/config/cluster24.ini",
-     "single_cluster/layout_llama70b/swarm/swarm_sol.ini", 0, 1, 124.7, "ae line 275, Swarm scheduler", 0, 0, 0, 0, 0},
+     "single_cluster/layout_llama70b/swarm/swarm_sol.ini", 0, 1, 124.7, "ae line 275, Swarm scheduler", 0, 0, 0, 0, 0, 0},
     {"geo-helix", "3-region 24, Helix MILP", "distributed_clusters/config/3cluster24.ini",
-     "distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", 0, 0, 98.0, "ae line 1634", 0, 0, 0, 0, 0},
+     "distributed_clusters/layout_llama70b/ilp/ilp_sol.ini", 0, 0, 98.0, "ae line 1634", 0, 0, 0, 0, 0, 0},
     {"geo-swarm-own", "3-region 24, Swarm", "distributed_clusters/config/3cluster24.ini",
      "distributed_clusters/layout_llama70b/swarm/swarm_sol.ini", 0, 1, 51.9, "ae line 1647, Swarm scheduler", 0, 0,
-     0, 0, 0},
+     0, 0, 0, 0},
     {"geo-swarm", "3-region 24, Swarm, max-flow", "distributed_clusters/config/3cluster24.ini",
-     "model_placement/layout_distributed/swarm/swarm_sol.ini", 0, 0, 41.6, "ae line 2173", 0, 0, 0, 0, 0},
+     "model_placement/layout_distributed/swarm/swarm_sol.ini", 0, 0, 41.6, "ae line 2173", 0, 0, 0, 0, 0, 0},
     {"geo-petals", "3-region 24, Petals", "distributed_clusters/config/3cluster24.ini",
-     "model_placement/layout_distributed/petals/petals_sol.ini", 1, 0, 66.6, "ae line 2186", 0, 0, 0, 0, 0},
+     "model_placement/layout_distributed/petals/petals_sol.ini", 1, 0, 66.6, "ae line 2186", 0, 0, 0, 0, 0, 0},
     {"geo-noprune", "3-region 24, MILP unpruned", "ablation/config/3cluster24.ini",
-     "ablation/layouts/no_prune_24/ilp_sol.ini", 0, 0, 74.9, "ae line 2512", 0, 0, 0, 0, 0},
+     "ablation/layouts/no_prune_24/ilp_sol.ini", 0, 0, 74.9, "ae line 2512", 0, 0, 0, 0, 0, 0},
 };
 enum { N_ROWS = sizeof rows / sizeof rows[0] };
 

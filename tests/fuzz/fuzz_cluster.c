@@ -25,17 +25,16 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     return 0;
 }
 
-/* Short simulations of a parsed cluster with its profiles, routed by IWRR (live and cumulative
- * load) and by Swarm's rule, when every block is covered. */
-static void simulate(const rt_swarm *sw, const rt_sim_profiles *prof) {
+/* Short simulations of a parsed cluster with its profiles, routed by IWRR (live or cumulative
+ * load, as `cumulative` says) and by Swarm's rule, when every block is covered. */
+static void simulate(const rt_swarm *sw, const rt_sim_profiles *prof, int cumulative) {
     if (sw->n_servers > 64 || sw->model.n_layers > 256 || rt_swarm_uncovered(sw, NULL) > 0) return;
     rt_sim_opts so;
     memset(&so, 0, sizeof so);
     so.duration_s = 5, so.warmup_s = 1, so.concurrency = 4, so.prompt_len = 16, so.output_len = 4;
     so.profiles = prof;
     rt_sim_result r;
-    rt_sim_run(sw, &so, &r);
-    so.route.load = RT_IWRR_CUMULATIVE;
+    so.route.load = cumulative ? RT_IWRR_CUMULATIVE : RT_IWRR_LIVE;
     rt_sim_run(sw, &so, &r);
     so.routing = RT_SIM_ROUTE_SWARM;
     rt_sim_run(sw, &so, &r);
@@ -83,7 +82,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     rt_swarm sw;
     rt_sim_profiles prof = {0};
     if (!rt_swarm_parse_json(&sw, text, size)) {
-        if (!rt_sim_profiles_parse_json(&prof, text, size)) simulate(&sw, &prof);
+        if (!rt_sim_profiles_parse_json(&prof, text, size)) simulate(&sw, &prof, size & 1);
         rt_sim_profiles_free(&prof);
         round_trip(&sw);
         rt_swarm_free(&sw);

@@ -102,6 +102,39 @@ static void link_all(rt_swarm *sw, double bw) {
     }
 }
 
+/* Among max flows, the least busy: A [0,2) feeds a slow S [2,4) (100 tok/s) or a fast F [2,4)
+ * (1000); A's 100 go all to F (100 / 1000 busy, not 100 / 100). At 300 through A (A2),
+ * F takes what it can (250 of its 250 here) and S the rest. */
+static void test_flow_least_busy(void **st) {
+    (void)st;
+    rt_model m = tiny_model(4);
+    rt_swarm sw;
+    assert_int_equal(rt_swarm_init(&sw, &m), FU_OK);
+    double ta[] = {200, 100}, ts[] = {200, 100}, tf[] = {2000, 1000};
+    int f = add(&sw, "F", 2, tf, 2, 4), s = add(&sw, "S", 2, ts, 2, 4), a = add(&sw, "A", 2, ta, 0, 2);
+    link_all(&sw, 1e9);
+    rt_flow_opts rto = {RT_CONV_RUNTIME, 0};
+    rt_flow fl = {0};
+    double v;
+    assert_int_equal(rt_flow_compute(&sw, &rto, &fl, &v), FU_OK);
+    NEAR(v, 100, 1e-9);
+    NEAR(fl.server_flow[f], 100, 1e-6);
+    NEAR(fl.server_flow[s], 0, 1e-6);
+    NEAR(rt_flow_hop_value(&fl, a, f), 100, 1e-6);
+    /* F capped at 250: the 300 of a faster head fill F, then S */
+    double ta2[] = {600, 300}, tf2[] = {500, 250};
+    rt_swarm_remove_server(&sw, a);
+    memcpy(sw.servers[f].tput, tf2, sizeof tf2);
+    int a2 = add(&sw, "A2", 2, ta2, 0, 2);
+    link_all(&sw, 1e9);
+    assert_int_equal(rt_flow_compute(&sw, &rto, &fl, &v), FU_OK);
+    NEAR(v, 300, 1e-9);
+    NEAR(rt_flow_hop_value(&fl, a2, f), 250, 1e-6);
+    NEAR(rt_flow_hop_value(&fl, a2, s), 50, 1e-6);
+    rt_flow_free(&fl);
+    rt_swarm_free(&sw);
+}
+
 /*
  * L = 4, tok = 2, act = 8. A [0,2) 100 tok/s; B [2,4) 60; C [2,4) 30; D [0,4) 10 with
  * inbound NIC 10 B/s. Links: A->B 500 B/s, A->C 400 B/s, others 1e6.
@@ -1223,7 +1256,8 @@ static void test_stripes_by_site(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_maxflow_greedy_trap), cmocka_unit_test(test_maxflow_clrs),
-        cmocka_unit_test(test_flow_network_tiny),   cmocka_unit_test(test_vram_limit),
+        cmocka_unit_test(test_flow_network_tiny),   cmocka_unit_test(test_flow_least_busy),
+        cmocka_unit_test(test_vram_limit),
         cmocka_unit_test(test_placements),          cmocka_unit_test(test_join_leave),
         cmocka_unit_test(test_iwrr),                cmocka_unit_test(test_sim),
         cmocka_unit_test(test_iwrr_cumulative),
