@@ -191,6 +191,11 @@ int rt_swarm_parse_json(rt_swarm *sw, const char *text, size_t len);
  * a temporary file beside `path` and renames it over `path`, so readers never see half a file.
  * O(servers + links). */
 int rt_swarm_save_json(const rt_swarm *sw, const char *path);
+typedef struct rt_sim_profiles rt_sim_profiles;
+/* rt_swarm_save_json, with the step-time profiles `prof` (NULL or none: left out) as the file's
+ * "step_profiles" (rt_sim_profiles_parse_json reads them back the same, batch limits per block
+ * count included). */
+int rt_swarm_save_json_with(const rt_swarm *sw, const rt_sim_profiles *prof, const char *path);
 
 /* ---------------------------------------------------------------------------------------- */
 /* Max flow on a general graph (Dinic's algorithm on real-valued capacities)                  */
@@ -433,10 +438,10 @@ typedef struct rt_step_profile {
     double *decode_max_context;                                        /* [n_limits] (owned) */
 } rt_step_profile;
 
-typedef struct rt_sim_profiles {
+struct rt_sim_profiles {
     int n;
     rt_step_profile *items; /* [n] (owned) */
-} rt_sim_profiles;
+};
 
 /* Helix's per-GPU tables for `model_name` ("llama2_70b"): every <gpu>/prompt_bs2time.csv and
  * decode_bs2time.csv under `model_dir` (simulator/model_manager/<model>), kinds named as in
@@ -452,6 +457,8 @@ int rt_helix_load_step_profiles(rt_sim_profiles *p, const rt_helix_files *f);
  *               "decode_ctx_ms_per_token": x, "single_decode_factor": f,
  *               "prompt_max_requests": n, "prompt_max_tokens": n, "decode_max_tokens": n,
  *               "decode_max_context": n}, ...}
+ * where each limit is a number (any block count) or an array by block count ([n1, n2, ...]:
+ * entry min(k, length) - 1 holds k blocks; the arrays as long as each other).
  * A file without the key yields no profiles (p->n == 0). `p` must be zeroed. */
 int rt_sim_profiles_parse_json(rt_sim_profiles *p, const char *text, size_t len);
 int rt_sim_profiles_load_json(rt_sim_profiles *p, const char *path);

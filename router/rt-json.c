@@ -518,11 +518,63 @@ static void write_links(FILE *f, const rt_swarm *sw, const int *index) {
         for (int k = 0; k < o->n; k++)
             if (index[o->peer[k]] >= 0) put_link(f, &count, index[a], index[o->peer[k]], o->link[k]);
     }
-    fputs("]}\n", f);
+    fputc(']', f);
+}
+
+/* [[x, ms], ...] from a table of x and seconds. */
+static void put_points(FILE *f, const char *key, const double *x, const double *sec, int n) {
+    fprintf(f, "\"%s\":[", key);
+    for (int i = 0; i < n; i++) {
+        fputs(i ? ",[" : "[", f);
+        put_num(f, x[i]);
+        fputc(',', f);
+        put_num(f, sec[i] * 1e3);
+        fputc(']', f);
+    }
+    fputc(']', f);
+}
+
+/* One batch limit per block count: ,"key":[v1, v2, ...] (ints, or doubles when dv is given). */
+static void put_limits(FILE *f, const char *key, const int *iv, const double *dv, int n) {
+    fprintf(f, ",\"%s\":[", key);
+    for (int i = 0; i < n; i++) {
+        if (i) fputc(',', f);
+        if (dv) put_num(f, dv[i]);
+        else fprintf(f, "%d", iv[i]);
+    }
+    fputc(']', f);
+}
+
+static void write_profile(FILE *f, const rt_step_profile *q) {
+    put_str(f, q->kind);
+    fputs(":{", f);
+    put_points(f, "prompt", q->prompt_tokens, q->prompt_s, q->n_prompt);
+    fputc(',', f);
+    put_points(f, "decode", q->decode_tokens, q->decode_s, q->n_decode);
+    put_field(f, "decode_ctx_ms_per_token", q->decode_ctx_s * 1e3);
+    put_field(f, "single_decode_factor", q->single_decode_factor);
+    if (q->n_limits > 0) {
+        put_limits(f, "prompt_max_requests", q->prompt_max_requests, NULL, q->n_limits);
+        put_limits(f, "prompt_max_tokens", q->prompt_max_tokens, NULL, q->n_limits);
+        put_limits(f, "decode_max_tokens", q->decode_max_tokens, NULL, q->n_limits);
+        put_limits(f, "decode_max_context", NULL, q->decode_max_context, q->n_limits);
+    }
+    fputc('}', f);
+}
+
+/* ,"step_profiles":{...} when there are any. */
+static void write_step_profiles(FILE *f, const rt_sim_profiles *prof) {
+    if (!prof || prof->n <= 0) return;
+    fputs(",\n\"step_profiles\":{", f);
+    for (int i = 0; i < prof->n; i++) {
+        if (i) fputs(",\n", f);
+        write_profile(f, &prof->items[i]);
+    }
+    fputc('}', f);
 }
 
 /* Writes the whole document to f. */
-static int write_doc(FILE *f, const rt_swarm *sw) {
+static int write_doc(FILE *f, const rt_swarm *sw, const rt_sim_profiles *prof) {
     prof_ix px = {0};
     int *index = malloc(((size_t)sw->n_servers + 1) * sizeof(int));
     int rc = index ? profiles_index(sw, &px) : fu_errorf(FU_ERR_NOMEM, "cluster JSON: out of memory");
@@ -531,13 +583,17 @@ static int write_doc(FILE *f, const rt_swarm *sw) {
         write_kinds(f, sw, &px);
         write_servers(f, sw, &px, index);
         write_links(f, sw, index);
+        write_step_profiles(f, prof);
+        fputs("}\n", f);
     }
     prof_free(&px);
     free(index);
     return rc;
 }
 
-int rt_swarm_save_json(const rt_swarm *sw, const char *path) {
+int rt_swarm_save_json(const rt_swarm *sw, const char *path) { return rt_swarm_save_json_with(sw, NULL, path); }
+
+int rt_swarm_save_json_with(const rt_swarm *sw, const rt_sim_profiles *prof, const char *path) {
     if (!sw || !path) return fu_errorf(FU_ERR_INVALID, "rt_swarm_save_json: NULL argument");
     size_t pl = strlen(path);
     char *tmp = malloc(pl + 16);
@@ -553,7 +609,7 @@ int rt_swarm_save_json(const rt_swarm *sw, const char *path) {
         free(tmp);
         return fu_errorf(FU_ERR_IO, "%s: cannot write: %s", path, strerror(e));
     }
-    int rc = write_doc(f, sw);
+    int rc = write_doc(f, sw, prof);
     int bad = ferror(f) | fflush(f) | fsync(fileno(f));
     bad |= fclose(f);
     if (!rc && bad) rc = fu_errorf(FU_ERR_IO, "%s: write failed", path);

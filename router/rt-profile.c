@@ -263,21 +263,47 @@ static int json_opt(const char *kind, json_t *o, const char *key, double *out) {
     return FU_OK;
 }
 
-/* The four batch limits, the same for any number of blocks. */
+/* How many block counts a limit gives: 1 for a number, its length for an array (0: bad). */
+static int limit_count(json_t *v) {
+    if (!v || json_is_number(v)) return 1;
+    size_t n = json_array_size(v);
+    return json_is_array(v) && n >= 1 && n <= MAX_POINTS ? (int)n : 0;
+}
+
+/* Entry i of a limit (a number holds for every block count): a number in [0, 1e12], else -1. */
+static double limit_value(json_t *v, int i) {
+    json_t *x = json_is_array(v) ? json_array_get(v, (size_t)i) : v;
+    if (!x) return 0;
+    double d = json_is_number(x) ? json_number_value(x) : -1;
+    return isfinite(d) && d >= 0 && d <= 1e12 ? d : -1;
+}
+
+/* The four batch limits: each a number (any block count) or an array by block count (entry
+ * min(k, n) - 1 for k blocks); the arrays must be as long as each other. */
 static int json_limits(rt_step_profile *q, json_t *o) {
-    double v[4];
     static const char *keys[4] = {"prompt_max_requests", "prompt_max_tokens", "decode_max_tokens", "decode_max_context"};
+    int n = 1;
     for (int i = 0; i < 4; i++) {
-        int rc = json_opt(q->kind, o, keys[i], &v[i]);
-        if (rc) return rc;
+        json_t *v = json_object_get(o, keys[i]);
+        int c = limit_count(v);
+        if (!c || (c > 1 && n > 1 && c != n))
+            return fu_errorf(FU_ERR_FORMAT, "step profile \"%s\": \"%s\" must be a number or an array of numbers as long as "
+                             "the other limits' arrays", q->kind, keys[i]);
+        if (c > 1) n = c;
     }
-    q->n_limits = 1;
-    q->prompt_max_requests = calloc(1, sizeof(int)), q->prompt_max_tokens = calloc(1, sizeof(int));
-    q->decode_max_tokens = calloc(1, sizeof(int)), q->decode_max_context = calloc(1, sizeof(double));
+    q->n_limits = n;
+    q->prompt_max_requests = calloc((size_t)n, sizeof(int)), q->prompt_max_tokens = calloc((size_t)n, sizeof(int));
+    q->decode_max_tokens = calloc((size_t)n, sizeof(int)), q->decode_max_context = calloc((size_t)n, sizeof(double));
     if (!q->prompt_max_requests || !q->prompt_max_tokens || !q->decode_max_tokens || !q->decode_max_context)
         return fu_errorf(FU_ERR_NOMEM, "step profiles: out of memory");
-    q->prompt_max_requests[0] = (int)fmin(v[0], 1e9), q->prompt_max_tokens[0] = (int)fmin(v[1], 1e9);
-    q->decode_max_tokens[0] = (int)fmin(v[2], 1e9), q->decode_max_context[0] = v[3];
+    for (int k = 0; k < n; k++) {
+        double v[4];
+        for (int i = 0; i < 4; i++)
+            if ((v[i] = limit_value(json_object_get(o, keys[i]), k)) < 0)
+                return fu_errorf(FU_ERR_FORMAT, "step profile \"%s\": \"%s\" must be a number >= 0", q->kind, keys[i]);
+        q->prompt_max_requests[k] = (int)fmin(v[0], 1e9), q->prompt_max_tokens[k] = (int)fmin(v[1], 1e9);
+        q->decode_max_tokens[k] = (int)fmin(v[2], 1e9), q->decode_max_context[k] = v[3];
+    }
     return FU_OK;
 }
 

@@ -94,7 +94,7 @@ static const fu_opt sim_options[] = {
     {"output-len", 0, FU_OPT_INT, FU_OPT_TO(args.so.output_len), .help = "synthetic requests' output tokens",
      .lo = 0, .hi = INT32_MAX},
     {"no-sim", 0, FU_OPT_FLAG, FU_OPT_TO(args.no_sim), .help = "the max flow only"},
-    {"save-json", 0, FU_OPT_STRING, FU_OPT_TO(args.save), "OUT.json", "save the cluster and placement"},
+    {"save-json", 0, FU_OPT_STRING, FU_OPT_TO(args.save), "OUT.json", "save the cluster, placement and step profiles (--json reads them back)"},
     {"quiet", 0, FU_OPT_FLAG, FU_OPT_TO(args.quiet), .help = "no line per server"},
     FU_OPT_END,
 };
@@ -251,7 +251,7 @@ static int simulate(sim_args *a) {
     if (!rc) rc = sim_profiles(a, &prof);
     if (!rc) rc = sim_load(a, &prof, &sw);
     if (!rc) sim_print_flow(a, &sw, &fr);
-    if (!rc && a->save) rc = rt_swarm_save_json(&sw, a->save);
+    if (!rc && a->save) rc = rt_swarm_save_json_with(&sw, &prof, a->save);
     if (!rc && !a->no_sim) rc = sim_run(a, &prof, &sw);
     if (rc) fprintf(stderr, "fusion-sim: %s: %s\n", fu_status_str(rc), fu_last_error());
     rt_swarm_free(&sw);

@@ -40,13 +40,18 @@ static void simulate(const rt_swarm *sw, const rt_sim_profiles *prof, int cumula
     rt_sim_run(sw, &so, &r);
 }
 
-/* Saves and reloads: the same server count and max flow. */
-static void round_trip(const rt_swarm *sw) {
-    if (rt_swarm_save_json(sw, path)) return;
+/* Saves and reloads with the profiles: the same server count, max flow and profiles. */
+static void round_trip(const rt_swarm *sw, const rt_sim_profiles *prof) {
+    if (rt_swarm_save_json_with(sw, prof, path)) return;
     rt_swarm back;
-    if (rt_swarm_load_json(&back, path)) abort();
+    rt_sim_profiles pb = {0};
+    if (rt_swarm_load_json(&back, path) || rt_sim_profiles_load_json(&pb, path)) abort();
     double a = rt_max_flow(sw, NULL), b = rt_max_flow(&back, NULL);
     if (back.n_servers != sw->n_servers || fabs(a - b) > 1e-6 * (1 + fabs(a))) abort();
+    if (pb.n != prof->n) abort();
+    for (int i = 0; i < pb.n; i++)
+        if (pb.items[i].n_limits != prof->items[i].n_limits || pb.items[i].n_prompt != prof->items[i].n_prompt) abort();
+    rt_sim_profiles_free(&pb);
     rt_swarm_free(&back);
 }
 
@@ -83,8 +88,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     rt_sim_profiles prof = {0};
     if (!rt_swarm_parse_json(&sw, text, size)) {
         if (!rt_sim_profiles_parse_json(&prof, text, size)) simulate(&sw, &prof, size & 1);
+        round_trip(&sw, &prof);
         rt_sim_profiles_free(&prof);
-        round_trip(&sw);
         rt_swarm_free(&sw);
     }
     char *z = malloc(size + 1);

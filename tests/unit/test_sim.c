@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "router.h"
 #include "status.h"
@@ -79,6 +80,55 @@ static void test_profile_interpolation(void **st) {
     assert_int_equal(p.n, 0);
 }
 
+/* Batch limits by block count (arrays; a number holds for every count) survive a save with the
+ * cluster (rt_swarm_save_json_with) and a reload, tables and all. */
+static const char *LIMITS_JSON =
+    "{\"step_profiles\": {\"G\": {\"prompt\": [[0, 0], [100, 10.5]], \"decode\": [[1, 2.1], [101, 12.1]],"
+    " \"single_decode_factor\": 2, \"prompt_max_requests\": [3, 2, 1], \"prompt_max_tokens\": 2048,"
+    " \"decode_max_tokens\": [8, 6, 4], \"decode_max_context\": [800, 600, 400.5]}}}";
+
+static void same_profile(const rt_step_profile *a, const rt_step_profile *b) {
+    assert_string_equal(a->kind, b->kind);
+    assert_int_equal(a->n_prompt, b->n_prompt);
+    assert_int_equal(a->n_decode, b->n_decode);
+    for (int i = 0; i < a->n_prompt; i++) NEAR(a->prompt_s[i], b->prompt_s[i], 1e-15);
+    for (int i = 0; i < a->n_decode; i++) NEAR(a->decode_tokens[i], b->decode_tokens[i], 0);
+    NEAR(a->single_decode_factor, b->single_decode_factor, 0);
+    assert_int_equal(a->n_limits, b->n_limits);
+    for (int k = 0; k < a->n_limits; k++) {
+        assert_int_equal(a->prompt_max_requests[k], b->prompt_max_requests[k]);
+        assert_int_equal(a->prompt_max_tokens[k], b->prompt_max_tokens[k]);
+        assert_int_equal(a->decode_max_tokens[k], b->decode_max_tokens[k]);
+        NEAR(a->decode_max_context[k], b->decode_max_context[k], 0);
+    }
+}
+
+static void test_profile_limits_round_trip(void **st) {
+    (void)st;
+    rt_sim_profiles p = {0}, back = {0};
+    assert_int_equal(rt_sim_profiles_parse_json(&p, LIMITS_JSON, strlen(LIMITS_JSON)), FU_OK);
+    const rt_step_profile *g = rt_sim_profile_find(&p, "G");
+    assert_int_equal(g->n_limits, 3);
+    assert_int_equal(g->prompt_max_requests[2], 1);
+    assert_int_equal(g->prompt_max_tokens[1], 2048);
+    assert_int_equal(g->decode_max_tokens[1], 6);
+    rt_swarm sw;
+    one_server(&sw, 4, 1e6);
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/test-sim-profiles-%d.json", (int)getpid());
+    assert_int_equal(rt_swarm_save_json_with(&sw, &p, path), FU_OK);
+    assert_int_equal(rt_sim_profiles_load_json(&back, path), FU_OK);
+    assert_int_equal(back.n, 1);
+    same_profile(g, &back.items[0]);
+    rt_sim_profiles_free(&back);
+    assert_int_equal(rt_swarm_save_json_with(&sw, NULL, path), FU_OK); /* none: no section */
+    assert_int_equal(rt_sim_profiles_load_json(&back, path), FU_OK);
+    assert_int_equal(back.n, 0);
+    unlink(path);
+    rt_swarm_free(&sw);
+    rt_sim_profiles_free(&p);
+}
+
 static void test_profile_errors(void **st) {
     (void)st;
     const char *bad[] = {
@@ -89,6 +139,11 @@ static void test_profile_errors(void **st) {
         "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]], \"decode_max_tokens\": -3}}}",
         "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [\"x\"]}}}",
         "{\"step_profiles\": {\"G\": 7}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]], \"decode_max_tokens\": [4, 2],"
+        " \"prompt_max_tokens\": [9, 8, 7]}}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]], \"decode_max_tokens\": []}}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]], \"decode_max_tokens\": [4, -1]}}}",
+        "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]], \"decode_max_context\": [\"x\"]}}}",
         "{\"step_profiles\": {\"G\": {\"prompt\": [[1, 1]], \"decode\": [[1, 1]]}, "
         "\"GGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGG\": {}}}",
         "not json",
@@ -545,6 +600,7 @@ static void test_profiles_add(void **st) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_profile_interpolation), cmocka_unit_test(test_profile_errors),
+        cmocka_unit_test(test_profile_limits_round_trip),
         cmocka_unit_test(test_single_server_by_hand), cmocka_unit_test(test_batching_and_limits),
         cmocka_unit_test(test_links_and_fluid_server), cmocka_unit_test(test_kv_bounds),
         cmocka_unit_test(test_deterministic_and_poisson), cmocka_unit_test(test_place_throughput),
